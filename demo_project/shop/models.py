@@ -1,0 +1,1 @@
+"""Models of the demo shop; each feature's demo adds its own."""

@@ -1,0 +1,1 @@
+"""Idempotency keys: run an effect once however often a client retries it."""

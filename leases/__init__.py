@@ -1,0 +1,77 @@
+"""django-leases: advisory locks, leases with fencing tokens, leader election.
+
+``import leases`` must not touch Django's app registry (it runs while ``INSTALLED_APPS`` load),
+so everything that needs models is re-exported lazily through a module ``__getattr__``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    BackendNotSupported,
+    BackendUnavailable,
+    FencingUnavailable,
+    InvalidLeaseName,
+    LeaseAlreadyHeld,
+    LeaseDeadlock,
+    LeaseError,
+    LeaseLost,
+    LeaseNotHeld,
+    LeasesImproperlyConfigured,
+    LeaseUnavailable,
+    NotInTransaction,
+    StaleFencingToken,
+)
+
+if TYPE_CHECKING:  # each feature module adds its line when it lands
+    pass
+
+__all__ = [
+    "BackendNotSupported",
+    "BackendUnavailable",
+    "FencedModel",
+    "FencingUnavailable",
+    "InvalidLeaseName",
+    "Leadership",
+    "Lease",
+    "LeaseAlreadyHeld",
+    "LeaseDeadlock",
+    "LeaseError",
+    "LeaseLost",
+    "LeaseNotHeld",
+    "LeaseUnavailable",
+    "LeasesImproperlyConfigured",
+    "NotInTransaction",
+    "StaleFencingToken",
+    "acquire",
+    "check_fence",
+    "elect",
+    "leader_of",
+    "lease",
+]
+
+_LAZY = {
+    "Lease": "lease",
+    "acquire": "lease",
+    "lease": "lease",
+    "FencedModel": "fencing",
+    "check_fence": "fencing",
+    "elect": "election",
+    "leader_of": "election",
+    "Leadership": "election",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'leases' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,10 @@
+from django.apps import AppConfig
+
+
+class LeasesConfig(AppConfig):
+    name = "leases"
+    verbose_name = "Leases and locks"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers system checks)

@@ -1,0 +1,57 @@
+"""Backend lookup: one instance per configured alias and process."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+
+from .. import conf
+from ..errors import LeasesImproperlyConfigured
+from .base import Capability, Grant, LeaseBackend, LeaseInfo
+
+__all__ = ["Capability", "Grant", "LeaseBackend", "LeaseInfo", "get_backend", "reset"]
+
+_lock = threading.Lock()
+_instances: dict[str, LeaseBackend] = {}
+_pid = os.getpid()
+
+
+def get_backend(alias: str = "default") -> LeaseBackend:
+    """The backend configured as ``LEASES["BACKENDS"][alias]``.
+
+    Instances are per process: a forked child builds its own, because a connection or socket
+    shared with the parent would interleave both processes' requests.
+    """
+    global _pid
+    with _lock:
+        if os.getpid() != _pid:
+            _instances.clear()
+            _pid = os.getpid()
+        backend = _instances.get(alias)
+        if backend is None:
+            config = conf.get().backend(alias)
+            try:
+                module = importlib.import_module(config.engine)
+            except ImportError as exc:
+                raise LeasesImproperlyConfigured(
+                    f'LEASES["BACKENDS"][{alias!r}]["ENGINE"] = {config.engine!r} cannot be '
+                    f"imported ({exc}); is the matching extra installed?"
+                ) from exc
+            cls = getattr(module, "Backend", None)
+            if not (isinstance(cls, type) and issubclass(cls, LeaseBackend)):
+                raise LeasesImproperlyConfigured(
+                    f"{config.engine} has no Backend class implementing LeaseBackend"
+                )
+            backend = _instances[alias] = cls(alias, config.options)
+        return backend
+
+
+@conf.on_reset
+def reset() -> None:
+    """Close and forget every backend instance (settings changed, or tests)."""
+    with _lock:
+        instances = list(_instances.values())
+        _instances.clear()
+    for backend in instances:
+        backend.close()

@@ -1,0 +1,149 @@
+"""What a lease backend must do, and the values it returns.
+
+A backend is a thin, correct client of one lock store. It does exactly one round trip per
+acquire, renew and release; every state change is conditional on the holder and token it was
+given (never a bare DEL/DELETE); expiry is decided by the store's clock; and tokens of one name
+strictly increase across grants, releases, restarts and failovers, or the backend refuses to
+grant (:class:`~leases.errors.FencingUnavailable`).
+
+Nothing outside ``leases/backends/`` knows which backend it talks to: :class:`~leases.lease.Lease`
+only sees :class:`Grant` values and the errors of :mod:`leases.errors`. A backend translates its
+driver's errors at this edge (``BackendUnavailable`` for an unreachable store, ``LeaseLost`` for a
+renewal or release the store refused).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, ClassVar
+
+from ..errors import BackendNotSupported
+
+__all__ = ["Capability", "Grant", "LeaseBackend", "LeaseInfo"]
+
+
+class Capability(enum.StrEnum):
+    """Optional abilities a backend declares; tests skip by capability, not by backend name."""
+
+    #: The store itself issues tokens that strictly increase per name, even across restarts.
+    NATIVE_FENCING = "native fencing"
+    #: ``wait_for_release`` is woken by the release itself (LISTEN/NOTIFY, BLPOP), not polling.
+    WAIT_WITHOUT_POLLING = "wait without polling"
+    #: ``force_release`` can revoke a grant by advancing its token.
+    FORCE_RELEASE = "force release"
+    #: The store keeps grants across its own restart (a durable database).
+    DURABLE = "durable"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease the store granted (or renewed): who holds which name with which token.
+
+    ``sent_at`` is ``time.monotonic()`` read *before* the request was sent, so a client that
+    computes validity from it can only underestimate how long it holds the lease, never
+    overestimate (the request's own travel time is counted against it).
+    """
+
+    name: str
+    holder: str
+    token: int
+    ttl: float
+    sent_at: float
+    expires_at: datetime | None = None
+    #: Backend-private data needed to renew or release (e.g. a Redis value, an epoch).
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def valid_until(self, drift_factor: float, drift_min: float) -> float:
+        """Monotonic deadline after which the holder must assume the lease is gone."""
+        return self.sent_at + self.ttl - (self.ttl * drift_factor + drift_min)
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """What an observer (admin page, ``manage.py leases``, ``leader_of``) can see of a name."""
+
+    name: str
+    holder: str
+    token: int
+    held: bool
+    backend: str
+    acquired_at: datetime | None = None
+    expires_at: datetime | None = None
+    renewed_at: datetime | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+class LeaseBackend(abc.ABC):
+    """Interface every backend module implements as a class named ``Backend``.
+
+    Instances are created once per configured alias and process (see
+    :func:`leases.backends.get_backend`) and must be safe to use from several threads.
+    """
+
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+
+    def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
+        self.alias = alias
+        self.options = dict(options)
+
+    @abc.abstractmethod
+    def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """Take ``name`` for ``holder`` for ``ttl`` seconds if it is free or expired.
+
+        One round trip. Returns the grant with a token higher than any earlier grant of the
+        name, or ``None`` when someone else holds it. A failed try should not write.
+        """
+
+    @abc.abstractmethod
+    def renew(self, grant: Grant, ttl: float) -> Grant:
+        """Extend ``grant`` to ``ttl`` seconds from now, keeping its token.
+
+        One round trip, conditional on name, holder and token and on the grant not having
+        expired on the store's clock. Raises :class:`~leases.errors.LeaseLost` otherwise.
+        """
+
+    @abc.abstractmethod
+    def release(self, grant: Grant) -> None:
+        """Free ``grant`` early so the next holder need not wait for expiry.
+
+        One round trip, conditional like :meth:`renew`; keeps the name's token counter, and
+        wakes waiters. Raises :class:`~leases.errors.LeaseLost` when the grant had already
+        expired or been taken over, leaving the new holder untouched.
+        """
+
+    @abc.abstractmethod
+    def wait_for_release(self, name: str, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for a release of ``name``.
+
+        Returns ``True`` when woken by a release, ``False`` on timeout; may return early or
+        spuriously (callers retry ``try_acquire``). Backends without notifications sleep.
+        """
+
+    @abc.abstractmethod
+    def inspect(self, name: str) -> LeaseInfo | None:
+        """The current state of ``name`` (held or not), or ``None`` if never granted."""
+
+    @abc.abstractmethod
+    def inspect_all(self) -> list[LeaseInfo]:
+        """Every name the store knows, held or not, for operators' views."""
+
+    def force_release(self, name: str) -> LeaseInfo | None:
+        """Revoke the current grant of ``name`` by advancing its token (operators only).
+
+        The evicted holder's renewals fail and its fenced writes are rejected.
+        """
+        raise BackendNotSupported(self.alias, Capability.FORCE_RELEASE.value)
+
+    def deploy_checks(self) -> list[str]:
+        """Problems found by talking to the store (reachability, eviction policy).
+
+        Run only by ``manage.py check --deploy``, never at import or start-up.
+        """
+        return []
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends need nothing
+        """Release connections; called when settings change and at interpreter exit."""

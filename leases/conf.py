@@ -1,0 +1,149 @@
+"""The ``LEASES`` setting, read in one place.
+
+Read lazily and re-read when Django's ``setting_changed`` fires, so ``override_settings`` works.
+Problems are reported by ``manage.py check`` (see :mod:`leases.checks`) through
+:func:`problems`; using a broken setting at run time raises
+:class:`~leases.errors.LeasesImproperlyConfigured` with the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from .errors import LeasesImproperlyConfigured
+
+__all__ = ["BackendConfig", "LeasesSettings", "get", "problems"]
+
+SETTING_NAME = "LEASES"
+
+DEFAULTS: dict[str, Any] = {
+    "BACKENDS": {"default": {"ENGINE": "leases.backends.database"}},
+    # Seconds a lease lasts unless renewed.
+    "DEFAULT_TTL": 30.0,
+    # Keepalive renews once this fraction of the TTL has passed (1/3 leaves two more tries).
+    "RENEW_FRACTION": 1 / 3,
+    # Clock drift allowance subtracted from every validity: TTL * factor + minimum (Redlock's).
+    "DRIFT_FACTOR": 0.01,
+    "DRIFT_MIN": 0.002,
+    # Label added to every holder identity (e.g. a deployment or service name).
+    "HOLDER_LABEL": "",
+}
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One entry of ``LEASES["BACKENDS"]``: an engine module path and its options."""
+
+    alias: str
+    engine: str
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LeasesSettings:
+    backends: dict[str, BackendConfig]
+    default_ttl: float
+    renew_fraction: float
+    drift_factor: float
+    drift_min: float
+    holder_label: str
+
+    def backend(self, alias: str) -> BackendConfig:
+        try:
+            return self.backends[alias]
+        except KeyError:
+            known = ", ".join(sorted(self.backends)) or "none"
+            raise LeasesImproperlyConfigured(
+                f'LEASES["BACKENDS"] has no backend {alias!r} (configured: {known})'
+            ) from None
+
+
+def _raw() -> dict[str, Any]:
+    value = getattr(django_settings, SETTING_NAME, {})
+    if not isinstance(value, dict):
+        raise LeasesImproperlyConfigured(f"{SETTING_NAME} must be a dict, not {type(value)}")
+    return value
+
+
+def problems() -> list[str]:
+    """Every problem with the current setting, as messages (empty when it is valid)."""
+    try:
+        raw = _raw()
+    except LeasesImproperlyConfigured as exc:
+        return [str(exc)]
+    found = [
+        f"{SETTING_NAME} has an unknown key {key!r} (known: {', '.join(sorted(DEFAULTS))})"
+        for key in raw
+        if key not in DEFAULTS
+    ]
+    backends = raw.get("BACKENDS", DEFAULTS["BACKENDS"])
+    if not isinstance(backends, dict) or not backends:
+        found.append(f'{SETTING_NAME}["BACKENDS"] must be a non-empty dict of alias -> options')
+    else:
+        for alias, entry in backends.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("ENGINE"), str):
+                found.append(
+                    f'{SETTING_NAME}["BACKENDS"][{alias!r}] needs an "ENGINE" module path, '
+                    'e.g. "leases.backends.database"'
+                )
+    for key in ("DEFAULT_TTL", "RENEW_FRACTION", "DRIFT_FACTOR", "DRIFT_MIN"):
+        value = raw.get(key, DEFAULTS[key])
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            found.append(f'{SETTING_NAME}["{key}"] must be a non-negative number, not {value!r}')
+    if not found:
+        ttl, fraction = float(raw.get("DEFAULT_TTL", 30)), float(raw.get("RENEW_FRACTION", 1 / 3))
+        if ttl <= 0:
+            found.append(f'{SETTING_NAME}["DEFAULT_TTL"] must be greater than 0')
+        if not 0 < fraction < 1:
+            found.append(f'{SETTING_NAME}["RENEW_FRACTION"] must be between 0 and 1 (exclusive)')
+    if not isinstance(raw.get("HOLDER_LABEL", ""), str):
+        found.append(f'{SETTING_NAME}["HOLDER_LABEL"] must be a string')
+    return found
+
+
+@cache
+def get() -> LeasesSettings:
+    """The validated setting; cached until Django reports the setting changed."""
+    found = problems()
+    if found:
+        raise LeasesImproperlyConfigured("; ".join(found))
+    raw = {**DEFAULTS, **_raw()}
+    backends = {
+        alias: BackendConfig(
+            alias=alias,
+            engine=entry["ENGINE"],
+            options={k: v for k, v in entry.items() if k != "ENGINE"},
+        )
+        for alias, entry in raw["BACKENDS"].items()
+    }
+    return LeasesSettings(
+        backends=backends,
+        default_ttl=float(raw["DEFAULT_TTL"]),
+        renew_fraction=float(raw["RENEW_FRACTION"]),
+        drift_factor=float(raw["DRIFT_FACTOR"]),
+        drift_min=float(raw["DRIFT_MIN"]),
+        holder_label=str(raw["HOLDER_LABEL"]),
+    )
+
+
+_reset_hooks: list[Any] = []
+
+
+def on_reset(hook: Any) -> Any:
+    """Register a callable run whenever the setting changes (backends drop cached clients)."""
+    _reset_hooks.append(hook)
+    return hook
+
+
+@receiver(setting_changed)
+def _setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting in (SETTING_NAME, "DATABASES", "CACHES"):
+        get.cache_clear()
+        for hook in _reset_hooks:
+            hook()

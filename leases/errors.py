@@ -1,0 +1,178 @@
+"""Every error the ``leases`` app raises, under one base class.
+
+Each error also inherits the builtin a caller would already catch (``TimeoutError`` for a lease
+that could not be had in time, ``ValueError`` for bad input), and carries the data a handler needs
+as attributes, so nobody has to parse a message.
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import ImproperlyConfigured
+
+__all__ = [
+    "BackendNotSupported",
+    "BackendUnavailable",
+    "FencingUnavailable",
+    "InvalidLeaseName",
+    "LeaseAlreadyHeld",
+    "LeaseDeadlock",
+    "LeaseError",
+    "LeaseLost",
+    "LeaseNotHeld",
+    "LeaseUnavailable",
+    "LeasesImproperlyConfigured",
+    "NotInTransaction",
+    "StaleFencingToken",
+]
+
+
+class LeaseError(Exception):
+    """Base class of every error raised by django-leases."""
+
+
+class InvalidLeaseName(LeaseError, ValueError):
+    """A lock or lease name (or explicit key) that cannot be used.
+
+    Raised before anything reaches a server, so a bad name never costs a round trip or leaves
+    state behind.
+    """
+
+    def __init__(self, name: object, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+        super().__init__(f"invalid lease name {name!r}: {reason}")
+
+
+class LeasesImproperlyConfigured(LeaseError, ImproperlyConfigured):
+    """The ``LEASES`` setting is wrong; ``manage.py check`` reports the same problems."""
+
+
+class LeaseUnavailable(LeaseError, TimeoutError):
+    """The lease (or lock) is held by someone else and could not be had before the deadline."""
+
+    def __init__(self, name: str, timeout: float | None = None, detail: str = "") -> None:
+        self.name = name
+        self.timeout = timeout
+        waited = "without waiting" if not timeout else f"within {timeout:g}s"
+        msg = f"lease {name!r} is held by someone else and could not be acquired {waited}"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class LeaseLost(LeaseError):
+    """The lease expired, was taken over or revoked while this holder believed it held it.
+
+    Whatever the holder did after the loss was unprotected: fenced writes carrying its token are
+    rejected, and the work should be retried or compensated.
+    """
+
+    def __init__(self, name: str, token: int | None = None, detail: str = "") -> None:
+        self.name = name
+        self.token = token
+        msg = f"lease {name!r} (token {token}) is no longer held"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class LeaseNotHeld(LeaseError):
+    """An unlock or release of something this caller does not hold.
+
+    For a Postgres session lock this means the unlock ran on another server session than the
+    lock: the connection changed underneath (a transaction-pooling proxy, a reconnect), so the
+    lock may still be held by a session nobody controls.
+    """
+
+    def __init__(self, name: str, detail: str = "") -> None:
+        self.name = name
+        msg = f"{name!r} is not held by this caller"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class LeaseAlreadyHeld(LeaseError, RuntimeError):
+    """A second acquisition of a name this holder already holds.
+
+    Leases are not reentrant on purpose: a silent nested "success" would let the inner block's
+    release free the outer block's protection.
+    """
+
+    def __init__(self, name: str, holder: str = "") -> None:
+        self.name = name
+        self.holder = holder
+        super().__init__(
+            f"lease {name!r} is already held by this holder ({holder}); leases are not "
+            "reentrant: pass the Lease you hold down instead of acquiring it again"
+        )
+
+
+class LeaseDeadlock(LeaseError):
+    """The server detected a deadlock between lock waiters and chose this caller as victim.
+
+    The caller's transaction is aborted; retry the whole transaction.
+    """
+
+    def __init__(self, name: str, detail: str = "") -> None:
+        self.name = name
+        msg = f"deadlock detected while waiting for {name!r}; retry the transaction"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class NotInTransaction(LeaseError, RuntimeError):
+    """A transaction-scoped lock was requested in autocommit mode.
+
+    In autocommit the lock would be released when the statement ends, protecting nothing.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(
+            f"xact_lock({name!r}) needs an open transaction: wrap the code in "
+            "transaction.atomic(), or use session_lock() for a lock that spans transactions"
+        )
+
+
+class StaleFencingToken(LeaseError):
+    """A write carried a fencing token lower than one the resource has already accepted.
+
+    The writer's lease was lost (paused, partitioned or evicted) and someone newer has written
+    since; the write was refused and nothing was changed.
+    """
+
+    def __init__(self, resource: str, offered: int, stored: int | None) -> None:
+        self.resource = resource
+        self.offered = offered
+        self.stored = stored
+        super().__init__(
+            f"stale fencing token for {resource}: offered {offered}, but {stored} was already "
+            "accepted; the lease behind this write was lost, so the write was rejected"
+        )
+
+
+class BackendUnavailable(LeaseError, ConnectionError):
+    """The lease store could not be reached or answered with an error.
+
+    A holder that cannot reach its store cannot renew: treat its lease as about to be lost.
+    """
+
+    def __init__(self, backend: str, detail: str = "") -> None:
+        self.backend = backend
+        msg = f"lease backend {backend!r} is unavailable"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class FencingUnavailable(LeaseError):
+    """The backend cannot currently issue a fencing token that is guaranteed to increase.
+
+    Raised instead of granting a lease whose token could be lower than one already handed out
+    (for example a Redis server restarted without persistence and no epoch source).
+    """
+
+    def __init__(self, backend: str, detail: str) -> None:
+        self.backend = backend
+        super().__init__(f"lease backend {backend!r} refuses to grant: {detail}")
+
+
+class BackendNotSupported(LeaseError, NotImplementedError):
+    """The configured backend cannot do what was asked (declared by its capabilities)."""
+
+    def __init__(self, backend: str, capability: str) -> None:
+        self.backend = backend
+        self.capability = capability
+        super().__init__(f"lease backend {backend!r} does not support {capability}")

@@ -1,0 +1,1 @@
+"""Shared fixtures live in ``tests/harness.py`` (loaded as a plugin); this file stays small."""

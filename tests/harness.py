@@ -1,0 +1,141 @@
+"""The pytest plugin that owns the servers the suite runs against.
+
+Loaded with ``-p tests.harness`` (see ``pyproject.toml``). ``tests/settings.py`` calls
+:func:`bootstrap_servers` while pytest-django imports it, which is before xdist starts its
+workers: the controller starts (or finds) PostgreSQL and Redis once and exports their URLs in the
+environment, so workers, child processes and Celery workers all inherit them.
+
+Fault tests never touch those shared servers: they take ``pg_server``/``redis_server`` (or
+``fault_database``), servers of their own that they may kill, pause and restart.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from tests.servers import PostgresServer, RedisServer, configured_or_throwaway
+
+ROOT = Path(__file__).resolve().parent.parent
+_OWNED: list[PostgresServer | RedisServer] = []
+
+
+def bootstrap_servers() -> dict[str, str]:
+    """``DATABASE_URL`` and ``REDIS_URL`` for this run, starting servers if none are reachable."""
+    urls = configured_or_throwaway(_OWNED)
+    os.environ.update(urls)
+    if _OWNED and len(_OWNED) <= 2:
+        atexit.register(_destroy_owned)
+    return urls
+
+
+def _destroy_owned() -> None:
+    while _OWNED:
+        _OWNED.pop().destroy()
+
+
+def url_with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{name}"))
+
+
+@pytest.fixture
+def child_env(transactional_db: None) -> dict[str, str]:
+    """Environment for a child Python process that uses this test's database.
+
+    Children see only committed data, so tests using them need ``transactional_db`` (implied).
+    """
+    from django.db import connection
+
+    env = dict(os.environ)
+    env["DATABASE_URL"] = url_with_database(
+        os.environ["DATABASE_URL"], str(connection.settings_dict["NAME"])
+    )
+    env["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture
+def python() -> str:
+    """The interpreter running the tests, for child processes."""
+    return sys.executable
+
+
+@pytest.fixture
+def pg_server() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of this test's own, to kill, pause or restart."""
+    server = PostgresServer().start()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A Redis server of this test's own, to kill, pause or restart."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def redis_servers() -> Iterator[Any]:
+    """A factory of Redis servers of this test's own (``redis_servers(5)`` for Redlock)."""
+    made: list[RedisServer] = []
+
+    def make(count: int = 1) -> list[RedisServer]:
+        servers = [RedisServer().start() for _ in range(count)]
+        made.extend(servers)
+        return servers
+
+    try:
+        yield make
+    finally:
+        for server in made:
+            server.destroy()
+
+
+@pytest.fixture
+def fault_database(
+    pg_server: PostgresServer, django_db_blocker: Any
+) -> Iterator[tuple[str, PostgresServer]]:
+    """Django database alias ``"fault"`` on a server of this test's own, migrated.
+
+    Yields ``(alias, server)``; the test may stop, pause or restart the server.
+    """
+    from django.core.management import call_command
+    from django.db import connections
+
+    alias = "fault"
+    settings = dict(connections["default"].settings_dict)
+    settings.update(
+        HOST="127.0.0.1",
+        PORT=str(pg_server.port),
+        NAME="postgres",
+        USER="postgres",
+        PASSWORD="",
+        TEST={"NAME": "postgres"},
+    )
+    connections.settings[alias] = settings
+    try:
+        with django_db_blocker.unblock():
+            call_command("migrate", database=alias, run_syncdb=True, verbosity=0)
+            connections[alias].close()
+        yield alias, pg_server
+    finally:
+        with django_db_blocker.unblock():
+            connections[alias].close()
+        del connections[alias]
+        connections.settings.pop(alias, None)

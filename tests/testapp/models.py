@@ -1,0 +1,5 @@
+"""Models used only by tests. This app has no migrations: pytest-django creates its tables.
+
+Each feature's test models live in their own module (``models_<feature>.py``) re-exported here,
+so features can add models without editing each other's code.
+"""
