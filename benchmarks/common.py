@@ -1,0 +1,74 @@
+"""Timing and reporting shared by every benchmark module.
+
+A benchmark module is ``benchmarks/bench_<topic>.py`` defining ``TITLE`` and
+``main(report: Report) -> None``. It times each contender with :func:`per_op` on the same
+servers in the same run and hands the numbers to :meth:`Report.table`, which prints ratios to
+the first (baseline) row. Numbers are medians of several rounds, so one GC pause or scheduler
+hiccup does not decide a comparison.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+__all__ = ["Report", "per_op"]
+
+
+def per_op(
+    fn: Callable[[], object],
+    *,
+    ops: int = 500,
+    rounds: int = 5,
+    warmup: int = 50,
+    max_seconds: float = 10.0,
+) -> float:
+    """Median seconds per call of ``fn`` over ``rounds`` rounds of ``ops`` calls.
+
+    Bounded by ``max_seconds`` in total, so a slow contender cannot stall the run.
+    """
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    budget = time.monotonic() + max_seconds
+    for _ in range(rounds):
+        done = 0
+        start = time.perf_counter()
+        while done < ops:
+            fn()
+            done += 1
+            if time.monotonic() > budget:
+                break
+        samples.append((time.perf_counter() - start) / done)
+        if time.monotonic() > budget:
+            break
+    return statistics.median(samples)
+
+
+@dataclass
+class Report:
+    """Collects result tables and prints them with ratios to the baseline row."""
+
+    out: TextIO = sys.stdout
+    tables: list[tuple[str, list[tuple[str, float]]]] = field(default_factory=list)
+
+    def table(self, title: str, rows: list[tuple[str, float]], unit: str = "us") -> None:
+        """Print ``rows`` of (contender, seconds); the first row is the baseline (ratio 1.00)."""
+        self.tables.append((title, rows))
+        scale = {"us": 1e6, "ms": 1e3, "s": 1.0}[unit]
+        base = rows[0][1] if rows and rows[0][1] > 0 else 1.0
+        width = max((len(name) for name, _ in rows), default=10)
+        print(f"\n{title}", file=self.out)
+        for name, seconds in rows:
+            print(
+                f"  {name:<{width}}  {seconds * scale:10.1f} {unit}   x{seconds / base:5.2f}",
+                file=self.out,
+            )
+        self.out.flush()
+
+    def note(self, text: str) -> None:
+        print(f"  {text}", file=self.out)
