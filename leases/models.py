@@ -6,6 +6,7 @@ deleting it would restart tokens at 1 and let a stale holder's writes through ev
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 
 
@@ -60,3 +61,58 @@ class AdvisoryLockName(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class ForceRelease(models.Model):
+    """Audit record of an operator taking a lock away: who, when, what, and from whom.
+
+    Written by the admin action and ``manage.py leases release``/terminate alike, because a
+    revoked lease is an incident someone will later need to explain.
+    """
+
+    class Action(models.TextChoices):
+        RELEASE = "release", "force release (token advanced)"
+        TERMINATE = "terminate", "database session terminated"
+
+    action = models.CharField(max_length=16, choices=Action.choices, default=Action.RELEASE)
+    name = models.CharField(max_length=255)
+    backend = models.CharField(max_length=100, blank=True, default="")
+    #: The holder evicted (or the terminated session's description) and its token.
+    holder = models.CharField(max_length=255, blank=True, default="")
+    token = models.BigIntegerField(null=True, blank=True)
+    #: The token the name carries after the revocation (higher than ``token``).
+    new_token = models.BigIntegerField(null=True, blank=True)
+    by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    #: The operator's username, kept even if the user row is deleted later.
+    by_username = models.CharField(max_length=150, blank=True, default="")
+    via = models.CharField(max_length=32, blank=True, default="")
+    at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "leases_force_release"
+        ordering = ["-at", "-id"]
+        verbose_name = "force release (audit)"
+        verbose_name_plural = "force releases (audit)"
+
+    def __str__(self) -> str:
+        return f"{self.get_action_display()} {self.name} by {self.by_username} at {self.at}"
+
+
+class AdvisoryLock(AdvisoryLockName):
+    """Admin entry point for advisory locks held or awaited now (rows come from ``pg_locks``)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "advisory lock (held or waiting)"
+        verbose_name_plural = "advisory locks (held or waiting)"
+
+
+class BackendLease(Lease):
+    """Admin entry point for leases on every configured backend (via ``inspect_all``)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "lease on any backend"
+        verbose_name_plural = "leases on every backend"
