@@ -13,6 +13,7 @@ __all__ = [
     "BackendNotSupported",
     "BackendUnavailable",
     "FencingUnavailable",
+    "InvalidFencingToken",
     "InvalidLeaseName",
     "LeaseAlreadyHeld",
     "LeaseDeadlock",
@@ -41,6 +42,19 @@ class InvalidLeaseName(LeaseError, ValueError):
         self.name = name
         self.reason = reason
         super().__init__(f"invalid lease name {name!r}: {reason}")
+
+
+class InvalidFencingToken(LeaseError, ValueError):
+    """A fencing token that is not an int from 1 to 2**63 - 1 (or a lease carrying one).
+
+    Raised before anything reaches the database: a bool, a float or a negative number would
+    otherwise compare "successfully" against a stored token and defeat the fence.
+    """
+
+    def __init__(self, token: object, reason: str) -> None:
+        self.token = token
+        self.reason = reason
+        super().__init__(f"invalid fencing token {token!r}: {reason}")
 
 
 class LeasesImproperlyConfigured(LeaseError, ImproperlyConfigured):
