@@ -1,0 +1,399 @@
+"""PostgreSQL advisory locks, scoped to a transaction or to a database session.
+
+``xact_lock`` is the one to reach for: the server releases it when the outermost
+``transaction.atomic()`` ends (commit or rollback), so no code path can forget to unlock, and
+the protected writes commit before anyone else can take the lock. ``session_lock`` spans
+transactions (a long management command) and must be unlocked by the same session; its exit
+checks that the unlock really happened.
+
+Behaviour pinned by the tests (``tests/test_advisory.py``):
+
+* An xact lock taken inside a savepoint (a nested ``atomic()``) that rolls back is released
+  with the savepoint; one taken in a savepoint that is released lives until the outermost
+  ``atomic()`` ends.
+* A ``timeout`` is sent in the same message as the lock, inside a savepoint, so a timeout
+  (``55P03``) raises :class:`LeaseUnavailable` and leaves the caller's transaction usable, and the
+  caller's own ``lock_timeout`` is restored afterwards. Without a timeout no savepoint is taken:
+  one statement, one round trip.
+* A session whose connection is killed (``pg_terminate_backend``, a server restart) loses its
+  session locks at once; the holder learns it at its next :meth:`AdvisoryLock.ensure_held` or at
+  the block's exit, both of which raise :class:`LeaseLost`.
+
+Names map to keys with :func:`leases.keys.advisory_key` (stable forever). Names are not recorded
+in ``leases_advisory_name`` here: an insert in the caller's transaction could wait on, or abort
+with, another transaction taking the same name, breaking shared locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import ContextDecorator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import psycopg
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import Error as DjangoDatabaseError
+from django.db import InterfaceError as DjangoInterfaceError
+from django.db import OperationalError as DjangoOperationalError
+from django.db.backends.base.base import BaseDatabaseWrapper
+from psycopg.pq import TransactionStatus
+
+from .errors import (
+    BackendNotSupported,
+    BackendUnavailable,
+    LeaseDeadlock,
+    LeaseError,
+    LeaseLost,
+    LeaseNotHeld,
+    LeaseUnavailable,
+    NotInTransaction,
+)
+from .keys import LockKey, advisory_key, split_key
+
+__all__ = ["AdvisoryLock", "session_lock", "try_xact_lock", "xact_lock"]
+
+# Server functions, by ``shared``. Keys are always rendered from Python ints (never from user
+# text), so statements can be sent without parameters: that keeps the simple query protocol,
+# which accepts several statements in one message whatever cursor class Django uses.
+XACT_LOCK = {False: "pg_advisory_xact_lock", True: "pg_advisory_xact_lock_shared"}
+XACT_TRY_LOCK = {False: "pg_try_advisory_xact_lock", True: "pg_try_advisory_xact_lock_shared"}
+SESSION_LOCK = {False: "pg_advisory_lock", True: "pg_advisory_lock_shared"}
+SESSION_TRY_LOCK = {False: "pg_try_advisory_lock", True: "pg_try_advisory_lock_shared"}
+SESSION_UNLOCK = {False: "pg_advisory_unlock", True: "pg_advisory_unlock_shared"}
+
+CALL_SQL = "SELECT {function}({key})"
+
+# Inside a transaction: one message. The savepoint makes a timeout recoverable; lock_timeout is
+# saved and restored around the lock so the caller's transaction keeps its own value (SET LOCAL
+# made inside a savepoint that is released would otherwise last until the transaction ends).
+TIMED_CALL_IN_TRANSACTION_SQL = """SAVEPOINT leases_advisory;
+SELECT set_config('leases.saved_lock_timeout', current_setting('lock_timeout'), true);
+SELECT set_config('lock_timeout', '{timeout_ms}', true);
+SELECT {function}({key});
+SELECT set_config('lock_timeout', current_setting('leases.saved_lock_timeout'), true);
+RELEASE SAVEPOINT leases_advisory"""
+
+# Sent only after a timed call failed, to make the caller's transaction usable again.
+UNDO_TIMED_CALL_SQL = "ROLLBACK TO SAVEPOINT leases_advisory; RELEASE SAVEPOINT leases_advisory"
+
+# In autocommit the message runs as one implicit transaction, which ends the local setting.
+TIMED_CALL_AUTOCOMMIT_SQL = (
+    "SELECT set_config('lock_timeout', '{timeout_ms}', true); SELECT {function}({key})"
+)
+
+HELD_SQL = (
+    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    " AND pid = pg_backend_pid() AND classid = {classid} AND objid = {objid}"
+    " AND objsubid = {objsubid} AND mode = '{mode}')"
+)
+
+LOCK_NOT_AVAILABLE = "55P03"
+DEADLOCK_DETECTED = "40P01"
+QUERY_CANCELED = "57014"
+_MAX_TIMEOUT_MS = 2**31 - 1  # lock_timeout is an int of milliseconds
+
+_DRIVER_ERRORS = (DjangoDatabaseError, psycopg.Error)
+_CONNECTION_ERRORS = (
+    DjangoOperationalError,
+    DjangoInterfaceError,
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdvisoryLock:
+    """Which advisory lock a block holds, on which database. Immutable: safe to share."""
+
+    name: LockKey
+    key: int | tuple[int, int]
+    shared: bool
+    using: str
+
+    @property
+    def label(self) -> str:
+        return self.name if isinstance(self.name, str) else f"advisory key {self.key}"
+
+    def held(self) -> bool:
+        """Whether this session holds the lock now, asked of the server (one round trip).
+
+        A dead connection counts as not held: its session, and every lock of it, is gone.
+        """
+        if isinstance(self.key, tuple):
+            classid, objid, objsubid = self.key[0] & 0xFFFFFFFF, self.key[1] & 0xFFFFFFFF, 2
+        else:
+            (classid, objid), objsubid = split_key(self.key), 1
+        sql = HELD_SQL.format(
+            classid=classid,
+            objid=objid,
+            objsubid=objsubid,
+            mode="ShareLock" if self.shared else "ExclusiveLock",
+        )
+        try:
+            return bool(_execute(_database(self.using), sql))
+        except _CONNECTION_ERRORS:
+            return False
+        except _DRIVER_ERRORS as exc:
+            raise _translate(exc, self, None) from exc
+
+    def ensure_held(self) -> None:
+        """Raise :class:`LeaseLost` unless this session still holds the lock.
+
+        Call it before an effect that must not happen unprotected: a session lock dies with its
+        connection, and nothing else tells the holder.
+        """
+        if not self.held():
+            raise LeaseLost(self.label, detail="the database session no longer holds the lock")
+
+
+def _render_key(key: int | tuple[int, int]) -> str:
+    return f"{int(key[0])}, {int(key[1])}" if isinstance(key, tuple) else str(int(key))
+
+
+def _timeout_ms(timeout: float | None) -> int | None:
+    """Validate ``timeout`` (seconds); milliseconds for ``lock_timeout``, ``None`` = forever.
+
+    A positive timeout never rounds to 0 ms, because ``lock_timeout = 0`` means wait forever.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if not timeout >= 0 or not math.isfinite(timeout):
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, not {timeout!r}")
+    milliseconds = math.ceil(timeout * 1000)
+    if milliseconds > _MAX_TIMEOUT_MS:
+        raise ValueError(f"timeout must be at most {_MAX_TIMEOUT_MS / 1000:g} seconds")
+    return milliseconds
+
+
+def _execute(connection: BaseDatabaseWrapper, sql: str) -> Any:
+    """Run ``sql`` through Django's cursor (so debug logging and execute wrappers see it).
+
+    Returns the first column of the last result set, or ``None`` when it has no rows.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(sql)
+        while cursor.nextset():
+            pass
+        row = cursor.fetchone() if cursor.description else None
+    return row[0] if row else None
+
+
+def _database(using: str) -> BaseDatabaseWrapper:
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        raise BackendNotSupported(f"database {using!r} ({connection.vendor})", "advisory locks")
+    return connection
+
+
+def _translate(exc: BaseException, lock: AdvisoryLock, timeout: float | None) -> LeaseError:
+    """The package's error for a driver error raised while taking ``lock``."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    sqlstate = getattr(cause, "sqlstate", None)
+    if sqlstate == LOCK_NOT_AVAILABLE:
+        return LeaseUnavailable(lock.label, timeout)
+    if sqlstate == QUERY_CANCELED:
+        return LeaseUnavailable(lock.label, timeout, "the wait was canceled by the server")
+    if sqlstate == DEADLOCK_DETECTED:
+        return LeaseDeadlock(lock.label, str(cause).strip())
+    return BackendUnavailable(f"postgresql:{lock.using}", str(cause).strip())
+
+
+def _in_transaction(connection: BaseDatabaseWrapper) -> bool:
+    return not connection.get_autocommit()
+
+
+def _call(lock: AdvisoryLock, functions: dict[bool, str], timeout: float | None) -> Any:
+    """Run one lock function for ``lock``, with ``timeout`` in the same message.
+
+    A failure without a savepoint aborts the caller's transaction on the server, so Django is
+    told (``set_rollback``) and refuses further queries until the ``atomic()`` block ends, just
+    as it does after an ``IntegrityError``.
+    """
+    connection = _database(lock.using)
+    call = {"function": functions[lock.shared], "key": _render_key(lock.key)}
+    milliseconds = _timeout_ms(timeout)
+    in_transaction = _in_transaction(connection)
+    if milliseconds is None:
+        sql = CALL_SQL.format(**call)
+    elif in_transaction:
+        sql = TIMED_CALL_IN_TRANSACTION_SQL.format(timeout_ms=milliseconds, **call)
+    else:
+        sql = TIMED_CALL_AUTOCOMMIT_SQL.format(timeout_ms=milliseconds, **call)
+    try:
+        return _execute(connection, sql)
+    except _DRIVER_ERRORS as exc:
+        error = _translate(exc, lock, timeout)
+        if in_transaction:
+            _recover(connection, savepoint=milliseconds is not None)
+        raise error from exc
+
+
+def _recover(connection: BaseDatabaseWrapper, *, savepoint: bool) -> None:
+    """Make the caller's transaction usable after a failed call, or mark it for rollback."""
+    if savepoint:
+        try:
+            _execute(connection, UNDO_TIMED_CALL_SQL)
+        except _DRIVER_ERRORS:
+            pass
+        else:
+            return
+    if connection.in_atomic_block:
+        transaction.set_rollback(True, using=connection.alias)
+
+
+def _lock(name: LockKey, shared: bool, using: str) -> AdvisoryLock:
+    """Validate everything before any SQL: a bad name fails where it is written."""
+    return AdvisoryLock(name=name, key=advisory_key(name), shared=bool(shared), using=using)
+
+
+class _XactLock(ContextDecorator):
+    """``xact_lock(...)``: a context manager and a decorator (one instance, no per-call state)."""
+
+    def __init__(self, lock: AdvisoryLock, timeout: float | None) -> None:
+        _timeout_ms(timeout)
+        self.lock = lock
+        self.timeout = timeout
+
+    def __enter__(self) -> AdvisoryLock:
+        _require_transaction(self.lock)
+        if self.timeout == 0:
+            if not _call(self.lock, XACT_TRY_LOCK, None):
+                raise LeaseUnavailable(self.lock.label, 0)
+        else:
+            _call(self.lock, XACT_LOCK, self.timeout)
+        return self.lock
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Nothing to do: the server releases the lock when the outermost transaction ends."""
+
+
+def _require_transaction(lock: AdvisoryLock) -> None:
+    if not _in_transaction(_database(lock.using)):
+        raise NotInTransaction(lock.label)
+
+
+def xact_lock(
+    name: LockKey,
+    *,
+    shared: bool = False,
+    timeout: float | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> _XactLock:
+    """Take ``pg_advisory_xact_lock`` in the caller's transaction; use as ``with`` or decorator.
+
+    The lock is released by the server when the outermost ``atomic()`` commits or rolls back
+    (or earlier, if the nested ``atomic()`` it was taken in rolls back). ``timeout=None`` waits
+    forever, ``0`` tries once; a failed wait raises :class:`LeaseUnavailable` and leaves the
+    transaction usable. Raises :class:`NotInTransaction` in autocommit, where the lock would be
+    gone before the next statement.
+    """
+    return _XactLock(_lock(name, shared, using), timeout)
+
+
+def try_xact_lock(name: LockKey, *, shared: bool = False, using: str = DEFAULT_DB_ALIAS) -> bool:
+    """``pg_try_advisory_xact_lock``: take the lock if it is free right now, else ``False``."""
+    lock = _lock(name, shared, using)
+    _require_transaction(lock)
+    return bool(_call(lock, XACT_TRY_LOCK, None))
+
+
+class _SessionLock(ContextDecorator):
+    """``session_lock(...)``: a context manager and a decorator (one instance, no per-call state).
+
+    Nothing is remembered between enter and exit: the unlock names the same key on the same
+    database alias, and the server says whether this session held it.
+    """
+
+    def __init__(self, lock: AdvisoryLock, timeout: float | None) -> None:
+        _timeout_ms(timeout)
+        self.lock = lock
+        self.timeout = timeout
+
+    def __enter__(self) -> AdvisoryLock:
+        if self.timeout == 0:
+            if not _call(self.lock, SESSION_TRY_LOCK, None):
+                raise LeaseUnavailable(self.lock.label, 0)
+        else:
+            _call(self.lock, SESSION_LOCK, self.timeout)
+        return self.lock
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Unlock, and say so loudly when the lock was not ours any more.
+
+        The body's own exception always wins; a failed unlock is then logged, not raised.
+        """
+        try:
+            _unlock(self.lock)
+        except LeaseError as error:
+            if exc is None:
+                raise
+            logger.warning("session_lock(%r) exit after an error: %s", self.lock.label, error)
+
+
+def _unlock(lock: AdvisoryLock) -> None:
+    connection = connections[lock.using]
+    raw = connection.connection
+    if raw is not None and raw.info.transaction_status == TransactionStatus.INERROR:
+        _release_by_closing(connection, lock)
+    sql = CALL_SQL.format(function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key))
+    try:
+        unlocked = _execute(connection, sql)
+    except _DRIVER_ERRORS as exc:
+        raise LeaseLost(
+            lock.label,
+            detail="the database session ended while the lock was held (terminated, server "
+            "restart or network loss), which released it: the block ran partly unprotected",
+        ) from exc
+    if not unlocked:
+        raise LeaseNotHeld(
+            lock.label,
+            "the unlock ran on a session that did not hold the lock: the connection changed "
+            "under the block (a transaction-pooling proxy, a reconnect)",
+        )
+
+
+def _release_by_closing(connection: BaseDatabaseWrapper, lock: AdvisoryLock) -> None:
+    """An aborted transaction refuses the unlock; ending the session is the only release left.
+
+    Django then rolls the transaction back (it already could not commit) and reconnects on the
+    next query.
+    """
+    connection.close()
+    raise BackendUnavailable(
+        f"postgresql:{lock.using}",
+        f"the transaction around session_lock({lock.label!r}) was aborted by an earlier error, "
+        "so the lock could not be unlocked; the connection was closed to release it",
+    )
+
+
+def session_lock(
+    name: LockKey,
+    *,
+    shared: bool = False,
+    timeout: float | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> _SessionLock:
+    """Hold ``pg_advisory_lock`` for the block; use as ``with`` or decorator.
+
+    Works in and out of transactions (a rollback does not release it). Exit raises
+    :class:`LeaseNotHeld` if the unlock found no lock (the session changed underneath) and
+    :class:`LeaseLost` if the session died, which released the lock while the block ran.
+    """
+    return _SessionLock(_lock(name, shared, using), timeout)
