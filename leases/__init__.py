@@ -13,6 +13,7 @@ from .errors import (
     BackendNotSupported,
     BackendUnavailable,
     FencingUnavailable,
+    InvalidFencingToken,
     InvalidLeaseName,
     LeaseAlreadyHeld,
     LeaseDeadlock,
@@ -26,13 +27,14 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # each feature module adds its line when it lands
-    pass
+    from .fencing import FencedModel, check_fence
 
 __all__ = [
     "BackendNotSupported",
     "BackendUnavailable",
     "FencedModel",
     "FencingUnavailable",
+    "InvalidFencingToken",
     "InvalidLeaseName",
     "Leadership",
     "Lease",

@@ -3,3 +3,5 @@
 Each feature's test models live in their own module (``models_<feature>.py``) re-exported here,
 so features can add models without editing each other's code.
 """
+
+from . import models_fencing  # noqa: F401  (fencing and the shared history checker)

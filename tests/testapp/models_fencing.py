@@ -1,0 +1,74 @@
+"""Test models for fencing and the shared history checker (:mod:`tests.checker`)."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+
+from leases.fencing import FencedModel
+
+
+class FencedRegister(FencedModel):
+    """The fenced register every multi-holder test writes to: one row per register name.
+
+    ``value`` is whatever the last accepted writer wrote (``writer:token:seq``), so the final
+    row can be compared with the last accepted attempt in the log.
+    """
+
+    name = models.CharField(max_length=255, primary_key=True)
+    value = models.CharField(max_length=255, default="")
+    writes = models.BigIntegerField(default=0)
+
+    class Meta:
+        app_label = "testapp"
+
+
+class RegisterLog(models.Model):
+    """Append-only log of every write attempt on a register, accepted or not.
+
+    ``id`` comes from a sequence taken while the register row is locked by the accepted write,
+    so accepted attempts appear in the order their writes took effect.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    register = models.CharField(max_length=255, db_index=True)
+    writer = models.CharField(max_length=255)
+    token = models.BigIntegerField(null=True)
+    accepted = models.BooleanField()
+    #: "accepted", "stale" (the fence refused) or "lost" (the lease knew it was lost first).
+    outcome = models.CharField(max_length=16)
+    stored = models.BigIntegerField(null=True)
+    #: What the writer tried to put in the register (unique per attempt).
+    value = models.CharField(max_length=255)
+    at = models.DateTimeField()
+
+    objects: models.Manager[RegisterLog] = models.Manager()
+
+    class Meta:
+        app_label = "testapp"
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"#{self.id} {self.register}: {self.writer} token {self.token} {self.outcome}"
+
+
+class FencedDoc(FencedModel):
+    """A fenced model with an auto primary key and an auto_now field."""
+
+    title = models.CharField(max_length=100, default="")
+    body = models.TextField(default="")
+    edited_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        app_label = "testapp"
+
+
+class FencedUUIDDoc(FencedModel):
+    """A fenced model whose primary key has a default (Django inserts without trying UPDATE)."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4)
+    title = models.CharField(max_length=100, default="")
+
+    class Meta:
+        app_label = "testapp"
