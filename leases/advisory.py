@@ -172,12 +172,14 @@ def _timeout_ms(timeout: float | None) -> int | None:
     return milliseconds
 
 
-def _execute(connection: BaseDatabaseWrapper, sql: str) -> Any:
+def _execute(connection: BaseDatabaseWrapper, sql: str, *, raw: bool = False) -> Any:
     """Run ``sql`` through Django's cursor (so debug logging and execute wrappers see it).
 
-    Returns the first column of the last result set, or ``None`` when it has no rows.
+    ``raw`` uses the driver's cursor instead, for the one statement Django would refuse: an
+    unlock in a transaction already marked for rollback. Returns the first column of the last
+    result set, or ``None`` when it has no rows.
     """
-    with connection.cursor() as cursor:
+    with connection.connection.cursor() if raw else connection.cursor() as cursor:
         cursor.execute(sql)
         while cursor.nextset():
             pass
@@ -354,13 +356,15 @@ def _unlock(lock: AdvisoryLock) -> None:
         _release_by_closing(connection, lock)
     sql = CALL_SQL.format(function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key))
     try:
-        unlocked = _execute(connection, sql)
-    except _DRIVER_ERRORS as exc:
+        unlocked = _execute(connection, sql, raw=raw is not None and connection.needs_rollback)
+    except _CONNECTION_ERRORS as exc:
         raise LeaseLost(
             lock.label,
             detail="the database session ended while the lock was held (terminated, server "
             "restart or network loss), which released it: the block ran partly unprotected",
         ) from exc
+    except _DRIVER_ERRORS as exc:
+        raise _translate(exc, lock, None) from exc
     if not unlocked:
         raise LeaseNotHeld(
             lock.label,

@@ -18,3 +18,11 @@ class UserFactory(factory.django.DjangoModelFactory):
 
 class StaffUserFactory(UserFactory):
     is_staff = True
+
+
+class AdvisoryCounterFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = "testapp.AdvisoryCounter"
+
+    name = factory.Sequence(lambda n: f"counter{n}")
+    value = 0

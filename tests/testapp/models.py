@@ -4,4 +4,7 @@ Each feature's test models live in their own module (``models_<feature>.py``) re
 so features can add models without editing each other's code.
 """
 
-from . import models_fencing  # noqa: F401  (fencing and the shared history checker)
+from . import (
+    models_advisory,  # noqa: F401  (advisory lock counter)
+    models_fencing,  # noqa: F401  (fencing and the shared history checker)
+)

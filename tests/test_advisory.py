@@ -1,0 +1,285 @@
+"""Advisory lock helpers in one process: scope, lifetime, timeouts, shared vs exclusive.
+
+"Another session" is a plain psycopg connection to the test database; it holds locks the code
+under test must wait for, and reads ``pg_locks`` to see what the code under test holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import DataError, connection, transaction
+
+from leases import advisory
+from leases.errors import InvalidLeaseName, LeaseNotHeld, LeaseUnavailable, NotInTransaction
+from leases.keys import advisory_key, split_key
+from tests.factories import UserFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def other() -> Iterator[psycopg.Connection[Any]]:
+    """Another session on the test database, in autocommit."""
+    s = connection.settings_dict
+    conn = psycopg.connect(
+        dbname=s["NAME"],
+        user=s["USER"],
+        password=s["PASSWORD"],
+        host=s["HOST"],
+        port=s["PORT"],
+        autocommit=True,
+    )
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def holders(other: psycopg.Connection[Any], name: str, *, granted: bool = True) -> int:
+    """How many sessions other than ``other`` hold (or wait for) the lock on ``name``."""
+    classid, objid = split_key(advisory_key(name))  # type: ignore[arg-type]
+    row = other.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s"
+        " AND objid = %s AND objsubid = 1 AND granted = %s AND pid <> pg_backend_pid()",
+        [classid, objid, granted],
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def lock_timeout() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW lock_timeout")
+        return str(cursor.fetchone()[0])
+
+
+def test_xact_lock_outside_a_transaction_raises_not_in_transaction() -> None:
+    with pytest.raises(NotInTransaction), advisory.xact_lock("autocommit"):
+        pass
+    with pytest.raises(NotInTransaction):
+        advisory.try_xact_lock("autocommit")
+
+
+def test_xact_lock_lives_until_the_outermost_atomic_ends(other: psycopg.Connection[Any]) -> None:
+    with transaction.atomic():
+        with transaction.atomic(), advisory.xact_lock("outermost") as lock:
+            assert lock.held()
+        assert holders(other, "outermost") == 1  # the inner savepoint was released, lock stays
+    assert holders(other, "outermost") == 0
+
+
+def test_xact_lock_is_released_when_the_outer_transaction_rolls_back(
+    other: psycopg.Connection[Any],
+) -> None:
+    with transaction.atomic():
+        advisory.xact_lock("rolled-back").__enter__()
+        transaction.set_rollback(True)
+    assert holders(other, "rolled-back") == 0
+
+
+def test_xact_lock_taken_in_a_rolled_back_savepoint_is_released(
+    other: psycopg.Connection[Any],
+) -> None:
+    """Pinned: Postgres releases xact advisory locks with the subtransaction that took them."""
+    with transaction.atomic():
+        with transaction.atomic():
+            advisory.xact_lock("savepoint").__enter__()
+            assert holders(other, "savepoint") == 1
+            transaction.set_rollback(True)
+        assert holders(other, "savepoint") == 0
+
+
+def test_try_xact_lock_is_false_while_another_session_holds_it(
+    other: psycopg.Connection[Any],
+) -> None:
+    other.execute("SELECT pg_advisory_lock(%s)", [advisory_key("busy")])
+    with transaction.atomic():
+        assert advisory.try_xact_lock("busy") is False
+        assert advisory.try_xact_lock("free") is True
+    other.execute("SELECT pg_advisory_unlock(%s)", [advisory_key("busy")])
+    with transaction.atomic():
+        assert advisory.try_xact_lock("busy") is True
+
+
+def test_shared_locks_coexist_and_exclude_exclusive(other: psycopg.Connection[Any]) -> None:
+    key = advisory_key("readers")
+    other.execute("SELECT pg_advisory_lock_shared(%s)", [key])
+    with transaction.atomic():
+        with advisory.xact_lock("readers", shared=True, timeout=0) as lock:
+            assert lock.held()
+        assert advisory.try_xact_lock("readers") is False
+        with pytest.raises(LeaseUnavailable), advisory.xact_lock("readers", timeout=0.05):
+            pass
+    other.execute("SELECT pg_advisory_unlock_shared(%s)", [key])
+    other.execute("SELECT pg_advisory_lock(%s)", [key])
+    with transaction.atomic():
+        assert advisory.try_xact_lock("readers", shared=True) is False
+
+
+def test_blocking_lock_waits_for_the_holder(other: psycopg.Connection[Any]) -> None:
+    other.execute("SELECT pg_advisory_lock(%s)", [advisory_key("wait")])
+    seen_waiting = threading.Event()
+
+    def release_once_waited_for() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not holders(other, "wait", granted=False):
+            time.sleep(0.02)
+        seen_waiting.set()
+        other.execute("SELECT pg_advisory_unlock(%s)", [advisory_key("wait")])
+
+    releaser = threading.Thread(target=release_once_waited_for)
+    releaser.start()
+    try:
+        with transaction.atomic(), advisory.xact_lock("wait") as lock:
+            assert seen_waiting.is_set()  # it really waited, and got the lock once released
+            assert lock.held()
+    finally:
+        releaser.join(timeout=15)
+
+
+def test_timeout_raises_and_leaves_the_outer_transaction_usable(
+    other: psycopg.Connection[Any],
+) -> None:
+    from django.contrib.auth import get_user_model
+
+    other.execute("SELECT pg_advisory_lock(%s)", [advisory_key("timeout")])
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL lock_timeout = '7s'")
+        UserFactory(username="before")
+        with pytest.raises(LeaseUnavailable) as info, advisory.xact_lock("timeout", timeout=0.05):
+            pass
+        assert isinstance(info.value, TimeoutError)
+        assert lock_timeout() == "7s"  # the caller's own setting is back
+        UserFactory(username="after")
+    users = set(get_user_model().objects.values_list("username", flat=True))
+    assert {"before", "after"} <= users
+
+
+def test_timed_lock_restores_the_callers_lock_timeout() -> None:
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL lock_timeout = '3s'")
+        with advisory.xact_lock("restore", timeout=0.5) as lock:
+            assert lock.held()
+            assert lock_timeout() == "3s"
+    before = lock_timeout()
+    with advisory.session_lock("restore", timeout=0.5):
+        assert lock_timeout() == before
+
+
+def test_session_lock_timeout_in_a_transaction_keeps_it_usable(
+    other: psycopg.Connection[Any],
+) -> None:
+    other.execute("SELECT pg_advisory_lock(%s)", [advisory_key("session-busy")])
+    with transaction.atomic():
+        with pytest.raises(LeaseUnavailable), advisory.session_lock("session-busy", timeout=0.05):
+            pass
+        with pytest.raises(LeaseUnavailable), advisory.session_lock("session-busy", timeout=0):
+            pass
+        UserFactory(username="still-usable")
+    with pytest.raises(LeaseUnavailable), advisory.session_lock("session-busy", timeout=0.05):
+        pass
+
+
+def test_session_lock_is_released_at_exit(other: psycopg.Connection[Any]) -> None:
+    with advisory.session_lock("session") as lock:
+        assert lock.held()
+        assert holders(other, "session") == 1
+    assert holders(other, "session") == 0
+    assert not lock.held()
+
+
+def test_session_lock_survives_the_rollback_of_the_transaction_that_took_it(
+    other: psycopg.Connection[Any],
+) -> None:
+    """Pinned: session locks ignore transactions; only the unlock (or session end) frees them."""
+    with ExitStack() as stack:
+        with transaction.atomic():
+            stack.enter_context(advisory.session_lock("sticky"))
+            transaction.set_rollback(True)
+        assert holders(other, "sticky") == 1
+    assert holders(other, "sticky") == 0
+
+
+def test_session_lock_unlocks_inside_a_transaction_marked_for_rollback(
+    other: psycopg.Connection[Any],
+) -> None:
+    with transaction.atomic(), advisory.session_lock("marked"):
+        transaction.set_rollback(True)
+    assert holders(other, "marked") == 0
+
+
+def test_session_lock_in_an_aborted_transaction_is_released_by_closing_the_session(
+    other: psycopg.Connection[Any],
+) -> None:
+    with (
+        pytest.raises(DataError),
+        transaction.atomic(),
+        advisory.session_lock("aborted"),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute("SELECT 1 / 0")
+    assert holders(other, "aborted") == 0
+    with connection.cursor() as cursor:  # Django reconnects: the process carries on
+        cursor.execute("SELECT 1")
+
+
+def test_unlock_on_a_changed_connection_raises_lease_not_held(
+    other: psycopg.Connection[Any],
+) -> None:
+    with pytest.raises(LeaseNotHeld), advisory.session_lock("reconnected"):
+        connection.close()  # what a reconnect or a transaction-pooling proxy does to a session
+    assert holders(other, "reconnected") == 0
+
+
+def test_decorator_forms_take_the_lock_per_call(other: psycopg.Connection[Any]) -> None:
+    @advisory.xact_lock("decorated")
+    def in_transaction() -> int:
+        return holders(other, "decorated")
+
+    @advisory.session_lock("decorated-session")
+    def anywhere() -> int:
+        return holders(other, "decorated-session")
+
+    with transaction.atomic():
+        assert in_transaction() == 1
+    assert anywhere() == 1
+    assert anywhere() == 1
+    assert holders(other, "decorated-session") == 0
+    with pytest.raises(NotInTransaction):
+        in_transaction()
+
+
+def test_explicit_int_and_pair_keys(other: psycopg.Connection[Any]) -> None:
+    with transaction.atomic():
+        with advisory.xact_lock(-(2**63)) as big, advisory.xact_lock((7, -8)) as pair:
+            assert big.held() and pair.held()
+        assert advisory.try_xact_lock((7, -8), shared=True) is True
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 256, "nul\x00", 2**64, (1, 2, 3), None, 1.5])
+@pytest.mark.parametrize("helper", ["xact_lock", "try_xact_lock", "session_lock"])
+def test_bad_names_are_rejected_before_any_sql(bad: Any, helper: str) -> None:
+    def no_sql(*args: Any) -> None:
+        raise AssertionError("SQL was sent for a bad name")
+
+    with connection.execute_wrapper(no_sql), pytest.raises(InvalidLeaseName):
+        getattr(advisory, helper)(bad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"), [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError)]
+)
+def test_bad_timeouts_are_rejected_at_construction(bad: Any, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        advisory.xact_lock("t", timeout=bad)
+    with pytest.raises(error):
+        advisory.session_lock("t", timeout=bad)
