@@ -1,0 +1,97 @@
+"""Durable counters in the Django database, for the numbers Redis cannot be trusted to keep.
+
+Redis forgets (a restart without persistence, a failover to a lagging replica, eviction), so
+the Redis backends take the numbers that must never go backwards from the database: the Redis
+backend's *epochs* and Redlock's *tokens*. Each bump is one statement, committed on a connection
+of its own, so a caller's ``transaction.atomic()`` rolling back can never un-issue a number
+(a rolled-back bump would hand the same number out twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+from django.db import DatabaseError, connections
+
+from ..errors import FencingUnavailable
+
+__all__ = ["DurableCounter"]
+
+#: Next value of a named counter in ``leases_fence``, at least ``floor``. ``GREATEST`` keeps it
+#: increasing even if the database was restored from a backup older than the Redis data.
+BUMP_FENCE_SQL = """
+INSERT INTO leases_fence (resource, token) VALUES (%s, %s)
+ON CONFLICT (resource) DO UPDATE SET token = GREATEST(leases_fence.token + 1, EXCLUDED.token)
+RETURNING token
+"""
+
+#: Next token of a lease name, in the database backend's own row for the name, so a name's
+#: tokens keep increasing even when it moves between the database and Redlock backends. Only the
+#: counter moves: the row stays free (empty holder) for the database backend.
+BUMP_LEASE_SQL = """
+INSERT INTO leases_lease (name, holder, token, meta) VALUES (%s, '', 1, '{}')
+ON CONFLICT (name) DO UPDATE SET token = leases_lease.token + 1
+RETURNING token
+"""
+
+SYNCHRONOUS_COMMIT_SQL = "SET synchronous_commit = on"
+CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
+
+
+class DurableCounter:
+    """Counters on a private autocommit connection to database ``alias``, shared by threads."""
+
+    def __init__(self, backend: str, alias: str) -> None:
+        self.backend = backend
+        self.alias = alias
+        self._lock = threading.Lock()
+        self._connection: Any = None
+
+    def _execute(self, sql: str, params: tuple[object, ...]) -> int | None:
+        with self._lock:
+            try:
+                if self._connection is None:
+                    self._connection = connections.create_connection(self.alias)
+                    self._connection.inc_thread_sharing()
+                    with self._connection.cursor() as cursor:
+                        # A bump lost in a database crash could be handed out again.
+                        cursor.execute(SYNCHRONOUS_COMMIT_SQL)
+                with self._connection.cursor() as cursor:
+                    cursor.execute(sql, params)
+                    row = cursor.fetchone()
+            except DatabaseError as exc:
+                self._close_locked()
+                raise FencingUnavailable(
+                    self.backend,
+                    f"cannot take a durable counter from database {self.alias!r} ({exc}); "
+                    "without it a token could repeat one already handed out",
+                ) from exc
+        return None if row is None else int(row[0])
+
+    def bump_fence(self, resource: str, floor: int = 1) -> int:
+        """The next value of counter ``resource``: higher than every earlier one, >= ``floor``."""
+        value = self._execute(BUMP_FENCE_SQL, (resource, floor))
+        assert value is not None
+        return value
+
+    def bump_lease(self, name: str) -> int:
+        """The next token of lease ``name``, shared with the database backend's counter."""
+        value = self._execute(BUMP_LEASE_SQL, (name,))
+        assert value is not None
+        return value
+
+    def current_lease(self, name: str) -> int | None:
+        """The last token handed out for ``name``, or ``None`` if none ever was."""
+        return self._execute(CURRENT_LEASE_SQL, (name,))
+
+    def _close_locked(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(DatabaseError):
+                self._connection.close()
+            self._connection = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()

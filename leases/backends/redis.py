@@ -1,0 +1,383 @@
+"""Leases in Redis: ``SET NX PX`` inside Lua, one round trip per acquire, renew and release.
+
+Configuration (``LEASES["BACKENDS"][alias]``)::
+
+    {"ENGINE": "leases.backends.redis", "CACHE": "default"}       # a django-redis cache alias
+    {"ENGINE": "leases.backends.redis", "URL": "redis://host:6379/0", "SOCKET_TIMEOUT": 1.0}
+
+Options: ``CACHE`` or ``URL`` (one of them), ``PREFIX`` (default ``"leases:"``),
+``EPOCH_DATABASE`` (the Django database alias epochs come from, default ``"default"``),
+``SOCKET_TIMEOUT`` (seconds, ``URL`` only; a cache alias uses its own settings).
+
+Keys of one name share a Redis Cluster hash tag, ``<prefix>{<name>}``: ``:lock`` (the grant,
+value ``epoch:counter:holder``, expiring by Redis's clock), ``:fence`` (the name's counter, no
+TTL) and ``:wake`` (a list a release pushes to, so a waiter's ``BLPOP`` wakes without polling).
+Renew and release compare the whole value before they touch the key, so a holder whose grant
+expired can never extend or delete its successor's.
+
+**Fencing that never regresses.** The counter lives in Redis, which can forget it: a restart
+without persistence, a failover to a replica that missed the last increments, eviction. So the
+token is ``epoch << 32 | counter``, and the epoch comes from the database: a durable counter row
+in ``leases_fence`` bumped on its own connection. The ``:fence`` hash records the epoch and the
+replication id (``master_replid``) of the Redis server that wrote it; Redis gives a server a new
+replication id when it starts and when a replica is promoted. Whenever the acquire script finds
+the counter missing, written by another server run, or exhausted, it refuses to grant and asks
+for a new epoch, which the database guarantees is higher than every epoch handed out before, so
+the next token is higher than every earlier one. This costs one extra database statement for the
+first grant of a name after such an event; if the database is unreachable then, the grant is
+refused with :class:`~leases.errors.FencingUnavailable` instead of risking a repeated token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+import redis
+from django.utils import timezone
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ..errors import BackendUnavailable, FencingUnavailable, LeaseLost, LeasesImproperlyConfigured
+from ..keys import validate_name
+from ._counter import DurableCounter
+from .base import Capability, Grant, LeaseBackend, LeaseInfo
+
+__all__ = ["ACQUIRE_LUA", "RELEASE_LUA", "RENEW_LUA", "Backend", "LeaseKeys", "Reply", "lua"]
+
+#: Epochs and counters are packed into one signed 64-bit token (``FencedModel``'s bigint).
+COUNTER_BITS = 32
+MAX_COUNTER = 2**COUNTER_BITS - 1
+MAX_EPOCH = 2**31 - 1
+MAX_PREFIX_LENGTH = 64
+#: How long a release's wake-up waits in the list for a waiter that is about to ``BLPOP``.
+WAKE_TTL_MS = 5000
+OPTIONS = frozenset({"CACHE", "URL", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT"})
+
+
+class Reply(enum.IntEnum):
+    """Return codes of the Lua scripts (injected into them as Lua constants by :func:`lua`)."""
+
+    LOST = 0
+    OK = 1
+    BUSY = 2
+    NEED_EPOCH = 3
+
+
+def lua(body: str) -> str:
+    """A script with :class:`Reply`'s names defined, so Python and Lua share one set of codes."""
+    return "".join(f"local {r.name} = {r.value}\n" for r in Reply) + body
+
+
+#: KEYS: lock, fence. ARGV: holder, ttl ms, offered epoch ("0": none).
+#: Returns {OK, value} | {BUSY, value} | {NEED_EPOCH, stored epoch}.
+ACQUIRE_LUA = lua("""
+local current = redis.call('GET', KEYS[1])
+if current then
+  return {BUSY, current}
+end
+local run = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+local state = redis.call('HMGET', KEYS[2], 'epoch', 'counter', 'run')
+local epoch, counter = tonumber(state[1]), tonumber(state[2])
+if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV[4]) then
+  local offered = tonumber(ARGV[3])
+  if offered <= (epoch or 0) then
+    return {NEED_EPOCH, tostring(epoch or 0)}
+  end
+  epoch, counter = offered, 0
+end
+counter = counter + 1
+redis.call('HSET', KEYS[2], 'epoch', epoch, 'counter', counter, 'run', run)
+local value = string.format('%d:%d:%s', epoch, counter, ARGV[1])
+redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
+return {OK, value}
+""")
+
+#: KEYS: lock. ARGV: value, ttl ms. Compare-and-PEXPIRE.
+RENEW_LUA = lua("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return OK
+end
+return LOST
+""")
+
+#: KEYS: lock, wake, fence. ARGV: value, wake ttl ms, "1" to advance the counter (revocation).
+#: Compare-and-delete, then wake one waiter; the counter in ``fence`` is never deleted.
+RELEASE_LUA = lua("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  if ARGV[3] == '1' then
+    redis.call('HINCRBY', KEYS[3], 'counter', 1)
+  end
+  redis.call('RPUSH', KEYS[2], '1')
+  redis.call('LTRIM', KEYS[2], 0, 0)
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return OK
+end
+return LOST
+""")
+
+
+@dataclass(frozen=True)
+class LeaseKeys:
+    """The keys of one name; ``{...}`` is the Redis Cluster hash tag, so they share a slot."""
+
+    lock: str
+    fence: str
+    wake: str
+
+    @classmethod
+    def of(cls, prefix: str, name: str) -> LeaseKeys:
+        # Braces inside the name would move the hash tag; escaping keeps the mapping one-to-one.
+        escaped = validate_name(name).replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+        base = f"{prefix}{{{escaped}}}"
+        return cls(lock=f"{base}:lock", fence=f"{base}:fence", wake=f"{base}:wake")
+
+    @staticmethod
+    def name_of(prefix: str, fence_key: str) -> str:
+        escaped = fence_key[len(prefix) + 1 : -len("}:fence")]
+        return escaped.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
+
+
+def token_of(value: str) -> tuple[int, str]:
+    """``(token, holder)`` from a lock value ``epoch:counter:holder``."""
+    epoch, counter, holder = value.split(":", 2)
+    return int(epoch) << COUNTER_BITS | int(counter), holder
+
+
+def ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def expires(seconds: float) -> datetime:
+    """Wall-clock estimate of an expiry, for display only (Redis's clock decides)."""
+    return timezone.now() + timedelta(seconds=seconds)
+
+
+def check_prefix(alias: str, prefix: object) -> str:
+    if not isinstance(prefix, str) or not 0 < len(prefix) <= MAX_PREFIX_LENGTH:
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}]["PREFIX"] must be a string of 1 to '
+            f"{MAX_PREFIX_LENGTH} characters, not {prefix!r}"
+        )
+    if any(c in prefix for c in "{}*?[]\\"):
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}]["PREFIX"] must not contain braces or glob characters'
+        )
+    return prefix
+
+
+def check_options(alias: str, options: Mapping[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}] has unknown options {unknown} '
+            f"(known: {', '.join(sorted(known))})"
+        )
+
+
+def connect(alias: str, cache: object, url: object, socket_timeout: float) -> Any:
+    """A redis-py client for a django-redis cache alias or a URL (never both)."""
+    if (cache is None) == (url is None):
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}] needs exactly one of "CACHE" (a django-redis cache '
+            'alias) or "URL"'
+        )
+    if cache is not None:
+        import django_redis  # type: ignore[import-untyped]
+
+        return django_redis.get_redis_connection(str(cache))
+    # No retries: a retried acquire could double-grant, a retried release report a false loss.
+    return redis.Redis.from_url(
+        str(url),
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_timeout,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+@contextlib.contextmanager
+def edge(alias: str, what: str) -> Iterator[None]:
+    """Translate redis-py's errors into :class:`BackendUnavailable` at the backend's edge."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise BackendUnavailable(alias, f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def eviction_problems(alias: str, client: Any) -> list[str]:
+    """Why ``client``'s server could lose lease keys to eviction, if it can (deploy check)."""
+    with edge(alias, "deploy check"):
+        client.ping()
+        try:
+            policy = text(client.config_get("maxmemory-policy").get("maxmemory-policy", ""))
+        except redis.ResponseError:
+            return [
+                "cannot read maxmemory-policy (CONFIG is disabled); make sure it is "
+                "'noeviction' so lease keys are never evicted"
+            ]
+    if policy.startswith("allkeys"):
+        return [
+            f"maxmemory-policy is {policy!r}: Redis may evict lease keys, letting two holders in "
+            "at once (fencing still rejects the stale one); use 'noeviction'"
+        ]
+    if policy.startswith("volatile"):
+        return [
+            f"maxmemory-policy is {policy!r}: Redis may evict held leases (they have a TTL) "
+            "under memory pressure; use 'noeviction'"
+        ]
+    return []
+
+
+class Backend(LeaseBackend):
+    """Leases on one Redis server (or cluster) reached through django-redis or a URL."""
+
+    capabilities = frozenset(
+        {Capability.NATIVE_FENCING, Capability.WAIT_WITHOUT_POLLING, Capability.FORCE_RELEASE}
+    )
+
+    def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
+        super().__init__(alias, options)
+        check_options(alias, options, OPTIONS)
+        self.prefix = check_prefix(alias, options.get("PREFIX", "leases:"))
+        self.epochs = DurableCounter(alias, str(options.get("EPOCH_DATABASE", "default")))
+        self.epoch_resource = f"leases.redis-epoch:{self.prefix}"
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._scripts: dict[str, Any] = {}
+        connect_args = (options.get("CACHE"), options.get("URL"))
+        if (connect_args[0] is None) == (connect_args[1] is None):
+            connect(alias, *connect_args, 1.0)  # raises the configuration error now
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client, made on first use (never at import), with its own scripts."""
+        with self._lock:
+            if self._client is None:
+                timeout = float(self.options.get("SOCKET_TIMEOUT", 5.0))
+                client = connect(
+                    self.alias, self.options.get("CACHE"), self.options.get("URL"), timeout
+                )
+                # Registered per client: a Script object is bound to the client that made it.
+                self._scripts = {
+                    "acquire": client.register_script(ACQUIRE_LUA),
+                    "renew": client.register_script(RENEW_LUA),
+                    "release": client.register_script(RELEASE_LUA),
+                }
+                self._client = client
+            return self._client
+
+    def _run(self, script: str, keys: list[str], args: list[object]) -> Any:
+        client = self.client
+        with edge(self.alias, script):
+            return self._scripts[script](keys=keys, args=args, client=client)
+
+    def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        keys = LeaseKeys.of(self.prefix, name)
+        offered = 0
+        for _ in range(3):
+            sent_at = time.monotonic()
+            code, value = self._run(
+                "acquire", [keys.lock, keys.fence], [holder, ms(ttl), offered, MAX_COUNTER]
+            )
+            if code == Reply.OK:
+                token = token_of(text(value))[0]
+                extra = {"value": text(value)}
+                return Grant(name, holder, token, ttl, sent_at, expires(ttl), extra)
+            if code == Reply.BUSY:
+                return None
+            offered = self.epochs.bump_fence(self.epoch_resource, int(value) + 1)
+            if offered > MAX_EPOCH:
+                raise FencingUnavailable(self.alias, "the epoch counter is exhausted")
+        raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
+
+    def renew(self, grant: Grant, ttl: float) -> Grant:
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        sent_at = time.monotonic()
+        if self._run("renew", [keys.lock], [grant.extra["value"], ms(ttl)]) != Reply.OK:
+            raise LeaseLost(grant.name, grant.token, "expired or taken over before the renewal")
+        return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
+
+    def release(self, grant: Grant) -> None:
+        if not self._release(grant.name, str(grant.extra["value"]), revoke=False):
+            raise LeaseLost(grant.name, grant.token, "expired or taken over before the release")
+
+    def _release(self, name: str, value: str, *, revoke: bool) -> bool:
+        keys = LeaseKeys.of(self.prefix, name)
+        args = [value, WAKE_TTL_MS, "1" if revoke else "0"]
+        return bool(self._run("release", [keys.lock, keys.wake, keys.fence], args) == Reply.OK)
+
+    def wait_for_release(self, name: str, timeout: float) -> bool:
+        keys = LeaseKeys.of(self.prefix, name)
+        client = self.client
+        with edge(self.alias, "wait"):
+            remaining = client.pttl(keys.lock)
+            if remaining == -2:
+                return True
+            wait = timeout if remaining < 0 else min(timeout, remaining / 1000 + 0.001)
+            socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+            if socket_timeout:
+                wait = min(wait, float(socket_timeout) - 0.05)
+            if wait < 0.001:
+                return False
+            return client.blpop([keys.wake], timeout=wait) is not None
+
+    def inspect(self, name: str) -> LeaseInfo | None:
+        keys = LeaseKeys.of(self.prefix, name)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(keys.lock).pttl(keys.lock).hmget(keys.fence, "epoch", "counter")
+        with edge(self.alias, "inspect"):
+            value, pttl, (epoch, counter) = pipe.execute()
+        if value is not None:
+            token, holder = token_of(text(value))
+            at = expires(pttl / 1000) if pttl > 0 else None
+            return LeaseInfo(name, holder, token, True, self.alias, expires_at=at)
+        if epoch is None or counter is None:
+            return None
+        token = int(epoch) << COUNTER_BITS | int(counter)
+        return LeaseInfo(name, "", token, False, self.alias)
+
+    def inspect_all(self) -> list[LeaseInfo]:
+        """Every name with a counter, by ``SCAN`` (never ``KEYS``): operators' views only."""
+        with edge(self.alias, "inspect_all"):
+            found = {
+                LeaseKeys.name_of(self.prefix, text(key))
+                for key in self.client.scan_iter(match=f"{self.prefix}{{*}}:fence", count=1000)
+            }
+        infos = (self.inspect(name) for name in sorted(found))
+        return [info for info in infos if info is not None]
+
+    def force_release(self, name: str) -> LeaseInfo | None:
+        """Revoke the current grant: compare-and-delete its exact value, advancing the counter.
+
+        Returns the name's state after the revocation (free, with the advanced token).
+        """
+        for _ in range(5):
+            info = self.inspect(name)
+            if info is None or not info.held:
+                return info
+            value = f"{info.token >> COUNTER_BITS}:{info.token & MAX_COUNTER}:{info.holder}"
+            if self._release(name, value, revoke=True):
+                return self.inspect(name)
+        return self.inspect(name)
+
+    def deploy_checks(self) -> list[str]:
+        return eviction_problems(self.alias, self.client)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client, self._scripts = self._client, None, {}
+        if client is not None and self.options.get("URL") is not None:
+            client.close()
+        self.epochs.close()

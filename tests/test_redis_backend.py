@@ -1,0 +1,275 @@
+"""The Redis backend against real redis-server processes: grants, expiry, wake-ups, fencing.
+
+Tests that kill, pause or fail over a server use servers of their own (``redis_server``,
+``redis_servers``); the rest use the run's shared Redis with names no other test uses.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from leases.backends.base import Capability
+from leases.backends.redis import (
+    ACQUIRE_LUA,
+    COUNTER_BITS,
+    RELEASE_LUA,
+    Backend,
+    LeaseKeys,
+    Reply,
+)
+from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
+from tests import checker
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MakeBackend = Callable[..., Backend]
+
+
+def unique(prefix: str = "r") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def make_backend() -> Iterator[MakeBackend]:
+    """Backends on a URL (the shared Redis unless given), closed after the test."""
+    made: list[Backend] = []
+
+    def make(url: str | None = None, **options: object) -> Backend:
+        backend = Backend(
+            "redis-test", {"URL": url or os.environ["REDIS_URL"], "SOCKET_TIMEOUT": 1.0, **options}
+        )
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def test_tokens_increase_and_a_held_name_is_busy(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(), unique()
+    first = backend.try_acquire(name, "a", 5)
+    assert first is not None
+    assert backend.try_acquire(name, "b", 5) is None
+    backend.release(first)
+    tokens = [first.token]
+    for holder in ("b", "c", "d"):
+        grant = backend.try_acquire(name, holder, 5)
+        assert grant is not None and grant.holder == holder
+        tokens.append(grant.token)
+        backend.release(grant)
+    checker.check_grants(tokens)
+    assert [t & (2**COUNTER_BITS - 1) for t in tokens] == [1, 2, 3, 4]
+
+
+def test_release_after_expiry_keeps_successor(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(), unique()
+    old = backend.try_acquire(name, "old", 0.05)
+    assert old is not None
+    time.sleep(0.1)
+    new = backend.try_acquire(name, "new", 5)
+    assert new is not None and new.token > old.token
+    with pytest.raises(LeaseLost):
+        backend.release(old)
+    with pytest.raises(LeaseLost):
+        backend.renew(old, 5)
+    keys = LeaseKeys.of(backend.prefix, name)
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    # The compare-and-delete itself answers "not yours" and leaves the key alone.
+    script = client.register_script(RELEASE_LUA)
+    assert script(keys=[keys.lock, keys.wake, keys.fence], args=[old.extra["value"], 1, 0]) == 0
+    assert client.get(keys.lock) == new.extra["value"].encode()
+    info = backend.inspect(name)
+    assert info is not None and info.held and info.holder == "new" and info.token == new.token
+    backend.release(new)
+
+
+def test_renew_extends_on_the_servers_clock(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(), unique()
+    grant = backend.try_acquire(name, "a", 0.3)
+    assert grant is not None
+    for _ in range(4):
+        time.sleep(0.15)
+        grant = backend.renew(grant, 0.3)
+    assert backend.try_acquire(name, "b", 1) is None
+    time.sleep(0.4)
+    with pytest.raises(LeaseLost):
+        backend.renew(grant, 0.3)
+
+
+def test_waiter_is_woken_by_the_release(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(), unique()
+    assert Capability.WAIT_WITHOUT_POLLING in backend.capabilities
+    grant = backend.try_acquire(name, "a", 30)
+    assert grant is not None
+    woken: list[bool] = []
+    waiter = threading.Thread(target=lambda: woken.append(backend.wait_for_release(name, 0.9)))
+    waiter.start()
+    time.sleep(0.2)
+    backend.release(grant)
+    waiter.join(5)
+    # A 30 s lease and a 0.9 s wait: only the release's wake-up can make it return True.
+    assert woken == [True]
+    assert backend.try_acquire(name, "b", 5) is not None
+
+
+def test_wait_returns_false_on_timeout(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(), unique()
+    assert backend.try_acquire(name, "a", 30) is not None
+    assert backend.wait_for_release(name, 0.1) is False
+
+
+def test_keys_of_a_name_share_one_cluster_slot() -> None:
+    for name in ("plain", "with{braces}", "}{", "{", "%7B", "x" * 255, "ünï"):
+        keys = LeaseKeys.of("leases:", name)
+        slots = {key_slot(k.encode()) for k in (keys.lock, keys.fence, keys.wake)}
+        assert len(slots) == 1, name
+        assert LeaseKeys.name_of("leases:", keys.fence) == name
+    assert LeaseKeys.of("leases:", "{").lock != LeaseKeys.of("leases:", "%7B").lock
+
+
+def test_inspect_force_release_and_inspect_all(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(PREFIX=f"{unique('p')}:"), unique()
+    assert backend.inspect(name) is None
+    grant = backend.try_acquire(name, "a", 30)
+    assert grant is not None
+    info = backend.inspect(name)
+    assert info is not None and info.held and (info.holder, info.token) == ("a", grant.token)
+    after = backend.force_release(name)
+    assert after is not None and not after.held and after.token > grant.token
+    with pytest.raises(LeaseLost):
+        backend.renew(grant, 5)
+    successor = backend.try_acquire(name, "b", 5)
+    assert successor is not None and successor.token > after.token
+    assert [i.name for i in backend.inspect_all()] == [name]
+
+
+def test_bad_options_are_configuration_errors() -> None:
+    with pytest.raises(LeasesImproperlyConfigured):
+        Backend("x", {})
+    with pytest.raises(LeasesImproperlyConfigured):
+        Backend("x", {"URL": "redis://127.0.0.1:1/0", "CACHE": "default"})
+    with pytest.raises(LeasesImproperlyConfigured):
+        Backend("x", {"URL": "redis://127.0.0.1:1/0", "NODES": []})
+    with pytest.raises(LeasesImproperlyConfigured):
+        Backend("x", {"URL": "redis://127.0.0.1:1/0", "PREFIX": "a*"})
+
+
+def test_unreachable_server_is_backend_unavailable(make_backend: MakeBackend) -> None:
+    server = RedisServer()  # never started: nothing listens on its port
+    backend = make_backend(server.url)
+    with pytest.raises(BackendUnavailable):
+        backend.try_acquire(unique(), "a", 1)
+
+
+@pytest.mark.fault
+def test_eviction_policy_warns_only_when_asked(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    backend = make_backend(redis_server.url)
+    assert backend.deploy_checks() == []
+    redis.Redis.from_url(redis_server.url).config_set("maxmemory-policy", "allkeys-lru")
+    (problem,) = backend.deploy_checks()
+    assert "allkeys-lru" in problem
+
+
+@pytest.mark.fault
+def test_killed_and_restarted_empty_tokens_keep_increasing(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    backend, name, register = make_backend(redis_server.url), unique(), checker.new_register()
+    grants = []
+    for restart in range(3):
+        for holder in ("a", "b"):
+            grant = backend.try_acquire(name, f"{holder}{restart}", 5)
+            assert grant is not None
+            grants.append(grant.token)
+            assert checker.record_write(register, grant.token, grant.holder)
+            if holder == "a":
+                backend.release(grant)
+        stale = grant  # still "held" when the server dies with everything it knew
+        redis_server.restart("kill")
+        assert backend.inspect(name) is None  # the server really came back empty
+    fresh = backend.try_acquire(name, "after", 5)
+    assert fresh is not None
+    grants.append(fresh.token)
+    assert checker.record_write(register, fresh.token, "after")
+    assert not checker.record_write(register, stale.token, stale.holder)
+    summary = checker.check_history(register, grants)
+    assert summary.stale == 1 and summary.highest == fresh.token
+
+
+@pytest.mark.fault
+def test_stalled_server_past_ttl_one_holder_proceeds(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    backend, name, register = make_backend(redis_server.url), unique(), checker.new_register()
+    old = backend.try_acquire(name, "old", 0.5)
+    assert old is not None and checker.record_write(register, old.token, "old")
+    redis_server.pause()
+    try:
+        with pytest.raises(BackendUnavailable):  # the holder cannot renew while Redis hangs
+            backend.renew(old, 0.5)
+        time.sleep(0.6)
+    finally:
+        redis_server.resume()
+    new = backend.try_acquire(name, "new", 5)
+    assert new is not None and new.token > old.token
+    assert backend.try_acquire(name, "third", 5) is None  # exactly one proceeds
+    with pytest.raises(LeaseLost):
+        backend.renew(old, 0.5)
+    assert checker.record_write(register, new.token, "new")
+    assert not checker.record_write(register, old.token, "old")
+    checker.check_history(register, [old.token, new.token])
+
+
+@pytest.mark.fault
+def test_failover_to_a_lagging_replica_never_repeats_a_token(
+    make_backend: MakeBackend, redis_servers: Callable[[int], list[RedisServer]]
+) -> None:
+    primary, replica = redis_servers(2)
+    client = redis.Redis.from_url(replica.url)
+    client.replicaof("127.0.0.1", primary.port)
+    backend, name = make_backend(primary.url), unique()
+    tokens = []
+    for _ in range(2):
+        grant = backend.try_acquire(name, "a", 5)
+        assert grant is not None
+        tokens.append(grant.token)
+        backend.release(grant)
+    keys = LeaseKeys.of(backend.prefix, name)
+    deadline = time.monotonic() + 10
+    while client.hget(keys.fence, "counter") != b"2" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    replica.pause()  # the replica misses the next grants
+    for _ in range(2):
+        grant = backend.try_acquire(name, "a", 5)
+        assert grant is not None
+        tokens.append(grant.token)
+        backend.release(grant)
+    primary.stop("kill")
+    replica.resume()
+    client.replicaof("no", "one")  # promoted, with counter 2 while 4 was handed out
+    assert client.hget(keys.fence, "counter") == b"2"
+    promoted = make_backend(replica.url).try_acquire(name, "b", 5)
+    assert promoted is not None
+    tokens.append(promoted.token)
+    checker.check_grants(tokens)
+
+
+def test_acquire_script_asks_for_an_epoch_when_the_counter_is_missing() -> None:
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    keys = LeaseKeys.of(f"{unique('p')}:", "n")
+    script = client.register_script(ACQUIRE_LUA)
+    code, stored = script(keys=[keys.lock, keys.fence], args=["h", 1000, 0, 2**32 - 1])
+    assert (Reply(code), stored) == (Reply.NEED_EPOCH, b"0")
+    assert client.exists(keys.lock, keys.fence) == 0  # a refused grant writes nothing

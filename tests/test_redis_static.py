@@ -1,0 +1,117 @@
+"""Static proof that no Redis command path deletes or expires a lease key without comparing.
+
+Every Lua constant of the Redis backends is scanned: a command that deletes, overwrites or
+re-times a key must sit inside an ``if redis.call('GET', <that key>) == ARGV[n]`` block, or be a
+``SET ... NX`` (which cannot overwrite). The only exception is the wake-up list (a key the script
+``RPUSH``es to), which holds no grant. The Python sources are scanned too: the only direct
+write is Redlock's ``SET NX``, and nothing lists keys by pattern (``KEYS``).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from types import ModuleType
+
+import pytest
+
+from leases.backends import redis as redis_backend
+from leases.backends import redlock as redlock_backend
+
+MODULES = [redis_backend, redlock_backend]
+DESTRUCTIVE = {
+    "DEL", "UNLINK", "EXPIRE", "PEXPIRE", "EXPIREAT", "PEXPIREAT", "PERSIST", "SET", "SETEX",
+    "PSETEX", "GETDEL", "GETEX", "GETSET", "RENAME", "RENAMENX", "MOVE", "RESTORE", "FLUSHDB",
+    "FLUSHALL", "HDEL",
+}  # fmt: skip
+CALL = re.compile(r"redis\.call\(\s*'(\w+)'\s*(?:,\s*(KEYS\[\d+\]))?([^)]*)\)")
+GUARD = re.compile(r"redis\.call\(\s*'GET'\s*,\s*(KEYS\[\d+\])\s*\)\s*==\s*ARGV\[\d+\]")
+PY_FORBIDDEN = {
+    "delete", "unlink", "expire", "pexpire", "expireat", "pexpireat", "persist", "getdel",
+    "getex", "getset", "setex", "psetex", "rename", "execute_command", "eval", "evalsha",
+    "flushdb", "flushall", "keys",
+}  # fmt: skip
+
+
+def scripts() -> list[tuple[str, str]]:
+    return [
+        (f"{module.__name__}.{name}", value)
+        for module in MODULES
+        for name, value in vars(module).items()
+        if name.endswith("_LUA") and isinstance(value, str)
+    ]
+
+
+def unguarded(script: str) -> list[str]:
+    """Destructive commands in ``script`` not protected by a compare on the same key."""
+    wake_lists = {key for cmd, key, _ in CALL.findall(script) if cmd.upper() == "RPUSH"}
+    guards: list[str | None] = []  # the key each open block compared, or None
+    problems = []
+    for line in script.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(("if ", "for ", "while ")) or stripped.endswith(" do"):
+            guard = GUARD.search(stripped)
+            guards.append(guard.group(1) if guard else None)
+        for cmd, key, rest in CALL.findall(stripped):
+            cmd = cmd.upper()
+            if cmd in ("KEYS", "SCAN"):
+                problems.append(f"{cmd} lists keys by pattern: {stripped}")
+            if cmd not in DESTRUCTIVE or key in wake_lists:
+                continue
+            if cmd == "SET" and "'NX'" in rest.upper():
+                continue
+            if key not in guards:
+                problems.append(f"{cmd} {key} without comparing its holder+token: {stripped}")
+        if stripped == "end" and guards:
+            guards.pop()
+    return problems
+
+
+@pytest.mark.parametrize(("name", "script"), scripts(), ids=[n for n, _ in scripts()])
+def test_no_lua_script_deletes_or_expires_without_comparing(name: str, script: str) -> None:
+    assert unguarded(script) == []
+
+
+def test_the_scripts_that_must_exist_are_scanned() -> None:
+    names = {name.rsplit(".", 1)[1] for name, _ in scripts()}
+    assert {"ACQUIRE_LUA", "RENEW_LUA", "RELEASE_LUA"} <= names
+
+
+def test_the_scan_catches_bare_deletes_and_expires() -> None:
+    assert unguarded("redis.call('DEL', KEYS[1])")
+    assert unguarded("redis.call('PEXPIRE', KEYS[1], ARGV[2])")
+    assert unguarded("redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])")
+    assert unguarded(
+        "if redis.call('GET', KEYS[2]) == ARGV[1] then\n  redis.call('DEL', KEYS[1])\nend"
+    )
+    assert unguarded("if x then\nend\nredis.call('DEL', KEYS[1])")
+    assert unguarded("redis.call('KEYS', 'leases:*')")
+    assert not unguarded(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then\n  redis.call('DEL', KEYS[1])\nend"
+    )
+
+
+def python_writes(source: str) -> list[str]:
+    """Direct redis-py calls in ``source`` that could delete, expire or overwrite a key."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        attr = node.func.attr
+        keywords = {k.arg: k.value for k in node.keywords}
+        nx = isinstance(keywords.get("nx"), ast.Constant) and keywords["nx"].value is True
+        if attr in PY_FORBIDDEN or (attr == "set" and not nx):
+            found.append(f"line {node.lineno}: .{attr}(...)")
+    return found
+
+
+@pytest.mark.parametrize("module", MODULES, ids=[m.__name__ for m in MODULES])
+def test_no_python_command_path_writes_without_comparing(module: ModuleType) -> None:
+    assert python_writes(inspect.getsource(module)) == []
+
+
+def test_the_python_scan_catches_bare_commands() -> None:
+    source = "def f(c):\n    c.delete('k')\n    c.set('k', 'v', px=5)\n    c.keys('x*')\n"
+    assert len(python_writes(source)) == 3
+    assert python_writes("def f(c):\n    c.set('k', 'v', nx=True, px=5)\n") == []
