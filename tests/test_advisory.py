@@ -18,7 +18,8 @@ from django.db import DataError, connection, transaction
 
 from leases import advisory
 from leases.errors import InvalidLeaseName, LeaseNotHeld, LeaseUnavailable, NotInTransaction
-from leases.keys import advisory_key, split_key
+from leases.keys import advisory_key
+from tests.advisory_support import holders, other_session
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -26,32 +27,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def other() -> Iterator[psycopg.Connection[Any]]:
-    """Another session on the test database, in autocommit."""
-    s = connection.settings_dict
-    conn = psycopg.connect(
-        dbname=s["NAME"],
-        user=s["USER"],
-        password=s["PASSWORD"],
-        host=s["HOST"],
-        port=s["PORT"],
-        autocommit=True,
-    )
-    try:
+    with other_session() as conn:
         yield conn
-    finally:
-        conn.close()
-
-
-def holders(other: psycopg.Connection[Any], name: str, *, granted: bool = True) -> int:
-    """How many sessions other than ``other`` hold (or wait for) the lock on ``name``."""
-    classid, objid = split_key(advisory_key(name))  # type: ignore[arg-type]
-    row = other.execute(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s"
-        " AND objid = %s AND objsubid = 1 AND granted = %s AND pid <> pg_backend_pid()",
-        [classid, objid, granted],
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def lock_timeout() -> str:
