@@ -1,0 +1,226 @@
+"""Redlock: a lease held on a majority of N independent Redis servers.
+
+Configuration (``LEASES["BACKENDS"][alias]``)::
+
+    {"ENGINE": "leases.backends.redlock",
+     "NODES": ["redis://a:6379/0", "redis://b:6379/0", "redis://c:6379/0"],
+     "NODE_TIMEOUT": 0.05}
+
+Options: ``NODES`` (URLs, or django-redis cache aliases, which keep their own timeouts),
+``NODE_TIMEOUT`` (seconds per node and request, default 0.05), ``PREFIX`` (default
+``"leases:"``), ``TOKEN_SOURCE`` (``"database"``, or the dotted path of a callable
+``(name) -> int`` whose results strictly increase per name), ``TOKEN_DATABASE`` (default
+``"default"``), ``RETRY_DELAY`` (seconds, default 0.05: the upper bound of the jittered pause
+between tries).
+
+One try of :meth:`Backend.try_acquire` follows the Redlock algorithm: ``SET NX PX`` on every
+node in turn, each bounded by the short node timeout so a dead or hung node costs little; the
+lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity = TTL - elapsed -
+drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
+``sent_at``). A failed try unlocks on *every* node, with the same compare-and-delete a release
+uses, because a node that timed out may still have set the key. Renewal extends on a quorum or
+reports the lease lost. The :class:`~leases.lease.Lease` layer retries failed tries; this
+backend's ``wait_for_release`` is the jittered pause between them.
+
+**Fencing.** Redlock has no monotonic counter of its own: node values are random and a node that
+restarts empty forgets everything (Kleppmann's objection: right after A's grant a node restarts,
+and B gets a majority including it while A still believes it holds the lease). So every grant
+takes its token, *after* winning the quorum, from a source with a global monotonic counter: by
+default the database backend's ``leases_lease`` row for the name, bumped in one statement on a
+connection of its own. B's token is then higher than A's, and the fence at the resource rejects
+whatever A writes after B has written. If the source is unavailable, the quorum is given back and
+the grant refused with :class:`~leases.errors.FencingUnavailable`.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import redis
+from django.utils.module_loading import import_string
+
+from .. import conf
+from ..errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
+from ._counter import DurableCounter
+from .base import Grant, LeaseBackend, LeaseInfo
+from .redis import (
+    RELEASE_LUA,
+    RENEW_LUA,
+    WAKE_TTL_MS,
+    LeaseKeys,
+    Reply,
+    check_options,
+    check_prefix,
+    connect,
+    eviction_problems,
+    expires,
+    ms,
+    text,
+)
+
+__all__ = ["Backend"]
+
+OPTIONS = frozenset(
+    {"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_DATABASE", "RETRY_DELAY"}
+)
+
+
+#: What :meth:`Backend._each` records for a node that failed or timed out.
+FAILED = object()
+
+
+class _Node:
+    """One Redis server: its client and its scripts (registered per client)."""
+
+    def __init__(self, alias: str, location: str, timeout: float) -> None:
+        url = location if "://" in location else None
+        self.location = location
+        self.client: Any = connect(alias, None if url else location, url, timeout)
+        self.renew = self.client.register_script(RENEW_LUA)
+        self.release = self.client.register_script(RELEASE_LUA)
+
+    def close(self) -> None:
+        if "://" in self.location:
+            self.client.close()
+
+
+class Backend(LeaseBackend):
+    """Leases on a quorum of independent Redis servers, fenced by a durable token source."""
+
+    def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
+        super().__init__(alias, options)
+        check_options(alias, options, OPTIONS)
+        nodes = options.get("NODES")
+        if not isinstance(nodes, list | tuple) or not nodes:
+            raise LeasesImproperlyConfigured(
+                f'LEASES["BACKENDS"][{alias!r}]["NODES"] must be a non-empty list of Redis URLs '
+                "or cache aliases (3 or 5 independent servers)"
+            )
+        self.locations = [str(node) for node in nodes]
+        self.quorum = len(self.locations) // 2 + 1
+        self.prefix = check_prefix(alias, options.get("PREFIX", "leases:"))
+        self.node_timeout = float(options.get("NODE_TIMEOUT", 0.05))
+        self.retry_delay = float(options.get("RETRY_DELAY", 0.05))
+        self.counter = DurableCounter(alias, str(options.get("TOKEN_DATABASE", "default")))
+        source = options.get("TOKEN_SOURCE", "database")
+        self.next_token: Callable[[str], int] = (
+            self.counter.bump_lease if source == "database" else import_string(str(source))
+        )
+        self._nodes: list[_Node] | None = None
+
+    @property
+    def nodes(self) -> list[_Node]:
+        """Clients made on first use (never at import); a race makes spare clients, no harm."""
+        if self._nodes is None:
+            self._nodes = [_Node(self.alias, loc, self.node_timeout) for loc in self.locations]
+        return self._nodes
+
+    def _each(self, call: Callable[[_Node], Any]) -> list[Any]:
+        """``call`` on every node in turn; a node that fails or times out answers ``FAILED``."""
+        answers: list[Any] = []
+        for node in self.nodes:
+            try:
+                answers.append(call(node))
+            except redis.RedisError:
+                answers.append(FAILED)
+        return answers
+
+    def _unlock_everywhere(self, keys: LeaseKeys, value: str) -> int:
+        """Compare-and-delete on every node (a timed-out ``SET`` may still have landed)."""
+        args = [value, WAKE_TTL_MS, "0"]
+        answers = self._each(
+            lambda n: n.release(keys=[keys.lock, keys.wake, keys.fence], args=args)
+        )
+        return sum(answer == Reply.OK for answer in answers)
+
+    def _valid(self, grant: Grant) -> bool:
+        settings = conf.get()
+        return time.monotonic() < grant.valid_until(settings.drift_factor, settings.drift_min)
+
+    def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        keys = LeaseKeys.of(self.prefix, name)
+        value = f"{secrets.token_hex(12)}:{holder}"
+        sent_at = time.monotonic()
+        answers = self._each(lambda n: n.client.set(keys.lock, value, nx=True, px=ms(ttl)))
+        if sum(answer is True for answer in answers) >= self.quorum:
+            try:
+                token = self.next_token(name)
+            except BaseException:
+                self._unlock_everywhere(keys, value)
+                raise
+            grant = Grant(name, holder, token, ttl, sent_at, expires(ttl), {"value": value})
+            if self._valid(grant):
+                return grant
+        self._unlock_everywhere(keys, value)
+        if all(answer is FAILED for answer in answers):
+            raise BackendUnavailable(self.alias, "no Redlock node answered")
+        return None
+
+    def renew(self, grant: Grant, ttl: float) -> Grant:
+        """Extend on a quorum within the new validity, or give the lease up everywhere."""
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        sent_at = time.monotonic()
+        args = [grant.extra["value"], ms(ttl)]
+        answers = self._each(lambda n: n.renew(keys=[keys.lock], args=args))
+        renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
+        if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
+            return renewed
+        self._unlock_everywhere(keys, str(grant.extra["value"]))
+        raise LeaseLost(grant.name, grant.token, "could not extend it on a quorum of nodes")
+
+    def release(self, grant: Grant) -> None:
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        if self._unlock_everywhere(keys, str(grant.extra["value"])) < self.quorum:
+            raise LeaseLost(grant.name, grant.token, "a quorum of nodes no longer had it")
+
+    def wait_for_release(self, name: str, timeout: float) -> bool:
+        """The jittered pause between tries (Redlock's retry delay), never longer than asked."""
+        time.sleep(max(0.0, min(timeout, random.uniform(self.retry_delay / 2, self.retry_delay))))
+        return False
+
+    def inspect(self, name: str) -> LeaseInfo | None:
+        keys = LeaseKeys.of(self.prefix, name)
+        values = [
+            v for v in self._each(lambda n: n.client.get(keys.lock)) if v not in (None, FAILED)
+        ]
+        token = self.counter.current_lease(name) or 0
+        held = [text(v) for v in values if values.count(v) >= self.quorum]
+        if held:
+            holder = held[0].split(":", 1)[1]
+            return LeaseInfo(name, holder, token, True, self.alias)
+        return LeaseInfo(name, "", token, False, self.alias) if values or token else None
+
+    def inspect_all(self) -> list[LeaseInfo]:
+        """Names with a lock key on any node, by ``SCAN`` (never ``KEYS``)."""
+        pattern = f"{self.prefix}{{*}}:lock"
+        names: set[str] = set()
+        for found in self._each(lambda n: list(n.client.scan_iter(match=pattern, count=1000))):
+            for key in () if found is FAILED else found:
+                names.add(LeaseKeys.name_of(self.prefix, text(key)[: -len("lock")] + "fence"))
+        infos = (self.inspect(name) for name in sorted(names))
+        return [info for info in infos if info is not None]
+
+    def deploy_checks(self) -> list[str]:
+        problems: list[str] = []
+        for node in self.nodes:
+            try:
+                found = eviction_problems(self.alias, node.client)
+            except BackendUnavailable as exc:
+                found = [str(exc)]
+            problems += [f"node {node.location}: {problem}" for problem in found]
+        if len(self.locations) < 3:
+            problems.append(
+                f"{len(self.locations)} node(s): Redlock needs 3 or more to survive one"
+            )
+        return problems
+
+    def close(self) -> None:
+        nodes, self._nodes = self._nodes, None
+        for node in nodes or ():
+            node.close()
+        self.counter.close()

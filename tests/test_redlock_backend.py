@@ -1,0 +1,185 @@
+"""Redlock over five throwaway Redis servers: quorum, prompt failure, Kleppmann's scenario."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from leases.backends.redis import LeaseKeys
+from leases.backends.redlock import Backend
+from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
+from tests import checker
+from tests.servers import RedisServer
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
+
+Servers = Callable[[int], list[RedisServer]]
+
+
+def unique() -> str:
+    return f"rl-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def five(redis_servers: Servers) -> list[RedisServer]:
+    return redis_servers(5)
+
+
+@pytest.fixture
+def make_backend() -> Iterator[Callable[..., Backend]]:
+    made: list[Backend] = []
+
+    def make(servers: list[RedisServer], **options: object) -> Backend:
+        backend = Backend("redlock-test", {"NODES": [s.url for s in servers], **options})
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def holders(servers: list[RedisServer], name: str) -> list[bytes | None]:
+    """The lock value on each live server (``None``: free or dead)."""
+    values: list[bytes | None] = []
+    for server in servers:
+        try:
+            client = redis.Redis.from_url(server.url, socket_timeout=0.5)
+            values.append(client.get(LeaseKeys.of("leases:", name).lock))
+        except redis.RedisError:
+            values.append(None)
+    return values
+
+
+def test_two_of_five_dead_still_acquires(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    backend, name = make_backend(five), unique()
+    for server in five[:2]:
+        server.stop("kill")
+    grant = backend.try_acquire(name, "a", 5)
+    assert grant is not None
+    assert backend.try_acquire(name, "b", 5) is None
+    grant = backend.renew(grant, 5)
+    backend.release(grant)
+    assert holders(five, name) == [None] * 5
+    again = backend.try_acquire(name, "b", 5)
+    assert again is not None and again.token > grant.token
+
+
+def test_three_of_five_dead_is_refused_and_live_nodes_are_clean(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    backend, name = make_backend(five), unique()
+    for server in five[2:]:
+        server.stop("kill")
+    assert backend.try_acquire(name, "a", 5) is None
+    # The two live nodes took the key; the failed attempt gave it back.
+    assert holders(five, name) == [None] * 5
+
+
+def test_three_of_five_hung_fails_without_hanging(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    backend, name = make_backend(five, NODE_TIMEOUT=0.05), unique()
+    for server in five[2:]:
+        server.pause()  # hung, not refused: only the node timeout bounds each request
+    try:
+        started = time.monotonic()
+        assert backend.try_acquire(name, "a", 5) is None
+        elapsed = time.monotonic() - started
+    finally:
+        for server in five[2:]:
+            server.resume()
+    # A hang detector, not a speed claim: redis-py's default 5 s timeout would take 30 s here.
+    assert elapsed < 5, elapsed
+
+
+def test_failed_attempt_unlocks_on_every_node_but_never_others_keys(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    backend, name = make_backend(five), unique()
+    key = LeaseKeys.of("leases:", name).lock
+    for server in five[2:]:
+        redis.Redis.from_url(server.url).set(key, "someone-else", px=10_000)
+    assert backend.try_acquire(name, "a", 5) is None
+    assert holders(five, name) == [None, None] + [b"someone-else"] * 3
+    for server in five:
+        stats = redis.Redis.from_url(server.url).info("commandstats")
+        assert stats["cmdstat_evalsha"]["calls"] >= 1, server.url  # the unlock reached it
+
+
+def test_every_node_dead_is_backend_unavailable(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    backend = make_backend(five)
+    for server in five:
+        server.stop("kill")
+    with pytest.raises(BackendUnavailable):
+        backend.try_acquire(unique(), "a", 5)
+
+
+def test_node_restarted_empty_after_a_grant_cannot_let_a_stale_write_in(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    """Kleppmann's scenario: A holds nodes 0-2; node 2 restarts empty; B wins nodes 2-4."""
+    backend, name, register = make_backend(five), unique(), checker.new_register()
+    for server in five[3:]:
+        server.pause()
+    try:
+        a = backend.try_acquire(name, "A", 10)
+    finally:
+        for server in five[3:]:
+            server.resume()
+    assert a is not None
+    assert checker.record_write(register, a.token, "A")
+    five[2].restart("kill")
+    b = backend.try_acquire(name, "B", 10)
+    assert b is not None, holders(five, name)  # both "hold" it now: Redlock alone is unsafe
+    assert b.token > a.token
+    assert checker.record_write(register, b.token, "B")
+    assert not checker.record_write(register, a.token, "A")  # the fence rejects A from now on
+    checker.check_history(register, [a.token, b.token])
+    with pytest.raises(LeaseLost):
+        backend.release(a)  # A is on 2 nodes only: no quorum, reported lost
+
+
+def test_release_after_expiry_keeps_successor(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    servers = redis_servers(3)
+    backend, name = make_backend(servers), unique()
+    old = backend.try_acquire(name, "old", 0.1)
+    assert old is not None
+    time.sleep(0.15)
+    new = backend.try_acquire(name, "new", 5)
+    assert new is not None and new.token > old.token
+    with pytest.raises(LeaseLost):
+        backend.release(old)
+    with pytest.raises(LeaseLost):
+        backend.renew(old, 5)
+    assert holders(servers, name) == [new.extra["value"].encode()] * 3
+    info = backend.inspect(name)
+    assert info is not None and info.held and (info.holder, info.token) == ("new", new.token)
+    assert [i.name for i in backend.inspect_all()] == [name]
+
+
+def test_grant_expiring_before_the_quorum_is_refused(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    servers = redis_servers(3)
+    backend, name = make_backend(servers), unique()
+    # 5 ms of TTL minus the 2 ms drift cannot survive three round trips and a database bump.
+    assert backend.try_acquire(name, "a", 0.005) is None
+    assert holders(servers, name) == [None] * 3
+
+
+def test_bad_nodes_are_configuration_errors() -> None:
+    with pytest.raises(LeasesImproperlyConfigured):
+        Backend("x", {"NODES": []})
+    with pytest.raises(LeasesImproperlyConfigured):
+        Backend("x", {"NODES": ["redis://127.0.0.1:1/0"], "URL": "x"})
