@@ -1,0 +1,164 @@
+"""The ``IDEMPOTENCY`` setting, read in one place.
+
+Read lazily and re-read when Django's ``setting_changed`` fires, so ``override_settings`` works.
+:func:`problems` lists what is wrong (``manage.py check`` reports it as ``idempotency.E001``);
+using a broken setting at run time raises
+:class:`~idempotency.errors.IdempotencyImproperlyConfigured` with the same message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+from django.utils.module_loading import import_string
+
+from .errors import IdempotencyImproperlyConfigured
+
+__all__ = ["IdempotencySettings", "ScopeFunction", "get", "problems", "resolve_scope"]
+
+SETTING_NAME = "IDEMPOTENCY"
+ON_CONFLICT_CHOICES = ("409", "wait")
+
+ScopeFunction = Callable[[Any], str]
+
+DEFAULTS: dict[str, Any] = {
+    # Seconds a completed key (and its stored response) is kept and replayed.
+    "TTL": 86400,
+    # Whether guarded requests without an Idempotency-Key header are refused with 400.
+    "REQUIRED": False,
+    # Methods guarded by default; others pass through untouched.
+    "METHODS": ["POST", "PATCH"],
+    # Scope of a key: a callable (or dotted path) request -> str. One scope never sees another's.
+    "SCOPE": "idempotency.scopes.by_user",
+    # What idempotency.scopes.by_user falls back to for anonymous requests.
+    "ANONYMOUS_SCOPE": "idempotency.scopes.by_session",
+    # Seconds a started key stays locked; after that a retry may take a crashed request's key.
+    "LOCK_TIMEOUT": 60,
+    # "409" answers a duplicate of a running request at once; "wait" waits up to WAIT_TIMEOUT.
+    "ON_CONFLICT": "409",
+    "WAIT_TIMEOUT": 10,
+    # Atomic mode: the key, the stored response and the view's database effects commit together.
+    "ATOMIC": True,
+    # Larger responses are refused (and rolled back) instead of being stored in part.
+    "MAX_RESPONSE_BYTES": 1024 * 1024,
+    # The database alias holding the keys (and, in atomic mode, the view's transaction).
+    "DATABASE": "default",
+}
+
+_POSITIVE = ("TTL", "LOCK_TIMEOUT", "MAX_RESPONSE_BYTES")
+_NON_NEGATIVE = ("WAIT_TIMEOUT",)
+_BOOLEANS = ("REQUIRED", "ATOMIC")
+_SCOPES = ("SCOPE", "ANONYMOUS_SCOPE")
+
+
+@dataclass(frozen=True)
+class IdempotencySettings:
+    ttl: float
+    required: bool
+    methods: frozenset[str]
+    scope: ScopeFunction
+    anonymous_scope: ScopeFunction
+    lock_timeout: float
+    on_conflict: str
+    wait_timeout: float
+    atomic: bool
+    max_response_bytes: int
+    database: str
+
+
+def _raw() -> dict[str, Any]:
+    value = getattr(django_settings, SETTING_NAME, {})
+    if not isinstance(value, dict):
+        raise IdempotencyImproperlyConfigured(f"{SETTING_NAME} must be a dict, not {type(value)}")
+    return value
+
+
+def resolve_scope(value: object) -> ScopeFunction:
+    """A scope callable from a callable or a dotted path; raises ImproperlyConfigured if neither."""
+    if isinstance(value, str):
+        try:
+            value = import_string(value)
+        except ImportError as exc:
+            raise IdempotencyImproperlyConfigured(f"cannot import scope {value!r}: {exc}") from exc
+    if not callable(value):
+        raise IdempotencyImproperlyConfigured(f"a scope must be a callable, not {value!r}")
+    return value
+
+
+def _number_problems(raw: dict[str, Any]) -> list[str]:
+    found = []
+    for key in _POSITIVE + _NON_NEGATIVE:
+        value = raw.get(key, DEFAULTS[key])
+        bad = isinstance(value, bool) or not isinstance(value, int | float)
+        if bad or value < 0 or (key in _POSITIVE and value == 0):
+            kind = "positive" if key in _POSITIVE else "non-negative"
+            found.append(f'{SETTING_NAME}["{key}"] must be a {kind} number, not {value!r}')
+    return found
+
+
+def problems() -> list[str]:
+    """Every problem with the current setting, as messages (empty when it is valid)."""
+    try:
+        raw = _raw()
+    except IdempotencyImproperlyConfigured as exc:
+        return [str(exc)]
+    found = [
+        f"{SETTING_NAME} has an unknown key {key!r} (known: {', '.join(sorted(DEFAULTS))})"
+        for key in raw
+        if key not in DEFAULTS
+    ]
+    found += _number_problems(raw)
+    found += [
+        f'{SETTING_NAME}["{key}"] must be True or False'
+        for key in _BOOLEANS
+        if not isinstance(raw.get(key, DEFAULTS[key]), bool)
+    ]
+    methods = raw.get("METHODS", DEFAULTS["METHODS"])
+    if isinstance(methods, str) or not all(isinstance(m, str) for m in methods or [None]):
+        found.append(f'{SETTING_NAME}["METHODS"] must be a non-empty list of method names')
+    if raw.get("ON_CONFLICT", "409") not in ON_CONFLICT_CHOICES:
+        found.append(f'{SETTING_NAME}["ON_CONFLICT"] must be one of {ON_CONFLICT_CHOICES}')
+    if not isinstance(raw.get("DATABASE", "default"), str):
+        found.append(f'{SETTING_NAME}["DATABASE"] must be a database alias')
+    elif raw.get("DATABASE", "default") not in django_settings.DATABASES:
+        found.append(f'{SETTING_NAME}["DATABASE"] names no alias of DATABASES')
+    for key in _SCOPES:
+        try:
+            resolve_scope(raw.get(key, DEFAULTS[key]))
+        except IdempotencyImproperlyConfigured as exc:
+            found.append(f'{SETTING_NAME}["{key}"]: {exc}')
+    return found
+
+
+@cache
+def get() -> IdempotencySettings:
+    """The validated setting; cached until Django reports the setting changed."""
+    found = problems()
+    if found:
+        raise IdempotencyImproperlyConfigured("; ".join(found))
+    raw = {**DEFAULTS, **_raw()}
+    return IdempotencySettings(
+        ttl=float(raw["TTL"]),
+        required=raw["REQUIRED"],
+        methods=frozenset(m.upper() for m in raw["METHODS"]),
+        scope=resolve_scope(raw["SCOPE"]),
+        anonymous_scope=resolve_scope(raw["ANONYMOUS_SCOPE"]),
+        lock_timeout=float(raw["LOCK_TIMEOUT"]),
+        on_conflict=raw["ON_CONFLICT"],
+        wait_timeout=float(raw["WAIT_TIMEOUT"]),
+        atomic=raw["ATOMIC"],
+        max_response_bytes=int(raw["MAX_RESPONSE_BYTES"]),
+        database=raw["DATABASE"],
+    )
+
+
+@receiver(setting_changed)
+def _setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting in (SETTING_NAME, "DATABASES"):
+        get.cache_clear()

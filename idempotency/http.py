@@ -1,0 +1,198 @@
+"""The HTTP edge: the Idempotency-Key header, request fingerprints, response capture and replay.
+
+Nothing here touches the database; :mod:`idempotency.store` never sees a request or response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
+from django.http.request import RawPostDataException
+
+from .errors import (
+    IdempotencyError,
+    IdempotencyKeyInProgress,
+    IdempotencyKeyInvalid,
+    IdempotencyKeyMultiple,
+    ResponseNotStorable,
+)
+from .store import Outcome
+
+__all__ = [
+    "HEADER",
+    "MAX_KEY_LENGTH",
+    "PROBLEM_TYPE_BASE",
+    "REPLAYED_HEADER",
+    "capture",
+    "default_fingerprint",
+    "parse_key",
+    "problem",
+    "replay",
+]
+
+HEADER = "Idempotency-Key"
+META_KEY = "HTTP_IDEMPOTENCY_KEY"
+REPLAYED_HEADER = "Idempotent-Replayed"
+MAX_KEY_LENGTH = 255
+PROBLEM_TYPE_BASE = "https://django-leases.readthedocs.io/en/stable/problems/"
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+
+# Never replayed: cookies belong to the first client's session; hop-by-hop headers describe the
+# first connection (RFC 9110 section 7.6.1), not the resource.
+UNREPLAYED_HEADERS = frozenset(
+    {
+        "set-cookie",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        REPLAYED_HEADER.lower(),
+    }
+)
+
+
+def _sf_string(raw: str) -> tuple[str, str]:
+    """Parse an RFC 8941 sf-string at the start of ``raw``: (the string, what follows it)."""
+    chars: list[str] = []
+    i = 1
+    while i < len(raw):
+        char = raw[i]
+        if char == "\\":
+            if i + 1 >= len(raw) or raw[i + 1] not in '"\\':
+                raise IdempotencyKeyInvalid(raw, "a backslash may only escape '\"' or '\\'")
+            chars.append(raw[i + 1])
+            i += 2
+            continue
+        if char == '"':
+            return "".join(chars), raw[i + 1 :]
+        if not " " <= char <= "~":
+            raise IdempotencyKeyInvalid(raw, "only printable ASCII characters are allowed")
+        chars.append(char)
+        i += 1
+    raise IdempotencyKeyInvalid(raw, "the quoted string is not closed")
+
+
+def parse_key(raw: str) -> str:
+    """The key in an ``Idempotency-Key`` header value.
+
+    Accepts the draft's RFC 8941 string (``"abc"``, with ``\\"`` and ``\\\\`` escapes) and the bare
+    form Stripe clients send (``abc``). Servers join repeated headers with commas, so a comma
+    after the string, or in a bare key, means more than one header.
+    """
+    value = raw.strip(" \t")
+    if value.startswith('"'):
+        key, rest = _sf_string(value)
+        rest = rest.strip(" \t")
+        if rest.startswith(","):
+            raise IdempotencyKeyMultiple(raw)
+        if rest:
+            raise IdempotencyKeyInvalid(raw, "unexpected characters after the quoted string")
+    else:
+        key = value
+        if "," in key:
+            raise IdempotencyKeyMultiple(raw)
+        if '"' in key or "\\" in key:
+            raise IdempotencyKeyInvalid(raw, "quotes and backslashes need the quoted form")
+        if not all(" " <= char <= "~" for char in key):
+            raise IdempotencyKeyInvalid(raw, "only printable ASCII characters are allowed")
+    if not key:
+        raise IdempotencyKeyInvalid(raw, "the key is empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise IdempotencyKeyInvalid(raw, f"the key is {len(key)} characters, over {MAX_KEY_LENGTH}")
+    return key
+
+
+def header_value(request: HttpRequest) -> str | None:
+    value = request.META.get(META_KEY)
+    return None if value is None else str(value)
+
+
+def digest(parts: Iterable[bytes]) -> str:
+    """A 64-character hex digest, the form every fingerprint is stored in."""
+    hasher = hashlib.sha256()
+    for part in parts:
+        hasher.update(len(part).to_bytes(8, "big"))
+        hasher.update(part)
+    return hasher.hexdigest()
+
+
+def _body(request: HttpRequest) -> bytes:
+    try:
+        return request.body
+    except RawPostDataException:
+        # A multipart body already parsed into POST and FILES (e.g. by CSRF middleware).
+        fields = sorted((k, v) for k, values in request.POST.lists() for v in values)
+        files = sorted(
+            (k, f.name or "", f.size or 0) for k, fs in request.FILES.lists() for f in fs
+        )
+        return json.dumps([fields, files]).encode()
+
+
+def default_fingerprint(request: HttpRequest) -> str:
+    """Method, path with query string and body digest: what makes two requests "the same"."""
+    return digest(
+        [(request.method or "").encode(), request.get_full_path().encode(), _body(request)]
+    )
+
+
+def _materialize(response: HttpResponseBase) -> HttpResponseBase:
+    render = getattr(response, "render", None)
+    if callable(render) and not getattr(response, "is_rendered", True):
+        rendered = render()
+        response = rendered if isinstance(rendered, HttpResponseBase) else response
+    return response
+
+
+def capture(response: HttpResponseBase, max_bytes: int) -> tuple[HttpResponseBase, Outcome]:
+    """The response (rendered) and what to store for it; refuses what cannot be replayed exactly."""
+    response = _materialize(response)
+    if response.streaming or isinstance(response, StreamingHttpResponse):
+        raise ResponseNotStorable(
+            f"{type(response).__name__} is streamed; return an HttpResponse from an idempotent "
+            "view, or exempt it"
+        )
+    if not isinstance(response, HttpResponse):
+        raise ResponseNotStorable(f"{type(response).__name__} has no stored content")
+    body = response.content
+    if len(body) > max_bytes:
+        raise ResponseNotStorable(
+            f"the body is {len(body)} bytes, over MAX_RESPONSE_BYTES ({max_bytes}); raise the "
+            "limit or return a smaller body (e.g. a link to the result)"
+        )
+    headers = [(k, v) for k, v in response.items() if k.lower() not in UNREPLAYED_HEADERS]
+    return response, Outcome(status=response.status_code, headers=headers, body=body)
+
+
+def replay(outcome: Outcome) -> HttpResponse:
+    """The stored response, byte for byte, marked ``Idempotent-Replayed: true``."""
+    response = HttpResponse(outcome.body, status=outcome.status or 200)
+    del response["Content-Type"]
+    for name, value in outcome.headers:
+        response[name] = value
+    response[REPLAYED_HEADER] = "true"
+    return response
+
+
+def problem(error: IdempotencyError) -> HttpResponse:
+    """An RFC 9457 problem response for an error a client caused, with a stable ``type``."""
+    body: dict[str, Any] = {
+        "type": PROBLEM_TYPE_BASE + error.slug,
+        "title": error.title,
+        "status": error.http_status,
+        "detail": str(error),
+    }
+    response = HttpResponse(
+        json.dumps(body), status=error.http_status, content_type=PROBLEM_CONTENT_TYPE
+    )
+    if isinstance(error, IdempotencyKeyInProgress):
+        response["Retry-After"] = "1"
+    return response

@@ -1,0 +1,69 @@
+"""``manage.py purge_idempotency_keys``: delete expired keys in small batches.
+
+Each batch is its own short transaction that locks only the rows it deletes (``SKIP LOCKED``
+leaves rows a request is taking over right now alone), so the purge can run next to live traffic
+and never holds the table. Expiry is judged by the database clock, like everywhere else.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+from django.db import connections
+
+from idempotency import conf
+
+EXPIRED = """
+expires_at < clock_timestamp() AND (state <> 'started' OR locked_until < clock_timestamp())
+"""
+COUNT_SQL = f"SELECT count(*) FROM idempotency_key WHERE {EXPIRED}"  # noqa: S608
+PURGE_BATCH_SQL = f"""
+DELETE FROM idempotency_key WHERE id IN (
+    SELECT id FROM idempotency_key WHERE {EXPIRED}
+    ORDER BY expires_at LIMIT %s FOR UPDATE SKIP LOCKED
+)
+"""  # noqa: S608
+BAR_WIDTH = 30
+
+
+class Command(BaseCommand):
+    help = "Delete expired idempotency keys in bounded batches (safe next to live traffic)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--batch-size", type=int, default=1000, help="rows per transaction")
+        parser.add_argument(
+            "--sleep", type=float, default=0.0, help="seconds to pause between batches"
+        )
+        parser.add_argument("--max-batches", type=int, default=0, help="stop after N (0: all)")
+        parser.add_argument("--database", default=None, help="alias (default: the setting's)")
+        parser.add_argument("--dry-run", action="store_true", help="only count expired keys")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        alias = options["database"] or conf.get().database
+        batch = max(1, options["batch_size"])
+        with connections[alias].cursor() as cursor:
+            cursor.execute(COUNT_SQL)
+            total = int(cursor.fetchone()[0])
+        self.stdout.write(f"{total} expired idempotency key(s)")
+        if options["dry_run"] or total == 0:
+            return
+        deleted = batches = 0
+        while not options["max_batches"] or batches < options["max_batches"]:
+            with connections[alias].cursor() as cursor:
+                cursor.execute(PURGE_BATCH_SQL, [batch])
+                count = cursor.rowcount
+            deleted += count
+            batches += 1
+            self._progress(deleted, max(total, deleted))
+            if count < batch:
+                break
+            if options["sleep"]:
+                time.sleep(options["sleep"])
+        self.stdout.write(self.style.SUCCESS(f"deleted {deleted} expired key(s)"))
+
+    def _progress(self, done: int, total: int) -> None:
+        filled = BAR_WIDTH * done // total if total else BAR_WIDTH
+        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+        self.stdout.write(f"[{bar}] {done}/{total}")

@@ -1,0 +1,43 @@
+"""The key table: one row per (scope, key), the request's fingerprint and its stored outcome.
+
+A row is ``started`` while its first request runs, holding a lock until ``locked_until`` (on the
+database clock, so app servers' clocks never matter); a retry may take it over after that, which is
+how a crashed request's key becomes usable again. ``owner`` names the attempt holding the lock, so
+a late finish of an attempt that was taken over changes nothing. A ``completed`` row replays its
+response until ``expires_at``.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+__all__ = ["IdempotencyKey"]
+
+
+class IdempotencyKey(models.Model):
+    class State(models.TextChoices):
+        STARTED = "started", "started"
+        COMPLETED = "completed", "completed"
+
+    scope = models.CharField(max_length=255)
+    key = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.STARTED)
+    owner = models.UUIDField(null=True, blank=True)
+    locked_until = models.DateTimeField(null=True, blank=True)
+    response_status = models.IntegerField(null=True, blank=True)
+    response_headers = models.JSONField(default=list, blank=True)
+    response_body = models.BinaryField(null=True, blank=True)
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "idempotency_key"
+        verbose_name = "idempotency key"
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "key"], name="idempotency_key_scope_key")
+        ]
+        indexes = [models.Index(fields=["expires_at"], name="idempotency_key_expires")]
+
+    def __str__(self) -> str:
+        return f"{self.scope} / {self.key} ({self.state})"

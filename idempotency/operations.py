@@ -1,0 +1,142 @@
+"""``idempotency_key``: run a non-HTTP operation once per key and record its result.
+
+For a management command, a webhook consumer or a script that may be re-run: the first run claims
+the key, runs the block (in atomic mode inside one transaction with the recorded result) and
+stores the result; a later run with the same key gets the recorded result instead. A ``with``
+block cannot skip itself, so the block checks ``op.replayed``; the decorator form skips the call::
+
+    with idempotency_key(f"invoice-{invoice.pk}", scope="billing") as op:
+        if not op.replayed:
+            op.result = send_invoice(invoice)
+    print(op.result)
+
+    @idempotency_key(lambda invoice_id: f"invoice-{invoice_id}", scope="billing")
+    def send_invoice(invoice_id: int) -> dict: ...
+
+Results are stored as JSON (``DjangoJSONEncoder``), so a replay returns the JSON form.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+from django.core.serializers.json import DjangoJSONEncoder
+
+from . import conf, http, store
+
+__all__ = ["Operation", "idempotency_key"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+KeySource = str | Callable[..., str]
+
+_OPEN: contextvars.ContextVar[tuple[Operation, ...]] = contextvars.ContextVar(
+    "idempotency_operations", default=()
+)
+
+
+@dataclass
+class Operation:
+    """One run under a key: ``replayed`` tells whether ``result`` was recorded by an earlier run."""
+
+    scope: str
+    key: str
+    replayed: bool
+    result: Any = None
+    _attempt: store.Attempt | None = field(default=None, repr=False)
+
+
+class idempotency_key:
+    """Context manager and decorator; holds only its options, so one instance may be shared."""
+
+    def __init__(
+        self,
+        key: KeySource,
+        *,
+        scope: str = "operations",
+        fingerprint: str = "",
+        ttl: float | None = None,
+        lock_timeout: float | None = None,
+        wait: float = 0.0,
+        atomic: bool | None = None,
+    ) -> None:
+        self.key = key
+        self.scope = scope
+        self.fingerprint = fingerprint
+        self.ttl = ttl
+        self.lock_timeout = lock_timeout
+        self.wait = wait
+        self.atomic = atomic
+
+    def _open(self, key: str) -> Operation:
+        settings = conf.get()
+        ttl = settings.ttl if self.ttl is None else self.ttl
+        lock = settings.lock_timeout if self.lock_timeout is None else self.lock_timeout
+        begun = store.begin(
+            self.scope,
+            key,
+            http.digest([self.fingerprint.encode()]),
+            ttl=ttl,
+            lock_timeout=lock,
+            wait=self.wait,
+            using=settings.database,
+        )
+        begun.raise_for_conflict(self.scope, key)
+        if begun.outcome is not None:
+            return Operation(self.scope, key, replayed=True, result=json.loads(begun.outcome.body))
+        assert begun.claim is not None
+        atomic = settings.atomic if self.atomic is None else self.atomic
+        attempt = store.Attempt(begun.claim, atomic=atomic, ttl=ttl)
+        attempt.start()
+        return Operation(self.scope, key, replayed=False, _attempt=attempt)
+
+    def __enter__(self) -> Operation:
+        if callable(self.key):
+            raise TypeError("a key computed from arguments needs the decorator form")
+        operation = self._open(self.key)
+        _OPEN.set((*_OPEN.get(), operation))
+        return operation
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        *rest, operation = _OPEN.get()
+        _OPEN.set(tuple(rest))
+        attempt = operation._attempt
+        if attempt is None:
+            return
+        if exc_type is not None:
+            attempt.abort()
+            return
+        body = json.dumps(operation.result, cls=DjangoJSONEncoder).encode()
+        attempt.commit(store.Outcome(status=None, headers=[], body=body))
+
+    def __call__(self, func: F) -> F:
+        @functools.wraps(func)
+        def run_once(*args: Any, **kwargs: Any) -> Any:
+            key = self.key(*args, **kwargs) if callable(self.key) else self.key
+            with self._with_key(key) as op:
+                if not op.replayed:
+                    op.result = func(*args, **kwargs)
+            return op.result
+
+        return cast(F, run_once)
+
+    def _with_key(self, key: str) -> idempotency_key:
+        return idempotency_key(
+            key,
+            scope=self.scope,
+            fingerprint=self.fingerprint,
+            ttl=self.ttl,
+            lock_timeout=self.lock_timeout,
+            wait=self.wait,
+            atomic=self.atomic,
+        )

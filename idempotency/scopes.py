@@ -1,0 +1,54 @@
+"""Scope functions: whose key space a request's Idempotency-Key lives in.
+
+A key is unique per scope, so the scope is what keeps one client from replaying another's
+response. Secrets that identify a client (session keys, API keys) are hashed before they become a
+scope: the key table is visible in the admin and must not become a list of live credentials.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from . import conf
+
+__all__ = ["ANONYMOUS", "anonymous", "by_header", "by_session", "by_user"]
+
+ANONYMOUS = "anonymous"
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()[:40]
+
+
+def by_user(request: Any) -> str:
+    """``user:<pk>`` for an authenticated user, else the ``ANONYMOUS_SCOPE`` setting's answer."""
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated:
+        return f"user:{user.pk}"
+    return conf.get().anonymous_scope(request)
+
+
+def by_session(request: Any) -> str:
+    """The (hashed) session key when the client has a session, else the shared anonymous scope."""
+    session = getattr(request, "session", None)
+    session_key = getattr(session, "session_key", None)
+    return f"session:{_digest(session_key)}" if session_key else ANONYMOUS
+
+
+def anonymous(request: Any) -> str:
+    """One scope shared by every anonymous client: only safe when keys are unguessable."""
+    return ANONYMOUS
+
+
+def by_header(name: str) -> Callable[[Any], str]:
+    """A scope function keyed by a (hashed) request header, e.g. an API key header."""
+    meta_key = "HTTP_" + name.upper().replace("-", "_")
+
+    def scope(request: Any) -> str:
+        value = request.META.get(meta_key)
+        return f"header:{name.lower()}:{_digest(value)}" if value else by_user(request)
+
+    scope.__name__ = f"by_header_{name.lower().replace('-', '_')}"
+    return scope

@@ -1,0 +1,273 @@
+"""``@idempotent`` for function views and ``IdempotentMixin`` for class-based and DRF views.
+
+Both run one ``_Guard``: it parses the header, claims the key (one round trip), replays or
+refuses duplicates, and otherwise runs the view inside an :class:`~idempotency.store.Attempt`, so
+in atomic mode the view's database effects and the stored response commit together. The guard
+holds only options; a request's live state is local to the call, so one decorated view serves
+every thread at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar, cast, overload
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponseBase
+
+from . import conf, http, store
+from .errors import IdempotencyError, IdempotencyImproperlyConfigured, IdempotencyKeyMissing
+
+__all__ = ["IdempotentMixin", "idempotent"]
+
+logger = logging.getLogger("idempotency")
+
+View = TypeVar("View", bound=Callable[..., Any])
+Fingerprint = Callable[[Any], str]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-view options; ``None`` means "the IDEMPOTENCY setting's value", read per request."""
+
+    required: bool | None = None
+    methods: Iterable[str] | None = None
+    ttl: float | None = None
+    scope: conf.ScopeFunction | str | None = None
+    fingerprint: Fingerprint | None = None
+    on_conflict: str | None = None
+    wait_timeout: float | None = None
+    lock_timeout: float | None = None
+    atomic: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_conflict not in (None, *conf.ON_CONFLICT_CHOICES):
+            raise IdempotencyImproperlyConfigured(
+                f"on_conflict must be one of {conf.ON_CONFLICT_CHOICES}, not {self.on_conflict!r}"
+            )
+        if isinstance(self.methods, str):
+            raise IdempotencyImproperlyConfigured("methods must be a list, e.g. ['POST']")
+        if self.scope is not None:
+            conf.resolve_scope(self.scope)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    scope: str
+    key: str
+    fingerprint: str
+
+
+class _Guard:
+    """The protocol around one view call; stateless apart from its options."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+
+    def _settings(self) -> conf.IdempotencySettings:
+        return conf.get()
+
+    def _plan(self, request: HttpRequest, scope_source: Callable[[], Any]) -> _Plan | None:
+        opts, defaults = self.options, self._settings()
+        methods = {m.upper() for m in opts.methods} if opts.methods else defaults.methods
+        if request.method not in methods:
+            return None
+        raw = http.header_value(request)
+        if raw is None:
+            required = defaults.required if opts.required is None else opts.required
+            if required:
+                raise IdempotencyKeyMissing()
+            return None
+        key = http.parse_key(raw)
+        scope_request = scope_source()
+        if scope_request is None:
+            return None
+        scope_fn = conf.resolve_scope(opts.scope) if opts.scope else defaults.scope
+        fingerprint = (opts.fingerprint or http.default_fingerprint)(request)
+        if opts.fingerprint is not None:
+            fingerprint = http.digest([fingerprint.encode()])
+        return _Plan(scope=scope_fn(scope_request), key=key, fingerprint=fingerprint)
+
+    def open(
+        self, request: HttpRequest, scope_source: Callable[[], Any] | None = None
+    ) -> HttpResponseBase | store.Attempt | None:
+        """Claim the key: None (not guarded), a response (refusal or replay), or an Attempt.
+
+        ``scope_source`` gives the object handed to the scope function (DRF's request, whose
+        user DRF authenticated); it is called only for guarded requests, and None skips them.
+        """
+        defaults, opts = self._settings(), self.options
+        try:
+            plan = self._plan(request, scope_source or (lambda: request))
+            if plan is None:
+                return None
+            wait = opts.wait_timeout if opts.wait_timeout is not None else defaults.wait_timeout
+            conflict = opts.on_conflict or defaults.on_conflict
+            lock = opts.lock_timeout if opts.lock_timeout is not None else defaults.lock_timeout
+            ttl = opts.ttl if opts.ttl is not None else defaults.ttl
+            begun = store.begin(
+                plan.scope,
+                plan.key,
+                plan.fingerprint,
+                ttl=ttl,
+                lock_timeout=lock,
+                wait=wait if conflict == "wait" else 0.0,
+                using=defaults.database,
+            )
+            begun.raise_for_conflict(plan.scope, plan.key)
+        except IdempotencyError as exc:
+            return http.problem(exc)
+        if begun.outcome is not None:
+            return http.replay(begun.outcome)
+        assert begun.claim is not None
+        atomic = defaults.atomic if opts.atomic is None else opts.atomic
+        attempt = store.Attempt(begun.claim, atomic=atomic, ttl=ttl)
+        attempt.start()
+        return attempt
+
+    def close(self, attempt: store.Attempt, response: HttpResponseBase) -> HttpResponseBase:
+        """Store a response under 500 with the effects; undo everything for 5xx or failures."""
+        try:
+            response, outcome = http.capture(response, self._settings().max_response_bytes)
+        except BaseException:
+            attempt.abort()
+            raise
+        if response.status_code >= 500:
+            attempt.abort()
+            return response
+        try:
+            attempt.commit(outcome)
+        except IdempotencyError as exc:
+            logger.warning("idempotent attempt not stored: %s", exc)
+            return http.problem(exc)
+        return response
+
+    def run(
+        self,
+        request: HttpRequest,
+        call: Callable[[], HttpResponseBase],
+        scope_source: Callable[[], Any] | None = None,
+    ) -> HttpResponseBase:
+        opened = self.open(request, scope_source)
+        if opened is None:
+            return call()
+        if isinstance(opened, HttpResponseBase):
+            return opened
+        try:
+            response = call()
+        except BaseException:
+            opened.abort()
+            raise
+        return self.close(opened, response)
+
+    async def arun(
+        self, request: HttpRequest, call: Callable[[], Awaitable[HttpResponseBase]]
+    ) -> HttpResponseBase:
+        """The async form: database steps run in the request's thread-sensitive sync thread,
+        where the async ORM's queries also run, so they share the attempt's transaction."""
+        opened = await sync_to_async(self.open)(request)
+        if opened is None:
+            return await call()
+        if isinstance(opened, HttpResponseBase):
+            return opened
+        try:
+            response = await call()
+        except BaseException:
+            await sync_to_async(opened.abort)()
+            raise
+        return await sync_to_async(self.close)(opened, response)
+
+
+def _decorate(view: View, options: Options) -> View:
+    guard = _Guard(options)
+    if inspect.iscoroutinefunction(view):
+
+        @functools.wraps(view)
+        async def async_wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+            return await guard.arun(request, lambda: view(request, *args, **kwargs))
+
+        return cast(View, async_wrapper)
+
+    @functools.wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        return guard.run(request, lambda: view(request, *args, **kwargs))
+
+    return cast(View, wrapper)
+
+
+@overload
+def idempotent(view: View, /) -> View: ...
+@overload
+def idempotent(
+    *,
+    required: bool | None = None,
+    methods: Iterable[str] | None = None,
+    ttl: float | None = None,
+    scope: conf.ScopeFunction | str | None = None,
+    fingerprint: Fingerprint | None = None,
+    on_conflict: str | None = None,
+    wait_timeout: float | None = None,
+    lock_timeout: float | None = None,
+    atomic: bool | None = None,
+) -> Callable[[View], View]: ...
+def idempotent(view: Any = None, /, **options: Any) -> Any:
+    """Make a view honour the Idempotency-Key header (bare ``@idempotent`` or called form).
+
+    Unset options come from the ``IDEMPOTENCY`` setting at request time. ``on_conflict="wait"``
+    waits up to ``wait_timeout`` seconds for a running duplicate and then replays its response.
+    """
+    opts = Options(**options)
+    if view is None:
+        return lambda fn: _decorate(fn, opts)
+    return _decorate(view, opts)
+
+
+class IdempotentMixin:
+    """Honour Idempotency-Key in a class-based view or a DRF ``APIView``/viewset.
+
+    Options are class attributes named ``idempotency_<option>``. For DRF views the scope is
+    computed from DRF's authenticated user (token, session or any authenticator), not only
+    Django's session user; a request DRF cannot authenticate is left for DRF to refuse.
+    """
+
+    idempotency_required: bool | None = None
+    idempotency_methods: Iterable[str] | None = None
+    idempotency_ttl: float | None = None
+    idempotency_scope: conf.ScopeFunction | str | None = None
+    idempotency_fingerprint: Fingerprint | None = None
+    idempotency_on_conflict: str | None = None
+    idempotency_wait_timeout: float | None = None
+    idempotency_lock_timeout: float | None = None
+    idempotency_atomic: bool | None = None
+
+    def get_idempotency_options(self) -> Options:
+        fields = Options.__dataclass_fields__
+        values = {name: getattr(self, f"idempotency_{name}") for name in fields}
+        scope = values["scope"]
+        if callable(scope) and not isinstance(scope, str) and hasattr(scope, "__func__"):
+            values["scope"] = scope.__func__  # a plain function stored on the class
+        return replace(Options(), **values)
+
+    def _idempotency_scope_request(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        initialize = getattr(self, "initialize_request", None)
+        if initialize is None:
+            return request
+        drf_request = initialize(request, *args, **kwargs)
+        try:
+            drf_request.user  # noqa: B018  (runs DRF's authenticators)
+        except Exception:
+            return None  # DRF refuses the request itself; nothing to guard
+        return drf_request
+
+    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        parent = super().dispatch  # type: ignore[misc]
+        guard = _Guard(self.get_idempotency_options())
+        return guard.run(
+            request,
+            lambda: parent(request, *args, **kwargs),
+            lambda: self._idempotency_scope_request(request, *args, **kwargs),
+        )

@@ -1,0 +1,260 @@
+"""The Idempotency-Key contract of ``@idempotent`` and ``IdempotentMixin``, in process."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.db import connection
+from django.test import AsyncClient, Client, RequestFactory, override_settings
+
+from idempotency import IdempotencyImproperlyConfigured, ResponseNotStorable, idempotent
+from idempotency.checks import check_settings
+from idempotency.http import PROBLEM_TYPE_BASE, default_fingerprint
+from idempotency.models import IdempotencyKey
+from idempotency.store import begin
+from tests.factories import UserFactory
+from tests.testapp import views_idempotency
+from tests.testapp.models_idempotency import Charge
+
+pytestmark = pytest.mark.django_db
+
+BODY = json.dumps({"amount": 42})
+
+
+def post(client: Client, url: str, key: str | None, body: str = BODY, **extra: Any) -> Any:
+    if key is not None:
+        extra["HTTP_IDEMPOTENCY_KEY"] = key
+    return client.post(url, body, content_type="application/json", **extra)
+
+
+def problem_type(response: Any) -> str:
+    assert response["Content-Type"] == "application/problem+json"
+    data = json.loads(response.content)
+    assert data["status"] == response.status_code and data["detail"] and data["title"]
+    return str(data["type"]).removeprefix(PROBLEM_TYPE_BASE)
+
+
+@pytest.fixture(autouse=True)
+def _no_failures() -> Any:
+    views_idempotency.FAILURES.update(status=0, raise_=0)
+    yield
+    views_idempotency.FAILURES.update(status=0, **{"raise": 0})
+
+
+def test_replay_returns_the_stored_response_byte_for_byte(client: Client) -> None:
+    first = post(client, "/idem/charge/", '"k-1"')
+    again = post(client, "/idem/charge/", '"k-1"')
+    assert first.status_code == again.status_code == 201
+    assert again.content == first.content
+    assert again["X-Charge"] == first["X-Charge"]
+    assert again["Content-Type"] == first["Content-Type"]
+    assert again["Idempotent-Replayed"] == "true" and "Idempotent-Replayed" not in first
+    assert "last_charge" in first.cookies and "last_charge" not in again.cookies
+    assert "Connection" not in again
+    assert Charge.objects.count() == 1
+
+
+def test_quoted_and_bare_forms_name_the_same_key(client: Client) -> None:
+    first = post(client, "/idem/charge/", '"stripe-style"')
+    again = post(client, "/idem/charge/", "stripe-style")
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+
+
+def test_escapes_in_an_sf_string_are_decoded(client: Client) -> None:
+    post(client, "/idem/charge/", r'"a\"b\\c"')
+    assert IdempotencyKey.objects.get().key == 'a"b\\c'
+
+
+def test_requests_without_a_key_run_every_time_unless_required(client: Client) -> None:
+    post(client, "/idem/charge/", None)
+    post(client, "/idem/charge/", None)
+    assert Charge.objects.count() == 2 and IdempotencyKey.objects.count() == 0
+
+
+def test_unguarded_methods_pass_through(client: Client) -> None:
+    response = client.get("/idem/charge/", HTTP_IDEMPOTENCY_KEY="x")
+    assert response.status_code == 201 and IdempotencyKey.objects.count() == 0
+
+
+BAD_INPUTS = [
+    ("/idem/required/", None, 400, "idempotency-key-missing"),
+    ("/idem/charge/", '""', 400, "idempotency-key-malformed"),
+    ("/idem/charge/", '"unterminated', 400, "idempotency-key-malformed"),
+    ("/idem/charge/", r'"bad\escape"', 400, "idempotency-key-malformed"),
+    ("/idem/charge/", '"a" trailing', 400, "idempotency-key-malformed"),
+    ("/idem/charge/", '"cl\xe9"', 400, "idempotency-key-malformed"),
+    ("/idem/charge/", "tab\there", 400, "idempotency-key-malformed"),
+    ("/idem/charge/", 'bare"quote', 400, "idempotency-key-malformed"),
+    ("/idem/charge/", '"' + "k" * 256 + '"', 400, "idempotency-key-malformed"),
+    ("/idem/charge/", "k" * 256, 400, "idempotency-key-malformed"),
+    ("/idem/charge/", '"a", "b"', 400, "idempotency-key-multiple"),
+    ("/idem/charge/", "a,b", 400, "idempotency-key-multiple"),
+]
+
+
+@pytest.mark.parametrize(("url", "header", "status", "slug"), BAD_INPUTS)
+def test_bad_input_is_refused_and_nothing_is_stored(
+    client: Client, url: str, header: str | None, status: int, slug: str
+) -> None:
+    response = post(client, url, header)
+    assert response.status_code == status
+    assert problem_type(response) == slug
+    assert IdempotencyKey.objects.count() == 0 and Charge.objects.count() == 0
+
+
+def test_a_255_character_key_works_and_256_does_not(client: Client) -> None:
+    assert post(client, "/idem/charge/", "k" * 255).status_code == 201
+    assert post(client, "/idem/charge/", "k" * 255)["Idempotent-Replayed"] == "true"
+    assert post(client, "/idem/charge/", "k" * 256).status_code == 400
+    assert IdempotencyKey.objects.get().key == "k" * 255
+
+
+def test_same_key_for_a_different_request_is_422(client: Client) -> None:
+    post(client, "/idem/charge/", "k-2")
+    other_body = post(client, "/idem/charge/", "k-2", body=json.dumps({"amount": 43}))
+    other_path = post(client, "/idem/charge/?x=1", "k-2")
+    for response in (other_body, other_path):
+        assert response.status_code == 422
+        assert problem_type(response) == "idempotency-key-mismatch"
+    assert Charge.objects.count() == 1 and IdempotencyKey.objects.count() == 1
+
+
+def test_same_key_while_the_first_runs_is_409_with_retry_after(client: Client) -> None:
+    request = RequestFactory().post(
+        "/idem/charge/", BODY, content_type="application/json", HTTP_IDEMPOTENCY_KEY="k-3"
+    )
+    running = begin("anonymous", "k-3", default_fingerprint(request), ttl=60, lock_timeout=60)
+    assert running.claim is not None
+    response = post(client, "/idem/charge/", "k-3")
+    assert response.status_code == 409
+    assert problem_type(response) == "idempotency-key-in-progress"
+    assert int(response["Retry-After"]) >= 1
+    assert Charge.objects.count() == 0
+
+
+def test_one_users_key_never_replays_to_another_user(client: Client) -> None:
+    alice, bob = UserFactory(username="alice"), UserFactory(username="bob")
+    client.force_login(alice)
+    first = post(client, "/idem/charge/", "shared")
+    other = Client()
+    other.force_login(bob)
+    second = post(other, "/idem/charge/", "shared")
+    assert "Idempotent-Replayed" not in second
+    assert json.loads(first.content)["owner"] == "alice"
+    assert json.loads(second.content)["owner"] == "bob"
+    assert post(client, "/idem/charge/", "shared").content == first.content
+    assert post(other, "/idem/charge/", "shared").content == second.content
+    assert Charge.objects.count() == 2
+
+
+def test_a_5xx_keeps_neither_response_nor_effect_and_the_retry_runs(client: Client) -> None:
+    views_idempotency.FAILURES["status"] = 1
+    assert post(client, "/idem/flaky/", "k-4").status_code == 503
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    retry = post(client, "/idem/flaky/", "k-4")
+    assert retry.status_code == 201 and "Idempotent-Replayed" not in retry
+    assert Charge.objects.count() == 1
+
+
+def test_an_exception_keeps_nothing_and_the_retry_runs(client: Client) -> None:
+    views_idempotency.FAILURES["raise"] = 1
+    with pytest.raises(RuntimeError):
+        post(client, "/idem/flaky/", "k-5")
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    assert post(client, "/idem/flaky/", "k-5").status_code == 201
+    assert Charge.objects.count() == 1
+
+
+@override_settings(IDEMPOTENCY={"MAX_RESPONSE_BYTES": 100})
+def test_an_oversized_response_is_refused_and_rolled_back(client: Client) -> None:
+    with pytest.raises(ResponseNotStorable):
+        post(client, "/idem/big/?size=101", "k-6")
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    assert post(client, "/idem/big/?size=100", "k-7").status_code == 200
+    assert Charge.objects.count() == 1
+
+
+def test_a_streaming_response_is_refused_and_rolled_back(client: Client) -> None:
+    with pytest.raises(ResponseNotStorable, match="streamed"):
+        post(client, "/idem/stream/", "k-8")
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+
+
+def test_an_expired_key_can_be_reused(client: Client) -> None:
+    first = post(client, "/idem/charge/", "k-9")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE idempotency_key SET expires_at = clock_timestamp() - interval '1 second'"
+        )
+    again = post(client, "/idem/charge/", "k-9")
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again
+    assert again.content != first.content and Charge.objects.count() == 2
+
+
+@override_settings(IDEMPOTENCY={"REQUIRED": True})
+def test_the_setting_makes_keys_required(client: Client) -> None:
+    response = post(client, "/idem/charge/", None)
+    assert response.status_code == 400 and problem_type(response) == "idempotency-key-missing"
+
+
+def test_class_based_view_with_the_mixin(client: Client) -> None:
+    assert post(client, "/idem/cbv/", None).status_code == 400
+    first = post(client, "/idem/cbv/", "k-10")
+    assert post(client, "/idem/cbv/", "k-10").content == first.content
+    assert Charge.objects.count() == 1
+
+
+def _basic(username: str) -> str:
+    return "Basic " + base64.b64encode(f"{username}:password".encode()).decode()
+
+
+@pytest.mark.parametrize("url", ["/idem/drf/", "/idem/viewset/"])
+def test_drf_views_scope_keys_by_the_drf_authenticated_user(client: Client, url: str) -> None:
+    users = [UserFactory(username="carol"), UserFactory(username="dave")]
+    carol = post(client, url, "k-11", HTTP_AUTHORIZATION=_basic("carol"))
+    dave = post(client, url, "k-11", HTTP_AUTHORIZATION=_basic("dave"))
+    assert carol.status_code == dave.status_code == 201
+    assert json.loads(carol.content)["owner"] == "carol"
+    assert json.loads(dave.content)["owner"] == "dave"
+    replay = post(client, url, "k-11", HTTP_AUTHORIZATION=_basic("carol"))
+    assert replay.content == carol.content and replay["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 2
+    scopes = set(IdempotencyKey.objects.values_list("scope", flat=True))
+    assert scopes == {f"user:{user.pk}" for user in users}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_async_views_are_guarded_atomically() -> None:
+    client = AsyncClient()
+
+    def send(key: str, body: dict[str, Any]) -> Any:
+        return async_to_sync(client.post)(
+            "/idem/async/", json.dumps(body), "application/json", headers={"Idempotency-Key": key}
+        )
+
+    assert send("a-1", {"amount": 1, "fail": True}).status_code == 500
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    first = send("a-2", {"amount": 2})
+    again = send("a-2", {"amount": 2})
+    assert first.status_code == 201 and again.content == first.content
+    assert again["Idempotent-Replayed"] == "true" and Charge.objects.count() == 1
+
+
+def test_decorator_options_are_checked_when_decorating() -> None:
+    with pytest.raises(IdempotencyImproperlyConfigured):
+        idempotent(on_conflict="maybe")
+    with pytest.raises(IdempotencyImproperlyConfigured):
+        idempotent(methods="POST")
+
+
+def test_a_bad_setting_is_reported_by_system_checks() -> None:
+    with override_settings(IDEMPOTENCY={"TTL": -1, "BOGUS": 1, "SCOPE": "no.such.scope"}):
+        ids = [message.id for message in check_settings()]
+        messages = " ".join(message.msg for message in check_settings())
+    assert ids and set(ids) == {"idempotency.E001"}
+    assert "TTL" in messages and "BOGUS" in messages and "no.such.scope" in messages
+    assert check_settings() == []

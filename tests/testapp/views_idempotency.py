@@ -1,0 +1,158 @@
+"""Views the idempotency tests call, in process and on a live server (URLconf: ``idem/``).
+
+Every view applies one visible side effect, a ``Charge`` row, so a test can count how often a
+view's effects really committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.urls import path
+from django.views import View
+from django.views.decorators.csrf import csrf_exempt
+from rest_framework import viewsets
+from rest_framework.authentication import BasicAuthentication
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from idempotency import IdempotentMixin, idempotent
+from tests.testapp.models_idempotency import Charge
+
+# Failures the flaky view still has to produce, by kind ("status" -> 503, "raise" -> exception).
+FAILURES: dict[str, int] = {"status": 0, "raise": 0}
+CRASH_MARKER_ENV = "IDEMPOTENCY_TEST_CRASH_MARKER"
+
+
+def _charge(request: Any) -> Charge:
+    raw = request.body if isinstance(request, HttpRequest) else request._request.body
+    data = json.loads(raw or b"{}")
+    user = getattr(request, "user", None)
+    charge = Charge.objects.create(
+        key=request.META.get("HTTP_IDEMPOTENCY_KEY", ""),
+        amount=int(data.get("amount", 0)),
+        owner=user.get_username() if user is not None and user.is_authenticated else "",
+    )
+    time.sleep(float(data.get("sleep", 0)))
+    return charge
+
+
+def _answer(charge: Charge) -> JsonResponse:
+    response = JsonResponse(
+        {"charge": charge.pk, "amount": charge.amount, "owner": charge.owner}, status=201
+    )
+    response["X-Charge"] = str(charge.pk)
+    response["Connection"] = "keep-alive"
+    response.set_cookie("last_charge", str(charge.pk))
+    return response
+
+
+@csrf_exempt
+@idempotent
+def charge(request: HttpRequest) -> HttpResponse:
+    return _answer(_charge(request))
+
+
+@csrf_exempt
+@idempotent(required=True, methods=["POST", "PUT"])
+def charge_required(request: HttpRequest) -> HttpResponse:
+    return _answer(_charge(request))
+
+
+@csrf_exempt
+@idempotent(on_conflict="wait", wait_timeout=30)
+def charge_wait(request: HttpRequest) -> HttpResponse:
+    return _answer(_charge(request))
+
+
+@csrf_exempt
+@idempotent
+def charge_flaky(request: HttpRequest) -> HttpResponse:
+    made = _charge(request)
+    if FAILURES["status"] > 0:
+        FAILURES["status"] -= 1
+        return HttpResponse("upstream unavailable", status=503)
+    if FAILURES["raise"] > 0:
+        FAILURES["raise"] -= 1
+        raise RuntimeError("the view failed after writing")
+    return _answer(made)
+
+
+@csrf_exempt
+@idempotent(lock_timeout=1)
+def charge_crash(request: HttpRequest) -> HttpResponse:
+    """Writes its effect, then (the first time) tells the test and hangs until killed."""
+    made = _charge(request)
+    marker = Path(os.environ[CRASH_MARKER_ENV])
+    if not marker.exists():
+        marker.write_text(str(os.getpid()))
+        time.sleep(60)
+    return _answer(made)
+
+
+@csrf_exempt
+@idempotent
+def charge_big(request: HttpRequest) -> HttpResponse:
+    _charge(request)
+    return HttpResponse(b"x" * int(request.GET.get("size", "10")))
+
+
+@csrf_exempt
+@idempotent
+def charge_stream(request: HttpRequest) -> HttpResponse:
+    _charge(request)
+    return StreamingHttpResponse(iter([b"a", b"b"]))  # type: ignore[return-value]
+
+
+@csrf_exempt
+@idempotent
+async def charge_async(request: HttpRequest) -> HttpResponse:
+    data = json.loads(request.body or b"{}")
+    made = await Charge.objects.acreate(key="async", amount=int(data.get("amount", 0)))
+    if data.get("fail"):
+        return HttpResponse("failed", status=500)
+    return JsonResponse({"charge": made.pk, "amount": made.amount}, status=201)
+
+
+class ChargeView(IdempotentMixin, View):
+    idempotency_required = True
+
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return _answer(_charge(request))
+
+
+class ChargeAPIView(IdempotentMixin, APIView):
+    authentication_classes = [BasicAuthentication]
+
+    def post(self, request: Request) -> Response:
+        made = _charge(request)
+        return Response({"charge": made.pk, "owner": made.owner}, status=201)
+
+
+class ChargeViewSet(IdempotentMixin, viewsets.ViewSet):
+    authentication_classes = [BasicAuthentication]
+
+    def create(self, request: Request) -> Response:
+        made = _charge(request)
+        return Response({"charge": made.pk, "owner": made.owner}, status=201)
+
+
+urlpatterns = [
+    path("charge/", charge),
+    path("required/", charge_required),
+    path("wait/", charge_wait),
+    path("flaky/", charge_flaky),
+    path("crash/", charge_crash),
+    path("big/", charge_big),
+    path("stream/", charge_stream),
+    path("async/", charge_async),
+    path("cbv/", csrf_exempt(ChargeView.as_view())),
+    path("drf/", ChargeAPIView.as_view()),
+    path("viewset/", ChargeViewSet.as_view({"post": "create"})),
+]
