@@ -15,6 +15,7 @@ from .errors import (
     FencingUnavailable,
     InvalidFencingToken,
     InvalidLeaseName,
+    InvalidLeaseOption,
     LeaseAlreadyHeld,
     LeaseDeadlock,
     LeaseError,
@@ -26,6 +27,11 @@ from .errors import (
     StaleFencingToken,
 )
 
+# ``lease`` names both a submodule and its function. Imported eagerly (it touches no models) so
+# the function wins: a later ``import leases.lease`` would otherwise rebind ``leases.lease`` to
+# the module and break ``from leases import lease``.
+from .lease import Lease, acquire, lease
+
 if TYPE_CHECKING:  # each feature module adds its line when it lands
     from .fencing import FencedModel, check_fence
 
@@ -36,6 +42,7 @@ __all__ = [
     "FencingUnavailable",
     "InvalidFencingToken",
     "InvalidLeaseName",
+    "InvalidLeaseOption",
     "Leadership",
     "Lease",
     "LeaseAlreadyHeld",

@@ -15,6 +15,7 @@ __all__ = [
     "FencingUnavailable",
     "InvalidFencingToken",
     "InvalidLeaseName",
+    "InvalidLeaseOption",
     "LeaseAlreadyHeld",
     "LeaseDeadlock",
     "LeaseError",
@@ -55,6 +56,19 @@ class InvalidFencingToken(LeaseError, ValueError):
         self.token = token
         self.reason = reason
         super().__init__(f"invalid fencing token {token!r}: {reason}")
+
+
+class InvalidLeaseOption(LeaseError, ValueError):
+    """An argument of ``lease()``/``acquire()`` that cannot work (a ttl <= 0, a negative timeout).
+
+    Raised before anything reaches a server, like :class:`InvalidLeaseName`.
+    """
+
+    def __init__(self, option: str, value: object, reason: str) -> None:
+        self.option = option
+        self.value = value
+        self.reason = reason
+        super().__init__(f"invalid {option}={value!r}: {reason}")
 
 
 class LeasesImproperlyConfigured(LeaseError, ImproperlyConfigured):

@@ -1,0 +1,388 @@
+"""The default backend: leases in the ``leases_lease`` table of a Django PostgreSQL database.
+
+Every state change is one statement on a connection of the backend's own, in autocommit, so the
+caller's transaction can neither hide nor roll back an acquire or a release (and a grant commits
+durably: ``synchronous_commit`` is forced on for this connection, because a grant lost in a crash
+would be handed out again with the same token). Expiry is decided by ``clock_timestamp()`` on the
+server, and a row is never deleted: it carries the name's token counter.
+
+A failed try writes nothing. ``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` alone would lock the
+held row even when its ``WHERE`` is false, which assigns a transaction id and costs a WAL record
+and a commit flush per failed try; the read-only ``NOT EXISTS`` probe in the same statement makes
+the insert produce no row at all when the lease is held, so nothing is locked or written
+(``tests/test_lease_database.py::test_failed_try_assigns_no_transaction_id`` proves both).
+
+Waiters sleep on ``LISTEN`` (one listening connection per process and backend, channel
+:data:`CHANNEL`, payload = name); the release statement notifies in the same round trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import psycopg
+from django.db import connections
+from django.db.backends.signals import connection_created
+from django.utils.connection import ConnectionDoesNotExist
+
+from ..errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
+from .base import Capability, Grant, LeaseBackend, LeaseInfo
+
+__all__ = ["CHANNEL", "Backend"]
+
+logger = logging.getLogger("leases")
+
+#: The NOTIFY channel every release and forced release of this backend announces itself on.
+CHANNEL = "leases_released"
+
+#: Take ``name`` if it is free or expired, bumping its token; nothing is written when it is held.
+ACQUIRE_SQL = """
+INSERT INTO leases_lease AS l (name, holder, token, acquired_at, expires_at, renewed_at, meta)
+SELECT %(name)s::text, %(holder)s::text, 1, clock_timestamp(),
+       clock_timestamp() + make_interval(secs => %(ttl)s), NULL, '{}'
+WHERE NOT EXISTS (
+    SELECT 1 FROM leases_lease
+    WHERE name = %(name)s::text AND holder <> '' AND expires_at > clock_timestamp()
+)
+ON CONFLICT (name) DO UPDATE
+SET holder = EXCLUDED.holder, token = l.token + 1, acquired_at = EXCLUDED.acquired_at,
+    expires_at = EXCLUDED.expires_at, renewed_at = NULL
+WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
+RETURNING l.token, l.expires_at
+"""
+
+#: Extend a grant that is still ours and still valid on the server's clock.
+RENEW_SQL = """
+UPDATE leases_lease
+SET expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
+    renewed_at = clock_timestamp()
+WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
+  AND expires_at > clock_timestamp()
+RETURNING expires_at
+"""
+
+#: Free a grant that is still ours, keeping the token counter, and wake waiters (same trip).
+RELEASE_SQL = """
+WITH freed AS (
+    UPDATE leases_lease SET holder = '', expires_at = clock_timestamp()
+    WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
+      AND expires_at > clock_timestamp()
+    RETURNING name
+)
+SELECT pg_notify('leases_released', name) FROM freed
+"""
+
+#: Revoke whoever holds ``name``: advance the token so its renewals and fenced writes fail.
+FORCE_RELEASE_SQL = """
+WITH revoked AS (
+    UPDATE leases_lease SET token = token + 1, holder = '', expires_at = clock_timestamp()
+    WHERE name = %(name)s::text
+    RETURNING name, holder, token, acquired_at, expires_at, renewed_at, meta
+)
+SELECT name, holder, token, acquired_at, expires_at, renewed_at, meta, false,
+       pg_notify('leases_released', name)
+FROM revoked
+"""
+
+INSPECT_SQL = """
+SELECT name, holder, token, acquired_at, expires_at, renewed_at, meta,
+       holder <> '' AND expires_at > clock_timestamp()
+FROM leases_lease WHERE name = %(name)s::text
+"""
+INSPECT_ALL_SQL = """
+SELECT name, holder, token, acquired_at, expires_at, renewed_at, meta,
+       holder <> '' AND expires_at > clock_timestamp()
+FROM leases_lease ORDER BY name
+"""
+LISTEN_SQL = "LISTEN leases_released"
+DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
+
+#: libpq settings that bound how long a dead server can hang us (unless the user set them).
+_CONNECT_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10_000,
+    "application_name": "django-leases",
+}
+_KNOWN_OPTIONS = frozenset({"DATABASE"})
+_RECENT_RELEASES = 4096
+
+_instances: weakref.WeakSet[Backend] = weakref.WeakSet()
+#: Connections inherited over fork: kept referenced, never closed, because closing them would
+#: send a Terminate message on the parent's socket and end the parent's session.
+_inherited: list[object] = []
+
+
+def _connect(db_alias: str) -> psycopg.Connection[Any]:
+    """A new autocommit connection to the database Django's ``db_alias`` points at *now*.
+
+    Read at connect time, not at start-up, so a test database's name is used.
+    """
+    try:
+        wrapper = connections.create_connection(db_alias)
+    except ConnectionDoesNotExist as exc:
+        raise LeasesImproperlyConfigured(str(exc)) from exc
+    params = wrapper.get_connection_params()
+    params.pop("cursor_factory", None)
+    for key, value in _CONNECT_DEFAULTS.items():
+        params.setdefault(key, value)
+    params["options"] = f"{params.get('options', '')} -c synchronous_commit=on".strip()
+    try:
+        return psycopg.connect(autocommit=True, **params)
+    except psycopg.Error as exc:
+        raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
+
+
+def _info(row: tuple[Any, ...], backend: str) -> LeaseInfo:
+    name, holder, token, acquired_at, expires_at, renewed_at, meta, held = row[:8]
+    return LeaseInfo(
+        name=name,
+        holder=holder,
+        token=int(token),
+        held=bool(held),
+        backend=backend,
+        acquired_at=acquired_at,
+        expires_at=expires_at,
+        renewed_at=renewed_at,
+        meta=json.loads(meta) if isinstance(meta, str | bytes) else meta or {},
+    )
+
+
+class _Listener:
+    """One ``LISTEN`` connection and thread; remembers when each name was last released."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._db_alias = backend.db_alias
+        self._cond = threading.Condition()
+        self._released: OrderedDict[str, float] = OrderedDict()
+        self._stop = threading.Event()
+        self.conn: psycopg.Connection[Any] | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"leases-listen-{backend.alias}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.conn = _connect(self._db_alias)
+                self.conn.execute(LISTEN_SQL)
+                while not self._stop.is_set():
+                    for note in self.conn.notifies(timeout=0.25):
+                        self._record(note.payload)
+            except Exception as exc:  # never die: waiters fall back to their backoff
+                if not self._stop.is_set():
+                    logger.debug("leases: LISTEN connection failed (%s); retrying", exc)
+                    self._stop.wait(0.5)
+            finally:
+                conn, self.conn = self.conn, None
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+
+    def _record(self, name: str) -> None:
+        with self._cond:
+            self._released[name] = time.monotonic()
+            self._released.move_to_end(name)
+            while len(self._released) > _RECENT_RELEASES:
+                self._released.popitem(last=False)
+            self._cond.notify_all()
+
+    def wait(self, name: str, since: float, timeout: float) -> bool:
+        """Whether ``name`` was released after ``since``, waiting up to ``timeout`` for it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._released.get(name, float("-inf")) < since:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+
+
+class Backend(LeaseBackend):
+    """Leases in the ``leases_lease`` table; option ``DATABASE`` names the Django alias."""
+
+    capabilities = frozenset(
+        {
+            Capability.NATIVE_FENCING,
+            Capability.WAIT_WITHOUT_POLLING,
+            Capability.FORCE_RELEASE,
+            Capability.DURABLE,
+        }
+    )
+
+    def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
+        super().__init__(alias, options)
+        unknown = set(self.options) - _KNOWN_OPTIONS
+        if unknown:
+            raise LeasesImproperlyConfigured(
+                f'LEASES["BACKENDS"][{alias!r}] has unknown options {sorted(unknown)} '
+                f"(known: {sorted(_KNOWN_OPTIONS)})"
+            )
+        self.db_alias: str = self.options.get("DATABASE", "default")
+        if self.db_alias not in connections.settings:
+            raise LeasesImproperlyConfigured(
+                f'LEASES["BACKENDS"][{alias!r}]["DATABASE"] = {self.db_alias!r} is not in DATABASES'
+            )
+        engine = connections.settings[self.db_alias]["ENGINE"]
+        if "postgresql" not in engine and "postgis" not in engine:
+            raise LeasesImproperlyConfigured(
+                f"the database lease backend needs PostgreSQL; {self.db_alias!r} uses {engine}"
+            )
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._listener: _Listener | None = None
+        self._local = threading.local()
+        _instances.add(self)
+
+    # -- the connection -------------------------------------------------------------------
+
+    def _run(self, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """Run one statement on the backend's own connection: one round trip.
+
+        Driver errors become :class:`BackendUnavailable`; a broken connection is dropped and
+        the next call reconnects (lease state lives in the table, not in the session).
+        """
+        with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = _connect(self.db_alias)
+            try:
+                cursor = conn.execute(sql, params)
+                return cursor.fetchall() if cursor.description else []
+            except psycopg.Error as exc:
+                if conn.broken or conn.closed:
+                    self._conn = None
+                    with contextlib.suppress(Exception):
+                        conn.close()
+                raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
+
+    def connection(self) -> psycopg.Connection[Any] | None:
+        """The backend's own connection, if open (for diagnostics and round-trip tests)."""
+        return self._conn
+
+    # -- the interface --------------------------------------------------------------------
+
+    def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        sent_at = time.monotonic()
+        rows = self._run(ACQUIRE_SQL, {"name": name, "holder": holder, "ttl": ttl})
+        if not rows:
+            self._failed_at()[name] = sent_at
+            return None
+        token, expires_at = rows[0]
+        return Grant(name, holder, int(token), ttl, sent_at, expires_at)
+
+    def renew(self, grant: Grant, ttl: float) -> Grant:
+        sent_at = time.monotonic()
+        params = {"name": grant.name, "holder": grant.holder, "token": grant.token, "ttl": ttl}
+        rows = self._run(RENEW_SQL, params)
+        if not rows:
+            raise LeaseLost(grant.name, grant.token, "expired or taken over before renewal")
+        return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=rows[0][0])
+
+    def release(self, grant: Grant) -> None:
+        params = {"name": grant.name, "holder": grant.holder, "token": grant.token}
+        if not self._run(RELEASE_SQL, params):
+            raise LeaseLost(grant.name, grant.token, "expired or taken over before release")
+
+    def wait_for_release(self, name: str, timeout: float) -> bool:
+        since = self._failed_at().pop(name, time.monotonic())
+        with self._lock:
+            if self._listener is None:
+                self._listener = _Listener(self)
+            listener = self._listener
+        return listener.wait(name, since, max(0.0, timeout))
+
+    def inspect(self, name: str) -> LeaseInfo | None:
+        rows = self._run(INSPECT_SQL, {"name": name})
+        return _info(rows[0], self.alias) if rows else None
+
+    def inspect_all(self) -> list[LeaseInfo]:
+        return [_info(row, self.alias) for row in self._run(INSPECT_ALL_SQL, {})]
+
+    def force_release(self, name: str) -> LeaseInfo | None:
+        rows = self._run(FORCE_RELEASE_SQL, {"name": name})
+        return _info(rows[0], self.alias) if rows else None
+
+    def deploy_checks(self) -> list[str]:
+        try:
+            ((sync, table),) = self._run(DEPLOY_CHECK_SQL, {})
+        except BackendUnavailable as exc:
+            return [str(exc)]
+        problems = []
+        if table is None:
+            problems.append(f"{self.db_alias!r} has no leases_lease table: run migrate")
+        if sync in ("off", "local"):
+            problems.append(f"synchronous_commit is {sync!r} even when set on per session")
+        return problems
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.stop()
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _failed_at(self) -> dict[str, float]:
+        """Per thread: when this thread's last failed try of each name was sent."""
+        failed: dict[str, float] | None = getattr(self._local, "failed", None)
+        if failed is None:
+            failed = self._local.failed = {}
+        return failed
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: drop (never close) the parent's connections; reconnect lazily."""
+        self._lock = threading.Lock()
+        listener, self._listener = self._listener, None
+        for conn in (self._conn, listener.conn if listener else None):
+            if conn is not None:
+                _inherited.append(conn)
+        self._conn = None
+
+
+def _after_fork_in_child() -> None:
+    for backend in list(_instances):
+        backend._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _close_before_database_ddl(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """Close lease connections when Django opens a no-database connection.
+
+    Django does that only to create or drop databases (test runs, ``flush``-like tooling), and
+    an open lease connection would make ``DROP DATABASE`` fail; leases reconnect lazily.
+    """
+    if getattr(connection, "alias", None) == "__no_db__":
+        for backend in list(_instances):
+            backend.close()
+
+
+connection_created.connect(_close_before_database_ddl, dispatch_uid="leases.backends.database")

@@ -1,0 +1,168 @@
+"""Background renewal of leases, and loss detection that never depends on the store answering.
+
+Two kinds of thread, each shared, none created per lease (creating a thread per acquire would
+cost more than the acquire's round trip in hot paths, the churn pottery suffers from):
+
+- one **renewer** per backend alias renews every kept-alive lease of that alias at
+  ``RENEW_FRACTION`` of its TTL, retrying failures with full jitter inside the validity left;
+  a store that hangs stalls only its own alias's renewer;
+- one **watchdog** per process declares a lease lost the moment its pessimistic validity runs
+  out without a renewal, even while the renewer is stuck in a call to an unreachable store.
+
+So loss is never silent: either a renewal is refused (the renewer reports it) or time runs out
+(the watchdog reports it); :meth:`leases.lease.Lease._mark_lost` sets ``lost``, calls
+``on_lost``, sends ``lease_lost`` and logs, once. Both threads catch and log everything.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .errors import LeaseLost
+from .retry import SYSTEM_CLOCK, Backoff, Clock
+
+if TYPE_CHECKING:
+    from .lease import Lease
+
+__all__ = ["Scheduler", "keep_alive", "watch"]
+
+logger = logging.getLogger("leases")
+
+#: A job runs when due and returns when it wants to run next (``None``: never again).
+Job = Callable[[], float | None]
+
+
+class Scheduler:
+    """One daemon thread running jobs at monotonic times, started on first use."""
+
+    def __init__(self, name: str, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.name = name
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Job]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, due: float, job: Job) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (due, next(self._seq), job))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _next_job(self) -> Job:
+        with self._cond:
+            while True:
+                now = self.clock.monotonic()
+                if self._heap and self._heap[0][0] <= now:
+                    return heapq.heappop(self._heap)[2]
+                self._cond.wait(self._heap[0][0] - now if self._heap else None)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._next_job()
+            try:
+                due = job()
+            except Exception:  # a job must never take the thread down with it
+                logger.exception("leases: %s job failed; it will not run again", self.name)
+                continue
+            if due is not None:
+                self.schedule(due, job)
+
+
+_lock = threading.Lock()
+_watchdog: Scheduler | None = None
+_renewers: dict[str, Scheduler] = {}
+
+
+def _scheduler(alias: str | None) -> Scheduler:
+    global _watchdog
+    with _lock:
+        if alias is None:
+            if _watchdog is None:
+                _watchdog = Scheduler("leases-watchdog")
+            return _watchdog
+        if alias not in _renewers:
+            _renewers[alias] = Scheduler(f"leases-renew-{alias}")
+        return _renewers[alias]
+
+
+def _forget_after_fork() -> None:
+    """Threads do not survive fork; the child starts its own schedulers when it needs them."""
+    global _watchdog, _lock
+    _lock = threading.Lock()
+    _watchdog = None
+    _renewers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def watch(lease: Lease) -> None:
+    """Declare ``lease`` lost when its validity runs out without a renewal."""
+
+    def check() -> float | None:
+        if lease.done:
+            return None
+        deadline = lease.valid_until
+        if lease.clock.monotonic() < deadline:
+            return deadline  # renewed meanwhile: look again at the new deadline
+        lease._mark_lost("expired: not renewed before its validity ran out")
+        return None
+
+    _scheduler(None).schedule(lease.valid_until, check)
+
+
+def keep_alive(lease: Lease, fraction: float) -> None:
+    """Renew ``lease`` every ``fraction`` of its TTL until it is released or lost."""
+    retry: list[Backoff] = []  # the backoff of the current run of failures, if any
+
+    def renew() -> float | None:
+        if lease.done:
+            return None
+        try:
+            grant = lease.renew()
+        except LeaseLost:
+            return None  # renew() already reported the loss
+        except Exception as exc:
+            return _retry_after_failure(lease, retry, exc)
+        retry.clear()
+        return grant.sent_at + grant.ttl * fraction
+
+    _scheduler(lease.backend).schedule(lease.grant.sent_at + lease.grant.ttl * fraction, renew)
+
+
+def _retry_after_failure(lease: Lease, retry: list[Backoff], exc: Exception) -> float | None:
+    """When to try again after a failed renewal: jittered, and only while the lease is valid.
+
+    Past the validity there is nothing left to save; the watchdog reports the loss.
+    """
+    left = lease.remaining()
+    if not retry:
+        retry.append(
+            Backoff(
+                base=max(0.005, left / 20),
+                cap=max(0.01, left / 4),
+                deadline=lease.valid_until,
+                clock=lease.clock,
+            )
+        )
+    delay = retry[0].next_delay()
+    if delay is None:
+        return None
+    logger.warning(
+        "leases: renewing %r (token %s) failed: %s; retrying in %.3fs, %.3fs of validity left",
+        lease.name,
+        lease.token,
+        exc,
+        delay,
+        left,
+    )
+    return lease.clock.monotonic() + delay

@@ -1,0 +1,120 @@
+"""Exponential backoff with full jitter, bounded by a deadline.
+
+Every waiter in the package (acquire loops, keepalive retries) backs off the same way: the n-th
+delay is drawn uniformly from ``[0, min(cap, base * 2**n)]`` ("full jitter", AWS architecture
+blog), so contenders that failed together do not retry together, and no delay ever runs past
+the caller's deadline. Time comes from a :class:`Clock`, so tests can step it instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+__all__ = ["SYSTEM_CLOCK", "Backoff", "Clock", "FakeClock", "SystemClock", "retry_call"]
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    """Where waiting code reads time and sleeps; :class:`FakeClock` steps it in tests."""
+
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """``time.monotonic`` and ``time.sleep``."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+SYSTEM_CLOCK = SystemClock()
+
+
+class FakeClock:
+    """A clock that only moves when told to: ``sleep`` advances it instantly and records it."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self.slept: list[float] = []
+        self._lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        with self._lock:
+            return self.now
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            self.slept.append(seconds)
+            self.now += max(0.0, seconds)
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+@dataclass
+class Backoff:
+    """Successive delays for one waiter, never past ``deadline`` (a ``clock`` time, or None).
+
+    ``next_delay()`` returns ``None`` once the deadline has passed: the caller gives up.
+    """
+
+    base: float = 0.005
+    cap: float = 0.25
+    deadline: float | None = None
+    clock: Clock = field(default=SYSTEM_CLOCK)
+    rng: random.Random = field(default_factory=random.Random)
+    attempt: int = 0
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (``None`` for no deadline, never negative)."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - self.clock.monotonic())
+
+    def expired(self) -> bool:
+        left = self.remaining()
+        return left is not None and left <= 0
+
+    def next_delay(self) -> float | None:
+        """The next jittered delay, clipped to the time left; ``None`` when none is left."""
+        left = self.remaining()
+        if left is not None and left <= 0:
+            return None
+        ceiling = min(self.cap, self.base * 2 ** min(self.attempt, 32))
+        self.attempt += 1
+        delay = self.rng.uniform(0.0, ceiling)
+        return delay if left is None else min(delay, left)
+
+
+def retry_call(
+    fn: Callable[[], T],
+    *,
+    retry_on: tuple[type[BaseException], ...],
+    backoff: Backoff,
+) -> T:
+    """Call ``fn`` until it returns, retrying ``retry_on`` errors until the deadline.
+
+    The last error is re-raised once the backoff's deadline has passed, so a caller always
+    learns why it gave up.
+    """
+    while True:
+        try:
+            return fn()
+        except retry_on:
+            delay = backoff.next_delay()
+            if delay is None:
+                raise
+            backoff.clock.sleep(delay)

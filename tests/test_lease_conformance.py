@@ -1,0 +1,371 @@
+"""What every lease backend guarantees, run once per backend in ``LEASE_BACKENDS``.
+
+Tests skip by declared capability. TTLs are small (0.3-1 s) so the suite stays fast; nothing
+here asserts a duration except loose upper bounds on waits that would otherwise hang.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.test import override_settings
+
+import leases
+from leases import LeaseAlreadyHeld, LeaseLost, LeaseNotHeld, LeaseUnavailable, acquire, lease
+from leases.backends import Capability, Grant, get_backend
+from leases.errors import InvalidLeaseName, InvalidLeaseOption
+from leases.signals import lease_acquired, lease_lost, lease_released, lease_renewed
+from tests.checker import check_history, new_register, record_write
+from tests.lease_backends import lease_backend, lease_name, require
+
+__all__ = ["lease_backend", "lease_name"]  # fixtures, re-exported for pytest
+
+
+def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+def test_public_lease_is_the_function() -> None:
+    from leases.lease import Lease
+
+    module = sys.modules["leases.lease"]
+    assert Lease is module.Lease
+    assert leases.lease is lease
+    assert callable(leases.lease) and leases.lease is not module
+    assert leases.acquire is acquire and leases.Lease is module.Lease
+
+
+def test_tokens_strictly_increase_across_grants_and_releases(
+    lease_backend: str, lease_name: str
+) -> None:
+    tokens = []
+    for _ in range(5):
+        with lease(lease_name, ttl=1, backend=lease_backend, timeout=0) as held:
+            tokens.append(held.token)
+            assert int(held) == held.token
+    assert tokens == sorted(set(tokens)), tokens
+    info = get_backend(lease_backend).inspect(lease_name)
+    assert info is not None and not info.held and info.token >= tokens[-1]
+
+
+def test_held_lease_cannot_be_taken(lease_backend: str, lease_name: str) -> None:
+    with lease(lease_name, ttl=1, backend=lease_backend):
+        grant = get_backend(lease_backend).try_acquire(lease_name, "someone-else", 1.0)
+        assert grant is None
+        started = time.monotonic()
+        with pytest.raises(LeaseUnavailable) as info:
+            acquire(lease_name, ttl=1, backend=lease_backend, timeout=0.2, holder="other")
+        assert info.value.name == lease_name
+        assert 0.15 <= time.monotonic() - started < 2.0
+
+
+def test_expired_lease_is_taken_over_with_a_higher_token(
+    lease_backend: str, lease_name: str
+) -> None:
+    first = acquire(lease_name, ttl=0.3, backend=lease_backend, keepalive=False)
+    second = acquire(lease_name, ttl=1, backend=lease_backend, timeout=3, holder="successor")
+    try:
+        assert second.token > first.token
+        assert first.remaining() == 0
+        with pytest.raises(LeaseLost):
+            first.ensure_held()
+    finally:
+        second.release()
+
+
+def test_release_after_expiry_keeps_successor(lease_backend: str, lease_name: str) -> None:
+    register = new_register()
+    first = acquire(lease_name, ttl=0.3, backend=lease_backend, keepalive=False)
+    assert record_write(register, first.token, "first")
+    second = acquire(lease_name, ttl=2, backend=lease_backend, timeout=3, holder="successor")
+    assert record_write(register, second.token, "second")
+    with pytest.raises(LeaseLost):
+        first.release()
+    assert not record_write(register, first.token, "first")
+    info = get_backend(lease_backend).inspect(lease_name)
+    assert info is not None and info.held and info.holder == "successor"
+    assert info.token == second.token
+    second.release()
+    check_history(register, grants=[first.token, second.token])
+
+
+def test_non_owner_release_and_renew_are_refused(lease_backend: str, lease_name: str) -> None:
+    store = get_backend(lease_backend)
+    with lease(lease_name, ttl=1, backend=lease_backend) as held:
+        forged = [
+            Grant(lease_name, "intruder", held.token, 1.0, time.monotonic()),
+            Grant(lease_name, held.holder, held.token - 1, 1.0, time.monotonic()),
+        ]
+        for grant in forged:
+            with pytest.raises(LeaseLost):
+                store.release(grant)
+            with pytest.raises(LeaseLost):
+                store.renew(grant, 1.0)
+        info = store.inspect(lease_name)
+        assert info is not None and info.held and info.holder == held.holder
+
+
+def test_keepalive_holds_the_lease_past_its_ttl(lease_backend: str, lease_name: str) -> None:
+    lost = threading.Event()
+    with lease(lease_name, ttl=0.5, backend=lease_backend, on_lost=lambda _: lost.set()) as held:
+        time.sleep(1.3)
+        held.ensure_held()
+        assert held.remaining() > 0
+        assert not lost.is_set()
+        with pytest.raises(LeaseUnavailable):
+            acquire(lease_name, ttl=1, backend=lease_backend, timeout=0, holder="other")
+        info = get_backend(lease_backend).inspect(lease_name)
+        assert info is not None and info.holder == held.holder and info.token == held.token
+
+
+def test_without_keepalive_loss_is_reported_at_expiry(lease_backend: str, lease_name: str) -> None:
+    reasons: list[str] = []
+    received: list[Any] = []
+
+    def on_lost_signal(sender: str, lease: Any, reason: str, **kwargs: Any) -> None:
+        received.append((sender, lease, reason))
+
+    lease_lost.connect(on_lost_signal)
+    try:
+        held = acquire(
+            lease_name,
+            ttl=0.3,
+            backend=lease_backend,
+            keepalive=False,
+            on_lost=lambda lost: reasons.append(lost.lost_reason),
+        )
+        assert wait_until(held.lost.is_set, timeout=3)
+        assert wait_until(lambda: received, timeout=1)
+    finally:
+        lease_lost.disconnect(on_lost_signal)
+    assert len(reasons) == 1 and "expired" in reasons[0]
+    assert received == [(lease_backend, held, reasons[0])]
+    with pytest.raises(LeaseLost):
+        held.ensure_held()
+    with pytest.raises(LeaseLost):
+        held.release()
+
+
+def test_explicit_renew_extends_and_reports(lease_backend: str, lease_name: str) -> None:
+    held = acquire(lease_name, ttl=0.5, backend=lease_backend, keepalive=False)
+    before = held.valid_until
+    time.sleep(0.1)
+    grant = held.renew(ttl=1)
+    assert held.valid_until > before and grant.token == held.token and grant.ttl == 1
+    time.sleep(0.6)
+    held.ensure_held()
+    held.release()
+    with pytest.raises(LeaseLost):
+        held.renew()
+    with pytest.raises(LeaseNotHeld):
+        held.release()
+
+
+def test_release_wakes_a_waiter(lease_backend: str, lease_name: str) -> None:
+    holder = acquire(lease_name, ttl=5, backend=lease_backend)
+    got: list[Any] = []
+
+    def wait() -> None:
+        got.append(acquire(lease_name, ttl=5, backend=lease_backend, timeout=10))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    assert not got
+    holder.release()
+    waiter.join(timeout=10)
+    assert got and got[0].token > holder.token
+    got[0].release()
+
+
+def test_leases_are_not_reentrant(lease_backend: str, lease_name: str) -> None:
+    with lease(lease_name, ttl=1, backend=lease_backend) as outer:
+        with pytest.raises(LeaseAlreadyHeld) as info, lease(lease_name, backend=lease_backend):
+            pass  # pragma: no cover - never entered
+        assert info.value.name == lease_name
+        outer.ensure_held()
+    info2 = get_backend(lease_backend).inspect(lease_name)
+    assert info2 is not None and not info2.held
+
+
+def test_another_thread_waits_instead_of_reentering(lease_backend: str, lease_name: str) -> None:
+    outcome: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            acquire(lease_name, ttl=1, backend=lease_backend, timeout=0.2)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with lease(lease_name, ttl=1, backend=lease_backend):
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(timeout=5)
+    assert len(outcome) == 1 and isinstance(outcome[0], LeaseUnavailable)
+
+
+def test_decorator_bare_and_called_forms_exclude_each_other(lease_backend: str) -> None:
+    inside = []
+    overlaps = []
+
+    def body() -> None:
+        inside.append(1)
+        if len(inside) > 1:
+            overlaps.append(len(inside))
+        time.sleep(0.02)
+        inside.pop()
+
+    @lease
+    def bare() -> str:
+        body()
+        return "bare"
+
+    @lease(f"called-{time.monotonic_ns()}", ttl=1, backend=lease_backend, timeout=10)
+    def called() -> str:
+        body()
+        return "called"
+
+    assert bare() == "bare"
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(called())) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert results == ["called"] * 4
+    assert not overlaps
+
+
+def test_exit_never_hides_the_body_exception(lease_backend: str, lease_name: str) -> None:
+    with (
+        pytest.raises(KeyError) as info,
+        lease(lease_name, ttl=0.3, backend=lease_backend, keepalive=False),
+    ):
+        time.sleep(0.5)
+        raise KeyError("body")
+    assert any("could not be released" in note for note in info.value.__notes__)
+
+
+def test_body_that_outlived_its_lease_raises_lost(lease_backend: str, lease_name: str) -> None:
+    with (
+        pytest.raises(LeaseLost),
+        lease(lease_name, ttl=0.3, backend=lease_backend, keepalive=False),
+    ):
+        time.sleep(0.5)
+
+
+def test_caller_rollback_neither_unacquires_nor_unreleases(
+    lease_backend: str, lease_name: str
+) -> None:
+    store = get_backend(lease_backend)
+    with pytest.raises(RuntimeError), transaction.atomic():
+        held = acquire(lease_name, ttl=2, backend=lease_backend)
+        raise RuntimeError("caller rolls back")
+    info = store.inspect(lease_name)
+    assert info is not None and info.held and info.token == held.token
+    with pytest.raises(RuntimeError), transaction.atomic():
+        held.release()
+        raise RuntimeError("caller rolls back again")
+    info = store.inspect(lease_name)
+    assert info is not None and not info.held
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"name": ""}, InvalidLeaseName),
+        ({"name": "x" * 256}, InvalidLeaseName),
+        ({"name": "nul\x00"}, InvalidLeaseName),
+        ({"ttl": 0}, InvalidLeaseOption),
+        ({"ttl": -1}, InvalidLeaseOption),
+        ({"ttl": True}, InvalidLeaseOption),
+        ({"ttl": 0.001}, InvalidLeaseOption),
+        ({"timeout": -1}, InvalidLeaseOption),
+        ({"holder": ""}, InvalidLeaseOption),
+        ({"holder": "h" * 256}, InvalidLeaseOption),
+    ],
+)
+def test_bad_input_is_refused_before_any_round_trip(
+    lease_backend: str, kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    arguments: dict[str, Any] = {"name": "valid", "ttl": 1, "backend": lease_backend, **kwargs}
+    with pytest.raises(error) as info:
+        acquire(arguments.pop("name"), **arguments)
+    assert isinstance(info.value, ValueError)
+
+
+def test_force_release_revokes_the_holder(lease_backend: str, lease_name: str) -> None:
+    store = require(lease_backend, Capability.FORCE_RELEASE)
+    held = acquire(lease_name, ttl=1, backend=lease_backend, keepalive=False)
+    revoked = store.force_release(lease_name)
+    assert revoked is not None and revoked.token > held.token and not revoked.held
+    with pytest.raises(LeaseLost):
+        held.renew()
+    with lease(lease_name, ttl=1, backend=lease_backend, timeout=0) as successor:
+        assert successor.token > revoked.token
+
+
+def test_inspect_all_lists_known_names(lease_backend: str, lease_name: str) -> None:
+    with lease(lease_name, ttl=1, backend=lease_backend) as held:
+        infos = {info.name: info for info in get_backend(lease_backend).inspect_all()}
+        assert infos[lease_name].held and infos[lease_name].holder == held.holder
+    assert get_backend(lease_backend).inspect(f"{lease_name}-never") is None
+
+
+def test_signals_report_the_lifecycle(lease_backend: str, lease_name: str) -> None:
+    seen: list[str] = []
+    receivers = {
+        "acquired": lease_acquired,
+        "renewed": lease_renewed,
+        "released": lease_released,
+    }
+    handlers = {}
+    for label, signal in receivers.items():
+
+        def handler(sender: str, lease: Any, label: str = label, **kwargs: Any) -> None:
+            assert sender == lease_backend and lease.name == lease_name
+            seen.append(label)
+            raise RuntimeError("a broken receiver must not break the lease")
+
+        handlers[label] = handler
+        signal.connect(handler)
+    try:
+        with lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as held:
+            held.renew()
+    finally:
+        for label, signal in receivers.items():
+            signal.disconnect(handlers[label])
+    assert seen == ["acquired", "renewed", "released"]
+
+
+def test_holder_identity_names_host_process_thread_and_label(
+    lease_backend: str, lease_name: str
+) -> None:
+    import os
+    import socket
+
+    with (
+        override_settings(LEASES={"BACKENDS": _backends(), "HOLDER_LABEL": "billing"}),
+        lease(lease_name, ttl=1, backend=lease_backend) as held,
+    ):
+        label, ident = held.holder.split("@", 1)
+        host, pid, thread, random_part = ident.split(":")
+        assert label == "billing" and host == socket.gethostname()[:100]
+        assert int(pid) == os.getpid() and int(thread) == threading.get_ident()
+        assert len(random_part) == 8
+
+
+def _backends() -> dict[str, Any]:
+    from django.conf import settings
+
+    return dict(settings.LEASES["BACKENDS"])
