@@ -1,0 +1,285 @@
+"""The admin section "Leases and locks": who holds what, who waits, and taking a lock away.
+
+Pages: leases of the database backend (a plain changelist, filters and search), leases on every
+configured backend (through ``inspect_all``), Postgres advisory locks held or awaited (from
+``pg_locks``), and the audit of forced releases. Nothing here edits or deletes a lease row: a
+deleted row would restart the name's tokens and let a stale holder through every fence. Taking a
+lease away is a force release (advances the token) behind ``leases.force_release_lease``;
+terminating a database session needs ``leases.terminate_lock_session`` and a confirmation page.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import Q, QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import NoReverseMatch, URLPattern, path, reverse
+from django.utils import timezone
+
+from . import conf, operations
+from .errors import LeaseError
+from .models import AdvisoryLock, BackendLease, ForceRelease, Lease
+
+DATABASE_ENGINE = "leases.backends.database"
+VIEW_PERMISSION = "leases.view_lease"
+
+
+def database_backend_alias() -> str:
+    """The alias whose engine stores leases in the ``leases_lease`` table shown here."""
+    for alias, config in conf.get().backends.items():
+        if config.engine == DATABASE_ENGINE:
+            return alias
+    return "default"
+
+
+def humanize_delta(delta: timedelta | None) -> str:
+    """``12.5s``, ``-3.0s`` (expired that long ago), or a dash when unknown."""
+    if delta is None:
+        return "—"
+    return f"{delta.total_seconds():.1f}s"
+
+
+def see_also_links() -> list[tuple[str, str]]:
+    """Links shown on every page of the section, including the idempotency keys' admin."""
+    links = [
+        ("Leases (database backend)", "admin:leases_lease_changelist"),
+        ("Leases on every backend", "admin:leases_backendlease_changelist"),
+        ("Advisory locks held or waiting", "admin:leases_advisorylock_changelist"),
+        ("Force releases (audit)", "admin:leases_forcerelease_changelist"),
+        ("Idempotency keys", "admin:idempotency_idempotencykey_changelist"),
+    ]
+    found = []
+    for label, name in links:
+        try:
+            found.append((label, reverse(name)))
+        except NoReverseMatch:
+            continue
+    return found
+
+
+class LeaseStateFilter(admin.SimpleListFilter):
+    """Held (a holder and time left), expired (a holder, no time left) or free (released)."""
+
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("held", "held"), ("expired", "expired"), ("free", "free")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        now = timezone.now()
+        taken = ~Q(holder="")
+        if self.value() == "held":
+            return queryset.filter(taken, expires_at__gt=now)
+        if self.value() == "expired":
+            return queryset.filter(taken).filter(Q(expires_at__lte=now) | Q(expires_at=None))
+        if self.value() == "free":
+            return queryset.filter(holder="")
+        return queryset
+
+
+class _ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Operators look; the package alone writes lease state."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.is_active and request.user.is_staff) and request.user.has_perm(
+            VIEW_PERMISSION
+        )
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
+
+    def section_context(self, request: HttpRequest, **extra: Any) -> dict[str, Any]:
+        return {
+            **self.admin_site.each_context(request),
+            "opts": self.model._meta,
+            "see_also": see_also_links(),
+            "title": self.model._meta.verbose_name_plural.capitalize(),
+            **extra,
+        }
+
+
+@admin.register(Lease)
+class LeaseAdmin(_ReadOnlyAdmin):
+    list_display = [
+        "name",
+        "holder_host",
+        "holder_pid",
+        "holder_thread",
+        "holder_label",
+        "token",
+        "acquired_at",
+        "expires_in",
+        "renewed_at",
+        "backend",
+    ]
+    list_filter = [LeaseStateFilter]
+    search_fields = ["name"]
+    actions = ["force_release"]
+    change_list_template = "admin/leases/lease/change_list.html"
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        return super().changelist_view(
+            request, {**(extra_context or {}), "see_also": see_also_links()}
+        )
+
+    @admin.display(description="host")
+    def holder_host(self, obj: Lease) -> str:
+        return operations.parse_holder(obj.holder).host or obj.holder
+
+    @admin.display(description="pid")
+    def holder_pid(self, obj: Lease) -> int | None:
+        return operations.parse_holder(obj.holder).pid
+
+    @admin.display(description="thread")
+    def holder_thread(self, obj: Lease) -> str:
+        return operations.parse_holder(obj.holder).thread
+
+    @admin.display(description="label")
+    def holder_label(self, obj: Lease) -> str:
+        return operations.parse_holder(obj.holder).label
+
+    @admin.display(description="expires in", ordering="expires_at")
+    def expires_in(self, obj: Lease) -> str:
+        if not obj.holder or obj.expires_at is None:
+            return "—"
+        return humanize_delta(obj.expires_at - timezone.now())
+
+    @admin.display(description="backend")
+    def backend(self, obj: Lease) -> str:
+        return database_backend_alias()
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm(operations.FORCE_RELEASE_PERMISSION))
+
+    @admin.action(
+        description="Force release (revoke: advance the fencing token)",
+        permissions=["force_release"],
+    )
+    def force_release(self, request: HttpRequest, queryset: QuerySet[Lease]) -> None:
+        release_and_report(
+            self, request, [(obj.name, database_backend_alias()) for obj in queryset]
+        )
+
+
+def release_and_report(
+    model_admin: admin.ModelAdmin,  # type: ignore[type-arg]
+    request: HttpRequest,
+    targets: list[tuple[str, str]],
+) -> None:
+    """Force-release each ``(name, backend)`` and tell the operator what happened to each."""
+    for name, alias in targets:
+        try:
+            record = operations.force_release(name, backend=alias, user=request.user, via="admin")
+        except LeaseError as exc:
+            model_admin.message_user(request, str(exc), messages.WARNING)
+            continue
+        model_admin.message_user(
+            request,
+            f"Released {name!r} on {alias!r}: token {record.token} revoked "
+            f"(now {record.new_token}); holder {record.holder or '?'} was evicted.",
+            messages.SUCCESS,
+        )
+
+
+@admin.register(BackendLease)
+class BackendLeaseAdmin(_ReadOnlyAdmin):
+    """Leases of every configured backend, read through the backend interface."""
+
+    def get_urls(self) -> list[URLPattern]:
+        view = self.admin_site.admin_view(self.release_view)
+        return [path("release/", view, name="leases_backendlease_release"), *super().get_urls()]
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        infos, errors = operations.all_leases()
+        now = timezone.now()
+        rows = [
+            (info, operations.parse_holder(info.holder), operations.expires_in(info, now))
+            for info in infos
+        ]
+        context = self.section_context(
+            request,
+            rows=[(info, holder, humanize_delta(left)) for info, holder, left in rows],
+            errors=errors,
+            can_release=request.user.has_perm(operations.FORCE_RELEASE_PERMISSION),
+        )
+        return TemplateResponse(request, "admin/leases/backend_leases.html", context)
+
+    def release_view(self, request: HttpRequest) -> HttpResponse:
+        if request.method != "POST" or not self.has_view_permission(request):
+            raise PermissionDenied
+        if not request.user.has_perm(operations.FORCE_RELEASE_PERMISSION):
+            raise PermissionDenied
+        targets = [(str(request.POST.get("name", "")), str(request.POST.get("backend", "")))]
+        if targets[0][1] not in conf.get().backends:
+            raise PermissionDenied("unknown backend")
+        release_and_report(self, request, targets)
+        return HttpResponseRedirect(reverse("admin:leases_backendlease_changelist"))
+
+
+@admin.register(AdvisoryLock)
+class AdvisoryLockAdmin(_ReadOnlyAdmin):
+    """Postgres advisory locks held or awaited now, by name where the name was recorded."""
+
+    def get_urls(self) -> list[URLPattern]:
+        view = self.admin_site.admin_view(self.terminate_view)
+        return [
+            path("<int:pid>/terminate/", view, name="leases_advisorylock_terminate"),
+            *super().get_urls(),
+        ]
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        context = self.section_context(
+            request,
+            rows=operations.advisory_locks(),
+            can_terminate=request.user.has_perm(operations.TERMINATE_PERMISSION),
+        )
+        return TemplateResponse(request, "admin/leases/advisory_locks.html", context)
+
+    def terminate_view(self, request: HttpRequest, pid: int) -> HttpResponse:
+        """A confirmation page on GET; the termination itself only on a confirmed POST."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        if not request.user.has_perm(operations.TERMINATE_PERMISSION):
+            raise PermissionDenied
+        changelist = reverse("admin:leases_advisorylock_changelist")
+        if request.method == "POST" and request.POST.get("confirm") == "yes":
+            try:
+                operations.terminate_session(pid, user=request.user, via="admin")
+            except LeaseError as exc:
+                self.message_user(request, str(exc), messages.WARNING)
+            else:
+                self.message_user(request, f"Session {pid} terminated.", messages.SUCCESS)
+            return HttpResponseRedirect(changelist)
+        rows = [row for row in operations.advisory_locks() if row.pid == pid]
+        context = self.section_context(
+            request, rows=rows, pid=pid, title=f"Terminate database session {pid}?"
+        )
+        return TemplateResponse(request, "admin/leases/confirm_terminate.html", context)
+
+
+@admin.register(ForceRelease)
+class ForceReleaseAdmin(_ReadOnlyAdmin):
+    list_display = ["at", "action", "name", "backend", "holder", "token", "new_token"]
+    list_display += ["by_username", "via"]
+    list_filter = ["action", "via", "backend"]
+    search_fields = ["name", "holder", "by_username"]
+    date_hierarchy = "at"

@@ -1,0 +1,178 @@
+"""``manage.py leases list|show NAME|release NAME|watch``: the admin pages for a terminal.
+
+``release`` has the admin action's semantics and permission model: it revokes by advancing the
+token (so the evicted holder's fenced writes are rejected), needs a user holding
+``leases.force_release_lease`` (``--user``), and leaves the same audit record.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.core.exceptions import PermissionDenied
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils import timezone
+
+from leases import conf, operations
+from leases.backends import get_backend
+from leases.backends.base import LeaseInfo
+from leases.errors import LeaseError
+
+HEADERS = ("KIND", "BACKEND", "NAME", "STATE", "HOLDER", "TOKEN", "EXPIRES IN", "SINCE")
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+
+def lease_state(info: LeaseInfo, left: float | None) -> str:
+    if info.held and (left is None or left > 0):
+        return "held"
+    return "expired" if info.holder else "free"
+
+
+def lease_rows(infos: Iterable[LeaseInfo]) -> list[tuple[str, ...]]:
+    now = timezone.now()
+    rows: list[tuple[str, ...]] = []
+    for info in infos:
+        delta = operations.expires_in(info, now)
+        left = None if delta is None else delta.total_seconds()
+        since = info.renewed_at or info.acquired_at
+        rows.append(
+            (
+                "lease",
+                info.backend,
+                info.name,
+                lease_state(info, left),
+                info.holder or "-",
+                str(info.token),
+                "-" if left is None or not info.holder else f"{left:.1f}s",
+                since.isoformat(timespec="seconds") if since else "-",
+            )
+        )
+    return rows
+
+
+def advisory_rows(locks: Iterable[operations.AdvisoryLockRow], using: str) -> list[tuple[str, ...]]:
+    return [
+        (
+            "advisory",
+            f"postgres:{using}",
+            row.name or row.key,
+            row.status,
+            f"pid {row.pid} {row.application} {row.client}".strip(),
+            row.mode,
+            "-",
+            row.since.isoformat(timespec="seconds") if row.since else "-",
+        )
+        for row in locks
+    ]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [
+        max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)
+    ]
+    return "\n".join(
+        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [headers, *rows]
+    )
+
+
+class Command(BaseCommand):
+    help = "List, show, watch and force-release leases and advisory locks."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        sub = parser.add_subparsers(dest="action", required=True)
+        listing = sub.add_parser("list", help="held, expired and waiting locks on every backend")
+        listing.add_argument("--database", default="default", help="database for advisory locks")
+        show = sub.add_parser("show", help="one name on every backend")
+        show.add_argument("name")
+        show.add_argument("--database", default="default")
+        release = sub.add_parser("release", help="revoke a lease by advancing its token")
+        release.add_argument("name")
+        release.add_argument("--backend", default="default")
+        release.add_argument(
+            "--user", required=True, help="username holding leases.force_release_lease"
+        )
+        watch = sub.add_parser("watch", help="refresh the list every few seconds")
+        watch.add_argument("--interval", type=float, default=2.0)
+        watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+        watch.add_argument("--database", default="default")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        action = options["action"]
+        if action == "list":
+            self.stdout.write(self.listing(options["database"]))
+        elif action == "show":
+            self.show(options["name"], options["database"])
+        elif action == "release":
+            self.release(options["name"], options["backend"], options["user"])
+        else:
+            self.watch(options["interval"], options["count"], options["database"])
+
+    def listing(self, using: str) -> str:
+        infos, errors = operations.all_leases()
+        rows = lease_rows(infos) + advisory_rows(operations.advisory_locks(using), using)
+        lines = [format_table(HEADERS, rows)]
+        lines += [f"backend {alias} unavailable: {error}" for alias, error in errors.items()]
+        return "\n".join(lines)
+
+    def show(self, name: str, using: str) -> None:
+        found = False
+        for alias in conf.get().backends:
+            try:
+                info = get_backend(alias).inspect(name)
+            except LeaseError as exc:
+                self.stderr.write(f"backend {alias} unavailable: {exc}")
+                continue
+            if info is None:
+                continue
+            found = True
+            holder = operations.parse_holder(info.holder)
+            for label, value in [
+                ("backend", alias),
+                ("state", lease_rows([info])[0][3]),
+                ("holder", info.holder or "-"),
+                ("host / pid / thread", f"{holder.host} / {holder.pid} / {holder.thread}"),
+                ("label", holder.label),
+                ("token", info.token),
+                ("acquired at", info.acquired_at),
+                ("renewed at", info.renewed_at),
+                ("expires at", info.expires_at),
+                ("meta", dict(info.meta)),
+            ]:
+                self.stdout.write(f"{label:>20}: {value}")
+            self.stdout.write("")
+        locks = [row for row in operations.advisory_locks(using) if name in (row.name, row.key)]
+        if locks:
+            found = True
+            self.stdout.write(format_table(HEADERS, advisory_rows(locks, using)))
+        if not found:
+            raise CommandError(f"no backend knows {name!r} and no advisory lock of that name")
+
+    def release(self, name: str, backend: str, username: str) -> None:
+        user = get_user_model().objects.filter(username=username).first()
+        if user is None:
+            raise CommandError(f"no user {username!r}")
+        try:
+            record = operations.force_release(name, backend=backend, user=user, via="command")
+        except PermissionDenied as exc:
+            raise CommandError(str(exc)) from exc
+        except LeaseError as exc:
+            raise CommandError(str(exc)) from exc
+        self.stdout.write(
+            f"released {name!r} on {backend!r}: token {record.token} revoked (now "
+            f"{record.new_token}); evicted holder {record.holder}"
+        )
+
+    def watch(self, interval: float, count: int, using: str) -> None:
+        done = 0
+        while True:
+            stamp = timezone.now().isoformat(timespec="seconds")
+            self.stdout.write(f"{CLEAR_SCREEN}leases at {stamp}\n{self.listing(using)}")
+            self.stdout.flush()
+            done += 1
+            if count and done >= count:
+                return
+            time.sleep(interval)

@@ -1,0 +1,305 @@
+"""What operators see and do: held and awaited locks, forced release, terminated sessions.
+
+One module behind both the admin pages and ``manage.py leases``, so the two can never disagree
+about what "held" means or skip the permission check and the audit record the other keeps.
+Every revocation goes through the backend's ``force_release``, which advances the token: the
+evicted holder's renewals fail and its fenced writes are rejected, which is what makes taking
+a lease away safe at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.core.exceptions import PermissionDenied
+from django.db import connections
+from django.utils import timezone
+
+from . import conf
+from .backends import get_backend
+from .backends.base import LeaseInfo
+from .errors import LeaseError, LeaseNotHeld
+from .keys import split_key
+
+__all__ = [
+    "FORCE_RELEASE_PERMISSION",
+    "TERMINATE_PERMISSION",
+    "AdvisoryLockRow",
+    "Holder",
+    "advisory_locks",
+    "all_leases",
+    "force_release",
+    "parse_holder",
+    "remember_advisory_names",
+    "terminate_session",
+]
+
+logger = logging.getLogger("leases")
+
+FORCE_RELEASE_PERMISSION = "leases.force_release_lease"
+TERMINATE_PERMISSION = "leases.terminate_lock_session"
+
+#: Advisory locks of this database, held or awaited, with the session behind each. A
+#: one-argument lock shows as ``classid`` (high 32 bits), ``objid`` (low 32 bits), ``objsubid``
+#: 1; the shift rebuilds the signed 64-bit key, which ``leases_advisory_name`` maps to a name.
+ADVISORY_LOCKS_SQL = """
+SELECT l.pid, l.mode, l.granted, l.objsubid, l.classid::bigint, l.objid::bigint,
+       n.name, a.application_name, host(a.client_addr), a.usename, a.state,
+       COALESCE(l.waitstart, a.xact_start, a.state_change, a.backend_start) AS since,
+       a.query, a.wait_event_type
+FROM pg_locks l
+JOIN pg_stat_activity a ON a.pid = l.pid
+LEFT JOIN leases_advisory_name n
+       ON l.objsubid = 1 AND n.key = ((l.classid::bigint << 32) | l.objid::bigint)
+WHERE l.locktype = 'advisory'
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ORDER BY l.granted DESC, since, l.pid
+"""
+
+#: ``pg_terminate_backend`` only for a session that holds or awaits an advisory lock now, so
+#: the admin cannot be used to kill arbitrary sessions of the database.
+TERMINATE_SQL = """
+SELECT pg_terminate_backend(l.pid)
+FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.pid = %s AND l.pid <> pg_backend_pid()
+LIMIT 1
+"""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A holder identity split into the parts an operator looks for."""
+
+    raw: str
+    host: str = ""
+    pid: int | None = None
+    thread: str = ""
+    label: str = ""
+
+
+_HOLDER_RE = re.compile(
+    r"^(?:(?P<label>[^@]*)@)?(?P<host>[^:@]+):(?P<pid>\d+):(?P<thread>[^:/]+)(?:[:/].*)?$"
+)
+
+
+def parse_holder(holder: str) -> Holder:
+    """Split ``[label@]host:pid:thread[:unique]`` (what ``acquire()`` makes) into its parts.
+
+    Holders given explicitly that have another shape are shown raw.
+    """
+    match = _HOLDER_RE.match(holder or "")
+    if match is None:
+        return Holder(raw=holder or "")
+    return Holder(
+        raw=holder,
+        host=match["host"],
+        pid=int(match["pid"]),
+        thread=match["thread"],
+        label=match["label"] or "",
+    )
+
+
+@dataclass(frozen=True)
+class AdvisoryLockRow:
+    """One row of ``pg_locks`` for an advisory lock, joined with its session."""
+
+    pid: int
+    mode: str
+    granted: bool
+    key: str
+    name: str
+    application: str
+    client: str
+    user: str
+    state: str
+    since: datetime | None
+    query: str
+    wait_event_type: str
+
+    @property
+    def status(self) -> str:
+        return "held" if self.granted else "WAITING"
+
+    @property
+    def shared(self) -> bool:
+        return self.mode.startswith("Share")
+
+
+def _key_text(objsubid: int, classid: int, objid: int) -> str:
+    if objsubid == 2:  # the two-int4 form: both halves are signed 32-bit keys
+        return f"({_signed32(classid)}, {_signed32(objid)})"
+    unsigned = (classid << 32) | objid
+    signed = unsigned - (1 << 64) if unsigned >= 1 << 63 else unsigned
+    assert split_key(signed) == (classid, objid)
+    return str(signed)
+
+
+def _signed32(value: int) -> int:
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def advisory_locks(using: str = "default") -> list[AdvisoryLockRow]:
+    """Advisory locks held or awaited now on database ``using``, held ones first."""
+    with connections[using].cursor() as cursor:
+        cursor.execute(ADVISORY_LOCKS_SQL)
+        return [_advisory_row(row) for row in cursor.fetchall()]
+
+
+def _advisory_row(row: tuple[Any, ...]) -> AdvisoryLockRow:
+    (pid, mode, granted, objsubid, classid, objid, name, application, client, user) = row[:10]
+    state, since, query, wait_event_type = row[10:]
+    return AdvisoryLockRow(
+        pid=pid,
+        mode=mode,
+        granted=granted,
+        key=_key_text(objsubid, classid, objid),
+        name=name or "",
+        application=application or "",
+        client=client or "local socket",
+        user=user or "",
+        state=state or "",
+        since=since,
+        query=query or "",
+        wait_event_type=wait_event_type or "",
+    )
+
+
+def all_leases() -> tuple[list[LeaseInfo], dict[str, str]]:
+    """Every lease on every configured backend, and the error of each backend that failed.
+
+    A backend that is down must not hide the others from an operator in the middle of an
+    incident, so errors are collected per alias instead of raised.
+    """
+    found: list[LeaseInfo] = []
+    errors: dict[str, str] = {}
+    for alias in conf.get().backends:
+        try:
+            found.extend(get_backend(alias).inspect_all())
+        except (LeaseError, NotImplementedError) as exc:
+            errors[alias] = str(exc)
+    found.sort(key=lambda info: (not info.held, info.name, info.backend))
+    return found, errors
+
+
+def expires_in(info: LeaseInfo, now: datetime | None = None) -> timedelta | None:
+    """Time left on the store's last word (negative once expired); ``None`` when unknown."""
+    if info.expires_at is None:
+        return None
+    return info.expires_at - (now or timezone.now())
+
+
+def _require(user: Any, permission: str) -> None:
+    if user is None or not user.is_active or not user.has_perm(permission):
+        who = getattr(user, "username", None) or "anonymous"
+        raise PermissionDenied(f"{who} lacks the {permission} permission")
+
+
+def force_release(name: str, *, backend: str, user: Any, via: str) -> Any:
+    """Revoke ``name`` on ``backend`` by advancing its token; record who did it and when.
+
+    Raises :class:`PermissionDenied` unless ``user`` has ``leases.force_release_lease``, and
+    :class:`~leases.errors.LeaseNotHeld` when nobody holds the name (nothing to revoke).
+    Returns the :class:`~leases.models.ForceRelease` record.
+    """
+    from .models import ForceRelease
+
+    _require(user, FORCE_RELEASE_PERMISSION)
+    store = get_backend(backend)
+    before = store.inspect(name)
+    if before is None or not before.held:
+        raise LeaseNotHeld(name, f"nobody holds it on backend {backend!r}; nothing to release")
+    after = store.force_release(name)
+    record = ForceRelease.objects.create(
+        action=ForceRelease.Action.RELEASE,
+        name=name,
+        backend=backend,
+        holder=before.holder,
+        token=before.token,
+        new_token=after.token if after is not None else None,
+        by=user if getattr(user, "pk", None) else None,
+        by_username=user.get_username(),
+        via=via,
+    )
+    logger.warning(
+        "lease %r force-released on %r by %s (holder %s, token %s -> %s)",
+        name,
+        backend,
+        record.by_username,
+        before.holder,
+        before.token,
+        record.new_token,
+        extra={
+            "event": "lease_force_released",
+            "lease": name,
+            "backend": backend,
+            "holder": before.holder,
+            "token": before.token,
+            "new_token": record.new_token,
+            "by": record.by_username,
+            "via": via,
+        },
+    )
+    return record
+
+
+def terminate_session(pid: int, *, user: Any, via: str, using: str = "default") -> Any:
+    """End the database session ``pid`` so the session locks it holds are freed.
+
+    Only for a session that holds or awaits an advisory lock now. Whatever that session was
+    doing is rolled back; its lock is not fenced, so this is the blunt tool of last resort and
+    needs its own permission (``leases.terminate_lock_session``). Returns the audit record.
+    """
+    from .models import ForceRelease
+
+    _require(user, TERMINATE_PERMISSION)
+    rows = [row for row in advisory_locks(using) if row.pid == pid]
+    if not rows:
+        raise LeaseNotHeld(f"pid {pid}", "that session holds or awaits no advisory lock now")
+    with connections[using].cursor() as cursor:
+        cursor.execute(TERMINATE_SQL, [pid])
+        done = cursor.fetchone()
+    if not done or not done[0]:
+        raise LeaseNotHeld(f"pid {pid}", "the session could not be terminated (already gone?)")
+    described = ", ".join(f"{row.name or row.key} ({row.status})" for row in rows)
+    record = ForceRelease.objects.create(
+        action=ForceRelease.Action.TERMINATE,
+        name=described[:255],
+        backend=f"postgres:{using}",
+        holder=f"pid {pid} {rows[0].application} {rows[0].client}".strip()[:255],
+        by=user if getattr(user, "pk", None) else None,
+        by_username=user.get_username(),
+        via=via,
+    )
+    logger.warning(
+        "database session %s holding %s terminated by %s",
+        pid,
+        described,
+        record.by_username,
+        extra={"event": "lock_session_terminated", "pid": pid, "by": record.by_username},
+    )
+    return record
+
+
+def remember_advisory_names(*names: str) -> None:
+    """Record ``name -> key`` so the admin and ``manage.py leases`` show advisory locks by name.
+
+    ``pg_locks`` only knows the 64-bit key. Call this once (an ``AppConfig.ready()``, a data
+    migration) with the names your code locks; it runs in autocommit outside any caller's
+    transaction and ignores names already recorded.
+    """
+    from .models import AdvisoryLockName
+
+    rows = [AdvisoryLockName(key=_name_key(name), name=name) for name in names]
+    AdvisoryLockName.objects.bulk_create(rows, ignore_conflicts=True)
+
+
+def _name_key(name: str) -> int:
+    from .keys import advisory_key
+
+    key = advisory_key(name)
+    assert isinstance(key, int)  # a name always maps to one signed 64-bit key
+    return key

@@ -1,0 +1,155 @@
+"""The admin section: who may see locks, who may take them away, and the audit it leaves."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.test import Client
+from django.urls import reverse
+
+from leases.backends import get_backend
+from leases.models import ForceRelease
+from leases.operations import advisory_locks
+from tests.factories import StaffUserFactory, UserFactory
+from tests.locks_fixture import LockScene, lock_scene_fixture  # noqa: F401 - fixture
+
+LEASES = reverse("admin:leases_lease_changelist")
+ADVISORY = reverse("admin:leases_advisorylock_changelist")
+EVERY_BACKEND = reverse("admin:leases_backendlease_changelist")
+
+
+def login(client: Client, *codenames: str, staff: bool = True) -> Any:
+    factory: Any = StaffUserFactory if staff else UserFactory
+    user = factory()
+    user.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+    client.force_login(user)
+    return user
+
+
+def force_release_action(client: Client, name: str) -> Any:
+    data = {"action": "force_release", "_selected_action": [name], "index": "0"}
+    return client.post(LEASES, data, follow=True)
+
+
+@pytest.mark.parametrize("page", [LEASES, ADVISORY, EVERY_BACKEND])
+def test_non_staff_is_sent_to_the_login_page(
+    client: Client, lock_scene: LockScene, page: str
+) -> None:
+    login(client, "view_lease", "force_release_lease", staff=False)
+    response = client.get(page)
+    assert response.status_code == 302 and "/login/" in response["Location"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("page", [LEASES, ADVISORY, EVERY_BACKEND])
+def test_staff_without_view_permission_is_refused(client: Client, page: str) -> None:
+    login(client)
+    assert client.get(page).status_code == 403
+
+
+def test_staff_with_view_sees_leases_but_cannot_force_release(
+    client: Client, lock_scene: LockScene
+) -> None:
+    login(client, "view_lease")
+    page = client.get(LEASES).content.decode()
+    assert lock_scene.held in page and "worker-1" in page and "4242" in page
+    assert 'value="force_release"' not in page
+    force_release_action(client, lock_scene.held)
+    info = get_backend().inspect(lock_scene.held)
+    assert info is not None and info.held and info.token == lock_scene.tokens[lock_scene.held]
+    assert not ForceRelease.objects.exists()
+
+
+def test_held_and_expired_filters(client: Client, lock_scene: LockScene) -> None:
+    login(client, "view_lease")
+    held = client.get(LEASES, {"state": "held"}).content.decode()
+    expired = client.get(LEASES, {"state": "expired"}).content.decode()
+    assert lock_scene.held in held and lock_scene.expired not in held
+    assert lock_scene.expired in expired and lock_scene.held not in expired
+    searched = client.get(LEASES, {"q": lock_scene.free}).content.decode()
+    assert lock_scene.free in searched and lock_scene.held not in searched
+
+
+def test_force_release_with_permission_revokes_and_is_recorded(
+    client: Client, lock_scene: LockScene
+) -> None:
+    user = login(client, "view_lease", "force_release_lease")
+    response = force_release_action(client, lock_scene.held)
+    old = lock_scene.tokens[lock_scene.held]
+    assert f"token {old} revoked" in response.content.decode()
+    info = get_backend().inspect(lock_scene.held)
+    assert info is not None and not info.held and info.token > old
+    record = ForceRelease.objects.get()
+    assert (record.name, record.by, record.via, record.token) == (
+        lock_scene.held,
+        user,
+        "admin",
+        old,
+    )
+    assert record.holder == lock_scene.holder and record.new_token == info.token
+
+
+def test_every_backend_page_lists_and_releases(client: Client, lock_scene: LockScene) -> None:
+    login(client, "view_lease")
+    page = client.get(EVERY_BACKEND).content.decode()
+    assert lock_scene.held in page and "force-release" not in page
+    release = reverse("admin:leases_backendlease_release")
+    assert client.post(release, {"name": lock_scene.held, "backend": "default"}).status_code == 403
+
+    login(client, "view_lease", "force_release_lease")
+    client.post(release, {"name": lock_scene.held, "backend": "default"})
+    assert not get_backend().inspect(lock_scene.held).held  # type: ignore[union-attr]
+    assert ForceRelease.objects.filter(name=lock_scene.held, via="admin").count() == 1
+
+
+def test_advisory_page_shows_names_holders_and_waiters(
+    client: Client, lock_scene: LockScene
+) -> None:
+    login(client, "view_lease")
+    page = client.get(ADVISORY).content.decode()
+    assert lock_scene.advisory in page and "WAITING" in page and "lock-waiter" in page
+    assert "terminate session" not in page
+    terminate = reverse("admin:leases_advisorylock_terminate", args=[lock_scene.holder_pid])
+    assert client.get(terminate).status_code == 403
+    assert client.post(terminate, {"confirm": "yes"}).status_code == 403
+
+
+def test_terminate_needs_its_own_permission_and_a_confirmation(
+    client: Client, lock_scene: LockScene
+) -> None:
+    login(client, "view_lease", "force_release_lease")
+    terminate = reverse("admin:leases_advisorylock_terminate", args=[lock_scene.holder_pid])
+    assert client.post(terminate, {"confirm": "yes"}).status_code == 403
+
+    user = login(client, "view_lease", "terminate_lock_session")
+    confirmation = client.get(terminate).content.decode()
+    assert f"Yes, terminate session {lock_scene.holder_pid}" in confirmation
+    assert any(row.pid == lock_scene.holder_pid for row in advisory_locks())  # not yet
+    client.post(terminate, {"confirm": "yes"})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rows = advisory_locks()
+        if not any(row.pid == lock_scene.holder_pid for row in rows):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the terminated session still holds its lock")
+    record = ForceRelease.objects.get(action="terminate")
+    assert record.by == user and lock_scene.advisory in record.name
+
+
+def test_audit_and_idempotency_links_on_every_page(client: Client, lock_scene: LockScene) -> None:
+    login(client, "view_lease")
+    for page in (LEASES, ADVISORY, EVERY_BACKEND):
+        content = client.get(page).content.decode()
+        assert reverse("admin:leases_forcerelease_changelist") in content
+        assert "Idempotency keys" in content or "idempotency" not in _registered_apps()
+
+
+def _registered_apps() -> set[str]:
+    from django.contrib import admin
+
+    return {model._meta.app_label for model in admin.site._registry}

@@ -1,0 +1,72 @@
+"""``manage.py leases``: the operators' view and force release from a terminal."""
+
+from __future__ import annotations
+
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.core.management import CommandError, call_command
+
+from leases.backends import get_backend
+from leases.models import ForceRelease
+from tests.factories import UserFactory
+from tests.locks_fixture import LockScene, lock_scene_fixture  # noqa: F401 - fixture
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command("leases", *args, stdout=out)
+    return out.getvalue()
+
+
+def line_of(output: str, name: str, status: str) -> str:
+    lines = [line for line in output.splitlines() if name in line and status in line.split()]
+    assert lines, f"no {status} line for {name} in:\n{output}"
+    return lines[0]
+
+
+def test_list_shows_held_expired_free_and_waiting(lock_scene: LockScene) -> None:
+    output = run("list")
+    header = output.splitlines()[0].split()
+    assert header[:4] == ["KIND", "BACKEND", "NAME", "STATE"]
+    held = line_of(output, lock_scene.held, "held")
+    assert lock_scene.holder in held and str(lock_scene.tokens[lock_scene.held]) in held
+    line_of(output, lock_scene.expired, "expired")
+    line_of(output, lock_scene.free, "free")
+    owner = line_of(output, lock_scene.advisory, "held")
+    assert f"pid {lock_scene.holder_pid}" in owner and "lock-owner" in owner
+    waiter = line_of(output, lock_scene.advisory, "WAITING")
+    assert f"pid {lock_scene.waiter_pid}" in waiter and "ExclusiveLock" in waiter
+
+
+def test_show_tells_holder_parts_and_token(lock_scene: LockScene) -> None:
+    output = run("show", lock_scene.held)
+    assert "worker-1 / 4242 / MainThread" in output
+    assert "billing" in output and f"token: {lock_scene.tokens[lock_scene.held]}" in output
+    with pytest.raises(CommandError, match="no backend knows"):
+        run("show", "never-used-name")
+
+
+def test_release_needs_the_permission_and_is_recorded(lock_scene: LockScene) -> None:
+    plain: Any = UserFactory(username="plain-operator")
+    with pytest.raises(CommandError, match="force_release_lease"):
+        run("release", lock_scene.held, "--user", plain.username)
+    assert get_backend().inspect(lock_scene.held).held  # type: ignore[union-attr]
+
+    operator: Any = UserFactory(username="operator")
+    operator.user_permissions.add(Permission.objects.get(codename="force_release_lease"))
+    output = run("release", lock_scene.held, "--user", operator.username)
+    old = lock_scene.tokens[lock_scene.held]
+    assert f"token {old} revoked" in output
+    info = get_backend().inspect(lock_scene.held)
+    assert info is not None and not info.held and info.token > old
+    record = ForceRelease.objects.get(name=lock_scene.held)
+    assert (record.by, record.via, record.token) == (operator, "command", old)
+    assert record.holder == lock_scene.holder and record.new_token == info.token
+
+
+def test_watch_refreshes_a_bounded_number_of_times(lock_scene: LockScene) -> None:
+    output = run("watch", "--interval", "0.01", "--count", "2")
+    assert output.count("leases at ") == 2 and output.count(lock_scene.held) == 2
