@@ -26,6 +26,7 @@ with, another transaction taking the same name, breaking shared locks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from contextlib import ContextDecorator
@@ -251,8 +252,20 @@ def _recover(connection: BaseDatabaseWrapper, *, savepoint: bool) -> None:
 
 
 def _lock(name: LockKey, shared: bool, using: str) -> AdvisoryLock:
-    """Validate everything before any SQL: a bad name fails where it is written."""
+    """Validate everything before any SQL: a bad name fails where it is written.
+
+    String names are cached, because ``with xact_lock("name"):`` in a hot function builds the
+    same lock on every call. Only exact ``str`` names: ``1``, ``True`` and ``1.0`` compare equal,
+    so caching them would let an invalid key ride on a valid one's cache entry.
+    """
+    if type(name) is str and type(using) is str:
+        return _cached_lock(name, bool(shared), using)
     return AdvisoryLock(name=name, key=advisory_key(name), shared=bool(shared), using=using)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_lock(name: str, shared: bool, using: str) -> AdvisoryLock:
+    return AdvisoryLock(name=name, key=advisory_key(name), shared=shared, using=using)
 
 
 class _XactLock(ContextDecorator):
