@@ -33,6 +33,7 @@ from .errors import (
 from .lease import Lease, acquire, lease
 
 if TYPE_CHECKING:  # each feature module adds its line when it lands
+    from .election import Leadership, elect, leader_of
     from .fencing import FencedModel, check_fence
 
 __all__ = [

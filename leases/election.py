@@ -1,0 +1,218 @@
+"""Leader election on any lease backend: a lease that is campaigned for and kept.
+
+Being elected is holding the lease ``leader:NAME``; keepalive renews it, and a failed renewal
+means the leadership is lost. A leader can always be wrong about still leading (it can be
+paused past its TTL), so the leadership's ``token`` is a fencing token: every new leader's is
+higher, and resources that check it (``obj.save(fence=leadership)``) reject a deposed leader's
+late writes. ``is_leader`` is a hint for skipping work, never a guarantee.
+
+Observers ask :func:`leader_of`, which reads the store without campaigning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from . import signals
+from .backends import get_backend
+from .errors import LeaseLost
+from .keys import validate_name
+from .lease import acquire
+from .operations import parse_holder
+
+if TYPE_CHECKING:
+    from .lease import Lease
+
+__all__ = ["ELECTION_PREFIX", "Leader", "Leadership", "elect", "election_lease_name", "leader_of"]
+
+logger = logging.getLogger("leases")
+
+#: Lease names of elections carry this prefix, so an election and a lease of the same name
+#: never exclude each other by accident.
+ELECTION_PREFIX = "leader:"
+
+OnLost = Callable[["Leadership"], object]
+
+
+def election_lease_name(name: str) -> str:
+    """The lease an election of ``name`` is decided by (visible in the admin and the command)."""
+    return validate_name(ELECTION_PREFIX + validate_name(name))
+
+
+@dataclass(frozen=True)
+class Leader:
+    """Who leads an election, as an observer sees it in the store."""
+
+    name: str
+    holder: str
+    token: int
+    backend: str
+    host: str
+    pid: int | None
+    thread: str
+    label: str
+    expires_at: datetime | None
+
+
+class Leadership:
+    """A won election; keeps leading (by keepalive) until resigned or lost.
+
+    Usable as a context manager that resigns on exit. ``lost`` is set, ``on_lost`` called and
+    ``leader_lost`` sent exactly once, whether the loss was noticed by keepalive or by
+    :meth:`resign`.
+    """
+
+    def __init__(self, name: str, backend: str, on_lost: OnLost | None) -> None:
+        self.name = name
+        self.backend = backend
+        self._on_lost = on_lost
+        self._lease: Lease | None = None
+        self._ended = threading.Event()
+        self._end_lock = threading.Lock()
+
+    @property
+    def lease(self) -> Lease:
+        if self._lease is None:
+            raise LeaseLost(election_lease_name(self.name), None, "not elected yet")
+        return self._lease
+
+    @property
+    def token(self) -> int:
+        """The leadership's fencing token: higher than every earlier leader's."""
+        return self.lease.token
+
+    @property
+    def holder(self) -> str:
+        return self.lease.holder
+
+    @property
+    def lost(self) -> threading.Event:
+        """Set once this process no longer leads (lost, revoked or resigned)."""
+        return self._ended
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process still leads as far as it can tell (pessimistic, local clock)."""
+        lease = self._lease
+        return (
+            lease is not None
+            and not self._ended.is_set()
+            and not lease.lost.is_set()
+            and lease.remaining() > 0
+        )
+
+    def ensure_held(self) -> None:
+        """Raise :class:`~leases.errors.LeaseLost` unless still leading (fencing protocol)."""
+        if not self.is_leader:
+            self.lease.ensure_held()
+            raise LeaseLost(self.lease.name, self.lease.token, "leadership ended")
+
+    ensure_leader = ensure_held
+
+    def resign(self) -> None:
+        """Stop leading now so another candidate need not wait for the TTL to run out."""
+        lease = self._lease
+        if lease is not None and not lease.done:
+            # Already lost: the store moved on and nothing of ours is left to give back.
+            with contextlib.suppress(LeaseLost):
+                lease.release()
+        self._end("resigned")
+
+    def _lease_lost(self, *args: Any, **kwargs: Any) -> None:
+        """Keepalive's ``on_lost`` hook: the lease behind the leadership is gone."""
+        self._end("lost")
+
+    def _end(self, reason: str) -> None:
+        with self._end_lock:
+            if self._ended.is_set():
+                return
+            self._ended.set()
+        token = self._lease.token if self._lease is not None else None
+        logger.log(
+            logging.INFO if reason == "resigned" else logging.WARNING,
+            "leadership of %r %s (token %s)",
+            self.name,
+            reason,
+            token,
+            extra={"event": "leader_lost", "election": self.name, "token": token, "reason": reason},
+        )
+        signals.leader_lost.send_robust(sender=self.backend, leadership=self, reason=reason)
+        if self._on_lost is not None and reason != "resigned":
+            try:
+                self._on_lost(self)
+            except Exception:
+                logger.exception("on_lost callback of election %r raised", self.name)
+
+    def __enter__(self) -> Leadership:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.resign()
+
+    def __repr__(self) -> str:
+        state = "leading" if self.is_leader else "not leading"
+        token = self._lease.token if self._lease is not None else None
+        return f"<Leadership {self.name!r} token={token} {state}>"
+
+
+def elect(
+    name: str,
+    *,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> Leadership:
+    """Campaign for ``name`` until elected (or ``timeout`` passes) and return the leadership.
+
+    ``timeout=None`` campaigns forever, ``0`` tries once; failing raises
+    :class:`~leases.errors.LeaseUnavailable`. ``on_lost(leadership)`` runs (on the keepalive
+    thread) when leadership is lost without resigning.
+    """
+    leadership = Leadership(validate_name(name), backend, on_lost)
+    leadership._lease = acquire(
+        election_lease_name(name),
+        ttl=ttl,
+        backend=backend,
+        timeout=timeout,
+        keepalive=True,
+        on_lost=leadership._lease_lost,
+        holder=holder,
+    )
+    logger.info(
+        "elected leader of %r with token %s",
+        name,
+        leadership.token,
+        extra={"event": "leader_elected", "election": name, "token": leadership.token},
+    )
+    signals.leader_elected.send_robust(sender=backend, leadership=leadership)
+    return leadership
+
+
+def leader_of(name: str, *, backend: str = "default") -> Leader | None:
+    """The current leader of ``name`` as the store sees it, or ``None`` if nobody leads.
+
+    A snapshot: the leader may be gone by the time the caller acts on it.
+    """
+    info = get_backend(backend).inspect(election_lease_name(name))
+    if info is None or not info.held:
+        return None
+    parts = parse_holder(info.holder)
+    return Leader(
+        name=name,
+        holder=info.holder,
+        token=info.token,
+        backend=backend,
+        host=parts.host,
+        pid=parts.pid,
+        thread=parts.thread,
+        label=parts.label,
+        expires_at=info.expires_at,
+    )

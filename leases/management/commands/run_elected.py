@@ -1,0 +1,135 @@
+"""``manage.py run_elected NAME -- COMMAND...``: run a command only while this process leads.
+
+Campaigns for ``NAME``, starts ``COMMAND`` once elected, and stops it (SIGTERM to its process
+group, SIGKILL after ``--grace`` seconds) as soon as leadership is lost, so a deposed leader's
+job does not keep running beside its successor's. It cannot stop a job while this process is
+itself paused, so the child gets the leadership's fencing token in ``LEASES_LEADER_TOKEN`` to
+fence its writes with: that is what makes a late write of a deposed leader harmless.
+
+Exit status: the command's own when it ends while leading; 75 (EX_TEMPFAIL) when leadership
+was lost and the command had to be stopped, so a supervisor restarts the campaign.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from leases.election import Leadership, elect
+
+LOST_EXIT_CODE = 75
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM if this process dies (SIGKILL included)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_process_group(child: subprocess.Popen[bytes], grace: float) -> int:
+    """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds; the exit code."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        if child.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+        try:
+            return child.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return child.wait()
+
+
+@contextlib.contextmanager
+def _terminate_on(signals_: tuple[int, ...]) -> Iterator[None]:
+    """Turn SIGTERM/SIGINT/SIGHUP into SystemExit so ``finally`` stops the child and resigns."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+    for sig in signals_:
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+class Command(BaseCommand):
+    help = (
+        "Run COMMAND only while elected leader of NAME; stop it when leadership is lost. "
+        "Usage: run_elected NAME [--ttl S] [--grace S] [--backend ALIAS] -- COMMAND [ARGS...]"
+    )
+    #: The part of argv after ``--`` (argparse would try to parse the command's own options).
+    command: tuple[str, ...] = ()
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", help="election name")
+        parser.add_argument("--ttl", type=float, default=None, help="leadership lease TTL (s)")
+        parser.add_argument("--backend", default="default", help="lease backend alias")
+        parser.add_argument("--grace", type=float, default=10.0, help="SIGTERM -> SIGKILL (s)")
+        parser.add_argument("--timeout", type=float, default=None, help="give up campaigning")
+        parser.add_argument("--poll", type=float, default=0.1, help=argparse.SUPPRESS)
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        """Everything after the first ``--`` is the command, options and all, untouched."""
+        if "--" in argv:
+            split = argv.index("--")
+            argv, self.command = argv[:split], tuple(argv[split + 1 :])
+        super().run_from_argv(argv)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        command = list(self.command)
+        if not command:
+            raise CommandError("nothing to run: manage.py run_elected NAME -- COMMAND [ARGS...]")
+        with _terminate_on((signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
+            leadership = elect(
+                options["name"],
+                ttl=options["ttl"],
+                backend=options["backend"],
+                timeout=options["timeout"],
+            )
+            with leadership:
+                code = self.supervise(leadership, command, options["grace"], options["poll"])
+        if code:
+            raise SystemExit(code)
+
+    def supervise(
+        self, leadership: Leadership, command: list[str], grace: float, poll: float
+    ) -> int:
+        """Run ``command`` while ``leadership`` lasts; its exit code, or 75 once deposed."""
+        env = {
+            **os.environ,
+            "LEASES_LEADER_NAME": leadership.name,
+            "LEASES_LEADER_TOKEN": str(leadership.token),
+            "LEASES_LEADER_BACKEND": leadership.backend,
+        }
+        self.stderr.write(f"elected leader of {leadership.name!r} (token {leadership.token})")
+        child = subprocess.Popen(
+            command, env=env, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        try:
+            while child.poll() is None:
+                if not leadership.is_leader:
+                    self.stderr.write(
+                        f"leadership of {leadership.name!r} lost; stopping pid {child.pid}"
+                    )
+                    stop_process_group(child, grace)
+                    return LOST_EXIT_CODE
+                leadership.lost.wait(poll)
+            return child.returncode
+        finally:
+            if child.poll() is None:
+                stop_process_group(child, grace)

@@ -1,0 +1,197 @@
+"""Leader election: one leader at a time according to the fenced register, on every backend."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from django.conf import settings
+
+from leases import signals
+from leases.backends import get_backend
+from leases.election import Leadership, elect, election_lease_name, leader_of
+from leases.errors import LeaseUnavailable
+from tests import checker
+
+BACKENDS = sorted(settings.LEASES["BACKENDS"])
+
+
+def unique(prefix: str = "election") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def resign_all() -> Iterator[list[Leadership]]:
+    made: list[Leadership] = []
+    try:
+        yield made
+    finally:
+        for leadership in made:
+            leadership.resign()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_new_leader_always_has_a_higher_token(backend: str, resign_all: list[Leadership]) -> None:
+    name = unique()
+    tokens = []
+    for _ in range(3):
+        leadership = elect(name, ttl=5, backend=backend, timeout=5)
+        resign_all.append(leadership)
+        assert leadership.is_leader
+        tokens.append(leadership.token)
+        leader = leader_of(name, backend=backend)
+        assert leader is not None and leader.token == leadership.token
+        assert leader.holder == leadership.holder
+        leadership.resign()
+        assert not leadership.is_leader
+        assert leader_of(name, backend=backend) is None
+    assert tokens == sorted(set(tokens)), tokens
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_second_candidate_waits_until_the_leader_resigns(
+    backend: str, resign_all: list[Leadership]
+) -> None:
+    name = unique()
+    first = elect(name, ttl=5, backend=backend, timeout=5)
+    resign_all.append(first)
+    with ThreadPoolExecutor(1) as pool:  # another thread: leases are not reentrant per thread
+        with pytest.raises(LeaseUnavailable):
+            pool.submit(elect, name, ttl=5, backend=backend, timeout=0.3).result(10)
+        waiting = pool.submit(elect, name, ttl=5, backend=backend, timeout=10)
+        time.sleep(0.2)
+        assert not waiting.done()
+        first.resign()
+        second = waiting.result(10)
+        resign_all.append(second)
+    assert second.token > first.token
+    assert second.is_leader and not first.is_leader
+
+
+@pytest.mark.django_db(transaction=True)
+def test_revoked_leader_learns_it_lost_and_signals_fire(resign_all: list[Leadership]) -> None:
+    name = unique()
+    events: list[tuple[str, Any]] = []
+    lost_calls: list[Leadership] = []
+
+    def on_elected(sender: str, leadership: Leadership, **kwargs: Any) -> None:
+        events.append(("elected", leadership.token))
+
+    def on_lost(sender: str, leadership: Leadership, reason: str, **kwargs: Any) -> None:
+        events.append(("lost", reason))
+
+    signals.leader_elected.connect(on_elected)
+    signals.leader_lost.connect(on_lost)
+    try:
+        leadership = elect(name, ttl=0.9, timeout=5, on_lost=lost_calls.append)
+        resign_all.append(leadership)
+        get_backend("default").force_release(election_lease_name(name))
+        assert leadership.lost.wait(5), "keepalive never noticed the revoked leadership"
+        assert not leadership.is_leader
+        assert lost_calls == [leadership]
+        leadership.resign()  # after a loss: nothing to give back, no second signal
+    finally:
+        signals.leader_elected.disconnect(on_elected)
+        signals.leader_lost.disconnect(on_lost)
+    assert events == [("elected", leadership.token), ("lost", "lost")]
+
+
+CONTENDER = """
+import os, socket, sys, time
+import django
+django.setup()
+from leases.election import elect
+from leases.errors import LeaseError
+from tests.checker import record_write
+
+register, name, writer, until, ttl = sys.argv[1:6]
+until, ttl = float(until), float(ttl)
+holder = f"{writer}@{socket.gethostname()}:{os.getpid()}:main"
+while time.time() < until:
+    try:
+        leadership = elect(name, ttl=ttl, timeout=max(0.1, until - time.time()), holder=holder)
+    except LeaseError:
+        continue
+    token = leadership.token
+    print("elected", token, flush=True)
+    while leadership.is_leader and time.time() < until:
+        record_write(register, token, writer)
+        time.sleep(0.03)
+    if not leadership.is_leader:
+        # The write that was in flight when this leader was paused: the fence must refuse it
+        # once a successor has written.
+        record_write(register, token, writer)
+    leadership.resign()
+"""
+
+
+def wait_for_leader(name: str, *, newer_than: int, deadline: float) -> Any:
+    while time.monotonic() < deadline:
+        leader = leader_of(name)
+        if leader is not None and leader.token > newer_than and leader.pid is not None:
+            return leader
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.fault
+def test_five_contenders_with_paused_and_killed_leaders(
+    child_env: dict[str, str], python: str
+) -> None:
+    """SIGSTOP/SIGKILL the leader repeatedly; the register never accepts two leaders at once."""
+    name, register, ttl, slack = unique(), checker.new_register("election"), 1.5, 4.0
+    until = time.time() + 30
+    procs = [
+        subprocess.Popen(
+            [python, "-c", CONTENDER, register, name, f"w{i}", str(until), str(ttl)],
+            env=child_env,
+            stdout=subprocess.DEVNULL,
+        )
+        for i in range(5)
+    ]
+    by_pid = {proc.pid: proc for proc in procs}
+    grants: list[int] = []
+    stale_expected = False
+    try:
+        leader = wait_for_leader(name, newer_than=0, deadline=time.monotonic() + 20)
+        assert leader is not None, "nobody was elected within 20 s"
+        grants.append(leader.token)
+        for fault in random.sample(["stop", "stop", "kill", "kill"], 4):
+            proc = by_pid[leader.pid]
+            time.sleep(0.3)  # let the leader write
+            os.kill(proc.pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+            faulted_at = time.monotonic()
+            new = wait_for_leader(name, newer_than=leader.token, deadline=faulted_at + ttl + 10)
+            assert new is not None, f"no new leader after {fault} of the leader"
+            took = time.monotonic() - faulted_at
+            assert took <= ttl + slack, f"new leader after {took:.1f}s (> TTL {ttl} + {slack})"
+            grants.append(new.token)
+            if fault == "stop":
+                time.sleep(0.4)  # the successor writes, then the old leader wakes up
+                os.kill(proc.pid, signal.SIGCONT)
+                stale_expected = True
+            leader = new
+        time.sleep(0.5)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait(5)
+    summary = checker.check_history(register, grants)
+    assert summary.accepted > 0 and len(summary.writers) >= 3
+    if stale_expected:
+        assert summary.stale >= 1, "a paused leader's late write was never refused"

@@ -1,0 +1,119 @@
+"""``manage.py run_elected``: the command runs only while its process leads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from leases.backends import get_backend
+from leases.election import election_lease_name, leader_of
+
+TTL, GRACE, SLACK = 1.5, 1.0, 3.0
+
+#: The elected command: records its pid and token, optionally ignores SIGTERM, runs forever.
+COMMAND = """
+import os, signal, sys, time
+out, mode = sys.argv[1], sys.argv[2]
+def on_term(signum, frame):
+    open(out + ".term", "w").write(str(time.monotonic()))
+    if mode == "term":
+        sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+with open(out + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {os.environ['LEASES_LEADER_TOKEN']}")
+os.rename(out + ".tmp", out)
+if mode == "exit":
+    sys.exit(7)
+for _ in range(6000):
+    time.sleep(0.01)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie (an orphan may wait for a reaper that never comes)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_until(predicate: object, timeout: float) -> float | None:
+    """Seconds until ``predicate()`` held, or ``None`` if it never did within ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():  # type: ignore[operator]
+            return time.monotonic() - start
+        time.sleep(0.02)
+    return None
+
+
+@pytest.fixture
+def run_elected(child_env: dict[str, str], python: str, tmp_path: Path) -> Iterator[object]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(mode: str) -> tuple[str, subprocess.Popen[bytes], int, int, Path]:
+        name, out = f"run-elected-{uuid.uuid4().hex[:8]}", tmp_path / f"cmd-{len(started)}"
+        args = ["run_elected", name, "--ttl", str(TTL), "--grace", str(GRACE), "--"]
+        proc = subprocess.Popen(
+            [python, "-m", "django", *args, python, "-c", COMMAND, str(out), mode],
+            env=child_env,
+        )
+        started.append(proc)
+        assert wait_until(out.exists, 30) is not None, "the command never started"
+        pid, token = map(int, out.read_text().split())
+        return name, proc, pid, token, out
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("mode", ["term", "ignore-term"])
+def test_deposed_leaders_command_is_stopped_within_the_grace_period(
+    run_elected: object, mode: str
+) -> None:
+    name, proc, pid, token, out = run_elected(mode)  # type: ignore[operator]
+    leader = leader_of(name)
+    assert leader is not None and leader.token == token
+    get_backend().force_release(election_lease_name(name))  # an operator deposes the leader
+    took = wait_until(lambda: not alive(pid), TTL + GRACE + SLACK)
+    assert took is not None, f"the deposed leader's command still runs after {TTL + GRACE + SLACK}s"
+    assert Path(f"{out}.term").exists(), "the command was not sent SIGTERM first"
+    assert proc.wait(10) == 75
+
+
+@pytest.mark.fault
+def test_command_that_ends_by_itself_ends_the_leadership(run_elected: object) -> None:
+    name, proc, _, _, _ = run_elected("exit")  # type: ignore[operator]
+    assert proc.wait(20) == 7
+    assert leader_of(name) is None  # resigned: no successor has to wait for the TTL
+
+
+@pytest.mark.fault
+def test_killed_supervisor_takes_its_command_down(run_elected: object) -> None:
+    _, proc, pid, _, _ = run_elected("term")  # type: ignore[operator]
+    os.kill(proc.pid, signal.SIGKILL)
+    took = wait_until(lambda: not alive(pid), 5)
+    assert took is not None, "the command outlived its killed run_elected"
+
+
+@pytest.mark.fault
+def test_terminated_supervisor_stops_its_command_and_resigns(run_elected: object) -> None:
+    name, proc, pid, _, _ = run_elected("term")  # type: ignore[operator]
+    proc.terminate()
+    assert proc.wait(GRACE + SLACK) == 128 + signal.SIGTERM
+    assert not alive(pid)
+    assert leader_of(name) is None
