@@ -1,0 +1,200 @@
+"""The key state machine, ``idempotency_key`` operations and the purge command, on Postgres."""
+
+from __future__ import annotations
+
+import io
+import threading
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.db import connection, connections
+from django.test.utils import CaptureQueriesContext
+
+from idempotency import (
+    IdempotencyKeyInProgress,
+    IdempotencyKeyLost,
+    IdempotencyKeyMismatch,
+    idempotency_key,
+)
+from idempotency.management.commands import purge_idempotency_keys
+from idempotency.models import IdempotencyKey
+from idempotency.store import Outcome, Status, begin, finish, release
+from tests.testapp.models_idempotency import Charge
+
+pytestmark = pytest.mark.django_db
+
+FP = "f" * 64
+OTHER_FP = "0" * 64
+OUTCOME = Outcome(status=201, headers=[("Content-Type", "text/plain")], body=b"\x00done\xff")
+
+
+def sql(statement: str, params: Any = None) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+
+
+def test_begin_claims_reports_and_replays_in_one_round_trip_each() -> None:
+    with CaptureQueriesContext(connection) as first:
+        claimed = begin("s", "k", FP, ttl=60, lock_timeout=60)
+    assert claimed.status is Status.NEW and claimed.claim and not claimed.claim.taken_over
+    running = begin("s", "k", FP, ttl=60, lock_timeout=60)
+    assert running.status is Status.IN_PROGRESS and 0 < running.retry_after <= 60
+    assert begin("s", "k", OTHER_FP, ttl=60, lock_timeout=60).status is Status.MISMATCH
+    finish(claimed.claim, OUTCOME, ttl=60)
+    with CaptureQueriesContext(connection) as replay:
+        done = begin("s", "k", FP, ttl=60, lock_timeout=60)
+    assert done.status is Status.COMPLETED and done.outcome == OUTCOME
+    assert len(first.captured_queries) == 1 and len(replay.captured_queries) == 1
+
+
+def test_a_lapsed_lock_is_taken_over_and_the_old_attempt_cannot_finish() -> None:
+    old = begin("s", "k", FP, ttl=60, lock_timeout=0.05).claim
+    assert old is not None
+    sql("SELECT pg_sleep(0.1)")
+    assert begin("s", "k", OTHER_FP, ttl=60, lock_timeout=60).status is Status.MISMATCH
+    new = begin("s", "k", FP, ttl=60, lock_timeout=60).claim
+    assert new is not None and new.taken_over and new.owner != old.owner
+    with pytest.raises(IdempotencyKeyLost):
+        finish(old, OUTCOME, ttl=60)
+    release(old)
+    assert IdempotencyKey.objects.get().owner == new.owner
+    finish(new, OUTCOME, ttl=60)
+    assert begin("s", "k", FP, ttl=60, lock_timeout=60).status is Status.COMPLETED
+
+
+def test_an_expired_completed_key_is_claimed_again_with_any_fingerprint() -> None:
+    claim = begin("s", "k", FP, ttl=60, lock_timeout=60).claim
+    assert claim is not None
+    finish(claim, OUTCOME, ttl=60)
+    sql("UPDATE idempotency_key SET expires_at = clock_timestamp() - interval '1 second'")
+    again = begin("s", "k", OTHER_FP, ttl=60, lock_timeout=60)
+    assert again.status is Status.NEW and again.claim and again.claim.taken_over
+
+
+def test_scopes_are_separate_key_spaces() -> None:
+    assert begin("alice", "k", FP, ttl=60, lock_timeout=60).status is Status.NEW
+    assert begin("bob", "k", OTHER_FP, ttl=60, lock_timeout=60).status is Status.NEW
+
+
+def test_an_operation_runs_once_and_replays_its_recorded_result() -> None:
+    with idempotency_key("import-1", scope="cmd") as op:
+        assert not op.replayed
+        Charge.objects.create(amount=1)
+        op.result = {"imported": 1}
+    with idempotency_key("import-1", scope="cmd") as again:
+        assert again.replayed and again.result == {"imported": 1}
+    assert Charge.objects.count() == 1
+
+
+def test_a_failed_operation_keeps_nothing_and_runs_again() -> None:
+    with pytest.raises(ZeroDivisionError), idempotency_key("import-2") as op:
+        Charge.objects.create(amount=1)
+        op.result = 1 / 0
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    with idempotency_key("import-2") as op:
+        assert not op.replayed
+
+
+def test_the_decorator_form_skips_the_call_on_a_repeat() -> None:
+    calls: list[int] = []
+
+    @idempotency_key(lambda n: f"job-{n}", scope="jobs")
+    def job(n: int) -> int:
+        calls.append(n)
+        Charge.objects.create(amount=n)
+        return n * 10
+
+    assert [job(1), job(1), job(2)] == [10, 10, 20]
+    assert calls == [1, 2] and Charge.objects.count() == 2
+
+
+def test_an_operation_refuses_a_key_in_use_or_used_differently() -> None:
+    assert begin("cmd", "busy", idempotency_key_digest(""), ttl=60, lock_timeout=60).claim
+    with pytest.raises(IdempotencyKeyInProgress), idempotency_key("busy", scope="cmd"):
+        pass
+    with idempotency_key("used", scope="cmd", fingerprint="a"):
+        pass
+    with (
+        pytest.raises(IdempotencyKeyMismatch),
+        idempotency_key("used", scope="cmd", fingerprint="b"),
+    ):
+        pass
+
+
+def idempotency_key_digest(fingerprint: str) -> str:
+    from idempotency.http import digest
+
+    return digest([fingerprint.encode()])
+
+
+def _rows(**ages: tuple[str, str, str | None]) -> None:
+    """Rows named by key: (state, expires_at offset, locked_until offset) on the DB clock."""
+    for key, (state, expires, locked) in ages.items():
+        sql(
+            "INSERT INTO idempotency_key (scope, key, fingerprint, state, locked_until, "
+            "response_headers, created_at, expires_at) VALUES ('s', %s, %s, %s, "
+            "clock_timestamp() + %s::interval, '[]', clock_timestamp(), "
+            "clock_timestamp() + %s::interval)",
+            [key, FP, state, locked, expires],
+        )
+
+
+def test_purge_deletes_only_expired_keys_by_the_database_clock() -> None:
+    _rows(
+        expired=("completed", "-1 second", None),
+        live=("completed", "1 hour", None),
+        crashed_but_fresh=("started", "1 hour", "-1 second"),
+        expired_and_crashed=("started", "-1 second", "-1 second"),
+        expired_but_still_running=("started", "-1 second", "1 hour"),
+    )
+    out = io.StringIO()
+    call_command("purge_idempotency_keys", stdout=out)
+    left = set(IdempotencyKey.objects.values_list("key", flat=True))
+    assert left == {"live", "crashed_but_fresh", "expired_but_still_running"}
+    assert "2 expired" in out.getvalue() and "deleted 2" in out.getvalue()
+    for statement in (purge_idempotency_keys.COUNT_SQL, purge_idempotency_keys.PURGE_BATCH_SQL):
+        assert "clock_timestamp()" in statement and "now()" not in statement
+
+
+def test_purge_works_in_bounded_batches_with_progress() -> None:
+    _rows(**{f"k{i}": ("completed", "-1 second", None) for i in range(25)})
+    out = io.StringIO()
+    call_command("purge_idempotency_keys", batch_size=10, stdout=out)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[-1] for line in lines if line.startswith("[")] == [
+        "10/25",
+        "20/25",
+        "25/25",
+    ]
+    assert IdempotencyKey.objects.count() == 0
+    call_command("purge_idempotency_keys", batch_size=10, max_batches=1, stdout=io.StringIO())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_purge_skips_a_row_a_request_is_taking_over_instead_of_waiting() -> None:
+    _rows(busy=("completed", "-1 second", None), idle=("completed", "-1 second", None))
+    locked, release_it = threading.Event(), threading.Event()
+
+    def take_over() -> None:
+        other = connections.create_connection("default")
+        try:
+            with other.cursor() as cursor:
+                cursor.execute("BEGIN")
+                cursor.execute("SELECT 1 FROM idempotency_key WHERE key = 'busy' FOR UPDATE")
+                locked.set()
+                release_it.wait(10)
+                cursor.execute("ROLLBACK")
+        finally:
+            other.close()
+
+    thread = threading.Thread(target=take_over)
+    thread.start()
+    try:
+        assert locked.wait(10)
+        call_command("purge_idempotency_keys", stdout=io.StringIO())
+        assert thread.is_alive()  # the purge finished while the row was still locked
+        assert list(IdempotencyKey.objects.values_list("key", flat=True)) == ["busy"]
+    finally:
+        release_it.set()
+        thread.join(10)
