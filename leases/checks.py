@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.checks import CheckMessage, Error, Tags, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.connection import ConnectionDoesNotExist
 
 from . import conf
+from .errors import LeaseError
 
 
 @register(Tags.compatibility)
@@ -52,3 +53,26 @@ def check_advisory_database(app_configs: Any = None, **kwargs: Any) -> list[Chec
                 )
             )
     return errors
+
+
+@register(Tags.database, deploy=True)
+def check_backend_stores(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """leases.E003 / leases.W003: a lease store is unreachable, or can lose leases.
+
+    Only with ``manage.py check --deploy``: it talks to every configured store (a Redis whose
+    ``maxmemory-policy`` may evict lease keys, a Redlock with too few nodes), which must never
+    happen at import or on every ``manage.py`` command.
+    """
+    if conf.problems():
+        return []
+    from .backends import get_backend
+
+    found: list[CheckMessage] = []
+    for alias in sorted(conf.get().backends):
+        try:
+            problems = get_backend(alias).deploy_checks()
+        except LeaseError as exc:
+            found.append(Error(f"lease backend {alias!r}: {exc}", id="leases.E003"))
+            continue
+        found += [Warning(f"lease backend {alias!r}: {p}", id="leases.W003") for p in problems]
+    return found

@@ -21,19 +21,36 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from tests.servers import PostgresServer, RedisServer, configured_or_throwaway
+from tests.servers import PostgresServer, RedisServer, configured_or_throwaway, reachable
 
 ROOT = Path(__file__).resolve().parent.parent
 _OWNED: list[PostgresServer | RedisServer] = []
 
 
+#: Independent Redis servers the ``redlock`` backend of the shared suite runs on.
+REDLOCK_NODES = 3
+
+
 def bootstrap_servers() -> dict[str, str]:
-    """``DATABASE_URL`` and ``REDIS_URL`` for this run, starting servers if none are reachable."""
+    """``DATABASE_URL``, ``REDIS_URL`` and ``LEASES_REDLOCK_URLS`` (comma-separated) for this
+    run, starting servers if none are reachable."""
+    first = not _OWNED
     urls = configured_or_throwaway(_OWNED)
+    urls["LEASES_REDLOCK_URLS"] = _redlock_urls(REDLOCK_NODES)
     os.environ.update(urls)
-    if _OWNED and len(_OWNED) <= 2:
+    if first and _OWNED:
         atexit.register(_destroy_owned)
     return urls
+
+
+def _redlock_urls(count: int) -> str:
+    """The inherited Redlock nodes when all answer (xdist workers, children), else new ones."""
+    urls = [url for url in os.environ.get("LEASES_REDLOCK_URLS", "").split(",") if url]
+    if len(urls) == count and all(reachable(url) for url in urls):
+        return ",".join(urls)
+    servers = [RedisServer().start() for _ in range(count)]
+    _OWNED.extend(servers)
+    return ",".join(server.url for server in servers)
 
 
 def _destroy_owned() -> None:

@@ -64,6 +64,13 @@ CACHES = {
 LEASES = {
     "BACKENDS": {
         "default": {"ENGINE": "leases.backends.database"},
+        "redis": {"ENGINE": "leases.backends.redis", "CACHE": "default"},
+        "redlock": {
+            "ENGINE": "leases.backends.redlock",
+            "NODES": URLS["LEASES_REDLOCK_URLS"].split(","),
+            # Generous for a loaded 2-core CI machine; a production LAN would use ~0.05.
+            "NODE_TIMEOUT": 0.5,
+        },
     },
     "DEFAULT_TTL": 30,
 }

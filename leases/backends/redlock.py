@@ -206,17 +206,19 @@ class Backend(LeaseBackend):
         return [info for info in infos if info is not None]
 
     def deploy_checks(self) -> list[str]:
+        """Per-node eviction policies; an error when fewer than a quorum of nodes answer."""
         problems: list[str] = []
+        down = 0
         for node in self.nodes:
             try:
                 found = eviction_problems(self.alias, node.client)
             except BackendUnavailable as exc:
-                found = [str(exc)]
+                found, down = [str(exc)], down + 1
             problems += [f"node {node.location}: {problem}" for problem in found]
+        if len(self.locations) - down < self.quorum:
+            raise BackendUnavailable(self.alias, f"fewer than {self.quorum} nodes answer")
         if len(self.locations) < 3:
-            problems.append(
-                f"{len(self.locations)} node(s): Redlock needs 3 or more to survive one"
-            )
+            problems.append(f"{len(self.locations)} node(s): Redlock needs 3 or more nodes")
         return problems
 
     def close(self) -> None:
