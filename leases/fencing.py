@@ -22,6 +22,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, Self, TypeAlias, runtime_checkable
 
+from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, connections, models, transaction
 from django.db.models.constants import OnConflict
 
@@ -271,6 +272,12 @@ class FencedModel(models.Model):
             del self._leases_fence, self._leases_force_insert
 
     save.alters_data = True  # type: ignore[attr-defined]
+
+    async def asave(self, *args: Any, fence: Fence | None = None, **kwargs: Any) -> None:
+        """Async ``save()``, fenced the same way (Django runs the save in a thread)."""
+        await sync_to_async(self.save)(*args, fence=fence, **kwargs)
+
+    asave.alters_data = True  # type: ignore[attr-defined]
 
     def _keep_transaction_usable(self, using: str, needed_rollback: bool) -> None:
         """Undo Django's "roll back on any error" mark when only our refusal happened.

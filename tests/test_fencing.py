@@ -233,3 +233,15 @@ def test_bad_tokens_are_refused_before_any_query(token: Any) -> None:
         doc.save(fence=token) if token is not None else doc.save(fence=object())  # type: ignore[arg-type]
     assert len(queries) == 0
     assert isinstance(InvalidFencingToken(token, "x"), ValueError)
+
+
+def test_asave_is_fenced_too() -> None:
+    from asgiref.sync import async_to_sync
+
+    doc = make_doc(5)
+    doc.title = "async"
+    async_to_sync(doc.asave)(fence=6)
+    with pytest.raises(StaleFencingToken):
+        async_to_sync(doc.asave)(fence=2)
+    doc.refresh_from_db()
+    assert (doc.title, doc.fencing_token) == ("async", 6)
