@@ -38,10 +38,11 @@ def database_backend_alias() -> str:
 
 
 def humanize_delta(delta: timedelta | None) -> str:
-    """``12.5s``, ``-3.0s`` (expired that long ago), or a dash when unknown."""
+    """``12.5s``, ``expired 3.0s ago``, or a dash when unknown."""
     if delta is None:
         return "—"
-    return f"{delta.total_seconds():.1f}s"
+    seconds = delta.total_seconds()
+    return f"{seconds:.1f}s" if seconds > 0 else f"expired {-seconds:.1f}s ago"
 
 
 def see_also_links() -> list[tuple[str, str]]:

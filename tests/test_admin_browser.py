@@ -1,0 +1,102 @@
+"""The admin pages in a real browser: headless Chromium against the live server.
+
+``scripts/test`` installs ``chromium`` and ``chromium-driver`` from the distribution when they
+are missing (as root with apt); this test skips only when no Chromium can be had at all.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission
+
+from leases.backends import get_backend
+from leases.models import ForceRelease
+from tests.factories import StaffUserFactory
+from tests.locks_fixture import LockScene, lock_scene_fixture  # noqa: F401 - fixture
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM_FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1000",
+]
+
+
+def _find(*names: str) -> str | None:
+    return next((found for name in names if (found := shutil.which(name))), None)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    chromium = _find("chromium", "chromium-browser", "google-chrome")
+    driver_path = _find("chromedriver", "chromium-driver")
+    if chromium is None or driver_path is None:
+        pytest.skip(
+            "no Chromium and chromedriver on PATH: install the distribution's chromium and "
+            "chromium-driver packages (scripts/test does so as root with apt-get)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="leases-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_staff_sees_held_and_waiting_locks_and_force_releases(
+    browser: Any, live_server: Any, lock_scene: LockScene
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    operator: Any = StaffUserFactory(username="browser-operator")
+    codenames = ["view_lease", "force_release_lease"]
+    operator.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+    ARTIFACTS.mkdir(exist_ok=True)
+
+    browser.get(f"{live_server.url}/admin/login/?next=/admin/leases/advisorylock/")
+    browser.find_element(By.NAME, "username").send_keys("browser-operator")
+    browser.find_element(By.NAME, "password").send_keys("password")
+    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+
+    waiting = browser.find_element(By.CSS_SELECTOR, "#advisory-locks tr.waiting")
+    assert lock_scene.advisory in waiting.text and "lock-waiter" in waiting.text
+    held = browser.find_element(By.CSS_SELECTOR, "#advisory-locks tr.held")
+    assert lock_scene.advisory in held.text and str(lock_scene.holder_pid) in held.text
+    browser.save_screenshot(str(ARTIFACTS / "admin-advisory-locks.png"))
+
+    browser.find_element(By.LINK_TEXT, "Leases (database backend)").click()
+    row = browser.find_element(By.XPATH, f"//tr[.//th[normalize-space()='{lock_scene.held}']]")
+    assert "worker-1" in row.text and "4242" in row.text and "billing" in row.text
+    browser.save_screenshot(str(ARTIFACTS / "admin-leases.png"))
+    row.find_element(By.NAME, "_selected_action").click()
+    Select(browser.find_element(By.NAME, "action")).select_by_value("force_release")
+    browser.find_element(By.NAME, "index").click()
+
+    message = browser.find_element(By.CSS_SELECTOR, "ul.messagelist li.success").text
+    assert f"Released {lock_scene.held!r}" in message
+    browser.save_screenshot(str(ARTIFACTS / "admin-force-release.png"))
+    info = get_backend().inspect(lock_scene.held)
+    assert info is not None and not info.held
+    assert ForceRelease.objects.get(name=lock_scene.held).by == operator

@@ -1,0 +1,42 @@
+"""The guide covers every setting, error and signal the code has (``scripts/test`` builds it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import idempotency.conf
+import idempotency.errors
+import leases.conf
+import leases.errors
+import leases.signals
+
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guide"
+
+
+def page(name: str) -> str:
+    return (GUIDE / name).read_text()
+
+
+@pytest.mark.parametrize(
+    "key", [*leases.conf.DEFAULTS, *(f"IDEMPOTENCY:{k}" for k in idempotency.conf.DEFAULTS)]
+)
+def test_every_setting_is_documented(key: str) -> None:
+    assert f"| `{key.removeprefix('IDEMPOTENCY:')}` |" in page("settings.md")
+
+
+@pytest.mark.parametrize("error", [*leases.errors.__all__, *idempotency.errors.__all__])
+def test_every_error_is_documented(error: str) -> None:
+    assert f"| `{error}` |" in page("errors.md")
+
+
+@pytest.mark.parametrize("signal", leases.signals.__all__)
+def test_every_signal_is_documented_with_its_arguments(signal: str) -> None:
+    assert f"| `{signal}` |" in page("operating.md")
+
+
+def test_every_page_is_in_the_navigation() -> None:
+    config = (GUIDE.parent / "mkdocs.yml").read_text()
+    for path in GUIDE.glob("*.md"):
+        assert f": {path.name}" in config, f"{path.name} is not in docs/mkdocs.yml's nav"
