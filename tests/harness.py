@@ -63,6 +63,24 @@ def url_with_database(url: str, name: str) -> str:
     return urlunsplit(parts._replace(path=f"/{name}"))
 
 
+@pytest.fixture(scope="session")
+def _lease_backends_closed(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+    """Close every lease backend (their private connections) before the test databases go."""
+    yield
+    from leases.backends import reset
+
+    with django_db_blocker.unblock():
+        reset()
+
+
+@pytest.fixture(autouse=True)
+def _close_lease_backends_at_the_end(request: pytest.FixtureRequest) -> None:
+    """Backends keep database connections of their own (counters, LISTEN); dropping the test
+    database fails while they are open, so tests that use the database schedule the close."""
+    if "django_db_setup" in request.fixturenames:
+        request.getfixturevalue("_lease_backends_closed")
+
+
 @pytest.fixture
 def child_env(transactional_db: None) -> dict[str, str]:
     """Environment for a child Python process that uses this test's database.

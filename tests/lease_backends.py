@@ -22,7 +22,7 @@ from leases.backends import Capability, LeaseBackend, get_backend
 __all__ = ["LEASE_BACKENDS", "SETUP", "lease_backend", "lease_name", "require"]
 
 #: Aliases the conformance suite runs on; backends append theirs.
-LEASE_BACKENDS: list[str] = ["default"]
+LEASE_BACKENDS: list[str] = ["default", "redis", "redlock"]
 
 
 #: Per-alias preparation run by :func:`lease_backend` before each test (nothing for "default").

@@ -24,6 +24,7 @@ from leases.backends.redis import (
     Backend,
     LeaseKeys,
     Reply,
+    value_of,
 )
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
@@ -86,8 +87,8 @@ def test_release_after_expiry_keeps_successor(make_backend: MakeBackend) -> None
     client = redis.Redis.from_url(os.environ["REDIS_URL"])
     # The compare-and-delete itself answers "not yours" and leaves the key alone.
     script = client.register_script(RELEASE_LUA)
-    assert script(keys=[keys.lock, keys.wake, keys.fence], args=[old.extra["value"], 1, 0]) == 0
-    assert client.get(keys.lock) == new.extra["value"].encode()
+    assert script(keys=[keys.lock, keys.wake, keys.fence], args=[value_of(old), 1, 0]) == 0
+    assert client.get(keys.lock) == value_of(new).encode()
     info = backend.inspect(name)
     assert info is not None and info.held and info.holder == "new" and info.token == new.token
     backend.release(new)

@@ -152,6 +152,12 @@ def token_of(value: str) -> tuple[int, str]:
     return int(epoch) << COUNTER_BITS | int(counter), holder
 
 
+def value_of(grant: Grant) -> str:
+    """The lock value ``grant`` owns: its epoch, counter and holder, so a forged or stale grant
+    (same holder, other token, or the reverse) never matches the key."""
+    return f"{grant.token >> COUNTER_BITS}:{grant.token & MAX_COUNTER}:{grant.holder}"
+
+
 def ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -293,8 +299,7 @@ class Backend(LeaseBackend):
             )
             if code == Reply.OK:
                 token = token_of(text(value))[0]
-                extra = {"value": text(value)}
-                return Grant(name, holder, token, ttl, sent_at, expires(ttl), extra)
+                return Grant(name, holder, token, ttl, sent_at, expires(ttl))
             if code == Reply.BUSY:
                 return None
             offered = self.epochs.bump_fence(self.epoch_resource, int(value) + 1)
@@ -305,12 +310,12 @@ class Backend(LeaseBackend):
     def renew(self, grant: Grant, ttl: float) -> Grant:
         keys = LeaseKeys.of(self.prefix, grant.name)
         sent_at = time.monotonic()
-        if self._run("renew", [keys.lock], [grant.extra["value"], ms(ttl)]) != Reply.OK:
+        if self._run("renew", [keys.lock], [value_of(grant), ms(ttl)]) != Reply.OK:
             raise LeaseLost(grant.name, grant.token, "expired or taken over before the renewal")
         return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
 
     def release(self, grant: Grant) -> None:
-        if not self._release(grant.name, str(grant.extra["value"]), revoke=False):
+        if not self._release(grant.name, value_of(grant), revoke=False):
             raise LeaseLost(grant.name, grant.token, "expired or taken over before the release")
 
     def _release(self, name: str, value: str, *, revoke: bool) -> bool:
@@ -367,7 +372,7 @@ class Backend(LeaseBackend):
             info = self.inspect(name)
             if info is None or not info.held:
                 return info
-            value = f"{info.token >> COUNTER_BITS}:{info.token & MAX_COUNTER}:{info.holder}"
+            value = value_of(Grant(name, info.holder, info.token, 0.0, 0.0))
             if self._release(name, value, revoke=True):
                 return self.inspect(name)
         return self.inspect(name)

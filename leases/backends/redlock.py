@@ -138,6 +138,14 @@ class Backend(LeaseBackend):
         )
         return sum(answer == Reply.OK for answer in answers)
 
+    @staticmethod
+    def _value(grant: Grant) -> str:
+        """The random value this grant set on the nodes; a forged grant has none."""
+        value = grant.extra.get("value")
+        if not isinstance(value, str) or not value.endswith(f":{grant.holder}"):
+            raise LeaseLost(grant.name, grant.token, "not a grant of this Redlock backend")
+        return value
+
     def _valid(self, grant: Grant) -> bool:
         settings = conf.get()
         return time.monotonic() < grant.valid_until(settings.drift_factor, settings.drift_min)
@@ -165,17 +173,17 @@ class Backend(LeaseBackend):
         """Extend on a quorum within the new validity, or give the lease up everywhere."""
         keys = LeaseKeys.of(self.prefix, grant.name)
         sent_at = time.monotonic()
-        args = [grant.extra["value"], ms(ttl)]
+        args = [self._value(grant), ms(ttl)]
         answers = self._each(lambda n: n.renew(keys=[keys.lock], args=args))
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
             return renewed
-        self._unlock_everywhere(keys, str(grant.extra["value"]))
+        self._unlock_everywhere(keys, self._value(grant))
         raise LeaseLost(grant.name, grant.token, "could not extend it on a quorum of nodes")
 
     def release(self, grant: Grant) -> None:
         keys = LeaseKeys.of(self.prefix, grant.name)
-        if self._unlock_everywhere(keys, str(grant.extra["value"])) < self.quorum:
+        if self._unlock_everywhere(keys, self._value(grant)) < self.quorum:
             raise LeaseLost(grant.name, grant.token, "a quorum of nodes no longer had it")
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
