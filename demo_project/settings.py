@@ -29,6 +29,7 @@ INSTALLED_APPS = [
     "leases",
     "idempotency",
     "demo_project.shop",
+    "demo_project.payments",
 ]
 
 MIDDLEWARE = [

@@ -1,0 +1,142 @@
+"""``@idempotent`` on a trivial POST view: overhead, round trips, replay; drf-idempotency too.
+
+The view inserts one row (a payment) and answers 201. Contenders, on the same server in one run:
+the undecorated view in autocommit, the same view in ``transaction.atomic()`` (what atomic mode
+needs anyway: the effect and the key commit together), ``@idempotent`` with a new key per
+request, ``@idempotent`` replaying a stored response, and drf-idempotency's ``@idempotent()``
+(database backend) on the same view when it is installed. Views are called directly with
+RequestFactory requests, so middleware costs are left out for everyone alike. Round trips are
+counted on the wire (libpq trace), as in the advisory benchmark.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connection, transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.test import RequestFactory, override_settings
+
+from benchmarks.bench_advisory import round_trips
+from benchmarks.common import Report, per_op
+from demo_project.payments.models import Payment
+from idempotency import idempotent
+from idempotency.models import IdempotencyKey
+
+TITLE = "idempotency: @idempotent vs the undecorated view, and drf-idempotency"
+
+BODY = json.dumps({"amount": 1000, "currency": "EUR"})
+PREFIX = "bench-idem-"
+OPS = 100
+ROUNDS = 7
+
+
+def _view(request: HttpRequest) -> HttpResponse:
+    payment = Payment.objects.create(amount_cents=1000, description="bench")
+    return JsonResponse({"id": payment.pk, "status": "paid"}, status=201)
+
+
+def _requests() -> Callable[[str | None], HttpRequest]:
+    factory = RequestFactory()
+
+    def make(key: str | None) -> HttpRequest:
+        extra = {"HTTP_IDEMPOTENCY_KEY": key} if key else {}
+        return factory.post("/payments/", BODY, content_type="application/json", **extra)
+
+    return make
+
+
+def _contenders(make: Callable[[str | None], HttpRequest]) -> dict[str, Callable[[], Any]]:
+    ours = idempotent(_view)
+    atomic = transaction.atomic(_view)
+    fresh = (f"{PREFIX}{n}" for n in itertools.count())
+    ours(make(f"{PREFIX}replay"))
+    return {
+        "undecorated view (autocommit)": lambda: _view(make(None)),
+        "undecorated view in atomic()": lambda: atomic(make(None)),
+        "@idempotent, first request": lambda: ours(make(next(fresh))),
+        "@idempotent, replay": lambda: ours(make(f"{PREFIX}replay")),
+    }
+
+
+def _drf_idempotency(make: Callable[[str | None], HttpRequest]) -> dict[str, Callable[[], Any]]:
+    """drf-idempotency's contenders, or {} with a note when it is not installed."""
+    try:
+        from drf_idempotency import idempotent as drf_idempotent
+    except ImportError:
+        return {}
+    theirs = drf_idempotent()(_view)
+    fresh = (f"{PREFIX}drf-{n}" for n in itertools.count())
+    theirs(make(f"{PREFIX}drf-replay"))
+    return {
+        "drf-idempotency, first request": lambda: theirs(make(next(fresh))),
+        "drf-idempotency, replay": lambda: theirs(make(f"{PREFIX}drf-replay")),
+    }
+
+
+def _with_drf_idempotency_table(run: Callable[[], None]) -> None:
+    """Install drf-idempotency's app and table for the run, and remove both afterwards."""
+    from django.conf import settings
+
+    apps = [*settings.INSTALLED_APPS, "drf_idempotency"]
+    with override_settings(INSTALLED_APPS=apps):
+        from drf_idempotency.models import IdempotencyRecord
+
+        with connection.schema_editor() as editor:
+            editor.create_model(IdempotencyRecord)
+        try:
+            run()
+        finally:
+            with connection.schema_editor() as editor:
+                editor.delete_model(IdempotencyRecord)
+
+
+def _interleaved(contenders: dict[str, Callable[[], Any]]) -> list[tuple[str, float]]:
+    """Median per contender over rounds that take turns, so load drifting over the run (a shared
+    machine) does not favour whoever ran first."""
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(ROUNDS):
+        for name, fn in contenders.items():
+            samples[name].append(per_op(fn, ops=OPS, rounds=1, warmup=10))
+    return [(name, statistics.median(times)) for name, times in samples.items()]
+
+
+def main(report: Report) -> None:
+    make = _requests()
+    connection.ensure_connection()
+    pgconn = connection.connection.pgconn
+
+    def measure(contenders: dict[str, Callable[[], Any]]) -> None:
+        rows = _interleaved(contenders)
+        trips = {name: round_trips(pgconn, fn) for name, fn in contenders.items()}
+        report.table("median time per request (ratio to the undecorated view)", rows)
+        for name, count in trips.items():
+            report.note(f"{name}: {count} round trip(s)")
+        base, atomic = trips["undecorated view (autocommit)"], trips["undecorated view in atomic()"]
+        first, replay = trips["@idempotent, first request"], trips["@idempotent, replay"]
+        report.note(
+            f"first request: {first - atomic} extra round trips over the atomic view "
+            f"({first - base} over autocommit, whose effect is not atomic with anything); "
+            f"replay: {replay} round trip(s)"
+        )
+        times = dict(rows)
+        faster = times["@idempotent, replay"] < times["undecorated view in atomic()"]
+        report.note(f"replay faster than running the (atomic) view: {faster}")
+
+    try:
+        contenders = _contenders(make)
+        try:
+            import drf_idempotency  # noqa: F401
+        except ImportError:
+            report.note("drf-idempotency is not installed (pip install drf-idempotency): skipped")
+            measure(contenders)
+            return
+        _with_drf_idempotency_table(lambda: measure({**contenders, **_drf_idempotency(make)}))
+        report.note("drf-idempotency keys are not scoped per user: one key space for all clients")
+    finally:
+        IdempotencyKey.objects.filter(key__startswith=PREFIX).delete()
+        Payment.objects.filter(description="bench").delete()
