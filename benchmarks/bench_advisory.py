@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 from psycopg import pq
 
-from benchmarks.common import Report, per_op
+from benchmarks.common import Report
 from leases import advisory
 from leases.keys import advisory_key
 
@@ -27,7 +28,7 @@ TITLE = "advisory locks: leases.advisory vs psycopg, Django's cursor, django-pgl
 
 NAME = "bench:advisory"
 TIMEOUT = 5.0
-ROUNDS = 7
+ROUNDS = 9
 RAW_LOCK_SQL = "SELECT pg_advisory_xact_lock(%s)"
 # The same single message xact_lock(timeout=...) sends, for the floor of the timed variant.
 RAW_TIMED_SQL = advisory.TIMED_CALL_IN_TRANSACTION_SQL.format(
@@ -118,15 +119,33 @@ def session_contenders() -> dict[str, Any]:
     }
 
 
+def _timed(fn: Callable[[], object], ops: int) -> tuple[float, float]:
+    """(wall, client CPU) seconds per call over ``ops`` calls."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(ops):
+        fn()
+    return (time.perf_counter() - wall) / ops, (time.process_time() - cpu) / ops
+
+
 def _measure(report: Report, title: str, contenders: dict[str, Any]) -> None:
-    """Time contenders in interleaved rounds (a shared machine's load drifts), keep medians."""
+    """Time contenders in interleaved rounds (a shared machine's load drifts), keep medians.
+
+    Client CPU per operation is reported too: it is what a library adds on top of the same
+    round trips, and it is much less disturbed by other processes than wall time.
+    """
     connection.ensure_connection()
     ops = int(os.environ.get("BENCH_OPS", "200"))
-    samples: dict[str, list[float]] = {label: [] for label in contenders}
+    walls: dict[str, list[float]] = {label: [] for label in contenders}
+    cpus: dict[str, list[float]] = {label: [] for label in contenders}
+    for fn, _pgconn in contenders.values():
+        _timed(fn, ops // 5)  # warm up connections, caches and psycopg's per-query state
     for _ in range(ROUNDS):
         for label, (fn, _pgconn) in contenders.items():
-            samples[label].append(per_op(fn, ops=ops, rounds=1, warmup=ops // 10))
-    report.table(title, [(label, statistics.median(times)) for label, times in samples.items()])
+            wall, cpu = _timed(fn, ops)
+            walls[label].append(wall)
+            cpus[label].append(cpu)
+    report.table(f"{title}: wall time", [(k, statistics.median(v)) for k, v in walls.items()])
+    report.table(f"{title}: client CPU", [(k, statistics.median(v)) for k, v in cpus.items()])
     trips = [
         f"{label} {round_trips(pgconn or connection.connection.pgconn, fn)}"
         for label, (fn, pgconn) in contenders.items()

@@ -20,7 +20,8 @@ Behaviour pinned by the tests (``tests/test_advisory.py``):
   the block's exit, both of which raise :class:`LeaseLost`.
 
 Names map to keys with :func:`leases.keys.advisory_key` (stable forever). Names are not recorded
-in ``leases_advisory_name`` here: an insert in the caller's transaction could wait on, or abort
+in ``leases_advisory_name`` here (``leases.operations.remember_advisory_names`` does that, once,
+outside any transaction): an insert in the caller's transaction could wait on, or abort
 with, another transaction taking the same name, breaking shared locks.
 """
 
@@ -212,7 +213,13 @@ def _in_transaction(connection: BaseDatabaseWrapper) -> bool:
     return not connection.get_autocommit()
 
 
-def _call(lock: AdvisoryLock, functions: dict[bool, str], timeout: float | None) -> Any:
+def _call(
+    lock: AdvisoryLock,
+    functions: dict[bool, str],
+    timeout: float | None = None,
+    *,
+    needs_transaction: bool = False,
+) -> Any:
     """Run one lock function for ``lock``, with ``timeout`` in the same message.
 
     A failure without a savepoint aborts the caller's transaction on the server, so Django is
@@ -220,9 +227,11 @@ def _call(lock: AdvisoryLock, functions: dict[bool, str], timeout: float | None)
     as it does after an ``IntegrityError``.
     """
     connection = _database(lock.using)
+    in_transaction = _in_transaction(connection)
+    if needs_transaction and not in_transaction:
+        raise NotInTransaction(lock.label)
     call = {"function": functions[lock.shared], "key": _render_key(lock.key)}
     milliseconds = _timeout_ms(timeout)
-    in_transaction = _in_transaction(connection)
     if milliseconds is None:
         sql = CALL_SQL.format(**call)
     elif in_transaction:
@@ -277,12 +286,11 @@ class _XactLock(ContextDecorator):
         self.timeout = timeout
 
     def __enter__(self) -> AdvisoryLock:
-        _require_transaction(self.lock)
         if self.timeout == 0:
-            if not _call(self.lock, XACT_TRY_LOCK, None):
+            if not _call(self.lock, XACT_TRY_LOCK, needs_transaction=True):
                 raise LeaseUnavailable(self.lock.label, 0)
         else:
-            _call(self.lock, XACT_LOCK, self.timeout)
+            _call(self.lock, XACT_LOCK, self.timeout, needs_transaction=True)
         return self.lock
 
     def __exit__(
@@ -292,11 +300,6 @@ class _XactLock(ContextDecorator):
         tb: TracebackType | None,
     ) -> None:
         """Nothing to do: the server releases the lock when the outermost transaction ends."""
-
-
-def _require_transaction(lock: AdvisoryLock) -> None:
-    if not _in_transaction(_database(lock.using)):
-        raise NotInTransaction(lock.label)
 
 
 def xact_lock(
@@ -320,8 +323,7 @@ def xact_lock(
 def try_xact_lock(name: LockKey, *, shared: bool = False, using: str = DEFAULT_DB_ALIAS) -> bool:
     """``pg_try_advisory_xact_lock``: take the lock if it is free right now, else ``False``."""
     lock = _lock(name, shared, using)
-    _require_transaction(lock)
-    return bool(_call(lock, XACT_TRY_LOCK, None))
+    return bool(_call(lock, XACT_TRY_LOCK, needs_transaction=True))
 
 
 class _SessionLock(ContextDecorator):
@@ -338,7 +340,7 @@ class _SessionLock(ContextDecorator):
 
     def __enter__(self) -> AdvisoryLock:
         if self.timeout == 0:
-            if not _call(self.lock, SESSION_TRY_LOCK, None):
+            if not _call(self.lock, SESSION_TRY_LOCK):
                 raise LeaseUnavailable(self.lock.label, 0)
         else:
             _call(self.lock, SESSION_LOCK, self.timeout)
