@@ -16,7 +16,7 @@ import pytest
 from django.conf import settings
 
 from leases import signals
-from leases.backends import get_backend
+from leases.backends import Capability, get_backend
 from leases.election import Leadership, elect, election_lease_name, leader_of
 from leases.errors import LeaseUnavailable
 from tests import checker
@@ -79,7 +79,12 @@ def test_second_candidate_waits_until_the_leader_resigns(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_revoked_leader_learns_it_lost_and_signals_fire(resign_all: list[Leadership]) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_revoked_leader_learns_it_lost_and_signals_fire(
+    backend: str, resign_all: list[Leadership]
+) -> None:
+    if Capability.FORCE_RELEASE not in get_backend(backend).capabilities:
+        pytest.skip(f"backend {backend!r} does not declare force release")
     name = unique()
     events: list[tuple[str, Any]] = []
     lost_calls: list[Leadership] = []
@@ -93,9 +98,9 @@ def test_revoked_leader_learns_it_lost_and_signals_fire(resign_all: list[Leaders
     signals.leader_elected.connect(on_elected)
     signals.leader_lost.connect(on_lost)
     try:
-        leadership = elect(name, ttl=0.9, timeout=5, on_lost=lost_calls.append)
+        leadership = elect(name, ttl=0.9, backend=backend, timeout=5, on_lost=lost_calls.append)
         resign_all.append(leadership)
-        get_backend("default").force_release(election_lease_name(name))
+        get_backend(backend).force_release(election_lease_name(name))
         assert leadership.lost.wait(5), "keepalive never noticed the revoked leadership"
         assert not leadership.is_leader
         assert lost_calls == [leadership]
@@ -114,12 +119,14 @@ from leases.election import elect
 from leases.errors import LeaseError
 from tests.checker import record_write
 
-register, name, writer, until, ttl = sys.argv[1:6]
+register, name, writer, until, ttl, backend = sys.argv[1:7]
 until, ttl = float(until), float(ttl)
 holder = f"{writer}@{socket.gethostname()}:{os.getpid()}:main"
 while time.time() < until:
     try:
-        leadership = elect(name, ttl=ttl, timeout=max(0.1, until - time.time()), holder=holder)
+        leadership = elect(
+            name, ttl=ttl, backend=backend, timeout=max(0.1, until - time.time()), holder=holder
+        )
     except LeaseError:
         continue
     token = leadership.token
@@ -135,9 +142,9 @@ while time.time() < until:
 """
 
 
-def wait_for_leader(name: str, *, newer_than: int, deadline: float) -> Any:
+def wait_for_leader(name: str, backend: str, *, newer_than: int, deadline: float) -> Any:
     while time.monotonic() < deadline:
-        leader = leader_of(name)
+        leader = leader_of(name, backend=backend)
         if leader is not None and leader.token > newer_than and leader.pid is not None:
             return leader
         time.sleep(0.05)
@@ -145,15 +152,16 @@ def wait_for_leader(name: str, *, newer_than: int, deadline: float) -> Any:
 
 
 @pytest.mark.fault
+@pytest.mark.parametrize("backend", ["default", "redis"])
 def test_five_contenders_with_paused_and_killed_leaders(
-    child_env: dict[str, str], python: str
+    child_env: dict[str, str], python: str, backend: str
 ) -> None:
     """SIGSTOP/SIGKILL the leader repeatedly; the register never accepts two leaders at once."""
     name, register, ttl, slack = unique(), checker.new_register("election"), 1.5, 4.0
     until = time.time() + 30
     procs = [
         subprocess.Popen(
-            [python, "-c", CONTENDER, register, name, f"w{i}", str(until), str(ttl)],
+            [python, "-c", CONTENDER, register, name, f"w{i}", str(until), str(ttl), backend],
             env=child_env,
             stdout=subprocess.DEVNULL,
         )
@@ -163,7 +171,7 @@ def test_five_contenders_with_paused_and_killed_leaders(
     grants: list[int] = []
     stale_expected = False
     try:
-        leader = wait_for_leader(name, newer_than=0, deadline=time.monotonic() + 20)
+        leader = wait_for_leader(name, backend, newer_than=0, deadline=time.monotonic() + 20)
         assert leader is not None, "nobody was elected within 20 s"
         grants.append(leader.token)
         for fault in random.sample(["stop", "stop", "kill", "kill"], 4):
@@ -171,7 +179,8 @@ def test_five_contenders_with_paused_and_killed_leaders(
             time.sleep(0.3)  # let the leader write
             os.kill(proc.pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
             faulted_at = time.monotonic()
-            new = wait_for_leader(name, newer_than=leader.token, deadline=faulted_at + ttl + 10)
+            deadline = faulted_at + ttl + 10
+            new = wait_for_leader(name, backend, newer_than=leader.token, deadline=deadline)
             assert new is not None, f"no new leader after {fault} of the leader"
             took = time.monotonic() - faulted_at
             assert took <= ttl + slack, f"new leader after {took:.1f}s (> TTL {ttl} + {slack})"
