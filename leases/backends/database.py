@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import threading
 import time
 import weakref
@@ -146,6 +147,22 @@ def _connect(db_alias: str) -> psycopg.Connection[Any]:
         raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
 
 
+def _stale(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection is already dead, without a round trip.
+
+    An idle autocommit session that is not listening has nothing to say; if its socket is
+    readable the server has closed it (restart, ``pg_terminate_backend``). Reconnecting first
+    avoids failing a request on a connection that died while idle.
+    """
+    if conn.closed or conn.broken:
+        return True
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
 def _info(row: tuple[Any, ...], backend: str) -> LeaseInfo:
     name, holder, token, acquired_at, expires_at, renewed_at, meta, held = row[:8]
     return LeaseInfo(
@@ -266,17 +283,22 @@ class Backend(LeaseBackend):
         """
         with self._lock:
             conn = self._conn
-            if conn is None or conn.closed:
+            if conn is None or _stale(conn):
+                self._discard()
                 conn = self._conn = _connect(self.db_alias)
             try:
                 cursor = conn.execute(sql, params)
                 return cursor.fetchall() if cursor.description else []
             except psycopg.Error as exc:
                 if conn.broken or conn.closed:
-                    self._conn = None
-                    with contextlib.suppress(Exception):
-                        conn.close()
+                    self._discard()
                 raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
+
+    def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def connection(self) -> psycopg.Connection[Any] | None:
         """The backend's own connection, if open (for diagnostics and round-trip tests)."""

@@ -1,0 +1,178 @@
+"""Properties of the database backend itself: round trips, writes, connections, fork."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+from django.test import override_settings
+
+from leases import LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured, acquire
+from leases.backends import get_backend
+from leases.backends.database import ACQUIRE_SQL, RELEASE_SQL, RENEW_SQL, Backend, _connect
+from tests.lease_backends import lease_name
+
+__all__ = ["lease_name"]
+
+pytestmark = pytest.mark.django_db
+
+#: The same statement without the read-only probe, to show what the probe saves.
+NAIVE_ACQUIRE_SQL = ACQUIRE_SQL.replace(
+    """WHERE NOT EXISTS (
+    SELECT 1 FROM leases_lease
+    WHERE name = %(name)s::text AND holder <> '' AND expires_at > clock_timestamp()
+)
+""",
+    "",
+)
+
+
+def database_backend() -> Backend:
+    backend = get_backend("default")
+    assert isinstance(backend, Backend)
+    return backend
+
+
+def round_trips(action: Callable[[], object]) -> int:
+    """How many times ``action`` waited for the server on the backend's connection.
+
+    Counted from libpq's own protocol trace: every extended-protocol ``Sync`` and every simple
+    ``Query`` the client sends ends a round trip.
+    """
+    backend = database_backend()
+    backend.inspect("warm-up")  # opens the connection
+    conn = backend.connection()
+    assert conn is not None
+    with tempfile.TemporaryFile("w+") as trace:
+        conn.pgconn.trace(trace.fileno())
+        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            action()
+        finally:
+            conn.pgconn.untrace()
+        trace.seek(0)
+        sent = [line.split("\t") for line in trace.read().splitlines()]
+    return sum(1 for parts in sent if parts[0] == "F" and parts[2] in ("Sync", "Query"))
+
+
+def test_acquire_renew_release_are_one_round_trip_each(lease_name: str) -> None:
+    held: list[Any] = []
+    assert round_trips(lambda: held.append(acquire(lease_name, ttl=2, keepalive=False))) == 1
+    assert round_trips(held[0].renew) == 1
+    assert round_trips(held[0].release) == 1
+    assert round_trips(lambda: database_backend().try_acquire(lease_name, "x", 1)) == 1
+
+
+def test_failed_try_assigns_no_transaction_id(lease_name: str) -> None:
+    """A held lease makes a try write nothing: no xid, no WAL, no commit flush.
+
+    The same upsert without the read-only probe locks the held row although its ``WHERE``
+    is false, which assigns a transaction id (and so writes WAL and flushes at commit).
+    """
+    held = acquire(lease_name, ttl=5, keepalive=False)
+    params = {"name": lease_name, "holder": "contender", "ttl": 5.0}
+    probe = _connect("default")
+    try:
+        probe.autocommit = False
+        for sql, assigned in ((ACQUIRE_SQL, False), (NAIVE_ACQUIRE_SQL, True)):
+            assert probe.execute(sql, params).fetchall() == []
+            (xid,) = probe.execute("SELECT pg_current_xact_id_if_assigned()").fetchone() or (0,)
+            probe.rollback()
+            assert (xid is not None) is assigned, sql
+    finally:
+        probe.close()
+    held.release()
+
+
+def test_sql_never_deletes_rows() -> None:
+    for sql in (ACQUIRE_SQL, RENEW_SQL, RELEASE_SQL):
+        assert "DELETE" not in sql.upper()
+        assert "holder = %(holder)s" in sql or "ON CONFLICT" in sql
+
+
+def test_grants_commit_with_synchronous_commit_on() -> None:
+    backend = database_backend()
+    backend.inspect("warm-up")
+    conn = backend.connection()
+    assert conn is not None and conn.autocommit
+    assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+    assert backend.deploy_checks() == []
+
+
+def test_lease_connection_is_not_the_callers(lease_name: str) -> None:
+    held = acquire(lease_name, ttl=1, keepalive=False)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (django_pid,) = cursor.fetchone()
+    own = database_backend().connection()
+    assert own is not None and own.info.backend_pid != django_pid
+    held.release()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_terminated_lease_connection_reconnects_and_keeps_the_lease(lease_name: str) -> None:
+    """Lease state is in the table, not the session: killing the session loses nothing."""
+    held = acquire(lease_name, ttl=1)
+    own = database_backend().connection()
+    assert own is not None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [own.info.backend_pid])
+    time.sleep(1.5)
+    held.ensure_held()
+    assert not held.lost.is_set()
+    replacement = database_backend().connection()
+    assert replacement is not None and replacement.info.backend_pid != own.info.backend_pid
+    held.release()
+
+
+def test_forked_child_can_neither_renew_nor_release(lease_name: str) -> None:
+    held = acquire(lease_name, ttl=2)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        code = 1
+        try:
+            results = {}
+            for action in ("renew", "release", "ensure_held"):
+                try:
+                    getattr(held, action)()
+                    results[action] = "ok"
+                except (LeaseLost, LeaseNotHeld) as exc:
+                    results[action] = type(exc).__name__
+            get_backend("default")  # a fresh instance; the parent's is dropped
+            gc.collect()  # ...and collected, without closing the parent's socket
+            os.write(write, json.dumps(results).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        results = json.loads(pipe.read() or "{}")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert results == {
+        "renew": "LeaseNotHeld",
+        "release": "LeaseNotHeld",
+        "ensure_held": "LeaseLost",
+    }
+    held.renew()  # the parent's connection survived the child
+    held.release()
+
+
+def test_misconfigured_backends_fail_at_configuration() -> None:
+    cases = {
+        "unknown": {"ENGINE": "leases.backends.database", "FLAVOUR": 1},
+        "nodb": {"ENGINE": "leases.backends.database", "DATABASE": "missing"},
+    }
+    with override_settings(LEASES={"BACKENDS": {"default": {"ENGINE": "x"}, **cases}}):
+        for alias in cases:
+            with pytest.raises(LeasesImproperlyConfigured):
+                get_backend(alias)

@@ -1,0 +1,268 @@
+"""Leases under faults: paused, killed and resumed holders, an unreachable or crashed store.
+
+Holders are real processes (``tests/lease_worker.py``) paused with SIGSTOP and killed with
+SIGKILL; every write goes through the shared fenced register and its checker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from leases import BackendUnavailable, LeaseLost, LeaseUnavailable, acquire, lease
+from leases.backends import get_backend
+from tests.checker import STALE, check_history, history, new_register, record_write
+from tests.lease_backends import lease_backend, lease_name
+
+__all__ = ["lease_backend", "lease_name"]
+
+pytestmark = pytest.mark.fault
+
+
+class Workers:
+    """Child processes of ``tests.lease_worker`` and the JSON events they print."""
+
+    def __init__(self, python: str, env: dict[str, str]) -> None:
+        self.python, self.env = python, env
+        self.procs: list[subprocess.Popen[str]] = []
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def spawn(self, *args: object) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [self.python, "-m", "tests.lease_worker", *map(str, args)],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        return proc
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("{"):
+                with self._lock:
+                    self.events.append({**json.loads(line), "pid": proc.pid})
+
+    def of(self, event: str, pid: int | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return [e for e in self.events if e["event"] == event and pid in (None, e["pid"])]
+
+    def wait_for(self, event: str, pid: int | None = None, timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.of(event, pid)
+            if found:
+                return found[-1]
+            time.sleep(0.02)
+        raise AssertionError(f"no {event!r} event within {timeout}s; events: {self.events}")
+
+    def holder(self) -> dict[str, Any] | None:
+        """The latest acquisition not yet followed by a release or loss from that process."""
+        with self._lock:
+            state: dict[int, dict[str, Any] | None] = {}
+            for e in self.events:
+                if e["event"] == "acquired":
+                    state[e["pid"]] = e
+                elif e["event"] in ("released", "lost"):
+                    state[e["pid"]] = None
+        alive = {p.pid for p in self.procs if p.poll() is None}
+        current = [e for pid, e in state.items() if e is not None and pid in alive]
+        return max(current, key=lambda e: e["at"], default=None)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with_suppressed(os.kill, proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+def with_suppressed(fn: Any, *args: Any) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        fn(*args)
+
+
+@pytest.fixture
+def workers(python: str, child_env: dict[str, str]) -> Iterator[Workers]:
+    pool = Workers(python, child_env)
+    try:
+        yield pool
+    finally:
+        pool.kill_all()
+
+
+def test_contenders_paused_and_killed_never_break_the_fence(
+    lease_backend: str, lease_name: str, workers: Workers
+) -> None:
+    """8 processes contend; holders are paused past the TTL or killed at random.
+
+    The fenced register's history passes every check, grants' tokens strictly increase, and a
+    killed holder's lease is taken over within its TTL plus a small slack.
+    """
+    ttl, seconds, slack = 1.0, 10.0, 1.5
+    register = new_register()
+    for _ in range(8):
+        workers.spawn("contend", lease_backend, lease_name, register, ttl, seconds)
+    workers.wait_for("acquired")
+    rng = random.Random()
+    kills: list[tuple[float, dict[str, Any]]] = []
+    pauses = 0
+    end = time.monotonic() + seconds - 4
+    while time.monotonic() < end and len(kills) + pauses < 5:
+        time.sleep(rng.uniform(0.3, 0.8))
+        current = workers.holder()
+        if current is None:
+            continue
+        if pauses <= len(kills):
+            os.kill(current["pid"], signal.SIGSTOP)
+            time.sleep(rng.uniform(1.5, 2.0) * ttl)
+            os.kill(current["pid"], signal.SIGCONT)
+            pauses += 1
+        elif len(kills) < 2:
+            os.kill(current["pid"], signal.SIGKILL)
+            kills.append((time.monotonic(), current))
+    for proc in workers.procs:
+        proc.wait(timeout=seconds + 30)
+    assert pauses >= 2 and kills, (pauses, kills)
+    grants = sorted(workers.of("acquired"), key=lambda e: e["sent"])
+    summary = check_history(register, grants=[e["token"] for e in grants])
+    assert summary.accepted >= 10 and len(summary.writers) >= 3, summary
+    for killed_at, victim in kills:
+        later = [e for e in grants if e["token"] > victim["token"] and e["at"] > killed_at]
+        assert later, f"nobody took over {victim} after it was killed"
+        assert later[0]["at"] - killed_at <= ttl + slack, (victim, later[0], killed_at)
+
+
+def test_paused_holder_is_fenced_off_and_cannot_harm_its_successor(
+    lease_backend: str, lease_name: str, workers: Workers
+) -> None:
+    """Kleppmann's scenario: pause the holder for 2x its TTL while another takes over."""
+    ttl = 1.0
+    register = new_register()
+    paused = workers.spawn("hold", lease_backend, lease_name, register, ttl)
+    first = workers.wait_for("acquired", paused.pid)
+    assert first["accepted"]
+    os.kill(paused.pid, signal.SIGSTOP)
+    time.sleep(2 * ttl)
+    successor = acquire(lease_name, ttl=5, backend=lease_backend, timeout=5, holder="successor")
+    assert successor.token > first["token"]
+    assert record_write(register, successor, "successor")
+    os.kill(paused.pid, signal.SIGCONT)
+    assert paused.stdin is not None
+    paused.stdin.write("go\n")
+    paused.stdin.flush()
+    resumed = workers.wait_for("resumed", paused.pid, timeout=30)
+    assert resumed["write"] is False
+    late = [a for a in history(register) if a.writer == first["holder"]][-1]
+    assert late.outcome == STALE and late.stored == successor.token
+    assert resumed["ensure_held"] == "LeaseLost" and resumed["release"] == "LeaseLost"
+    info = get_backend(lease_backend).inspect(lease_name)
+    assert info is not None and info.held
+    assert (info.holder, info.token) == ("successor", successor.token)
+    successor.ensure_held()
+    successor.release()
+    check_history(register, grants=[first["token"], successor.token])
+
+
+def fault_backends(alias: str) -> dict[str, Any]:
+    backends = dict(settings.LEASES["BACKENDS"])
+    backends["fault"] = {"ENGINE": "leases.backends.database", "DATABASE": alias}
+    return {**settings.LEASES, "BACKENDS": backends}
+
+
+hung: list[int] = []
+
+
+def hang_store(server: Any, alias: str) -> None:
+    """Freeze the server for this process: its postmaster and the lease session's backend.
+
+    ``server.pause()`` alone stops only the postmaster (Postgres backends run in process
+    groups of their own), so the session the lease uses is frozen explicitly.
+    """
+    conn = get_backend(alias).connection()  # type: ignore[attr-defined]
+    assert conn is not None
+    hung.append(conn.info.backend_pid)
+    os.kill(conn.info.backend_pid, signal.SIGSTOP)
+    server.pause()
+
+
+@pytest.mark.parametrize("fault", ["stop", "pause"])
+def test_unreachable_store_fires_on_lost_within_the_ttl(
+    fault_database: tuple[str, Any], fault: str
+) -> None:
+    """The store stops (connections refused) or hangs (SIGSTOP): loss is reported in time.
+
+    A hung store blocks the renewal call itself, so this also proves the watchdog reports the
+    loss without waiting for the stuck renewal.
+    """
+    alias, server = fault_database
+    ttl = 1.0
+    fired: list[float] = []
+    with override_settings(LEASES=fault_backends(alias)):
+        held = acquire(
+            "renewal-failure",
+            ttl=ttl,
+            backend="fault",
+            on_lost=lambda _: fired.append(time.monotonic()),
+        )
+        try:
+            time.sleep(0.2)
+            faulted_at = time.monotonic()
+            if fault == "stop":
+                server.stop("immediate")
+            else:
+                hang_store(server, "fault")
+            deadline = time.monotonic() + 3 * ttl
+            while not fired and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert fired, "on_lost never fired"
+            assert fired[0] - faulted_at <= ttl + 0.2
+            assert held.lost.is_set() and held.remaining() == 0
+            with pytest.raises(LeaseLost):
+                held.ensure_held()
+        finally:
+            server.resume()
+            for pid in hung:
+                with_suppressed(os.kill, pid, signal.SIGCONT)
+        with pytest.raises((LeaseLost, BackendUnavailable)):
+            held.release()
+
+
+def test_tokens_never_go_backwards_across_an_immediate_restart(
+    fault_database: tuple[str, Any],
+) -> None:
+    alias, server = fault_database
+    with override_settings(LEASES=fault_backends(alias)):
+        before: dict[str, int] = {}
+        for name in ("restart-a", "restart-b"):
+            for _ in range(3):
+                with lease(name, ttl=1, backend="fault", timeout=0) as held:
+                    before[name] = held.token
+        kept = acquire("restart-held", ttl=30, backend="fault", keepalive=False)
+        server.restart("immediate")
+        for name in ("restart-a", "restart-b"):
+            with lease(name, ttl=1, backend="fault", timeout=5) as held:
+                assert held.token > before[name]
+        info = get_backend("fault").inspect("restart-held")
+        assert info is not None and info.held and info.token == kept.token
+        with pytest.raises(LeaseUnavailable):
+            acquire("restart-held", ttl=1, backend="fault", timeout=0, holder="other")
+        kept.release()
+        with lease("restart-held", ttl=1, backend="fault", timeout=0) as successor:
+            assert successor.token > kept.token
