@@ -1,16 +1,24 @@
-"""Signals sent by django-leases. Receivers get ``sender`` (the backend alias) and keywords.
+"""Signals sent by django-leases. Receivers must accept ``**kwargs``.
 
 Every signal is sent after the fact it reports, from the thread that observed it (the keepalive
-thread for renewals and losses). A receiver that raises is logged, never allowed to break the
-lease machinery (send with ``send_robust``).
+thread for renewals and losses), with ``send_robust``: a receiver that raises is logged, never
+allowed to break the lease machinery. ``sender`` is the backend alias (a ``str``) except for
+``fence_rejected``. The guide's "Operating" page has the same table.
 
-- ``lease_acquired(lease)``: a grant was obtained.
-- ``lease_renewed(lease)``: a grant was extended.
-- ``lease_released(lease)``: a grant was given back.
-- ``lease_lost(lease, reason)``: a holder learnt it no longer holds its grant (expired, taken
-  over, revoked, store unreachable past the validity). ``reason`` is a short string.
-- ``fence_rejected(resource, offered, stored)``: a fenced write carried a stale token.
-- ``leader_elected(leadership)`` / ``leader_lost(leadership, reason)``: leader election.
+- ``lease_acquired(sender, lease)``: ``lease`` (a :class:`~leases.lease.Lease`) was granted.
+- ``lease_renewed(sender, lease)``: the grant was extended (keepalive or ``Lease.renew()``).
+- ``lease_released(sender, lease)``: the holder gave the grant back.
+- ``lease_lost(sender, lease, reason)``: the holder learnt it no longer holds its grant
+  (expired, renewal refused because it was taken over or force-released, store unreachable past
+  the validity); ``reason`` is a short human-readable ``str``. Sent once per lease.
+- ``fence_rejected(sender, resource, offered, stored)``: a fenced write carried a stale token
+  and changed nothing; ``sender`` is the fenced model class (``leases.models.Fence`` for
+  ``check_fence``), ``resource`` a ``str`` naming the row(s) or resource, ``offered`` the
+  write's token (``int``), ``stored`` the greater token already accepted (``int`` or ``None``).
+- ``leader_elected(sender, leadership)``: this process won an election;
+  ``leadership`` is the :class:`~leases.election.Leadership`.
+- ``leader_lost(sender, leadership, reason)``: this process stopped leading; ``reason`` is
+  ``"lost"`` (revoked, expired, store unreachable) or ``"resigned"``. Sent once.
 """
 
 from __future__ import annotations
