@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeAlias, TypeVar, runtime_checkable
 
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, connections, models, transaction
@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_M = TypeVar("_M", bound=models.Model)
 
 FENCE_TOKEN_FIELD = "fencing_token"  # noqa: S105 (a column name, not a secret)
 _INT64_MAX = 2**63 - 1
@@ -140,7 +141,7 @@ def check_fence(resource: str, fence: Fence, *, using: str = DEFAULT_DB_ALIAS) -
     raise _reject(FenceRow, resource, token, None if row is None else int(row[0]))
 
 
-class FencedQuerySet(models.QuerySet[Any]):
+class FencedQuerySet(models.QuerySet[_M, _M]):
     """A queryset whose ``fenced(token)`` clones update only rows the token may write.
 
     Subclass it (or ``FencedManager.from_queryset``) to combine with your own queryset methods.
@@ -191,7 +192,7 @@ class FencedQuerySet(models.QuerySet[Any]):
     update.alters_data = True  # type: ignore[attr-defined]
 
     def bulk_update(
-        self, objs: Iterable[models.Model], fields: Iterable[str], batch_size: int | None = None
+        self, objs: Iterable[_M], fields: Iterable[str], batch_size: int | None = None
     ) -> int:
         if self._fence is None:
             return super().bulk_update(objs, fields, batch_size=batch_size)
@@ -213,7 +214,10 @@ class FencedQuerySet(models.QuerySet[Any]):
         return _reject(self.model, f"{self.model._meta.label}(pk in [{pks}])", token, stored)
 
 
-class FencedManager(models.Manager.from_queryset(FencedQuerySet)):  # type: ignore[misc]
+_FencedManagerBase = models.Manager.from_queryset(FencedQuerySet)
+
+
+class FencedManager(_FencedManagerBase[_M]):
     """The default manager of :class:`FencedModel`: ``Model.objects.fenced(lease).update()``."""
 
 

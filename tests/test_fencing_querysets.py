@@ -37,12 +37,15 @@ def test_default_manager_is_fenced_and_combinable() -> None:
     assert isinstance(FencedDoc.objects, FencedManager)
     assert isinstance(FencedDoc.objects.all(), FencedQuerySet)
 
-    class Mine(FencedQuerySet):
+    class Mine(FencedQuerySet[FencedDoc]):
         def titled(self, title: str) -> Mine:
             return self.filter(title=title)
 
     qs = Mine(model=FencedDoc).fenced(3).titled("x")
     assert isinstance(qs, Mine) and qs._fence == 3
+    manager = FencedManager.from_queryset(Mine)()
+    manager.model = FencedDoc
+    assert isinstance(manager.fenced(3), Mine)
 
 
 def test_fenced_update_sets_the_token_on_every_row() -> None:
