@@ -13,7 +13,8 @@ same statement that makes the change (a separate check would be a race of its ow
   ``leases_fence`` table.
 
 Equal tokens are accepted (one holder writes many times), lower ones never. A rejection raises
-:class:`~leases.errors.StaleFencingToken`, sends ``fence_rejected`` and logs a warning.
+:class:`~leases.errors.StaleFencingToken`, sends ``fence_rejected`` (``sender`` is the model
+class, :class:`~leases.models.Fence` for ``check_fence``) and logs a warning.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
 __all__ = [
     "FENCE_SQL",
     "FENCE_TOKEN_FIELD",
-    "Fence",
     "FenceHolder",
+    "FenceLike",
     "FencedManager",
     "FencedModel",
     "FencedQuerySet",
@@ -76,7 +77,7 @@ class FenceHolder(Protocol):
 
 
 #: What ``fence=`` accepts: a token, or a lease whose token is used after ``ensure_held()``.
-Fence: TypeAlias = int | FenceHolder
+FenceLike: TypeAlias = int | FenceHolder
 
 
 def _valid_token(token: object) -> int:
@@ -87,7 +88,7 @@ def _valid_token(token: object) -> int:
     return token
 
 
-def fence_token(fence: Fence) -> int:
+def fence_token(fence: FenceLike) -> int:
     """The token to write with, failing fast if a lease already knows it was lost.
 
     A holder whose keepalive saw the loss (or whose validity ran out) raises ``LeaseLost`` here
@@ -118,7 +119,7 @@ def _has_fence_column(model: type[models.Model]) -> bool:
     return any(f.attname == FENCE_TOKEN_FIELD for f in model._meta.local_concrete_fields)
 
 
-def check_fence(resource: str, fence: Fence, *, using: str = DEFAULT_DB_ALIAS) -> int:
+def check_fence(resource: str, fence: FenceLike, *, using: str = DEFAULT_DB_ALIAS) -> int:
     """Advance ``resource``'s fence to the token, or raise ``StaleFencingToken``; one statement.
 
     Runs on the caller's connection and inside the caller's transaction, on purpose: when the
@@ -147,9 +148,9 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
     Subclass it (or ``FencedManager.from_queryset``) to combine with your own queryset methods.
     """
 
-    _fence: Fence | None = None
+    _fence: FenceLike | None = None
 
-    def fenced(self, fence: Fence) -> Self:
+    def fenced(self, fence: FenceLike) -> Self:
         """A clone whose ``update()`` and ``bulk_update()`` carry ``fence``.
 
         All or nothing: if any row the queryset matches holds a token greater than ``fence``'s,
@@ -244,7 +245,7 @@ class FencedModel(models.Model):
     class Meta:
         abstract = True
 
-    def save(self, *args: Any, fence: Fence | None = None, **kwargs: Any) -> None:
+    def save(self, *args: Any, fence: FenceLike | None = None, **kwargs: Any) -> None:
         """Save; with ``fence`` the write happens only if no greater token was accepted.
 
         An update is one ``UPDATE ... WHERE pk = %s AND fencing_token <= %s``; an insert with an
@@ -277,7 +278,7 @@ class FencedModel(models.Model):
 
     save.alters_data = True  # type: ignore[attr-defined]
 
-    async def asave(self, *args: Any, fence: Fence | None = None, **kwargs: Any) -> None:
+    async def asave(self, *args: Any, fence: FenceLike | None = None, **kwargs: Any) -> None:
         """Async ``save()``, fenced the same way (Django runs the save in a thread)."""
         await sync_to_async(self.save)(*args, fence=fence, **kwargs)
 

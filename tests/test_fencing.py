@@ -13,7 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from leases import FencedModel, InvalidFencingToken, LeaseLost, StaleFencingToken
 from leases.fencing import FenceHolder
 from leases.signals import fence_rejected
-from tests.testapp.models_fencing import FencedDoc, FencedRegister, FencedUUIDDoc
+from tests.testapp.models_fencing import FencedDoc, FencedDocPart, FencedRegister, FencedUUIDDoc
 
 pytestmark = pytest.mark.django_db
 
@@ -245,3 +245,19 @@ def test_asave_is_fenced_too() -> None:
         async_to_sync(doc.asave)(fence=2)
     doc.refresh_from_db()
     assert (doc.title, doc.fencing_token) == ("async", 6)
+
+
+def test_multi_table_child_is_fenced_through_its_parent_table() -> None:
+    part = FencedDocPart(title="parent", part="child")
+    part.save(fence=4)
+    part.part, part.title = "late child", "late parent"
+    with transaction.atomic():
+        with pytest.raises(StaleFencingToken):
+            part.save(fence=3)
+        assert transaction.get_rollback()  # a parent table may have changed: do not go on
+    part.refresh_from_db()
+    assert (part.title, part.part, part.fencing_token) == ("parent", "child", 4)
+    part.part = "newer"
+    part.save(fence=5)
+    part.refresh_from_db()
+    assert (part.part, part.fencing_token) == ("newer", 5)

@@ -72,3 +72,12 @@ class FencedUUIDDoc(FencedModel):
 
     class Meta:
         app_label = "testapp"
+
+
+class FencedDocPart(FencedDoc):
+    """Multi-table inheritance: the fence column lives in the parent's table."""
+
+    part = models.CharField(max_length=100, default="")
+
+    class Meta:
+        app_label = "testapp"
