@@ -33,7 +33,7 @@ import math
 from contextlib import ContextDecorator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -277,8 +277,16 @@ def _cached_lock(name: str, shared: bool, using: str) -> AdvisoryLock:
     return AdvisoryLock(name=name, key=advisory_key(name), shared=shared, using=using)
 
 
-class _XactLock(ContextDecorator):
-    """``xact_lock(...)``: a context manager and a decorator (one instance, no per-call state)."""
+class _LockBlock(ContextDecorator):
+    """A lock as a context manager and decorator: one instance serves every call and thread.
+
+    Nothing is stored per call: what ``__exit__`` needs (key, alias) is fixed at construction,
+    and whether this session holds the lock is the server's to say.
+    """
+
+    WAIT: ClassVar[dict[bool, str]]
+    TRY: ClassVar[dict[bool, str]]
+    NEEDS_TRANSACTION: ClassVar[bool]
 
     def __init__(self, lock: AdvisoryLock, timeout: float | None) -> None:
         _timeout_ms(timeout)
@@ -287,11 +295,17 @@ class _XactLock(ContextDecorator):
 
     def __enter__(self) -> AdvisoryLock:
         if self.timeout == 0:
-            if not _call(self.lock, XACT_TRY_LOCK, needs_transaction=True):
+            if not _call(self.lock, self.TRY, needs_transaction=self.NEEDS_TRANSACTION):
                 raise LeaseUnavailable(self.lock.label, 0)
         else:
-            _call(self.lock, XACT_LOCK, self.timeout, needs_transaction=True)
+            _call(self.lock, self.WAIT, self.timeout, needs_transaction=self.NEEDS_TRANSACTION)
         return self.lock
+
+
+class _XactLock(_LockBlock):
+    """``xact_lock(...)``."""
+
+    WAIT, TRY, NEEDS_TRANSACTION = XACT_LOCK, XACT_TRY_LOCK, True
 
     def __exit__(
         self,
@@ -326,25 +340,10 @@ def try_xact_lock(name: LockKey, *, shared: bool = False, using: str = DEFAULT_D
     return bool(_call(lock, XACT_TRY_LOCK, needs_transaction=True))
 
 
-class _SessionLock(ContextDecorator):
-    """``session_lock(...)``: a context manager and a decorator (one instance, no per-call state).
+class _SessionLock(_LockBlock):
+    """``session_lock(...)``."""
 
-    Nothing is remembered between enter and exit: the unlock names the same key on the same
-    database alias, and the server says whether this session held it.
-    """
-
-    def __init__(self, lock: AdvisoryLock, timeout: float | None) -> None:
-        _timeout_ms(timeout)
-        self.lock = lock
-        self.timeout = timeout
-
-    def __enter__(self) -> AdvisoryLock:
-        if self.timeout == 0:
-            if not _call(self.lock, SESSION_TRY_LOCK):
-                raise LeaseUnavailable(self.lock.label, 0)
-        else:
-            _call(self.lock, SESSION_LOCK, self.timeout)
-        return self.lock
+    WAIT, TRY, NEEDS_TRANSACTION = SESSION_LOCK, SESSION_TRY_LOCK, False
 
     def __exit__(
         self,

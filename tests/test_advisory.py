@@ -260,3 +260,24 @@ def test_bad_timeouts_are_rejected_at_construction(bad: Any, error: type[Excepti
         advisory.xact_lock("t", timeout=bad)
     with pytest.raises(error):
         advisory.session_lock("t", timeout=bad)
+
+
+def test_a_failed_wait_without_timeout_marks_the_transaction_for_rollback(
+    other: psycopg.Connection[Any],
+) -> None:
+    """No savepoint was taken, so the server aborted the transaction; Django is told so."""
+    other.execute("SELECT pg_advisory_lock(%s)", [advisory_key("canceled")])
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL statement_timeout = '50ms'")
+        with pytest.raises(LeaseUnavailable, match="canceled"), advisory.xact_lock("canceled"):
+            pass
+        assert transaction.get_rollback()
+    with connection.cursor() as cursor:  # the atomic block rolled back; the connection is fine
+        cursor.execute("SELECT 1")
+
+
+def test_advisory_is_importable_from_the_package() -> None:
+    from leases import advisory as module
+
+    assert {"xact_lock", "try_xact_lock", "session_lock"} <= set(module.__all__)
