@@ -258,3 +258,17 @@ def test_a_bad_setting_is_reported_by_system_checks() -> None:
     assert ids and set(ids) == {"idempotency.E001"}
     assert "TTL" in messages and "BOGUS" in messages and "no.such.scope" in messages
     assert check_settings() == []
+
+
+def test_the_admin_lists_keys_read_only_searchable_and_filtered(admin_client: Client) -> None:
+    post(Client(), "/idem/charge/", "findme-1")
+    row = IdempotencyKey.objects.get()
+    found = admin_client.get("/admin/idempotency/idempotencykey/?q=findme&state=completed")
+    assert found.status_code == 200 and b"findme-1" in found.content
+    assert (
+        admin_client.get("/admin/idempotency/idempotencykey/?q=nothing").content.count(b"findme-1")
+        == 0
+    )
+    assert admin_client.get("/admin/idempotency/idempotencykey/add/").status_code == 403
+    detail = admin_client.get(f"/admin/idempotency/idempotencykey/{row.pk}/change/")
+    assert detail.status_code == 200 and b'name="key"' not in detail.content

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import AnonymousUser
 from django.core.management import call_command
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
@@ -16,10 +17,11 @@ from idempotency import (
     IdempotencyKeyLost,
     IdempotencyKeyMismatch,
     idempotency_key,
+    scopes,
 )
 from idempotency.management.commands import purge_idempotency_keys
 from idempotency.models import IdempotencyKey
-from idempotency.store import Outcome, Status, begin, finish, release
+from idempotency.store import Attempt, Outcome, Status, begin, finish, release
 from tests.testapp.models_idempotency import Charge
 
 pytestmark = pytest.mark.django_db
@@ -198,3 +200,45 @@ def test_purge_skips_a_row_a_request_is_taking_over_instead_of_waiting() -> None
     finally:
         release_it.set()
         thread.join(10)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_attempt_past_its_lock_is_rolled_back_when_a_retry_took_over() -> None:
+    slow = begin("s", "k", FP, ttl=60, lock_timeout=0.2).claim
+    assert slow is not None
+    attempt = Attempt(slow, atomic=True, ttl=60)
+    attempt.start()
+    Charge.objects.create(amount=1)
+    sql("SELECT pg_sleep(0.3)")  # inside the slow attempt's transaction: its lock lapses
+
+    def retry() -> None:
+        try:
+            claim = begin("s", "k", FP, ttl=60, lock_timeout=60).claim
+            assert claim is not None and claim.taken_over
+            other = Attempt(claim, atomic=True, ttl=60)
+            other.start()
+            Charge.objects.create(amount=2)
+            other.commit(OUTCOME)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=retry)
+    thread.start()
+    thread.join(30)
+    with pytest.raises(IdempotencyKeyLost):
+        attempt.commit(OUTCOME)
+    assert list(Charge.objects.values_list("amount", flat=True)) == [2]
+    assert begin("s", "k", FP, ttl=60, lock_timeout=60).outcome == OUTCOME
+
+
+def test_secrets_are_hashed_before_they_become_scopes(rf: Any) -> None:
+    request = rf.post("/", HTTP_X_API_KEY="sk_live_secret")
+    request.session = type("S", (), {"session_key": "abcdef123"})()
+    request.user = AnonymousUser()
+    assert scopes.by_session(request).startswith("session:")
+    assert "abcdef123" not in scopes.by_session(request)
+    by_key = scopes.by_header("X-Api-Key")(request)
+    assert by_key.startswith("header:x-api-key:") and "sk_live_secret" not in by_key
+    assert scopes.by_user(request) == scopes.by_session(request)
+    request.session = None
+    assert scopes.by_user(request) == scopes.ANONYMOUS
