@@ -41,6 +41,7 @@ from django.db import Error as DjangoDatabaseError
 from django.db import InterfaceError as DjangoInterfaceError
 from django.db import OperationalError as DjangoOperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.transaction import TransactionManagementError
 from psycopg.pq import TransactionStatus
 
 from .errors import (
@@ -240,6 +241,8 @@ def _call(
         sql = TIMED_CALL_AUTOCOMMIT_SQL.format(timeout_ms=milliseconds, **call)
     try:
         return _execute(connection, sql)
+    except TransactionManagementError:
+        raise  # Django refused to send it (a broken atomic block): the caller's bug, in its words
     except _DRIVER_ERRORS as exc:
         error = _translate(exc, lock, timeout)
         if in_transaction:

@@ -281,3 +281,12 @@ def test_advisory_is_importable_from_the_package() -> None:
     from leases import advisory as module
 
     assert {"xact_lock", "try_xact_lock", "session_lock"} <= set(module.__all__)
+
+
+def test_a_broken_atomic_block_is_reported_by_django_not_hidden() -> None:
+    from django.db.transaction import TransactionManagementError
+
+    with transaction.atomic():
+        transaction.set_rollback(True)
+        with pytest.raises(TransactionManagementError), advisory.xact_lock("broken"):
+            pass
