@@ -76,3 +76,26 @@ def check_backend_stores(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
             continue
         found += [Warning(f"lease backend {alias!r}: {p}", id="leases.W003") for p in problems]
     return found
+
+
+@register(Tags.compatibility)
+def check_default_ttl(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """leases.W001: ``DEFAULT_TTL`` leaves no time to retry a renewal before the lease ends."""
+    if conf.problems():
+        return []
+    from .keepalive import MIN_RETRY_WINDOW, retry_window
+
+    settings = conf.get()
+    window = retry_window(
+        settings.default_ttl, settings.renew_fraction, settings.drift_factor, settings.drift_min
+    )
+    if window >= MIN_RETRY_WINDOW:
+        return []
+    return [
+        Warning(
+            f'LEASES["DEFAULT_TTL"] = {settings.default_ttl:g}s leaves {window:.3f}s to retry a '
+            "failed renewal before the lease's validity ends",
+            hint="Raise DEFAULT_TTL or lower RENEW_FRACTION; see 'Sizing the TTL' in the guide.",
+            id="leases.W001",
+        )
+    ]

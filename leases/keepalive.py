@@ -30,9 +30,22 @@ from .retry import SYSTEM_CLOCK, Backoff, Clock
 if TYPE_CHECKING:
     from .lease import Lease
 
-__all__ = ["Scheduler", "keep_alive", "watch"]
+__all__ = ["MIN_RETRY_WINDOW", "Scheduler", "keep_alive", "retry_window", "watch"]
 
 logger = logging.getLogger("leases")
+
+#: Seconds a due renewal must have to be retried before the validity ends (below: W001).
+MIN_RETRY_WINDOW = 0.1
+
+
+def retry_window(ttl: float, fraction: float, drift_factor: float, drift_min: float) -> float:
+    """Time between a renewal falling due and the holder's validity running out.
+
+    This is all the time a failed renewal has to be retried; a TTL that leaves (almost) none
+    loses its lease to the first slow round trip.
+    """
+    return ttl * (1 - fraction) - (ttl * drift_factor + drift_min)
+
 
 #: A job runs when due and returns when it wants to run next (``None``: never again).
 Job = Callable[[], float | None]

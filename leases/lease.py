@@ -20,6 +20,7 @@ import os
 import secrets
 import socket
 import threading
+import warnings
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar, overload
@@ -36,6 +37,7 @@ from .errors import (
     LeaseNotHeld,
     LeaseUnavailable,
 )
+from .keepalive import MIN_RETRY_WINDOW, retry_window
 from .keys import MAX_NAME_LENGTH, validate_name
 from .retry import SYSTEM_CLOCK, Backoff, Clock
 from .signals import lease_acquired, lease_lost, lease_released, lease_renewed
@@ -221,6 +223,18 @@ def _valid_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
+def _warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:
+    window = retry_window(ttl, settings.renew_fraction, settings.drift_factor, settings.drift_min)
+    if window < MIN_RETRY_WINDOW:
+        warnings.warn(
+            f"ttl={ttl:g}s leaves {window:.3f}s to retry a failed renewal (RENEW_FRACTION "
+            f"{settings.renew_fraction:.2f}, drift {settings.drift_min}s + "
+            f"{settings.drift_factor:.0%}); one slow round trip will lose the lease",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def _holder(holder: str | None) -> str:
     """Who holds a grant: label, host, pid, thread and a random part unique to this grant."""
     if holder is None:
@@ -302,6 +316,8 @@ def acquire(
         held = _held.get(key)
     if held is not None:
         raise LeaseAlreadyHeld(name, held.holder)
+    if keepalive:
+        _warn_if_too_short(ttl, settings)
     grant = _grant(store, name, holder, ttl, timeout)
     lease = Lease(store, grant, on_lost=on_lost)
     _register(lease, key)

@@ -1,0 +1,129 @@
+"""Keepalive, the watchdog and backoff: renewal never dies silently, loss is always reported."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from leases import LeaseLost, acquire
+from leases.backends import Capability
+from leases.checks import check_default_ttl
+from leases.keepalive import Scheduler
+from leases.retry import Backoff, FakeClock, retry_call
+from tests.lease_backends import lease_backend, lease_name, require
+
+__all__ = ["lease_backend", "lease_name"]
+
+
+def test_backoff_is_full_jitter_capped_and_bounded_by_the_deadline() -> None:
+    clock = FakeClock()
+    backoff = Backoff(base=0.01, cap=0.08, deadline=clock.monotonic() + 1.0, clock=clock)
+    delays = []
+    while (delay := backoff.next_delay()) is not None:
+        delays.append(delay)
+        clock.sleep(delay)
+        assert len(delays) < 10_000
+    assert all(0 <= d <= 0.08 for d in delays)
+    assert delays[0] <= 0.01 and max(delays) > 0.01
+    assert clock.monotonic() == pytest.approx(1000.0 + sum(delays))
+    assert clock.monotonic() == pytest.approx(1001.0)  # the last delay is clipped to the deadline
+
+
+def test_backoff_without_deadline_never_gives_up() -> None:
+    backoff = Backoff(base=1.0, cap=2.0, clock=FakeClock())
+    assert all((backoff.next_delay() or -1) >= 0 for _ in range(100))
+    assert backoff.remaining() is None and not backoff.expired()
+
+
+def test_retry_call_retries_until_the_deadline_then_reraises() -> None:
+    clock = FakeClock()
+    calls = []
+
+    def flaky() -> str:
+        calls.append(clock.monotonic())
+        if len(calls) < 3:
+            raise ConnectionError("transient")
+        return "done"
+
+    backoff = Backoff(deadline=clock.monotonic() + 5, clock=clock)
+    assert retry_call(flaky, retry_on=(ConnectionError,), backoff=backoff) == "done"
+    assert len(calls) == 3
+
+    def broken() -> None:
+        raise ConnectionError("down")
+
+    with pytest.raises(ConnectionError):
+        retry_call(broken, retry_on=(ConnectionError,), backoff=Backoff(deadline=0, clock=clock))
+
+
+def test_scheduler_survives_a_failing_job(caplog: pytest.LogCaptureFixture) -> None:
+    scheduler = Scheduler("leases-test-scheduler")
+    ran = threading.Event()
+    order: list[str] = []
+
+    def boom() -> float | None:
+        order.append("boom")
+        raise RuntimeError("job bug")
+
+    def later() -> float | None:
+        order.append("later")
+        ran.set()
+        return None
+
+    with caplog.at_level(logging.ERROR, logger="leases"):
+        now = time.monotonic()
+        scheduler.schedule(now + 0.05, later)
+        scheduler.schedule(now, boom)
+        assert ran.wait(5)
+    assert order == ["boom", "later"]
+    assert "job failed" in caplog.text
+
+
+def test_revoked_lease_is_reported_by_the_next_renewal(lease_backend: str, lease_name: str) -> None:
+    store = require(lease_backend, Capability.FORCE_RELEASE)
+    reasons: list[str] = []
+    held = acquire(
+        lease_name,
+        ttl=0.6,
+        backend=lease_backend,
+        on_lost=lambda lost: reasons.append(lost.lost_reason or ""),
+    )
+    store.force_release(lease_name)
+    assert held.lost.wait(0.6)
+    deadline = time.monotonic() + 2
+    while not reasons and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(reasons) == 1 and reasons[0].startswith("renewal refused")
+    with pytest.raises(LeaseLost):
+        held.release()
+
+
+def test_a_broken_on_lost_callback_is_logged_and_loss_still_reported(
+    lease_backend: str, lease_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(_: Any) -> None:
+        raise ZeroDivisionError("callback bug")
+
+    with caplog.at_level(logging.WARNING, logger="leases"):
+        held = acquire(lease_name, ttl=0.3, backend=lease_backend, keepalive=False, on_lost=broken)
+        assert held.lost.wait(3)
+        deadline = time.monotonic() + 2
+        while "on_lost callback" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert "on_lost callback" in caplog.text and "lost" in caplog.text
+
+
+def test_too_short_ttl_is_flagged(lease_backend: str, lease_name: str) -> None:
+    assert check_default_ttl() == []
+    with override_settings(LEASES={**settings.LEASES, "DEFAULT_TTL": 0.12}):
+        (warning,) = check_default_ttl()
+        assert warning.id == "leases.W001"
+    with pytest.warns(RuntimeWarning, match="to retry a failed renewal"):
+        held = acquire(lease_name, ttl=0.12, backend=lease_backend)
+    held.release()
