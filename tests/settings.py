@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.harness import bootstrap_servers
+from tests.harness import bootstrap_servers, url_with_database
 from tests.servers import database_settings
 
 URLS = bootstrap_servers()
@@ -60,6 +60,11 @@ CACHES = {
         "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
     }
 }
+
+# Celery (tests/celery_app.py, real workers): the session Redis, on databases of their own.
+CELERY_BROKER_URL = url_with_database(URLS["REDIS_URL"], "3")
+CELERY_RESULT_BACKEND = url_with_database(URLS["REDIS_URL"], "4")
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
 LEASES = {
     "BACKENDS": {

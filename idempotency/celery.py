@@ -1,0 +1,125 @@
+"""Idempotent Celery tasks: a redelivered or duplicate run returns the first run's result.
+
+Celery delivers at least once, so a task's effects must be safe to apply twice, or be applied
+once per key. :class:`IdempotentTask` does the latter with the same key state machine as the HTTP
+views (:mod:`idempotency.store`): the first run claims ``(scope, key)`` (default key: the task
+id, which a redelivery keeps), runs the body inside ``transaction.atomic()`` and stores its result
+in the ``IdempotencyKey`` row *in that transaction*, so the effects and the record commit together
+or not at all. A copy that arrives later returns the stored result without running the body; a
+copy that arrives while the first is still in flight retries (or waits, ``wait=``) until the
+first commits, or takes the key over once the first's claim lapses (its worker died, and its
+uncommitted effects died with it).
+
+Only database effects on the key's database are covered: an email sent from the body is sent by
+every run that gets that far. Results must be JSON-serialisable (they are stored as JSON).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal
+
+from celery import Task
+from django.core.serializers.json import DjangoJSONEncoder
+
+from leases.celery._base import backoff, format_key, task_decorator
+
+from .errors import IdempotencyKeyInProgress
+from .operations import idempotency_key
+
+__all__ = ["IdempotentTask", "idempotent_task"]
+
+logger = logging.getLogger("idempotency.celery")
+
+
+class IdempotentTask(Task):  # type: ignore[type-arg]
+    """A task whose database effects and result are recorded once per key; see the module doc.
+
+    Class attributes (set by :func:`idempotent_task`): ``idempotency_key`` (template or
+    callable, default: the task id), ``idempotency_ttl`` (seconds the result is replayed,
+    default ``IDEMPOTENCY["TTL"]``), ``idempotency_lock`` (seconds a run's claim lasts before a
+    copy may take over; longer than the task runs, default ``IDEMPOTENCY["LOCK_TIMEOUT"]``),
+    ``idempotency_wait`` (seconds a copy waits in the worker for an in-flight one before
+    ``on_in_flight``), ``on_in_flight`` (``"retry"`` or ``"raise"``) and
+    ``in_flight_backoff`` / ``in_flight_max_retries``.
+    """
+
+    idempotency_key: ClassVar[str | Callable[..., str] | None] = None
+    idempotency_ttl: ClassVar[float | None] = None
+    idempotency_lock: ClassVar[float | None] = None
+    idempotency_wait: ClassVar[float] = 0
+    on_in_flight: ClassVar[Literal["retry", "raise"]] = "retry"
+    in_flight_backoff: ClassVar[float] = 0.5
+    in_flight_max_retries: ClassVar[int | None] = None
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def idempotency_scope(self) -> str:
+        """Hook: the key space (default ``celery:<task name>``; keys of two tasks never meet)."""
+        return f"celery:{self.name}"
+
+    def idempotency_key_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """Hook: the key of one call (the template formatted, or the task id)."""
+        if self.idempotency_key is None:
+            return str(self.request.id)
+        return format_key(self.idempotency_key, self, *args, **kwargs)
+
+    def fingerprint(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """Hook: a digest of the arguments; the same key with other arguments is an error."""
+        raw = json.dumps([self.name, list(args), dict(kwargs)], cls=DjangoJSONEncoder,
+                         sort_keys=True)  # fmt: skip
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+    def in_flight(self, key: str, exc: IdempotencyKeyInProgress) -> Any:
+        """Hook: another copy holds the key; retry (never later than its claim lapses) or raise."""
+        if self.on_in_flight == "raise":
+            raise exc
+        delay = backoff(self.request.retries, self.in_flight_backoff, 30.0)
+        countdown = min(exc.retry_after, delay) if exc.retry_after > 0 else delay
+        logger.info("task %s[%s]: key %r is in flight elsewhere; retry in %.2fs",
+                    self.name, self.request.id, key, countdown)  # fmt: skip
+        raise self.retry(countdown=countdown, max_retries=self.in_flight_max_retries, exc=exc)
+
+    # -- machinery ---------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = self.idempotency_key_for(args, kwargs)
+        once = idempotency_key(
+            key, scope=self.idempotency_scope(), fingerprint=self.fingerprint(args, kwargs),
+            ttl=self.idempotency_ttl, lock_timeout=self.idempotency_lock,
+            wait=self.idempotency_wait, atomic=True,
+        )  # fmt: skip
+        try:
+            with once as operation:
+                if operation.replayed:
+                    logger.info("task %s[%s]: key %r is done; returning its recorded result",
+                                self.name, self.request.id, key)  # fmt: skip
+                else:
+                    operation.result = super().__call__(*args, **kwargs)
+        except IdempotencyKeyInProgress as exc:  # at the start, or taken over (Lost) at commit
+            return self.in_flight(key, exc)
+        return operation.result
+
+
+def idempotent_task(
+    fun: Callable[..., Any] | None = None,
+    /,
+    *,
+    key: str | Callable[..., str] | None = None,
+    ttl: float | None = None,
+    lock: float | None = None,
+    wait: float = 0,
+    on_in_flight: Literal["retry", "raise"] = "retry",
+    **options: Any,
+) -> Any:
+    """A task whose effects and result are recorded once per ``key``; see :class:`IdempotentTask`.
+
+    ``options`` go to Celery's ``task()`` (``bind``, ``acks_late``, ``app``, ``base``, ...);
+    ``base=LockedTask`` adds a lease around it.
+    """
+    attrs = {"idempotency_key": key, "idempotency_ttl": ttl, "idempotency_lock": lock,
+             "idempotency_wait": wait, "on_in_flight": on_in_flight}  # fmt: skip
+    return task_decorator(IdempotentTask, fun, attrs, options)

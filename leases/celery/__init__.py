@@ -1,0 +1,123 @@
+"""Celery tasks that run under a lease, once per key, on the leader, or on one partition.
+
+Celery delivers at least once: a task is redelivered after its worker dies (``acks_late``), and
+on the Redis broker it is delivered again while the first copy still runs past
+``visibility_timeout``. A lock alone cannot make that safe, because the first copy may still be
+running when its lease expires; so the body can take the :class:`~leases.lease.Lease` (a
+``lease`` parameter) and pass it to fenced writes (``obj.save(fence=lease)``): a copy that lost
+its lease cannot overwrite what a newer holder wrote.
+
+Each feature is a :class:`celery.Task` base class with documented hooks (override them in a
+subclass, use it with ``app.task(base=...)``); the decorators are thin sugar over them:
+
+    @locked_task(key="sync:{account_id}", ttl=60, acks_late=True)
+    def sync(account_id, lease): ...
+
+=======================  ==================================  ==================================
+decorator                base class                          what it guarantees
+=======================  ==================================  ==================================
+:func:`locked_task`      :class:`LockedTask`                 bodies of one key never overlap
+:func:`singleton_task`   :class:`SingletonTask`              one copy per key queued or running
+:func:`leader_only`      :class:`LeaderOnlyTask`             only the elected beat sends ticks
+:func:`partitioned`      :class:`PartitionedTask`            one key, one queue, one consumer
+=======================  ==================================  ==================================
+
+Every decorator takes Celery's ``task()`` options too (``bind``, ``acks_late``, ``app``, and
+``base`` to mix in another base such as :class:`idempotency.celery.IdempotentTask`). This
+package is the only part of ``leases`` that imports Celery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from ..lease import Lease
+from ._base import SKIPPED, Key, format_key, task_decorator
+from .leader import LeaderOnlyTask, resign_leaderships
+from .locked import LockedTask, OnBusy
+from .partition import PartitionedTask, partition_for, partition_queues
+from .singleton import SingletonTask
+
+__all__ = [
+    "SKIPPED",
+    "LeaderOnlyTask",
+    "LockedTask",
+    "PartitionedTask",
+    "SingletonTask",
+    "format_key",
+    "leader_only",
+    "locked_task",
+    "partition_for",
+    "partition_queues",
+    "partitioned",
+    "resign_leaderships",
+    "singleton_task",
+]
+
+
+def locked_task(
+    fun: Callable[..., Any] | None = None,
+    /,
+    *,
+    key: Key | None = None,
+    ttl: float | None = None,
+    on_busy: OnBusy = "retry",
+    backend: str = "default",
+    timeout: float = 0,
+    on_lost: Callable[[Lease], object] | None = None,
+    **options: Any,
+) -> Any:
+    """A task whose body runs under the lease ``key`` (a template); see :class:`LockedTask`."""
+    if on_busy not in ("retry", "skip", "raise"):
+        raise ValueError(f'on_busy must be "retry", "skip" or "raise", not {on_busy!r}')
+    attrs = {"lease_key": key, "lease_ttl": ttl, "on_busy": on_busy, "lease_backend": backend,
+             "lease_timeout": timeout, "on_lease_lost": on_lost}  # fmt: skip
+    return task_decorator(LockedTask, fun, attrs, options)
+
+
+def singleton_task(
+    fun: Callable[..., Any] | None = None,
+    /,
+    *,
+    key: Key | None = None,
+    ttl: float | None = None,
+    on_duplicate: Literal["return", "raise"] = "return",
+    backend: str = "default",
+    **options: Any,
+) -> Any:
+    """A task deduplicated on enqueue by ``key``; see :class:`SingletonTask`."""
+    if on_duplicate not in ("return", "raise"):
+        raise ValueError(f'on_duplicate must be "return" or "raise", not {on_duplicate!r}')
+    attrs = {"singleton_key": key, "singleton_ttl": ttl, "on_duplicate": on_duplicate,
+             "singleton_backend": backend}  # fmt: skip
+    return task_decorator(SingletonTask, fun, attrs, options)
+
+
+def leader_only(
+    fun: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    ttl: float | None = None,
+    backend: str = "default",
+    **options: Any,
+) -> Any:
+    """A periodic task sent and run only by the leader of ``name``; see :class:`LeaderOnlyTask`."""
+    attrs = {"leader_name": name, "leader_ttl": ttl, "leader_backend": backend}
+    return task_decorator(LeaderOnlyTask, fun, attrs, options)
+
+
+def partitioned(
+    fun: Callable[..., Any] | None = None,
+    /,
+    *,
+    key: Key | None = None,
+    partitions: int,
+    queue_prefix: str | None = None,
+    **options: Any,
+) -> Any:
+    """A task routed by a stable hash of ``key`` to one of ``partitions`` queues."""
+    partition_for("x", partitions)  # validates partitions now, not at the first delay()
+    attrs = {"partition_key": key, "partitions": partitions, "partition_queue_prefix": queue_prefix}
+    return task_decorator(PartitionedTask, fun, attrs, options)

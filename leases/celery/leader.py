@@ -1,0 +1,110 @@
+"""Leader-only periodic tasks: several beat processes, one of which sends each tick."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from typing import Any, ClassVar
+
+from celery import Task
+from celery.result import EagerResult
+
+from .. import conf
+from ..election import Leadership, elect, leader_of
+from ..errors import LeaseUnavailable
+from ..keys import validate_name
+from ._base import SKIPPED, skip
+
+__all__ = ["LEADER_HEADER", "LeaderOnlyTask", "resign_leaderships"]
+
+logger = logging.getLogger("leases.celery")
+
+#: Message header carrying the sender's leadership token to the worker.
+LEADER_HEADER = "leases_leader_token"
+
+
+class LeaderOnlyTask(Task):  # type: ignore[type-arg]
+    """A periodic task sent only by the leader of ``leader_name``, and run only if it still leads.
+
+    Run several ``celery beat`` processes for availability: each one's :meth:`apply_async`
+    campaigns for the election ``leader_name`` (:func:`leases.elect`, one try per call; a won
+    leadership is kept alive across calls), and only the leader sends, stamping its fencing
+    token on the message. The worker runs the body only while that token is still the leader's
+    (:func:`leases.leader_of`), so a beat that was paused past its lease and wakes up cannot get
+    a stale tick through. A call from a non-leader sends nothing and returns a result in state
+    :data:`~leases.celery.SKIPPED`. Beat must import the task (it does when the task is
+    registered in its app), or it sends by name and only the worker-side check applies.
+    """
+
+    leader_name: ClassVar[str | None] = None
+    leader_ttl: ClassVar[float | None] = None
+    leader_backend: ClassVar[str] = "default"
+
+    def election(self) -> str:
+        """Hook: the election's name (default: the task name)."""
+        return validate_name(self.leader_name or str(self.name))
+
+    def leadership_token(self) -> int | None:
+        """Hook: this process's leadership token, campaigning once if it does not lead."""
+        ttl = self.leader_ttl if self.leader_ttl is not None else conf.get().default_ttl
+        return _campaign(self.election(), ttl, self.leader_backend)
+
+    def still_leads(self, token: int) -> bool:
+        """Hook: whether ``token`` is still the current leader's (checked before the body)."""
+        leader = leader_of(self.election(), backend=self.leader_backend)
+        return leader is not None and leader.token == token
+
+    def apply_async(  # type: ignore[override]  # options pass through to Celery unchanged
+        self, args: Any = None, kwargs: Any = None, **options: Any
+    ) -> Any:
+        token = self.leadership_token()
+        if token is None:
+            logger.debug("%s not sent: this process does not lead %r", self.name, self.election())
+            return EagerResult(options.get("task_id") or str(uuid.uuid4()), None, SKIPPED)
+        headers = {**(options.pop("headers", None) or {}), LEADER_HEADER: token}
+        return super().apply_async(args, kwargs, headers=headers, **options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        token = (request.headers or {}).get(LEADER_HEADER) or getattr(request, LEADER_HEADER, None)
+        if token is not None and not self.still_leads(int(token)):
+            skip(self, f"sent by a former leader of {self.election()!r} (token {token})")
+        return super().__call__(*args, **kwargs)
+
+
+#: Leaderships this process won, by (backend, election), kept until lost.
+_won: dict[tuple[str, str], Leadership] = {}
+_won_lock = threading.Lock()
+_won_pid = os.getpid()
+
+
+def _campaign(name: str, ttl: float, backend: str) -> int | None:
+    """This process's leadership token for ``name``: kept if held, else one try to win it."""
+    global _won_pid
+    with _won_lock:
+        if os.getpid() != _won_pid:  # a forked child leads nothing its parent won
+            _won.clear()
+            _won_pid = os.getpid()
+        held = _won.get((backend, name))
+        if held is not None and held.is_leader:
+            return held.token
+        try:
+            held = _won[(backend, name)] = elect(name, ttl=ttl, backend=backend, timeout=0)
+        except LeaseUnavailable:
+            _won.pop((backend, name), None)
+            return None
+        return held.token
+
+
+def resign_leaderships() -> None:
+    """Resign every leadership this process won, so another beat takes over at once.
+
+    Call it when a beat process shuts down cleanly; without it the others wait for the TTL.
+    """
+    with _won_lock:
+        won = list(_won.values())
+        _won.clear()
+    for leadership in won:
+        leadership.resign()

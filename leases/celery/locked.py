@@ -1,0 +1,149 @@
+"""Locked tasks: the body runs while holding a lease named from the task's arguments."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal
+
+from celery import Task
+
+from .. import conf
+from ..errors import LeaseLost, LeaseUnavailable
+from ..keys import validate_name
+from ..lease import Lease, acquire
+from ._base import Call, Key, backoff, current_call, format_key, skip
+
+__all__ = ["LockedTask", "OnBusy"]
+
+logger = logging.getLogger("leases.celery")
+
+OnBusy = Literal["retry", "skip", "raise"]
+
+
+class LockedTask(Task):  # type: ignore[type-arg]
+    """A task whose body runs while holding a lease named from its arguments.
+
+    The lease is acquired before the body, kept alive while it runs and released after, also
+    when the body calls :meth:`retry`: the release happens *before* the retry message is sent,
+    so the retry is never blocked by its own earlier attempt. A lease lost mid-run is reported
+    (``lease_lost`` signal, a warning log, :meth:`lease_lost`, ``on_lease_lost``), fenced writes
+    made with it are rejected from then on, and the run fails with
+    :class:`~leases.errors.LeaseLost` when the body returns, so nobody mistakes it for done.
+
+    The body gets the :class:`~leases.lease.Lease` through a ``lease`` parameter (with
+    :func:`~leases.celery.locked_task`) or :attr:`lease`, and passes it to fenced writes.
+
+    Class attributes (set by :func:`~leases.celery.locked_task`): ``lease_key`` (default: the
+    task name), ``lease_ttl`` (default ``LEASES["DEFAULT_TTL"]``), ``lease_backend``,
+    ``lease_timeout`` (seconds to wait for the lease in the worker before ``on_busy``; 0 tries
+    once), ``on_busy`` (``"retry"`` with backoff, ``"skip"`` to end in state ``SKIPPED``,
+    ``"raise"`` to fail with :class:`~leases.errors.LeaseUnavailable`), ``busy_backoff`` /
+    ``busy_backoff_max`` / ``busy_max_retries`` (for ``"retry"``) and ``on_lease_lost``.
+    """
+
+    lease_key: ClassVar[Key | None] = None
+    lease_ttl: ClassVar[float | None] = None
+    lease_backend: ClassVar[str] = "default"
+    lease_timeout: ClassVar[float] = 0
+    on_busy: ClassVar[OnBusy] = "retry"
+    busy_backoff: ClassVar[float] = 0.5
+    busy_backoff_max: ClassVar[float] = 30.0
+    busy_max_retries: ClassVar[int | None] = None
+    on_lease_lost: ClassVar[Callable[[Lease], object] | None] = None
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def lease_name(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """Hook: the lease a call needs (``lease_key`` formatted, or the task name)."""
+        if self.lease_key is None:
+            return validate_name(str(self.name))
+        return format_key(self.lease_key, self, *args, **kwargs)
+
+    def lease_holder(self) -> str:
+        """Hook: the holder identity; names worker and task id for operators, plus a nonce.
+
+        The nonce keeps a redelivered copy of the same task id on the same host from passing
+        for the holder of the earlier copy's lease.
+        """
+        holder = f"celery:{self.request.hostname}:{self.request.id}:{uuid.uuid4().hex[:8]}"
+        return holder[-255:]
+
+    def lease_busy(self, name: str, exc: LeaseUnavailable) -> Any:
+        """Hook: the lease is held elsewhere; retry with backoff, skip or raise (``on_busy``)."""
+        if self.on_busy == "raise":
+            raise exc
+        if self.on_busy == "skip":
+            skip(self, f"lease {name!r} is busy", lease=name)
+        countdown = backoff(self.request.retries, self.busy_backoff, self.busy_backoff_max)
+        logger.debug("task %s[%s]: %s; retry in %.2fs", self.name, self.request.id, exc, countdown)
+        raise self.retry(countdown=countdown, max_retries=self.busy_max_retries, exc=exc)
+
+    def lease_lost(self, lease: Lease, *details: Any) -> None:
+        """Hook, run on the keepalive thread when the run's lease is lost mid-run."""
+        logger.warning(
+            "task %s[%s] lost lease %r (token %s) while running %s; its fenced writes are "
+            "rejected from now on",
+            self.name, self.request.id, lease.name, lease.token, details,
+        )  # fmt: skip
+        callback = type(self).on_lease_lost
+        if callback is not None:
+            callback(lease)
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease held by the current run of this task (``None`` outside a run)."""
+        call = current_call.get()
+        return call.lease if call is not None and call.task is self else None
+
+    # -- machinery ---------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        name = self.lease_name(args, kwargs)
+        ttl = self.lease_ttl if self.lease_ttl is not None else conf.get().default_ttl
+        box: list[Lease] = []
+        try:
+            held = acquire(
+                name,
+                ttl=ttl,
+                backend=self.lease_backend,
+                timeout=self.lease_timeout,
+                holder=self.lease_holder(),
+                on_lost=lambda *details: self.lease_lost(box[0], *details[1:]),
+            )
+        except LeaseUnavailable as exc:
+            return self.lease_busy(name, exc)
+        box.append(held)
+        call = Call(self, held)
+        reset = current_call.set(call)
+        try:
+            result = super().__call__(*args, **kwargs)
+        except BaseException:
+            self._give_back(call, quiet=True)
+            raise
+        finally:
+            current_call.reset(reset)
+        self._give_back(call, quiet=False)
+        return result
+
+    def _give_back(self, call: Call, *, quiet: bool) -> None:
+        """Release the run's lease once; a loss raises, unless the body already failed."""
+        if call.released:
+            return
+        call.released = True
+        try:
+            call.lease.ensure_held()
+            call.lease.release()
+        except LeaseLost:
+            if not quiet:
+                raise
+            logger.warning("task %s[%s]: lease %r was lost before release",
+                           self.name, self.request.id, call.lease.name)  # fmt: skip
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Release this run's lease, then retry: a retry must not wait for its own attempt."""
+        call = current_call.get()
+        if call is not None and call.task is self:
+            self._give_back(call, quiet=True)
+        return super().retry(*args, **kwargs)

@@ -1,0 +1,138 @@
+"""Singleton tasks: at most one copy per key queued or running, deduplicated on enqueue."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from celery import Task
+from celery.result import AsyncResult
+
+from .. import conf, keepalive
+from ..backends import Grant, get_backend
+from ..errors import LeaseError, LeaseUnavailable
+from ..keys import validate_name
+from ..lease import Lease
+from ._base import Key, format_key
+
+__all__ = ["GUARD_HEADER", "SingletonTask"]
+
+logger = logging.getLogger("leases.celery")
+
+#: Message header carrying the guard (name, holder, token) from the sender to the worker.
+GUARD_HEADER = "leases_singleton"
+_HOLDER_PREFIX = "celery-task:"
+_LOOKS = 5
+
+
+class SingletonTask(Task):  # type: ignore[type-arg]
+    """A task of which at most one copy per key is queued or running: dedupe on enqueue.
+
+    :meth:`apply_async` takes a guard lease ``singleton:<key>`` (one try, held in the name of
+    the new task's id) before it sends. A second call with the same key while the guard is held
+    gets the existing task's :class:`~celery.result.AsyncResult` (``on_duplicate="return"``) or
+    :class:`~leases.errors.LeaseUnavailable` (``"raise"``). The worker adopts the guard when the
+    run starts (renewing it, and keeping it alive while the body runs) and releases it when the
+    run ends (a retry waiting for its countdown is not guarded). The guard is a lease, so a
+    crashed worker's guard frees after ``singleton_ttl`` at most, which must cover the time a
+    task may wait in the queue.
+    """
+
+    singleton_key: ClassVar[Key | None] = None
+    singleton_ttl: ClassVar[float | None] = None
+    singleton_backend: ClassVar[str] = "default"
+    on_duplicate: ClassVar[Literal["return", "raise"]] = "return"
+
+    def singleton_name(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """Hook: the guard's lease name for a call (``singleton:`` + the formatted key)."""
+        key = str(self.name) if self.singleton_key is None else format_key(
+            self.singleton_key, self, *args, **kwargs
+        )  # fmt: skip
+        return validate_name(f"singleton:{key}")
+
+    def duplicate(self, name: str, task_id: str) -> AsyncResult[Any]:
+        """Hook: what a call gets when task ``task_id`` already holds the guard ``name``."""
+        if self.on_duplicate == "raise":
+            raise LeaseUnavailable(name, 0, f"task {task_id} is already queued or running")
+        return self.AsyncResult(task_id)
+
+    def _guard_ttl(self) -> float:
+        return self.singleton_ttl if self.singleton_ttl is not None else conf.get().default_ttl
+
+    def apply_async(  # type: ignore[override]  # options pass through to Celery unchanged
+        self, args: Any = None, kwargs: Any = None, **options: Any
+    ) -> Any:
+        task_id = options.pop("task_id", None) or str(uuid.uuid4())
+        if task_id == self.request.id:  # retry() of the running task: not a second copy
+            headers = {k: v for k, v in (options.pop("headers", None) or {}).items()
+                       if k != GUARD_HEADER}  # fmt: skip
+            return super().apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
+        name = self.singleton_name(tuple(args or ()), dict(kwargs or {}))
+        store = get_backend(self.singleton_backend)
+        for _ in range(_LOOKS):  # the holder may release between our try and our look
+            # The sender never renews nor releases the guard (the worker does), so it is a bare
+            # grant here, not a Lease watched and kept alive by this process.
+            guard = store.try_acquire(name, _HOLDER_PREFIX + task_id, self._guard_ttl())
+            if guard is None:
+                info = store.inspect(name)
+                if info is not None and info.held:
+                    return self.duplicate(name, info.holder.removeprefix(_HOLDER_PREFIX))
+                continue
+            headers = dict(options.pop("headers", None) or {})
+            headers[GUARD_HEADER] = {"name": name, "holder": guard.holder, "token": guard.token,
+                                     "extra": dict(guard.extra)}  # fmt: skip
+            try:
+                return super().apply_async(
+                    args, kwargs, task_id=task_id, headers=headers, **options
+                )
+            except BaseException:
+                store.release(guard)
+                raise
+        raise LeaseUnavailable(name, 0, "the guard changed hands on every look")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        guard = self._adopt_guard()
+        if guard is None:
+            return super().__call__(*args, **kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _release_quietly(guard)
+
+    def _adopt_guard(self) -> Lease | None:
+        """The sender's guard, adopted by this run (``None`` if there is none or it expired)."""
+        request = self.request
+        data = (request.headers or {}).get(GUARD_HEADER) or getattr(request, GUARD_HEADER, None)
+        if not data or request.called_directly:
+            return None
+        try:
+            return _adopt(data, self._guard_ttl(), self.singleton_backend)
+        except LeaseError as exc:  # expired while queued: a duplicate may have been sent
+            logger.warning("task %s[%s]: singleton guard %r expired before the run: %s",
+                           self.name, request.id, data.get("name"), exc)  # fmt: skip
+            return None
+
+
+def _adopt(data: Mapping[str, Any], ttl: float, alias: str) -> Lease:
+    """Take over the sender's grant in this process: renew it, then keep it alive.
+
+    The renewal is conditional on name, holder and token like any other, so a guard that
+    expired while the task was queued (and may be someone else's now) is never adopted.
+    """
+    store = get_backend(alias)
+    sent = Grant(str(data["name"]), str(data["holder"]), int(data["token"]), ttl,
+                 time.monotonic(), extra=dict(data.get("extra") or {}))  # fmt: skip
+    held = Lease(store, store.renew(sent, ttl))
+    keepalive.watch(held)
+    keepalive.keep_alive(held, conf.get().renew_fraction)
+    return held
+
+
+def _release_quietly(guard: Lease) -> None:
+    try:
+        guard.release()
+    except LeaseError as exc:
+        logger.warning("singleton guard %r was lost before its release: %s", guard.name, exc)

@@ -1,0 +1,192 @@
+"""The Celery app and the test tasks that real ``celery worker`` processes run.
+
+Workers start as ``python -m celery -A tests.celery_app worker ...`` with ``child_env`` (see
+:mod:`tests.celery_workers`). The broker and result backend are the session Redis on databases
+of their own (``CELERY_*`` in ``tests/settings.py``); a test that needs a broker of its own (a
+tiny ``visibility_timeout`` restores every unacked message of its Redis database) passes
+``LEASES_TEST_BROKER_URL`` and ``LEASES_TEST_VISIBILITY_TIMEOUT`` to its workers.
+
+Each task body records what it did in the database on the database clock (``TaskRun``,
+``Delivery``, ``Effect``, and writes to the fenced register of :mod:`tests.checker`), so a test
+can check the history after the workers are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+django.setup()
+
+from celery import Celery, signals  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.db import connection  # noqa: E402
+from django.db.models import F  # noqa: E402
+
+from idempotency.celery import idempotent_task  # noqa: E402
+from leases.celery import leader_only, locked_task, partitioned, singleton_task  # noqa: E402
+from leases.lease import Lease  # noqa: E402
+
+app = Celery("tests")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.broker_url = os.environ.get("LEASES_TEST_BROKER_URL") or settings.CELERY_BROKER_URL
+if os.environ.get("LEASES_TEST_VISIBILITY_TIMEOUT"):
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ["LEASES_TEST_VISIBILITY_TIMEOUT"]),
+        "unacked_restore_interval": 0.5,  # look for overdue messages often, not every 10 s
+        "unacked_restore_throttle": 1,
+    }
+app.conf.worker_prefetch_multiplier = 1
+app.conf.task_default_queue = "leases-tests-unused"  # every test names its own queues
+app.conf.result_expires = 600
+
+_LEASE_TTL = 2.0  # seconds: short, so waiting for expiry costs little test time
+_HOLDER = f"{socket.gethostname()}:{os.getpid()}"
+
+
+@signals.worker_ready.connect
+def _announce_ready(**_: Any) -> None:
+    """Tell the test this worker consumes (``LEASES_TEST_READY_FILE``)."""
+    path = os.environ.get("LEASES_TEST_READY_FILE")
+    if path:
+        Path(path).write_text(str(os.getpid()))
+
+
+@signals.task_prerun.connect
+def _record_delivery(task_id: str = "", task: Any = None, **_: Any) -> None:
+    from tests.testapp.models_celery import Delivery
+
+    Delivery.objects.create(task_id=task_id, task=getattr(task, "name", ""), worker=_worker(),
+                            at=_now())  # fmt: skip
+
+
+@signals.task_postrun.connect
+def _record_finish(task_id: str = "", **_: Any) -> None:
+    from tests.testapp.models_celery import Delivery
+
+    Delivery.objects.filter(task_id=task_id, worker=_worker(), finished_at=None).update(
+        finished_at=_now()
+    )
+
+
+def _worker() -> str:
+    return f"{os.environ.get('LEASES_TEST_WORKER', 'worker')}:{os.getpid()}"
+
+
+def _now() -> Any:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]  # type: ignore[index]
+
+
+def _run(label: str, task_id: str, token: int | None, hold: float) -> int:
+    """Record a body run of ``hold`` seconds; returns the run's id."""
+    from tests.testapp.models_celery import TaskRun
+
+    run = TaskRun.objects.create(label=label, task_id=task_id, worker=_worker(), token=token,
+                                 started_at=_now())  # fmt: skip
+    time.sleep(hold)
+    TaskRun.objects.filter(id=run.id).update(ended_at=_now())
+    return run.id
+
+
+def _first_delivery(task_id: str) -> bool:
+    """Whether this is the task id's first delivery (redelivered copies and retries don't hold).
+
+    Counted from ``Delivery`` rows, which commit at once, unlike a body's rows inside an
+    idempotent task's transaction (rolled back when its worker is killed).
+    """
+    from tests.testapp.models_celery import Delivery
+
+    return Delivery.objects.filter(task_id=task_id).count() <= 1
+
+
+def _fenced_run(register: str, lease: Lease, task_id: str, hold: float) -> bool:
+    """A body run under a lease: fenced writes at its start and end, to the shared checker."""
+    from tests.checker import record_write
+
+    writer = f"{_worker()}/{task_id[:8]}"
+    record_write(register, lease, writer)
+    _run(register, task_id, lease.token, hold)
+    return record_write(register, lease, writer)
+
+
+# -- locked ------------------------------------------------------------------------------------
+
+
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, bind=True, acks_late=True,
+             busy_backoff=0.05, busy_backoff_max=0.3, busy_max_retries=400)  # fmt: skip
+def locked_write(self: Any, register: str, hold: float, lease: Lease) -> bool:
+    return _fenced_run(register, lease, self.request.id, hold)
+
+
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, on_busy="skip", bind=True)
+def locked_skip(self: Any, register: str, hold: float, lease: Lease) -> bool:
+    return _fenced_run(register, lease, self.request.id, hold)
+
+
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, on_busy="raise", bind=True)
+def locked_retrying(self: Any, register: str, lease: Lease) -> int:
+    """Retries itself once while holding the lease: the retry must not find it busy."""
+    _fenced_run(register, lease, self.request.id, 0)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return int(self.request.retries)
+
+
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, on_busy="raise", bind=True)
+def locked_until_lost(self: Any, register: str, lease: Lease) -> bool:
+    """Writes, waits until its lease is revoked under it, then tries a last fenced write."""
+    from leases.backends import get_backend
+
+    _fenced_run(register, lease, self.request.id, 0)
+    get_backend().force_release(lease.name)  # an operator's revocation, mid-run
+    lease.lost.wait(_LEASE_TTL * 2)
+    _run(register, self.request.id, lease.token, 0)
+    return _fenced_run(register, lease, self.request.id, 0)
+
+
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL * 2, timeout=30, bind=True,
+             acks_late=True)  # fmt: skip
+def locked_slow(self: Any, register: str, hold: float, lease: Lease) -> bool:
+    """Holds only on its first run, so redelivered copies end quickly."""
+    return _fenced_run(
+        register, lease, self.request.id, hold if _first_delivery(self.request.id) else 0
+    )
+
+
+# -- idempotent --------------------------------------------------------------------------------
+
+
+@idempotent_task(lock=3, bind=True, acks_late=True, in_flight_backoff=0.2)
+def add_once(self: Any, effect: str, hold: float) -> int:
+    """Increments ``effect`` in the key's transaction, then holds (on its first run only)."""
+    from tests.testapp.models_celery import Effect
+
+    Effect.objects.filter(name=effect).update(count=F("count") + 1)
+    _run(effect, self.request.id, None, hold if _first_delivery(self.request.id) else 0)
+    return Effect.objects.get(name=effect).count
+
+
+# -- singleton, leader, partitioned -------------------------------------------------------------
+
+
+@singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL, bind=True)
+def singleton_hold(self: Any, name: str, hold: float) -> None:
+    _run(name, self.request.id, None, hold)
+
+
+@leader_only(name="celery-test-beat", ttl=_LEASE_TTL)
+def leader_tick(label: str) -> None:
+    _run(label, "", None, 0)
+
+
+@partitioned(key="{account}", partitions=3, queue_prefix=f"leases-tests-part-{os.getpid()}")
+def partitioned_touch(account: str) -> str:
+    return account

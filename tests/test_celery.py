@@ -1,0 +1,339 @@
+"""Celery integration against a real Redis broker and real prefork ``celery worker`` processes.
+
+No ``task_always_eager``, no in-memory broker: each test starts its workers as subprocesses
+(:mod:`tests.celery_workers`), sends tasks through Redis, and checks what the bodies recorded in
+the database (:mod:`tests.celery_app`), including the shared fenced-register history checker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import redis
+from celery.result import AsyncResult
+from django.conf import settings
+
+from idempotency.models import IdempotencyKey
+from leases.backends import get_backend
+from leases.celery import SKIPPED, partition_for, partition_queues, resign_leaderships
+from leases.celery.leader import LEADER_HEADER
+from leases.election import elect, leader_of
+from tests.celery_app import (
+    add_once,
+    app,
+    leader_tick,
+    locked_retrying,
+    locked_skip,
+    locked_slow,
+    locked_until_lost,
+    locked_write,
+    partitioned_touch,
+    singleton_hold,
+)
+from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # noqa: F401
+from tests.checker import check_history, history, new_register
+from tests.servers import RedisServer
+from tests.testapp.models_celery import Delivery, Effect, TaskRun
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+DONE = {"SUCCESS", "FAILURE", SKIPPED}
+
+
+def wait_states(results: Iterable[AsyncResult[Any]], timeout: float = 60) -> list[str]:
+    """The final states of ``results`` (SKIPPED counts as final), polling until ``timeout``."""
+    pending = list(results)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [r.state for r in pending]
+        if all(s in DONE for s in states):
+            return states
+        time.sleep(0.1)
+    raise AssertionError(f"tasks not done in {timeout}s: {[r.state for r in pending]}")
+
+
+def assert_runs_never_overlap(runs: list[TaskRun]) -> None:
+    """Body runs (database clock) form a sequence: each starts after the previous one ended."""
+    ordered = sorted(runs, key=lambda r: r.started_at)
+    for before, after in itertools.pairwise(ordered):
+        assert before.ended_at is not None, f"{before} never ended"
+        assert after.started_at >= before.ended_at, f"{after} started while {before} still ran"
+
+
+def ready(start: Callable[..., Worker], *specs: dict[str, Any]) -> list[Worker]:
+    """Start several workers at once, then wait until each consumes."""
+    workers = [start(**spec) for spec in specs]
+    return [worker.wait_ready() for worker in workers]
+
+
+def test_locked_bodies_never_overlap_and_all_complete(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    queue = new_queue()
+    ready(celery_workers, {"queues": [queue], "name": "a"}, {"queues": [queue], "name": "b"})
+    register = new_register("celery-locked")
+
+    results = [locked_write.apply_async((register, 0.05), queue=queue) for _ in range(20)]
+
+    assert [r.get(timeout=90) for r in results] == [True] * 20  # every closing write accepted
+    runs = list(TaskRun.objects.filter(label=register))
+    assert len(runs) == 20
+    assert {r.worker.split(":")[0] for r in runs} == {"a", "b"}, "both workers ran bodies"
+    assert_runs_never_overlap(runs)
+    summary = check_history(register, [r.token for r in sorted(runs, key=lambda r: r.started_at)])
+    assert summary.accepted == 40
+
+
+def test_locked_skip_is_reported_as_skipped(celery_workers: Callable[..., Worker]) -> None:
+    queue = new_queue()
+    ready(celery_workers, {"queues": [queue], "name": "a"}, {"queues": [queue], "name": "b"})
+    register = new_register("celery-skip")
+
+    results = [locked_skip.apply_async((register, 1.0), queue=queue) for _ in range(4)]
+    states = wait_states(results)
+
+    assert set(states) == {"SUCCESS", SKIPPED}, states
+    ran = TaskRun.objects.filter(label=register)
+    assert ran.count() == states.count("SUCCESS")
+    skipped = [r for r in results if r.state == SKIPPED]
+    assert all("busy" in r.info["reason"] for r in skipped)
+    assert_runs_never_overlap(list(ran))
+    check_history(register)
+
+
+def test_locked_retry_is_not_blocked_by_its_own_attempt(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    queue = new_queue()
+    ready(celery_workers, {"queues": [queue]})
+    register = new_register("celery-retry")
+
+    # on_busy="raise": had the retry found its own earlier attempt's lease, it would fail
+    assert locked_retrying.apply_async((register,), queue=queue).get(timeout=60) == 1
+    check_history(register)
+
+
+def test_lost_lease_mid_task_fails_the_task_and_its_later_fenced_write(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    queue = new_queue()
+    ready(celery_workers, {"queues": [queue]})
+    register = new_register("celery-lost")
+
+    result = locked_until_lost.apply_async((register,), queue=queue)
+
+    assert wait_states([result]) == ["FAILURE"]
+    assert type(result.result).__name__ == "LeaseLost"
+    outcomes = [a.outcome for a in history(register)]
+    assert outcomes[:2] == ["accepted", "accepted"] and outcomes[-1] in ("lost", "stale"), outcomes
+    check_history(register)
+    assert get_backend().inspect("celery-test:" + register).token > min(  # type: ignore[union-attr]
+        r.token or 0 for r in TaskRun.objects.filter(label=register)
+    )
+
+
+# -- redelivery: a killed worker, a visibility timeout shorter than the task -------------------
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def producer_on(url: str) -> Iterator[Any]:
+    """A producer on a broker of the test's own (the app's default broker is the shared one)."""
+    with app.connection_for_write(url) as connection:
+        yield app.amqp.Producer(connection)
+
+
+def broker_env(url: str, visibility: float) -> dict[str, str]:
+    return {"LEASES_TEST_BROKER_URL": url, "LEASES_TEST_VISIBILITY_TIMEOUT": str(visibility)}
+
+
+def claimed(task_id: str) -> bool:
+    return IdempotencyKey.objects.filter(scope=f"celery:{add_once.name}", key=task_id).exists()
+
+
+def deliveries(task_id: str) -> list[Delivery]:
+    return list(Delivery.objects.filter(task_id=task_id))
+
+
+def settle(*task_ids: str, dead: str = "-", quiet: float = 1.5, timeout: float = 60) -> None:
+    """Wait until every delivered copy of the tasks finished and no new copy came for ``quiet`` s.
+
+    A task's result is ready when one copy succeeds, while redelivered copies may still run.
+    Copies delivered to the killed worker ``dead`` never finish and are not waited for.
+    """
+    deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        copies = Delivery.objects.filter(task_id__in=task_ids).exclude(worker__startswith=dead)
+        count, running = copies.count(), copies.filter(finished_at=None).exists()
+        if count != last or running:
+            last, since = count, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"copies of {task_ids} still arriving or running after {timeout}s")
+
+
+@pytest.mark.fault
+def test_killed_worker_task_runs_elsewhere_after_lease_expiry_and_effect_once(
+    celery_workers: Callable[..., Worker], redis_server: RedisServer
+) -> None:
+    queue, register, effect = new_queue(), new_register("celery-kill"), new_register("effect")
+    Effect.objects.create(name=effect)
+    extra = broker_env(redis_server.url, visibility=3)
+    victim = celery_workers([queue], name="a", concurrency=2, extra_env=extra).wait_ready()
+    with producer_on(redis_server.url) as producer:
+        locked = locked_slow.apply_async((register, 60.0), queue=queue, producer=producer)
+        once = add_once.apply_async((effect, 60.0), queue=queue, producer=producer)
+    wait_until(lambda: TaskRun.objects.filter(label=register).exists() and claimed(once.id),
+               30, "both bodies to start on the first worker")  # fmt: skip
+    rescuer = celery_workers([queue], name="b", concurrency=2, extra_env=extra)
+    victim.kill()
+    expired_at = get_backend().inspect(f"celery-test:{register}").expires_at  # type: ignore[union-attr]
+    rescuer.wait_ready()
+
+    assert locked.get(timeout=60) is True, rescuer.tail()
+    assert once.get(timeout=60) == 1
+    settle(locked.id, once.id, dead="a:")
+    runs = list(TaskRun.objects.filter(label=register))
+    first, later = runs[0], runs[1:]
+    assert first.worker.startswith("a:") and first.ended_at is None  # killed mid-body
+    assert later and all(r.worker.startswith("b:") for r in later)
+    assert all(r.started_at >= expired_at for r in later), "took over before the lease expired"
+    assert all(r.token > first.token for r in later)  # type: ignore[operator]
+    assert_runs_never_overlap(later)
+    check_history(register, [r.token for r in runs])
+    assert Effect.objects.get(name=effect).count == 1
+    assert {d.worker[0] for d in deliveries(once.id)} == {"a", "b"}
+
+
+@pytest.mark.fault
+def test_visibility_timeout_duplicate_runs_concurrently_locked_apart_and_applied_once(
+    celery_workers: Callable[..., Worker], redis_server: RedisServer
+) -> None:
+    queue, register, effect = new_queue(), new_register("celery-vis"), new_register("effect")
+    Effect.objects.create(name=effect)
+    extra = broker_env(redis_server.url, visibility=1.5)
+    ready(celery_workers, *({"queues": [queue], "name": n, "concurrency": 2, "extra_env": extra}
+                            for n in "ab"))  # fmt: skip
+    with producer_on(redis_server.url) as producer:
+        locked = locked_slow.apply_async((register, 5.0), queue=queue, producer=producer)
+        once = add_once.apply_async((effect, 5.0), queue=queue, producer=producer)
+
+    assert locked.get(timeout=60) is True
+    assert once.get(timeout=60) == 1
+    settle(locked.id, once.id)
+    runs = list(TaskRun.objects.filter(label=register))
+    assert len(runs) >= 2, "the duplicate ran after the first copy released the lease"
+    for task_id, body_ended in ((locked.id, runs[0].ended_at),
+                                (once.id, TaskRun.objects.get(label=effect).ended_at)):  # fmt: skip
+        copies = deliveries(task_id)
+        assert len(copies) >= 2 and copies[1].at < body_ended, (  # type: ignore[operator]
+            f"no duplicate delivered while the first copy ran: {copies}"
+        )
+    assert_runs_never_overlap(runs)
+    check_history(register, [r.token for r in runs])
+    assert Effect.objects.get(name=effect).count == 1
+    assert TaskRun.objects.filter(label=effect).count() == 1
+
+
+# -- singleton, partitioned, leader-only -------------------------------------------------------
+
+
+def broker() -> Any:
+    return redis.Redis.from_url(settings.CELERY_BROKER_URL)
+
+
+def test_singleton_50_concurrent_delays_queue_one_task() -> None:
+    queue, name = new_queue(), new_register("single")
+    try:
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            ids = list(pool.map(lambda _: singleton_hold.apply_async((name, 0), queue=queue).id,
+                                range(50)))  # fmt: skip
+        assert len(set(ids)) == 1
+        assert broker().llen(queue) == 1
+    finally:
+        broker().delete(queue)
+
+
+def test_singleton_guard_frees_within_its_ttl_after_worker_sigkill(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    queue, name, ttl = new_queue(), new_register("single"), singleton_hold.singleton_ttl
+    worker = celery_workers([queue]).wait_ready()
+    try:
+        first = singleton_hold.apply_async((name, 60.0), queue=queue)
+        wait_until(lambda: TaskRun.objects.filter(label=name).exists(), 30, "the run to start")
+        time.sleep(ttl + 0.5)  # past the sender's grant: the running worker keeps it alive
+        assert singleton_hold.apply_async((name, 0), queue=queue).id == first.id
+
+        worker.kill()
+        killed = time.monotonic()
+        again = first
+        while again.id == first.id and time.monotonic() - killed < ttl + 5:
+            again = singleton_hold.apply_async((name, 0), queue=queue)
+            time.sleep(0.05)
+        assert again.id != first.id
+        assert time.monotonic() - killed <= ttl + 0.5, "the guard outlived its TTL"
+    finally:
+        broker().delete(queue)
+
+
+def test_partitioned_routes_one_key_to_one_queue_and_spreads_keys(python: str) -> None:
+    queues = partition_queues(partitioned_touch)
+    keys = [f"account-{n}" for n in range(30)]
+    broker().delete(*queues)
+    try:
+        for key in [*keys, *keys, *["account-7"] * 5]:
+            partitioned_touch.delay(key)
+        seen: dict[str, set[str]] = {}
+        for queue in queues:
+            for raw in broker().lrange(queue, 0, -1):
+                key = json.loads(raw)["headers"]["argsrepr"].strip("(),'")
+                seen.setdefault(key, set()).add(queue)
+        assert set(seen) == set(keys)
+        assert all(len(found) == 1 for found in seen.values()), seen
+        assert all(broker().llen(q) > 0 for q in queues), "a partition got no key"
+        assert all(seen[k] == {queues[partition_for(k, 3)]} for k in keys)
+        other = subprocess.run(  # another process, another hash seed: same partitions
+            [python, "-c", "import sys; from leases.celery.partition import partition_for; "
+             "print([partition_for(k, 3) for k in sys.argv[1:]])", *keys],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        assert json.loads(other.stdout) == [partition_for(k, 3) for k in keys]
+    finally:
+        broker().delete(*queues)
+
+
+def test_leader_only_is_sent_only_by_the_leader() -> None:
+    queue, election = new_queue(), leader_tick.election()
+    rival: list[Any] = []
+    thread = threading.Thread(target=lambda: rival.append(elect(election, ttl=5, timeout=0)))
+    thread.start()
+    thread.join(30)
+    try:
+        skipped = leader_tick.apply_async(("tick",), queue=queue)
+        assert skipped.state == SKIPPED and broker().llen(queue) == 0
+        rival[0].resign()
+        sent = leader_tick.apply_async(("tick",), queue=queue)
+        assert sent.state == "PENDING" and broker().llen(queue) == 1
+        message = json.loads(broker().lindex(queue, 0))
+        leader = leader_of(election)
+        assert leader is not None and message["headers"][LEADER_HEADER] == leader.token
+    finally:
+        resign_leaderships()
+        broker().delete(queue)
