@@ -23,6 +23,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .celery import idempotent_task
     from .operations import idempotency_key
     from .views import IdempotentMixin, idempotent
 
