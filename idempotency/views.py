@@ -131,14 +131,14 @@ class _Guard:
 
     def close(self, attempt: store.Attempt, response: HttpResponseBase) -> HttpResponseBase:
         """Store a response under 500 with the effects; undo everything for 5xx or failures."""
+        if response.status_code >= 500:
+            attempt.abort()
+            return response
         try:
             response, outcome = http.capture(response, self._settings().max_response_bytes)
         except BaseException:
             attempt.abort()
             raise
-        if response.status_code >= 500:
-            attempt.abort()
-            return response
         try:
             attempt.commit(outcome)
         except IdempotencyError as exc:
