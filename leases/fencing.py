@@ -183,7 +183,7 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
             # rows it did change are locked, so this sees exactly the losers.
             stale = list(
                 self.filter(fencing_token__gt=token)
-                .order_by("pk")
+                .order_by(f"-{FENCE_TOKEN_FIELD}", "pk")
                 .values_list("pk", FENCE_TOKEN_FIELD)[:6]
             )
             if stale:
@@ -199,10 +199,12 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
             return super().bulk_update(objs, fields, batch_size=batch_size)
         objs = list(objs)
         fields = [f for f in fields if f != FENCE_TOKEN_FIELD]
+        token = fence_token(self._fence)  # once: every batch carries the same token
         # One savepoint around every batch, so a stale batch also undoes the earlier ones.
         with transaction.atomic(using=self.db):
-            count = super().bulk_update(objs, fields, batch_size=batch_size)
-        token = fence_token(self._fence)
+            count = super(FencedQuerySet, self.fenced(token)).bulk_update(
+                objs, fields, batch_size=batch_size
+            )
         for obj in objs:
             setattr(obj, FENCE_TOKEN_FIELD, token)
         return count

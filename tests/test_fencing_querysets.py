@@ -63,17 +63,24 @@ def test_fence_survives_chaining_in_either_order() -> None:
 
 
 def test_fenced_update_is_all_or_nothing() -> None:
-    low, high, other = docs(1, 7, 2)
+    low, high, higher, other = docs(1, 7, 9, 2)
     seen: list[dict[str, Any]] = []
     fence_rejected.connect(lambda sender, **kw: seen.append(kw), weak=False, dispatch_uid="t")
     try:
         with pytest.raises(StaleFencingToken) as info:
-            FencedDoc.objects.filter(pk__in=[low.pk, high.pk]).fenced(5).update(title="late")
+            FencedDoc.objects.filter(pk__in=[low.pk, high.pk, higher.pk]).fenced(5).update(
+                title="late"
+            )
     finally:
         fence_rejected.disconnect(dispatch_uid="t")
-    assert (info.value.offered, info.value.stored) == (5, 7)
-    assert f"pk in [{high.pk}]" in info.value.resource
-    assert state(low, high, other) == [("doc0", 1), ("doc1", 7), ("doc2", 2)]
+    assert (info.value.offered, info.value.stored) == (5, 9)
+    assert f"pk in [{higher.pk}, {high.pk}]" in info.value.resource
+    assert state(low, high, higher, other) == [
+        ("doc0", 1),
+        ("doc1", 7),
+        ("doc2", 9),
+        ("doc3", 2),
+    ]
     assert seen and seen[0]["offered"] == 5
 
 
