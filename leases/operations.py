@@ -205,45 +205,23 @@ def force_release(name: str, *, backend: str, user: Any, via: str) -> Any:
     :class:`~leases.errors.LeaseNotHeld` when nobody holds the name (nothing to revoke).
     Returns the :class:`~leases.models.ForceRelease` record.
     """
-    from .models import ForceRelease
-
     _require(user, FORCE_RELEASE_PERMISSION)
     store = get_backend(backend)
     before = store.inspect(name)
     if before is None or not before.held:
         raise LeaseNotHeld(name, f"nobody holds it on backend {backend!r}; nothing to release")
     after = store.force_release(name)
-    record = ForceRelease.objects.create(
-        action=ForceRelease.Action.RELEASE,
+    return _audit(
+        user,
+        via,
+        f"lease {name!r} force-released on {backend!r}",
+        action="release",
         name=name,
         backend=backend,
         holder=before.holder,
         token=before.token,
         new_token=after.token if after is not None else None,
-        by=user if getattr(user, "pk", None) else None,
-        by_username=user.get_username(),
-        via=via,
     )
-    logger.warning(
-        "lease %r force-released on %r by %s (holder %s, token %s -> %s)",
-        name,
-        backend,
-        record.by_username,
-        before.holder,
-        before.token,
-        record.new_token,
-        extra={
-            "event": "lease_force_released",
-            "lease": name,
-            "backend": backend,
-            "holder": before.holder,
-            "token": before.token,
-            "new_token": record.new_token,
-            "by": record.by_username,
-            "via": via,
-        },
-    )
-    return record
 
 
 def terminate_session(pid: int, *, user: Any, via: str, using: str = "default") -> Any:
@@ -253,8 +231,6 @@ def terminate_session(pid: int, *, user: Any, via: str, using: str = "default") 
     doing is rolled back; its lock is not fenced, so this is the blunt tool of last resort and
     needs its own permission (``leases.terminate_lock_session``). Returns the audit record.
     """
-    from .models import ForceRelease
-
     _require(user, TERMINATE_PERMISSION)
     rows = [row for row in advisory_locks(using) if row.pid == pid]
     if not rows:
@@ -265,21 +241,43 @@ def terminate_session(pid: int, *, user: Any, via: str, using: str = "default") 
     if not done or not done[0]:
         raise LeaseNotHeld(f"pid {pid}", "the session could not be terminated (already gone?)")
     described = ", ".join(f"{row.name or row.key} ({row.status})" for row in rows)
-    record = ForceRelease.objects.create(
-        action=ForceRelease.Action.TERMINATE,
+    return _audit(
+        user,
+        via,
+        f"database session {pid} holding {described} terminated",
+        action="terminate",
         name=described[:255],
         backend=f"postgres:{using}",
         holder=f"pid {pid} {rows[0].application} {rows[0].client}".strip()[:255],
+    )
+
+
+_EVENTS = {"release": "lease_force_released", "terminate": "lock_session_terminated"}
+
+
+def _audit(user: Any, via: str, message: str, **fields: Any) -> Any:
+    """Record an operator's action in ``ForceRelease`` and log it with structured fields."""
+    from .models import ForceRelease
+
+    record = ForceRelease.objects.create(
         by=user if getattr(user, "pk", None) else None,
         by_username=user.get_username(),
         via=via,
+        **fields,
     )
+    details = {key: value for key, value in fields.items() if key not in ("action", "name")}
     logger.warning(
-        "database session %s holding %s terminated by %s",
-        pid,
-        described,
+        "%s by %s (%s)",
+        message,
         record.by_username,
-        extra={"event": "lock_session_terminated", "pid": pid, "by": record.by_username},
+        ", ".join(f"{key} {value}" for key, value in details.items()),
+        extra={
+            "event": _EVENTS[fields["action"]],
+            "lease": fields["name"],
+            **details,
+            "by": record.by_username,
+            "via": via,
+        },
     )
     return record
 
