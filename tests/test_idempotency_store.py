@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
 import threading
 from typing import Any
 
@@ -22,6 +24,7 @@ from idempotency import (
 from idempotency.management.commands import purge_idempotency_keys
 from idempotency.models import IdempotencyKey
 from idempotency.store import Attempt, Outcome, Status, begin, finish, release
+from tests.harness import ROOT
 from tests.testapp.models_idempotency import Charge
 
 pytestmark = pytest.mark.django_db
@@ -242,3 +245,23 @@ def test_secrets_are_hashed_before_they_become_scopes(rf: Any) -> None:
     assert scopes.by_user(request) == scopes.by_session(request)
     request.session = None
     assert scopes.by_user(request) == scopes.ANONYMOUS
+
+
+def test_without_atomic_mode_effects_stay_but_the_key_is_freed_for_a_retry() -> None:
+    with pytest.raises(ZeroDivisionError), idempotency_key("loose", atomic=False):
+        Charge.objects.create(amount=1)
+        _ = 1 / 0
+    assert Charge.objects.count() == 1 and IdempotencyKey.objects.count() == 0
+    with idempotency_key("loose", atomic=False) as op:
+        op.result = "done"
+    assert IdempotencyKey.objects.get().state == "completed"
+
+
+def test_importing_the_package_needs_no_settings_or_app_registry(python: str) -> None:
+    code = (
+        "import sys, idempotency; "
+        "assert issubclass(idempotency.IdempotencyError, idempotency.errors.LeaseError); "
+        "assert 'idempotency.models' not in sys.modules and 'django.apps' not in sys.modules"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    subprocess.run([python, "-c", code], env=env, check=True, timeout=60, cwd=ROOT)
