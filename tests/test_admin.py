@@ -93,16 +93,21 @@ def test_force_release_with_permission_revokes_and_is_recorded(
 
 
 def test_every_backend_page_lists_and_releases(client: Client, lock_scene: LockScene) -> None:
+    redis = get_backend("redis")
+    grant = redis.try_acquire(f"{lock_scene.held}-redis", lock_scene.holder, 300)
+    assert grant is not None
     login(client, "view_lease")
     page = client.get(EVERY_BACKEND).content.decode()
-    assert lock_scene.held in page and "force-release" not in page
+    assert lock_scene.held in page and grant.name in page and "force-release" not in page
     release = reverse("admin:leases_backendlease_release")
-    assert client.post(release, {"name": lock_scene.held, "backend": "default"}).status_code == 403
+    assert client.post(release, {"name": grant.name, "backend": "redis"}).status_code == 403
 
     login(client, "view_lease", "force_release_lease")
-    client.post(release, {"name": lock_scene.held, "backend": "default"})
-    assert not get_backend().inspect(lock_scene.held).held  # type: ignore[union-attr]
-    assert ForceRelease.objects.filter(name=lock_scene.held, via="admin").count() == 1
+    client.post(release, {"name": grant.name, "backend": "redis"})
+    info = redis.inspect(grant.name)
+    assert info is not None and not info.held and info.token > grant.token
+    record = ForceRelease.objects.get(name=grant.name)
+    assert (record.backend, record.via, record.token) == ("redis", "admin", grant.token)
 
 
 def test_advisory_page_shows_names_holders_and_waiters(
