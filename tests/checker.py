@@ -27,9 +27,12 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import DEFAULT_DB_ALIAS, models, transaction
+
+if TYPE_CHECKING:  # importing models before django.setup() would break `python -m`
+    from leases.fencing import FenceLike
 
 __all__ = [
     "Attempt",
@@ -94,7 +97,9 @@ def new_register(prefix: str = "register") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
-def record_write(register: str, token: Any, writer: str, *, using: str = DEFAULT_DB_ALIAS) -> bool:
+def record_write(
+    register: str, token: FenceLike, writer: str, *, using: str = DEFAULT_DB_ALIAS
+) -> bool:
     """A fenced write of ``register`` with ``token`` (an int or a Lease), logged; True if accepted.
 
     Never raises for a stale token or a lease that already knew it was lost: both are recorded
