@@ -290,3 +290,29 @@ def test_a_broken_atomic_block_is_reported_by_django_not_hidden() -> None:
         transaction.set_rollback(True)
         with pytest.raises(TransactionManagementError), advisory.xact_lock("broken"):
             pass
+
+
+@pytest.fixture
+def server_side_binding() -> Iterator[None]:
+    """Reconnect the default alias with server-side binding and psycopg's statement preparing."""
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    connection.close()
+    options.update(server_side_binding=True, prepare_threshold=1)
+    try:
+        yield
+    finally:
+        connection.close()
+        del options["server_side_binding"], options["prepare_threshold"]
+
+
+@pytest.mark.usefixtures("server_side_binding")
+def test_timed_locks_work_with_server_side_binding(other: psycopg.Connection[Any]) -> None:
+    """The timed message has several statements: it must not be sent as a prepared statement."""
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    assert isinstance(connection.cursor().cursor, ServerBindingCursor)
+    for _ in range(3):
+        with transaction.atomic(), advisory.xact_lock("ssb", timeout=1):
+            assert holders(other, "ssb") == 1
+        with advisory.session_lock("ssb", timeout=1):
+            assert holders(other, "ssb") == 1
