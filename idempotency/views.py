@@ -253,7 +253,7 @@ class IdempotentMixin:
         return replace(Options(), **values)
 
     def _idempotency_scope_request(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
-        initialize = getattr(self, "initialize_request", None)
+        initialize = getattr(super(), "initialize_request", None)
         if initialize is None:
             return request
         drf_request = initialize(request, *args, **kwargs)
@@ -261,7 +261,15 @@ class IdempotentMixin:
             drf_request.user  # noqa: B018  (runs DRF's authenticators)
         except Exception:
             return None  # DRF refuses the request itself; nothing to guard
+        self._idempotency_request = drf_request
         return drf_request
+
+    def initialize_request(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        """DRF's hook: reuse the request authenticated for the scope, so auth runs once."""
+        prepared = self.__dict__.pop("_idempotency_request", None)
+        if prepared is not None and prepared._request is request:
+            return prepared
+        return super().initialize_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
         parent = super().dispatch  # type: ignore[misc]

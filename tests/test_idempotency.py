@@ -227,6 +227,14 @@ def test_drf_views_scope_keys_by_the_drf_authenticated_user(client: Client, url:
     assert scopes == {f"user:{user.pk}" for user in users}
 
 
+def test_drf_authentication_runs_once_per_request(client: Client) -> None:
+    UserFactory(username="erin")
+    views_idempotency.CountingBasicAuthentication.runs = 0
+    post(client, "/idem/drf/", "k-12", HTTP_AUTHORIZATION=_basic("erin"))
+    post(client, "/idem/drf/", "k-12", HTTP_AUTHORIZATION=_basic("erin"))
+    assert views_idempotency.CountingBasicAuthentication.runs == 2
+
+
 @pytest.mark.django_db(transaction=True)
 def test_async_views_are_guarded_atomically() -> None:
     client = AsyncClient()

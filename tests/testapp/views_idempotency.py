@@ -127,8 +127,18 @@ class ChargeView(IdempotentMixin, View):
         return _answer(_charge(request))
 
 
+class CountingBasicAuthentication(BasicAuthentication):
+    """Basic auth that counts its runs: the mixin must not authenticate a request twice."""
+
+    runs = 0
+
+    def authenticate(self, request: Request) -> Any:
+        CountingBasicAuthentication.runs += 1
+        return super().authenticate(request)
+
+
 class ChargeAPIView(IdempotentMixin, APIView):
-    authentication_classes = [BasicAuthentication]
+    authentication_classes = [CountingBasicAuthentication]
 
     def post(self, request: Request) -> Response:
         made = _charge(request)
