@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from tests.servers import database_settings
 
@@ -69,6 +70,13 @@ CACHES = {
         "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
     }
 }
+
+# Celery (demo_project/celery.py): the same Redis, databases 1 (broker) and 2 (results).
+CELERY_BROKER_URL = urlunsplit(urlsplit(REDIS_URL)._replace(path="/1"))
+CELERY_RESULT_BACKEND = urlunsplit(urlsplit(REDIS_URL)._replace(path="/2"))
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_ACKS_LATE = True  # redeliver what a dead worker was running; the decorators cope
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 
 LEASES = {
     "BACKENDS": {

@@ -53,7 +53,7 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
     idempotency_wait: ClassVar[float] = 0
     on_in_flight: ClassVar[Literal["retry", "raise"]] = "retry"
     in_flight_backoff: ClassVar[float] = 0.5
-    in_flight_max_retries: ClassVar[int | None] = None
+    in_flight_max_retries: ClassVar[int] = 100
 
     # -- hooks -------------------------------------------------------------------------------
 

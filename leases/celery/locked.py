@@ -40,7 +40,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
     ``lease_timeout`` (seconds to wait for the lease in the worker before ``on_busy``; 0 tries
     once), ``on_busy`` (``"retry"`` with backoff, ``"skip"`` to end in state ``SKIPPED``,
     ``"raise"`` to fail with :class:`~leases.errors.LeaseUnavailable`), ``busy_backoff`` /
-    ``busy_backoff_max`` / ``busy_max_retries`` (for ``"retry"``) and ``on_lease_lost``.
+    ``busy_backoff_max`` / ``busy_max_retries`` (for ``"retry"``; default 0.5 s doubling up to 30 s,
+    100 times, then :class:`~leases.errors.LeaseUnavailable`) and ``on_lease_lost``.
     """
 
     lease_key: ClassVar[Key | None] = None
@@ -50,7 +51,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
     on_busy: ClassVar[OnBusy] = "retry"
     busy_backoff: ClassVar[float] = 0.5
     busy_backoff_max: ClassVar[float] = 30.0
-    busy_max_retries: ClassVar[int | None] = None
+    busy_max_retries: ClassVar[int] = 100
     on_lease_lost: ClassVar[Callable[[Lease], object] | None] = None
 
     # -- hooks -------------------------------------------------------------------------------
