@@ -140,7 +140,13 @@ class Leadership:
             self.name,
             reason,
             token,
-            extra={"event": "leader_lost", "election": self.name, "token": token, "reason": reason},
+            extra={
+                "event": "leader_lost",
+                "election": self.name,
+                "backend": self.backend,
+                "token": token,
+                "reason": reason,
+            },
         )
         signals.leader_lost.send_robust(sender=self.backend, leadership=self, reason=reason)
         if self._on_lost is not None and reason != "resigned":
@@ -190,7 +196,12 @@ def elect(
         "elected leader of %r with token %s",
         name,
         leadership.token,
-        extra={"event": "leader_elected", "election": name, "token": leadership.token},
+        extra={
+            "event": "leader_elected",
+            "election": name,
+            "backend": backend,
+            "token": leadership.token,
+        },
     )
     signals.leader_elected.send_robust(sender=backend, leadership=leadership)
     return leadership

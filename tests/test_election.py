@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -109,6 +110,30 @@ def test_revoked_leader_learns_it_lost_and_signals_fire(
         signals.leader_elected.disconnect(on_elected)
         signals.leader_lost.disconnect(on_lost)
     assert events == [("elected", leadership.token), ("lost", "lost")]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_leadership_fences_writes_and_logs_structured_records(
+    resign_all: list[Leadership], caplog: pytest.LogCaptureFixture
+) -> None:
+    name, register = unique(), checker.new_register("leadership")
+    with caplog.at_level(logging.INFO, logger="leases"):
+        first = elect(name, ttl=5, timeout=5)
+        resign_all.append(first)
+        assert checker.record_write(register, first, "first")  # a Leadership is a fence
+        first.resign()
+        assert not checker.record_write(register, first, "first")  # refused: not leading
+        second = elect(name, ttl=5, timeout=5)
+        resign_all.append(second)
+        assert checker.record_write(register, second, "second")
+        assert not checker.record_write(register, first.token, "first")  # stale token
+    checker.check_history(register, [first.token, second.token])
+    events = [(r.event, r.token) for r in caplog.records if hasattr(r, "event")]  # type: ignore[attr-defined]
+    assert events == [
+        ("leader_elected", first.token),
+        ("leader_lost", first.token),
+        ("leader_elected", second.token),
+    ]
 
 
 CONTENDER = """
