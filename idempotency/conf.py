@@ -120,7 +120,11 @@ def problems() -> list[str]:
         if not isinstance(raw.get(key, DEFAULTS[key]), bool)
     ]
     methods = raw.get("METHODS", DEFAULTS["METHODS"])
-    if isinstance(methods, str) or not all(isinstance(m, str) for m in methods or [None]):
+    if (
+        not isinstance(methods, list | tuple)
+        or not methods
+        or not all(isinstance(m, str) for m in methods)
+    ):
         found.append(f'{SETTING_NAME}["METHODS"] must be a non-empty list of method names')
     if raw.get("ON_CONFLICT", "409") not in ON_CONFLICT_CHOICES:
         found.append(f'{SETTING_NAME}["ON_CONFLICT"] must be one of {ON_CONFLICT_CHOICES}')

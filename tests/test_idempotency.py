@@ -260,11 +260,13 @@ def test_decorator_options_are_checked_when_decorating() -> None:
 
 
 def test_a_bad_setting_is_reported_by_system_checks() -> None:
-    with override_settings(IDEMPOTENCY={"TTL": -1, "BOGUS": 1, "SCOPE": "no.such.scope"}):
+    bad = {"TTL": -1, "BOGUS": 1, "SCOPE": "no.such.scope", "METHODS": 5, "ON_CONFLICT": "x"}
+    with override_settings(IDEMPOTENCY=bad):
         ids = [message.id for message in check_settings()]
         messages = " ".join(message.msg for message in check_settings())
     assert ids and set(ids) == {"idempotency.E001"}
-    assert "TTL" in messages and "BOGUS" in messages and "no.such.scope" in messages
+    for word in ("TTL", "BOGUS", "no.such.scope", "METHODS", "ON_CONFLICT"):
+        assert word in messages
     assert check_settings() == []
 
 
