@@ -93,16 +93,30 @@ def test_the_scan_catches_bare_deletes_and_expires() -> None:
 
 
 def python_writes(source: str) -> list[str]:
-    """Direct redis-py calls in ``source`` that could delete, expire or overwrite a key."""
+    """Direct redis-py calls in ``source`` that could delete, expire or overwrite a key.
+
+    Both shapes are caught: methods (``client.delete(...)``, ``client.set(...)`` without
+    ``nx=True``) and raw commands spelled as arguments or tuples (``("DEL", key)``,
+    ``fan_out("SET", key, value)`` without ``"NX"``).
+    """
     found = []
     for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
-            continue
-        attr = node.func.attr
-        keywords = {k.arg: k.value for k in node.keywords}
-        nx = isinstance(keywords.get("nx"), ast.Constant) and keywords["nx"].value is True
-        if attr in PY_FORBIDDEN or (attr == "set" and not nx):
-            found.append(f"line {node.lineno}: .{attr}(...)")
+        raw: list[ast.expr] = []
+        if isinstance(node, ast.Call):
+            raw = node.args
+            if isinstance(node.func, ast.Attribute):
+                attr = node.func.attr
+                keywords = {k.arg: k.value for k in node.keywords}
+                nx = isinstance(keywords.get("nx"), ast.Constant) and keywords["nx"].value is True
+                if attr in PY_FORBIDDEN or (attr == "set" and not nx):
+                    found.append(f"line {node.lineno}: .{attr}(...)")
+        elif isinstance(node, ast.Tuple):
+            raw = node.elts
+        words = [str(a.value).upper() for a in raw if isinstance(a, ast.Constant)]
+        first = words[0] if raw and isinstance(raw[0], ast.Constant) and words else ""
+        nx_set = first == "SET" and "NX" in words[1:]
+        if first in DESTRUCTIVE | {"KEYS"} and not nx_set:
+            found.append(f"line {node.lineno}: raw {first}")
     return found
 
 
@@ -115,3 +129,6 @@ def test_the_python_scan_catches_bare_commands() -> None:
     source = "def f(c):\n    c.delete('k')\n    c.set('k', 'v', px=5)\n    c.keys('x*')\n"
     assert len(python_writes(source)) == 3
     assert python_writes("def f(c):\n    c.set('k', 'v', nx=True, px=5)\n") == []
+    assert python_writes("c = ('DEL', 'k')\n") and python_writes("f('PEXPIRE', 'k', 5)\n")
+    assert python_writes("f('SET', 'k', 'v', 'PX', 5)\n")
+    assert python_writes("f('SET', 'k', 'v', 'NX', 'PX', 5)\n") == []

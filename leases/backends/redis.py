@@ -213,6 +213,47 @@ def connect(alias: str, cache: object, url: object, socket_timeout: float) -> An
     )
 
 
+def send(client: Any, command: tuple[object, ...]) -> Any:
+    """Send ``command`` on a pooled connection without waiting for the reply.
+
+    With :func:`receive` this lets a caller talk to several servers at once (Redlock) or wait
+    longer than the client's socket timeout for one blocking command. Errors propagate.
+    """
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_command(*command)
+    except BaseException:
+        connection.disconnect()
+        pool.release(connection)
+        raise
+    return connection
+
+
+def receive(client: Any, connection: Any, command: tuple[object, ...], timeout: object) -> Any:
+    """The reply to ``command`` sent on ``connection``, which then goes back to the pool.
+
+    ``timeout`` (seconds) replaces the socket timeout for this one read; ``None`` keeps it and
+    parses the reply as redis-py's method for the command would.
+    """
+    try:
+        if timeout is None:
+            return client.parse_response(connection, str(command[0]))
+        return connection.read_response(timeout=timeout)
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        client.connection_pool.release(connection)
+
+
+def blpop(client: Any, key: str, wait: float) -> Any:
+    """``BLPOP key wait``, read with a timeout that covers the wait (and Redis's 100 ms timer
+    granularity), so a short socket timeout does not turn every long wait into an error."""
+    command = ("BLPOP", key, f"{wait:.3f}")
+    return receive(client, send(client, command), command, wait + 1.0)
+
+
 @contextlib.contextmanager
 def edge(alias: str, what: str) -> Iterator[None]:
     """Translate redis-py's errors into :class:`BackendUnavailable` at the backend's edge."""
@@ -324,19 +365,18 @@ class Backend(LeaseBackend):
         return bool(self._run("release", [keys.lock, keys.wake, keys.fence], args) == Reply.OK)
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
+        """``BLPOP`` the name's wake-up list, at most until the holder's grant expires."""
         keys = LeaseKeys.of(self.prefix, name)
         client = self.client
         with edge(self.alias, "wait"):
             remaining = client.pttl(keys.lock)
-            if remaining == -2:
-                return True
-            wait = timeout if remaining < 0 else min(timeout, remaining / 1000 + 0.001)
-            socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
-            if socket_timeout:
-                wait = min(wait, float(socket_timeout) - 0.05)
-            if wait < 0.001:
-                return False
-            return client.blpop([keys.wake], timeout=wait) is not None
+        if remaining == -2:
+            return True
+        wait = timeout if remaining < 0 else min(timeout, remaining / 1000 + 0.001)
+        if wait < 0.001:
+            return False
+        with edge(self.alias, "wait"):
+            return blpop(client, keys.wake, wait) is not None
 
     def inspect(self, name: str) -> LeaseInfo | None:
         keys = LeaseKeys.of(self.prefix, name)

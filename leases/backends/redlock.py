@@ -10,17 +10,18 @@ Options: ``NODES`` (URLs, or django-redis cache aliases, which keep their own ti
 ``NODE_TIMEOUT`` (seconds per node and request, default 0.05), ``PREFIX`` (default
 ``"leases:"``), ``TOKEN_SOURCE`` (``"database"``, or the dotted path of a callable
 ``(name) -> int`` whose results strictly increase per name), ``TOKEN_DATABASE`` (default
-``"default"``), ``RETRY_DELAY`` (seconds, default 0.05: the upper bound of the jittered pause
-between tries).
+``"default"``).
 
-One try of :meth:`Backend.try_acquire` follows the Redlock algorithm: ``SET NX PX`` on every
-node in turn, each bounded by the short node timeout so a dead or hung node costs little; the
+One try of :meth:`Backend.try_acquire` follows the Redlock algorithm: ``SET NX PX`` sent to
+every node at once, then every reply read, each bounded by the short node timeout, so a try
+costs about one round trip and a dead or hung node little more (no thread per call); the
 lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity = TTL - elapsed -
 drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
 ``sent_at``). A failed try unlocks on *every* node, with the same compare-and-delete a release
 uses, because a node that timed out may still have set the key. Renewal extends on a quorum or
-reports the lease lost. The :class:`~leases.lease.Lease` layer retries failed tries; this
-backend's ``wait_for_release`` is the jittered pause between them.
+reports the lease lost. The :class:`~leases.lease.Lease` layer retries failed tries with
+jittered backoff; between them a waiter blocks in ``BLPOP`` on one node for the wake-up every
+release pushes to all nodes.
 
 **Fencing.** Redlock has no monotonic counter of its own: node values are random and a node that
 restarts empty forgets everything (Kleppmann's objection: right after A's grant a node restarts,
@@ -60,29 +61,43 @@ from .redis import (
     eviction_problems,
     expires,
     ms,
+    receive,
+    send,
     text,
 )
 
 __all__ = ["Backend"]
 
-OPTIONS = frozenset(
-    {"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_DATABASE", "RETRY_DELAY"}
-)
+OPTIONS = frozenset({"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_DATABASE"})
 
 
-#: What :meth:`Backend._each` records for a node that failed or timed out.
+#: What :meth:`Backend._fan_out` records for a node that failed or timed out.
 FAILED = object()
 
 
 class _Node:
-    """One Redis server: its client and its scripts (registered per client)."""
+    """One Redis server's client (no retries, the short node timeout)."""
 
     def __init__(self, alias: str, location: str, timeout: float) -> None:
         url = location if "://" in location else None
         self.location = location
         self.client: Any = connect(alias, None if url else location, url, timeout)
-        self.renew = self.client.register_script(RENEW_LUA)
-        self.release = self.client.register_script(RELEASE_LUA)
+
+    def send(self, command: tuple[object, ...]) -> Any:
+        """Send ``command`` without waiting; ``None`` if the node could not be reached."""
+        try:
+            return send(self.client, command)
+        except (redis.RedisError, OSError):
+            return None
+
+    def answer(self, connection: Any, command: tuple[object, ...], timeout: object = None) -> Any:
+        """The reply to ``command`` sent on ``connection``, or :data:`FAILED`."""
+        if connection is None:
+            return FAILED
+        try:
+            return receive(self.client, connection, command, timeout)
+        except (redis.RedisError, OSError):
+            return FAILED
 
     def close(self) -> None:
         if "://" in self.location:
@@ -105,7 +120,6 @@ class Backend(LeaseBackend):
         self.quorum = len(self.locations) // 2 + 1
         self.prefix = check_prefix(alias, options.get("PREFIX", "leases:"))
         self.node_timeout = float(options.get("NODE_TIMEOUT", 0.05))
-        self.retry_delay = float(options.get("RETRY_DELAY", 0.05))
         self.counter = DurableCounter(alias, str(options.get("TOKEN_DATABASE", "default")))
         source = options.get("TOKEN_SOURCE", "database")
         self.next_token: Callable[[str], int] = (
@@ -120,21 +134,20 @@ class Backend(LeaseBackend):
             self._nodes = [_Node(self.alias, loc, self.node_timeout) for loc in self.locations]
         return self._nodes
 
-    def _each(self, call: Callable[[_Node], Any]) -> list[Any]:
-        """``call`` on every node in turn; a node that fails or times out answers ``FAILED``."""
-        answers: list[Any] = []
-        for node in self.nodes:
-            try:
-                answers.append(call(node))
-            except redis.RedisError:
-                answers.append(FAILED)
-        return answers
+    def _fan_out(self, *command: object) -> list[Any]:
+        """Send ``command`` to every node, then read every reply.
+
+        The nodes work in parallel, so a try costs about one round trip, not N, without a
+        thread per call; each reply is bounded by the node timeout. A node that fails or times
+        out answers :data:`FAILED`.
+        """
+        sent = [(node, node.send(command)) for node in self.nodes]
+        return [node.answer(connection, command) for node, connection in sent]
 
     def _unlock_everywhere(self, keys: LeaseKeys, value: str) -> int:
         """Compare-and-delete on every node (a timed-out ``SET`` may still have landed)."""
-        args = [value, WAKE_TTL_MS, "0"]
-        answers = self._each(
-            lambda n: n.release(keys=[keys.lock, keys.wake, keys.fence], args=args)
+        answers = self._fan_out(
+            "EVAL", RELEASE_LUA, 3, keys.lock, keys.wake, keys.fence, value, WAKE_TTL_MS, "0"
         )
         return sum(answer == Reply.OK for answer in answers)
 
@@ -154,7 +167,7 @@ class Backend(LeaseBackend):
         keys = LeaseKeys.of(self.prefix, name)
         value = f"{secrets.token_hex(12)}:{holder}"
         sent_at = time.monotonic()
-        answers = self._each(lambda n: n.client.set(keys.lock, value, nx=True, px=ms(ttl)))
+        answers = self._fan_out("SET", keys.lock, value, "NX", "PX", ms(ttl))
         if sum(answer is True for answer in answers) >= self.quorum:
             try:
                 token = self.next_token(name)
@@ -173,8 +186,7 @@ class Backend(LeaseBackend):
         """Extend on a quorum within the new validity, or give the lease up everywhere."""
         keys = LeaseKeys.of(self.prefix, grant.name)
         sent_at = time.monotonic()
-        args = [self._value(grant), ms(ttl)]
-        answers = self._each(lambda n: n.renew(keys=[keys.lock], args=args))
+        answers = self._fan_out("EVAL", RENEW_LUA, 1, keys.lock, self._value(grant), ms(ttl))
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
             return renewed
@@ -187,15 +199,26 @@ class Backend(LeaseBackend):
             raise LeaseLost(grant.name, grant.token, "a quorum of nodes no longer had it")
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
-        """The jittered pause between tries (Redlock's retry delay), never longer than asked."""
-        time.sleep(max(0.0, min(timeout, random.uniform(self.retry_delay / 2, self.retry_delay))))
-        return False
+        """``BLPOP`` on one node, picked at random, for the wake-up every release pushes.
+
+        A dead or hung node only costs this one wait (bounded by ``timeout`` plus the node
+        timeout), after which the Lease layer tries again; so a release usually wakes the
+        waiter at once, and a lost wake-up costs at most one retry delay.
+        """
+        if timeout <= 0:
+            return False
+        started = time.monotonic()
+        node = random.choice(self.nodes)
+        command = ("BLPOP", LeaseKeys.of(self.prefix, name).wake, f"{timeout:.3f}")
+        reply = node.answer(node.send(command), command, timeout + self.node_timeout)
+        if reply is FAILED:  # a dead node: fall back to a pause instead of a busy retry
+            time.sleep(max(0.0, timeout - (time.monotonic() - started)))
+            return False
+        return reply is not None
 
     def inspect(self, name: str) -> LeaseInfo | None:
         keys = LeaseKeys.of(self.prefix, name)
-        values = [
-            v for v in self._each(lambda n: n.client.get(keys.lock)) if v not in (None, FAILED)
-        ]
+        values = [v for v in self._fan_out("GET", keys.lock) if v not in (None, FAILED)]
         token = self.counter.current_lease(name) or 0
         held = [text(v) for v in values if values.count(v) >= self.quorum]
         if held:
@@ -204,11 +227,15 @@ class Backend(LeaseBackend):
         return LeaseInfo(name, "", token, False, self.alias) if values or token else None
 
     def inspect_all(self) -> list[LeaseInfo]:
-        """Names with a lock key on any node, by ``SCAN`` (never ``KEYS``)."""
+        """Names with a lock key on any live node, by ``SCAN`` (never ``KEYS``)."""
         pattern = f"{self.prefix}{{*}}:lock"
         names: set[str] = set()
-        for found in self._each(lambda n: list(n.client.scan_iter(match=pattern, count=1000))):
-            for key in () if found is FAILED else found:
+        for node in self.nodes:
+            try:
+                found = list(node.client.scan_iter(match=pattern, count=1000))
+            except redis.RedisError:
+                continue
+            for key in found:
                 names.add(LeaseKeys.name_of(self.prefix, text(key)[: -len("lock")] + "fence"))
         infos = (self.inspect(name) for name in sorted(names))
         return [info for info in infos if info is not None]
