@@ -51,6 +51,9 @@ _M = TypeVar("_M", bound=models.Model)
 
 FENCE_TOKEN_FIELD = "fencing_token"  # noqa: S105 (a column name, not a secret)
 _INT64_MAX = 2**63 - 1
+#: A fenced UPDATE can miss a row another transaction committed while it ran (READ COMMITTED
+#: snapshot); the retry sees it. Two tries always decide; the third is slack.
+_UPDATE_ATTEMPTS = 3
 
 #: check_fence's one statement: insert the first token or advance to a token not lower than the
 #: stored one; no row comes back when the stored token is greater (the write is stale).
@@ -327,12 +330,18 @@ class FencedModel(models.Model):
             return update(
                 base_qs, using, pk_val, values, update_fields, forced_update, *args, **kwargs
             )
-        updated = update(base_qs.filter(fencing_token__lte=token), *rest, **kwargs)
-        if updated:
-            return updated
-        stored = base_qs.filter(pk=pk_val).values_list(FENCE_TOKEN_FIELD, flat=True).first()
-        if stored is None:
-            return updated  # no such row: Django goes on to the (fenced) insert
+        fenced_qs = base_qs.filter(fencing_token__lte=token)
+        for _ in range(_UPDATE_ATTEMPTS):
+            updated = update(fenced_qs, *rest, **kwargs)
+            if updated:
+                return updated
+            stored = base_qs.filter(pk=pk_val).values_list(FENCE_TOKEN_FIELD, flat=True).first()
+            if stored is None:
+                return updated  # no such row: Django goes on to the (fenced) insert
+            if stored > token:
+                break
+            # The row was created (committed) after the UPDATE took its snapshot and before
+            # the read took its own: the UPDATE never saw it. Try again; the row is visible now.
         raise _reject(type(self), self._resource(), token, stored)
 
     def _do_insert(

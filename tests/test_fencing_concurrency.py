@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
+import threading
 import time
+from typing import Any
 
-from tests.checker import check_history, new_register
+import pytest
+from django.db import connections
+
+from tests.checker import check_history, new_register, record_write
 
 WRITERS = 6
 WRITES = 25
@@ -58,3 +64,33 @@ def test_concurrent_fenced_writers_never_lower_the_stored_token(
     assert summary.stale > 0, "random tokens must have produced stale writes"
     assert summary.accepted > 1
     assert list(summary.accepted_tokens) == sorted(summary.accepted_tokens)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_racing_creators_of_one_row_keep_the_greatest_token() -> None:
+    """Threads create the same new row at once: the insert path's upsert is the fence."""
+    threads_per_race, races = 6, 8
+    for race in range(races):
+        register = new_register(f"race{race}")
+        tokens = random.Random(race).sample(range(1, 100), threads_per_race)
+        barrier = threading.Barrier(threads_per_race, timeout=20)
+        errors: list[BaseException] = []
+
+        def write(token: int, register: str = register, barrier: Any = barrier) -> None:
+            try:
+                barrier.wait()
+                record_write(register, token, f"writer-{token}")
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                connections.close_all()
+
+        threads = [threading.Thread(target=write, args=(t,)) for t in tokens]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+        summary = check_history(register)
+        assert summary.attempts == threads_per_race
+        assert summary.highest == max(tokens)
