@@ -1,0 +1,153 @@
+"""Celery: per-task overhead of our decorators vs a plain task, and celery-once / celery-singleton.
+
+One real prefork worker (concurrency 1) on the demo's Redis broker; each operation sends one task
+and waits for its result, so a row is the full round trip of one task and the differences to
+the plain task are what each decorator adds: ``locked_task`` (acquire + release on the database
+and on the Redis lease backend), ``idempotent_task`` (claim + record in the body's transaction),
+``singleton_task`` (a guard taken on enqueue, adopted and released by the worker), and the
+peers that also dedupe on enqueue: celery-once's ``QueueOnce`` and celery-singleton's
+``Singleton`` (both on the same Redis), when installed.
+
+The worker imports this module too (``celery -A benchmarks.bench_celery``), so tasks are
+defined at import time; the peers' bare-DEL unlocks are their own business here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "demo_project.settings")
+django.setup()
+
+from celery import Celery, Task  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.test.utils import override_settings  # noqa: E402
+
+from benchmarks.common import Report  # noqa: E402
+from idempotency.celery import idempotent_task  # noqa: E402
+from leases.celery import locked_task, singleton_task  # noqa: E402
+
+TITLE = "celery: locked/idempotent/singleton tasks vs a plain task, celery-once, celery-singleton"
+
+QUEUE = "bench-celery"
+WORKER = f"bench-celery-{os.getpid()}"
+OPS, ROUNDS = 20, 7
+
+# Persistent database connections, as a production worker runs with (else Celery's Django
+# fixup closes the connection after every task and idempotent_task pays a reconnect each time).
+settings.DATABASES["default"]["CONN_MAX_AGE"] = 600
+# A Redis lease backend next to the database one, in this process and in the worker.
+override_settings(LEASES={**settings.LEASES, "BACKENDS": {
+    **settings.LEASES["BACKENDS"],
+    "bench-redis": {"ENGINE": "leases.backends.redis", "CACHE": "default"},
+}}).enable()  # fmt: skip
+
+app = Celery("bench")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.task_acks_late = False
+app.conf.ONCE = {"backend": "celery_once.backends.Redis",
+                 "settings": {"url": settings.REDIS_URL, "default_timeout": 60}}  # fmt: skip
+app.conf.singleton_backend_url = settings.REDIS_URL
+
+PEERS: dict[str, type[Task]] = {}  # type: ignore[type-arg]
+with contextlib.suppress(ImportError):
+    from celery_once import QueueOnce
+
+    PEERS["celery-once QueueOnce"] = QueueOnce
+with contextlib.suppress(ImportError):
+    from celery_singleton import Singleton
+
+    PEERS["celery-singleton Singleton"] = Singleton
+
+
+@app.task(name="bench.plain")
+def plain(n: int) -> int:
+    return n
+
+
+locked_db = locked_task(key="bench:{n}", app=app, name="bench.locked_db")(plain.run)
+locked_redis = locked_task(key="bench:{n}", backend="bench-redis", app=app,
+                           name="bench.locked_redis")(plain.run)  # fmt: skip
+idempotent = idempotent_task(app=app, name="bench.idempotent")(plain.run)
+singleton = singleton_task(key="bench:{n}", app=app, name="bench.singleton")(plain.run)
+peer_tasks = {
+    label: app.task(base=base, name=f"bench.{base.__name__}")(plain.run)
+    for label, base in PEERS.items()
+}
+
+
+def _start_worker() -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "celery", "-A", "benchmarks.bench_celery", "worker",
+               "-P", "prefork", "-c", "1", "--without-heartbeat", "--without-gossip",
+               "--without-mingle", "--loglevel", "ERROR", "-Q", QUEUE,
+               "-n", f"{WORKER}@%h"]  # fmt: skip
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "demo_project.settings"}
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(
+            name.startswith(WORKER) for reply in app.control.ping(timeout=0.5) for name in reply
+        ):
+            return
+    raise RuntimeError("the benchmark's celery worker did not start")
+
+
+def _round_trip(task: Any) -> Any:
+    numbers = itertools.count()
+    return lambda: task.apply_async((next(numbers),), queue=QUEUE).get(timeout=30)
+
+
+def _interleaved(contenders: dict[str, Any]) -> list[tuple[str, float]]:
+    """Median seconds per op of each contender, rounds interleaved across contenders.
+
+    One round of every contender after another, so a slow minute on a shared machine hits all
+    of them alike instead of whichever happened to run then.
+    """
+    samples: dict[str, list[float]] = {label: [] for label in contenders}
+    for fn in contenders.values():
+        for _ in range(5):
+            fn()
+    for _ in range(ROUNDS):
+        for label, fn in contenders.items():
+            start = time.perf_counter()
+            for _ in range(OPS):
+                fn()
+            samples[label].append((time.perf_counter() - start) / OPS)
+    return [(label, statistics.median(values)) for label, values in samples.items()]
+
+
+def main(report: Report) -> None:
+    app.set_current()
+    proc = _start_worker()
+    try:
+        _wait_ready(proc)
+        contenders = {
+            "plain task": plain,
+            "locked_task (database backend)": locked_db,
+            "locked_task (redis backend)": locked_redis,
+            "idempotent_task": idempotent,
+            "singleton_task (database guard)": singleton,
+            **peer_tasks,
+        }
+        rows = _interleaved({label: _round_trip(task) for label, task in contenders.items()})
+        report.table("one task sent and its result awaited, one prefork worker", rows, unit="ms")
+        for label in ("celery-once QueueOnce", "celery-singleton Singleton"):
+            if label not in PEERS:
+                report.note(f"{label}: not installed (pip install '.[bench]'), not measured")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
