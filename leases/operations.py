@@ -66,6 +66,7 @@ TERMINATE_SQL = """
 SELECT pg_terminate_backend(l.pid)
 FROM pg_locks l
 WHERE l.locktype = 'advisory' AND l.pid = %s AND l.pid <> pg_backend_pid()
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 LIMIT 1
 """
 
