@@ -1,0 +1,181 @@
+"""Redis leases: our redis and redlock backends vs raw redis-py and the peer libraries.
+
+Uncontended acquire + release per operation, everyone on the same servers in the same run: the
+raw floor (``SET NX PX`` then an ``EVALSHA`` compare-and-delete), redis-py's ``Lock``,
+python-redis-lock, pottery's ``Redlock`` on 1 and 3 servers, and ours through the backend and
+through the public ``lease()``. Then hand-off latency under contention: the time from the
+holder's ``release()`` to the waiter's acquire returning.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from django.test import override_settings
+
+from benchmarks.common import Report
+from leases.backends import get_backend
+from leases.lease import acquire, lease
+from tests.servers import RedisServer
+
+TITLE = "redis leases: backends vs raw redis-py, redis-py Lock, python-redis-lock, pottery"
+
+TTL = 30.0
+HANDOFFS = 40
+OPS, ROUNDS, WARMUP = 100, 15, 30
+#: The raw floor's release: the compare-and-delete every correct Redis lock needs.
+RAW_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@contextmanager
+def configured(urls: list[str]) -> Iterator[None]:
+    backends = {
+        "default": {"ENGINE": "leases.backends.database"},
+        "bench-redis": {"ENGINE": "leases.backends.redis", "URL": os.environ["REDIS_URL"]},
+        "bench-redlock": {"ENGINE": "leases.backends.redlock", "NODES": urls, "NODE_TIMEOUT": 1},
+    }
+    with override_settings(DEBUG=False, LEASES={"BACKENDS": backends}):
+        yield
+
+
+def floor_and_peers(client: Any, three: list[Any]) -> dict[str, Callable[[], object]]:
+    import redis_lock
+    from pottery import Redlock
+
+    release = client.register_script(RAW_RELEASE_LUA)
+    name = f"bench:{uuid.uuid4().hex[:8]}"
+
+    def raw() -> None:
+        value = uuid.uuid4().hex
+        client.set(name, value, nx=True, px=int(TTL * 1000))
+        release(keys=[name], args=[value])
+
+    def redis_py_lock() -> None:
+        held = client.lock(name + ":rp", timeout=TTL)
+        held.acquire(blocking=False)
+        held.release()
+
+    def python_redis_lock() -> None:
+        held = redis_lock.Lock(client, name + ":prl", expire=int(TTL))
+        held.acquire(blocking=False)
+        held.release()
+
+    def pottery(masters: list[Any]) -> Callable[[], None]:
+        def run() -> None:
+            held = Redlock(key=name + ":pot", masters=set(masters), auto_release_time=TTL)
+            held.acquire(blocking=False)
+            held.release()
+
+        return run
+
+    return {
+        "raw redis-py SET NX PX + EVALSHA compare-and-delete (floor)": raw,
+        "redis-py Lock": redis_py_lock,
+        "python-redis-lock": python_redis_lock,
+        "pottery Redlock, 1 server": pottery([client]),
+        "pottery Redlock, 3 servers": pottery(three),
+    }
+
+
+def ours(alias: str, label: str) -> dict[str, Callable[[], object]]:
+    store = get_backend(alias)
+    name = f"bench:{alias}:{uuid.uuid4().hex[:8]}"
+
+    def backend() -> None:
+        grant = store.try_acquire(name, "bench", TTL)
+        assert grant is not None
+        store.release(grant)
+
+    def public() -> None:
+        with lease(name + ":api", ttl=TTL, backend=alias, keepalive=False):
+            pass
+
+    def kept_alive() -> None:
+        with lease(name + ":ka", ttl=TTL, backend=alias):
+            pass
+
+    return {
+        f"ours, {label}: backend try_acquire + release": backend,
+        f"ours, {label}: lease(keepalive=False)": public,
+        f"ours, {label}: lease() with keepalive": kept_alive,
+    }
+
+
+def handoff(alias: str) -> float:
+    """Median seconds from the holder's release() to the waiter's acquire returning."""
+    name = f"bench:handoff:{uuid.uuid4().hex[:8]}"
+    samples: list[float] = []
+    for _ in range(HANDOFFS):
+        held = acquire(name, ttl=TTL, backend=alias, keepalive=False)
+        got: list[float] = []
+        thread = threading.Thread(target=_wait_and_release, args=(name, alias, got))
+        thread.start()
+        time.sleep(0.02)  # the waiter is blocked by now
+        released = time.perf_counter()
+        held.release()
+        thread.join(15)
+        samples.append(got[0] - released)
+    return statistics.median(samples)
+
+
+def _wait_and_release(name: str, alias: str, got: list[float]) -> None:
+    waiter = acquire(name, ttl=TTL, backend=alias, keepalive=False, timeout=10)
+    got.append(time.perf_counter())
+    waiter.release()
+
+
+def interleaved(contenders: dict[str, Callable[[], object]]) -> list[tuple[str, float]]:
+    """Median seconds per op, the contenders taking turns round by round.
+
+    On a shared machine load comes in waves; taking turns spreads each wave over everyone
+    instead of letting it land on whoever happened to run then.
+    """
+    samples: dict[str, list[float]] = {label: [] for label in contenders}
+    for fn in contenders.values():
+        for _ in range(WARMUP):
+            fn()
+    for _ in range(ROUNDS):
+        for label, fn in contenders.items():
+            start = time.perf_counter()
+            for _ in range(OPS):
+                fn()
+            samples[label].append((time.perf_counter() - start) / OPS)
+    return [(label, statistics.median(values)) for label, values in samples.items()]
+
+
+def main(report: Report) -> None:
+    nodes = [RedisServer().start() for _ in range(3)]
+    try:
+        urls = [node.url for node in nodes]
+        client = redis.Redis.from_url(os.environ["REDIS_URL"])
+        three = [redis.Redis.from_url(url) for url in urls]
+        with configured(urls):
+            contenders = {
+                **floor_and_peers(client, three),
+                **ours("bench-redis", "redis"),
+                **ours("bench-redlock", "redlock 3 servers"),
+            }
+            report.table("uncontended acquire + release (median per op)", interleaved(contenders))
+            report.table(
+                "hand-off latency under contention: release() -> waiter's acquire returns",
+                [(f"ours, {alias}", handoff(alias)) for alias in ("bench-redis", "bench-redlock")],
+                unit="ms",
+            )
+    finally:
+        for node in nodes:
+            node.destroy()
+    report.note(
+        "Targets (issue 5): redis backend within 1.1x of the floor; faster than "
+        "python-redis-lock and pottery; redlock on 3 servers >= 2x faster than pottery's."
+    )
