@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Task
 from celery.result import AsyncResult
 from django.conf import settings
 
@@ -337,3 +338,30 @@ def test_leader_only_is_sent_only_by_the_leader() -> None:
     finally:
         resign_leaderships()
         broker().delete(queue)
+
+
+def test_leader_only_worker_skips_a_message_from_a_deposed_leader(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    queue, election, label = new_queue(), leader_tick.election(), new_register("tick")
+    celery_workers([queue]).wait_ready()
+    try:
+        current = leader_tick.apply_async((label,), queue=queue)
+        assert wait_states([current]) == ["SUCCESS"]
+        stale_token = leader_of(election).token  # type: ignore[union-attr]
+        resign_leaderships()
+        successor: list[Any] = []
+        thread = threading.Thread(target=lambda: successor.append(elect(election, ttl=5)))
+        thread.start()
+        thread.join(30)
+        # a beat paused past its lease wakes up and sends with the token it had
+        stale = Task.apply_async(leader_tick, (label,), queue=queue,
+                                 headers={LEADER_HEADER: stale_token})  # fmt: skip
+
+        assert wait_states([stale]) == [SKIPPED]
+        assert "former leader" in stale.info["reason"]
+        assert TaskRun.objects.filter(label=label).count() == 1
+    finally:
+        resign_leaderships()
+        for leadership in successor:
+            leadership.resign()
