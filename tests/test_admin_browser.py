@@ -17,7 +17,7 @@ from django.contrib.auth.models import Permission
 
 from leases.backends import get_backend
 from leases.models import ForceRelease
-from tests.factories import StaffUserFactory
+from tests.factories import StaffUserFactory, UserFactory
 from tests.locks_fixture import LockScene, lock_scene_fixture  # noqa: F401 - fixture
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -50,6 +50,7 @@ def browser() -> Iterator[Any]:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
+    ARTIFACTS.mkdir(exist_ok=True)
     profile = tempfile.mkdtemp(prefix="leases-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
@@ -73,7 +74,6 @@ def test_staff_sees_held_and_waiting_locks_and_force_releases(
     operator: Any = StaffUserFactory(username="browser-operator")
     codenames = ["view_lease", "force_release_lease"]
     operator.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
-    ARTIFACTS.mkdir(exist_ok=True)
 
     browser.get(f"{live_server.url}/admin/login/?next=/admin/leases/advisorylock/")
     browser.find_element(By.NAME, "username").send_keys("browser-operator")
@@ -100,3 +100,31 @@ def test_staff_sees_held_and_waiting_locks_and_force_releases(
     info = get_backend().inspect(lock_scene.held)
     assert info is not None and not info.held
     assert ForceRelease.objects.get(name=lock_scene.held).by == operator
+
+
+def test_non_staff_and_staff_without_permission_are_refused(
+    browser: Any, live_server: Any, lock_scene: LockScene
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    def log_in(username: str) -> None:
+        browser.delete_all_cookies()
+        browser.get(f"{live_server.url}/admin/login/?next=/admin/leases/lease/")
+        browser.find_element(By.NAME, "username").send_keys(username)
+        browser.find_element(By.NAME, "password").send_keys("password")
+        browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+
+    UserFactory(username="browser-customer")
+    log_in("browser-customer")
+    assert "/admin/login/" in browser.current_url  # the admin refuses non-staff logins
+    assert lock_scene.held not in browser.page_source
+
+    viewer: Any = StaffUserFactory(username="browser-viewer")
+    viewer.user_permissions.add(Permission.objects.get(codename="view_lease"))
+    log_in("browser-viewer")
+    assert lock_scene.held in browser.page_source  # may look ...
+    options = [o.get_attribute("value") for o in browser.find_elements(By.CSS_SELECTOR, "option")]
+    assert "force_release" not in options  # ... but not take a lease away
+    browser.get(f"{live_server.url}/admin/leases/advisorylock/{lock_scene.holder_pid}/terminate/")
+    assert "403" in browser.title or "Forbidden" in browser.page_source
+    browser.save_screenshot(str(ARTIFACTS / "admin-refused.png"))
