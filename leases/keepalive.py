@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import LeaseLost
 from .retry import SYSTEM_CLOCK, Backoff, Clock
@@ -30,7 +30,7 @@ from .retry import SYSTEM_CLOCK, Backoff, Clock
 if TYPE_CHECKING:
     from .lease import Lease
 
-__all__ = ["MIN_RETRY_WINDOW", "Scheduler", "keep_alive", "retry_window", "watch"]
+__all__ = ["MIN_RETRY_WINDOW", "Job", "Scheduler", "keep_alive", "retry_window", "watch"]
 
 logger = logging.getLogger("leases")
 
@@ -47,12 +47,40 @@ def retry_window(ttl: float, fraction: float, drift_factor: float, drift_min: fl
     return ttl * (1 - fraction) - (ttl * drift_factor + drift_min)
 
 
-#: A job runs when due and returns when it wants to run next (``None``: never again).
-Job = Callable[[], float | None]
+class Job(Protocol):
+    """Runs when due and returns when it wants to run next (``None``: never again)."""
+
+    def __call__(self) -> float | None: ...
+
+    def finished(self) -> bool:
+        """True once the job has nothing left to do (its lease was released or lost)."""
+        ...
+
+
+class _LeaseJob:
+    """A step for one lease; finished as soon as the lease is released or lost."""
+
+    __slots__ = ("lease", "step")
+
+    def __init__(self, lease: Lease, step: Callable[[], float | None]) -> None:
+        self.lease, self.step = lease, step
+
+    def __call__(self) -> float | None:
+        return None if self.lease.done else self.step()
+
+    def finished(self) -> bool:
+        return self.lease.done
 
 
 class Scheduler:
-    """One daemon thread running jobs at monotonic times, started on first use."""
+    """One daemon thread running jobs at monotonic times, started on first use.
+
+    Released leases leave their entries behind (removing from a heap is O(n)); the heap is
+    pruned of finished jobs whenever it doubles, so memory stays proportional to the leases
+    actually held, however fast leases come and go. The thread is woken only when a new job
+    is due before the one it is already waiting for, so a hot acquire/release loop does not
+    pay a context switch per lease.
+    """
 
     def __init__(self, name: str, clock: Clock = SYSTEM_CLOCK) -> None:
         self.name = name
@@ -61,14 +89,25 @@ class Scheduler:
         self._heap: list[tuple[float, int, Job]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._prune_at = _MIN_PRUNE
 
     def schedule(self, due: float, job: Job) -> None:
         with self._cond:
+            wake = not self._heap or due < self._heap[0][0]
             heapq.heappush(self._heap, (due, next(self._seq), job))
+            if len(self._heap) >= self._prune_at:
+                self._heap = [entry for entry in self._heap if not entry[2].finished()]
+                heapq.heapify(self._heap)
+                self._prune_at = max(_MIN_PRUNE, 2 * len(self._heap))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if wake:
+                self._cond.notify()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._heap)
 
     def _next_job(self) -> Job:
         with self._cond:
@@ -90,6 +129,7 @@ class Scheduler:
                 self.schedule(due, job)
 
 
+_MIN_PRUNE = 256
 _lock = threading.Lock()
 _watchdog: Scheduler | None = None
 _renewers: dict[str, Scheduler] = {}
@@ -122,15 +162,13 @@ def watch(lease: Lease) -> None:
     """Declare ``lease`` lost when its validity runs out without a renewal."""
 
     def check() -> float | None:
-        if lease.done:
-            return None
         deadline = lease.valid_until
         if lease.clock.monotonic() < deadline:
             return deadline  # renewed meanwhile: look again at the new deadline
         lease._mark_lost("expired: not renewed before its validity ran out")
         return None
 
-    _scheduler(None).schedule(lease.valid_until, check)
+    _scheduler(None).schedule(lease.valid_until, _LeaseJob(lease, check))
 
 
 def keep_alive(lease: Lease, fraction: float) -> None:
@@ -138,8 +176,6 @@ def keep_alive(lease: Lease, fraction: float) -> None:
     retry: list[Backoff] = []  # the backoff of the current run of failures, if any
 
     def renew() -> float | None:
-        if lease.done:
-            return None
         try:
             grant = lease.renew()
         except LeaseLost:
@@ -149,7 +185,8 @@ def keep_alive(lease: Lease, fraction: float) -> None:
         retry.clear()
         return grant.sent_at + grant.ttl * fraction
 
-    _scheduler(lease.backend).schedule(lease.grant.sent_at + lease.grant.ttl * fraction, renew)
+    due = lease.grant.sent_at + lease.grant.ttl * fraction
+    _scheduler(lease.backend).schedule(due, _LeaseJob(lease, renew))
 
 
 def _retry_after_failure(lease: Lease, retry: list[Backoff], exc: Exception) -> float | None:

@@ -75,7 +75,9 @@ class Backoff:
     cap: float = 0.25
     deadline: float | None = None
     clock: Clock = field(default=SYSTEM_CLOCK)
-    rng: random.Random = field(default_factory=random.Random)
+    #: ``None``: the ``random`` module's generator (reseeded in forked children, so processes
+    #: forked from one parent do not draw the same delays).
+    rng: random.Random | None = None
     attempt: int = 0
 
     def remaining(self) -> float | None:
@@ -95,7 +97,7 @@ class Backoff:
             return None
         ceiling = min(self.cap, self.base * 2 ** min(self.attempt, 32))
         self.attempt += 1
-        delay = self.rng.uniform(0.0, ceiling)
+        delay = (self.rng or random).uniform(0.0, ceiling)
         return delay if left is None else min(delay, left)
 
 

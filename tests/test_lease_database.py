@@ -123,13 +123,14 @@ def test_terminated_lease_connection_reconnects_and_keeps_the_lease(lease_name: 
     held = acquire(lease_name, ttl=1)
     own = database_backend().connection()
     assert own is not None
+    own_pid = own.info.backend_pid
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_terminate_backend(%s)", [own.info.backend_pid])
+        cursor.execute("SELECT pg_terminate_backend(%s)", [own_pid])
     time.sleep(1.5)
     held.ensure_held()
     assert not held.lost.is_set()
     replacement = database_backend().connection()
-    assert replacement is not None and replacement.info.backend_pid != own.info.backend_pid
+    assert replacement is not None and replacement.info.backend_pid != own_pid
     held.release()
 
 

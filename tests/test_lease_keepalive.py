@@ -62,27 +62,48 @@ def test_retry_call_retries_until_the_deadline_then_reraises() -> None:
         retry_call(broken, retry_on=(ConnectionError,), backoff=Backoff(deadline=0, clock=clock))
 
 
-def test_scheduler_survives_a_failing_job(caplog: pytest.LogCaptureFixture) -> None:
-    scheduler = Scheduler("leases-test-scheduler")
-    ran = threading.Event()
-    order: list[str] = []
+class Step:
+    """A scheduler job that records its runs and can fail or be finished."""
 
-    def boom() -> float | None:
-        order.append("boom")
-        raise RuntimeError("job bug")
+    def __init__(self, label: str, order: list[str], *, fail: bool = False) -> None:
+        self.label, self.order, self.fail = label, order, fail
+        self.ran = threading.Event()
+        self.done = False
 
-    def later() -> float | None:
-        order.append("later")
-        ran.set()
+    def __call__(self) -> float | None:
+        self.order.append(self.label)
+        self.ran.set()
+        if self.fail:
+            raise RuntimeError("job bug")
         return None
 
+    def finished(self) -> bool:
+        return self.done
+
+
+def test_scheduler_survives_a_failing_job(caplog: pytest.LogCaptureFixture) -> None:
+    scheduler = Scheduler("leases-test-scheduler")
+    order: list[str] = []
+    boom, later = Step("boom", order, fail=True), Step("later", order)
     with caplog.at_level(logging.ERROR, logger="leases"):
         now = time.monotonic()
         scheduler.schedule(now + 0.05, later)
         scheduler.schedule(now, boom)
-        assert ran.wait(5)
+        assert later.ran.wait(5)
     assert order == ["boom", "later"]
     assert "job failed" in caplog.text
+
+
+def test_scheduler_prunes_finished_jobs_so_memory_follows_live_leases() -> None:
+    scheduler = Scheduler("leases-test-prune")
+    far = time.monotonic() + 3600
+    live = Step("live", [])
+    scheduler.schedule(far, live)
+    for _ in range(10_000):
+        finished = Step("released", [])
+        finished.done = True
+        scheduler.schedule(far, finished)
+    assert len(scheduler) < 600
 
 
 def test_revoked_lease_is_reported_by_the_next_renewal(lease_backend: str, lease_name: str) -> None:
