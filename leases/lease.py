@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import logging
 import os
 import secrets
@@ -352,6 +353,13 @@ class _LeaseBlock(contextlib.ContextDecorator):
         self.options = options
 
     def __call__(self, func: F) -> F:
+        if inspect.iscoroutinefunction(func) or inspect.isgeneratorfunction(func):
+            raise InvalidLeaseOption(
+                "func",
+                func,
+                "lease() cannot decorate a coroutine or generator function: the lease would be "
+                "released when the call returns, before the body runs; use a with block inside",
+            )
         if self.name is None:
             return _LeaseBlock(_default_name(func), self.options)(func)
         return super().__call__(func)

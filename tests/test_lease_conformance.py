@@ -369,3 +369,17 @@ def _backends() -> dict[str, Any]:
     from django.conf import settings
 
     return dict(settings.LEASES["BACKENDS"])
+
+
+def test_decorating_async_or_generator_functions_is_refused() -> None:
+    async def coroutine() -> None:
+        pass
+
+    def generator() -> Any:
+        yield 1
+
+    for func in (coroutine, generator):
+        with pytest.raises(InvalidLeaseOption, match="coroutine or generator"):
+            lease(func)
+        with pytest.raises(InvalidLeaseOption):
+            lease("name", ttl=1)(func)

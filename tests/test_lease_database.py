@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, connections
 from django.test import override_settings
 
 from leases import LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured, acquire
@@ -177,3 +177,25 @@ def test_misconfigured_backends_fail_at_configuration() -> None:
         for alias in cases:
             with pytest.raises(LeasesImproperlyConfigured):
                 get_backend(alias)
+
+
+def test_lease_connection_ignores_django_pool_and_binding_options() -> None:
+    """Django's pool and cursor options do not leak into the backend's own connection."""
+    settings = dict(connections.settings["default"])
+    settings["OPTIONS"] = {
+        **settings.get("OPTIONS", {}),
+        "pool": True,
+        "server_side_binding": True,
+        "options": "-c search_path=public",
+    }
+    connections.settings["pooled"] = settings
+    try:
+        conn = _connect("pooled")
+        try:
+            assert conn.autocommit
+            assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+            assert conn.execute("SHOW search_path").fetchone() == ("public",)
+        finally:
+            conn.close()
+    finally:
+        del connections.settings["pooled"]
