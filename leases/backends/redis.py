@@ -7,7 +7,9 @@ Configuration (``LEASES["BACKENDS"][alias]``)::
 
 Options: ``CACHE`` or ``URL`` (one of them), ``PREFIX`` (default ``"leases:"``),
 ``EPOCH_DATABASE`` (the Django database alias epochs come from, default ``"default"``),
-``SOCKET_TIMEOUT`` (seconds, ``URL`` only; a cache alias uses its own settings).
+``SOCKET_TIMEOUT`` (seconds, ``URL`` only). A cache alias keeps its own connection settings:
+give it a socket timeout, and mind that redis-py retries failed commands by default (a ``URL``
+client here never retries, so a timed-out release is not retried into a false "lost").
 
 Keys of one name share a Redis Cluster hash tag, ``<prefix>{<name>}``: ``:lock`` (the grant,
 value ``epoch:counter:holder``, expiring by Redis's clock), ``:fence`` (the name's counter, no
@@ -78,6 +80,9 @@ def lua(body: str) -> str:
 #: KEYS: lock, fence. ARGV: holder, ttl ms, offered epoch ("0": none).
 #: Returns {OK, value} | {BUSY, value} | {NEED_EPOCH, stored epoch}.
 ACQUIRE_LUA = lua("""
+if redis.replicate_commands then
+  redis.replicate_commands()  -- Redis < 5: allow writes after INFO (no-op since 5)
+end
 local current = redis.call('GET', KEYS[1])
 if current then
   return {BUSY, current}

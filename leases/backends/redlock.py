@@ -48,7 +48,7 @@ from django.utils.module_loading import import_string
 from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from ._counter import DurableCounter
-from .base import Grant, LeaseBackend, LeaseInfo
+from .base import Capability, Grant, LeaseBackend, LeaseInfo
 from .redis import (
     RELEASE_LUA,
     RENEW_LUA,
@@ -106,6 +106,10 @@ class _Node:
 
 class Backend(LeaseBackend):
     """Leases on a quorum of independent Redis servers, fenced by a durable token source."""
+
+    #: Waiters block in ``BLPOP`` on one node; only when that node is down do they sleep out
+    #: the wait (bounded by the Lease layer's backoff) instead of being woken.
+    capabilities = frozenset({Capability.WAIT_WITHOUT_POLLING, Capability.FORCE_RELEASE})
 
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
         super().__init__(alias, options)
@@ -215,6 +219,20 @@ class Backend(LeaseBackend):
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
         return reply is not None
+
+    def force_release(self, name: str) -> LeaseInfo | None:
+        """Delete the quorum's value everywhere (compare-and-delete) and advance the token.
+
+        The evicted holder's renewals fail on every node; the next grant's token is higher
+        than the returned one.
+        """
+        keys = LeaseKeys.of(self.prefix, name)
+        values = [v for v in self._fan_out("GET", keys.lock) if v not in (None, FAILED)]
+        held = {text(v) for v in values if values.count(v) >= self.quorum}
+        if not held:
+            return self.inspect(name)
+        self._unlock_everywhere(keys, held.pop())
+        return LeaseInfo(name, "", self.next_token(name), False, self.alias)
 
     def inspect(self, name: str) -> LeaseInfo | None:
         keys = LeaseKeys.of(self.prefix, name)
