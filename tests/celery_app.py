@@ -140,7 +140,16 @@ def locked_retrying(self: Any, register: str, lease: Lease) -> int:
     return int(self.request.retries)
 
 
-@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, on_busy="raise", bind=True)
+def _record_loss(lease: Lease) -> None:
+    """``on_lost`` of ``locked_until_lost`` (runs on the worker's keepalive thread)."""
+    from tests.testapp.models_celery import TaskRun
+
+    TaskRun.objects.create(label=f"lost:{lease.name}", task_id="", worker=_worker(),
+                           token=lease.token, started_at=_now())  # fmt: skip
+
+
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, on_busy="raise", bind=True,
+             on_lost=_record_loss)  # fmt: skip
 def locked_until_lost(self: Any, register: str, lease: Lease) -> bool:
     """Writes, waits until its lease is revoked under it, then tries a last fenced write."""
     from leases.backends import get_backend

@@ -137,6 +137,7 @@ def test_lost_lease_mid_task_fails_the_task_and_its_later_fenced_write(
     outcomes = [a.outcome for a in history(register)]
     assert outcomes[:2] == ["accepted", "accepted"] and outcomes[-1] in ("lost", "stale"), outcomes
     check_history(register)
+    assert TaskRun.objects.filter(label=f"lost:celery-test:{register}").exists(), "no on_lost"
     assert get_backend().inspect("celery-test:" + register).token > min(  # type: ignore[union-attr]
         r.token or 0 for r in TaskRun.objects.filter(label=register)
     )

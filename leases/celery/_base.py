@@ -40,7 +40,7 @@ logger = logging.getLogger("leases.celery")
 SKIPPED = "SKIPPED"
 
 #: A key: a :meth:`str.format` template naming the task's parameters, or a callable taking the
-#: task's arguments.
+#: task's arguments (set on a task class body as a ``staticmethod``).
 Key = str | Callable[..., str]
 
 
@@ -144,6 +144,9 @@ def task_decorator(
         base = extra
     elif extra is not None:
         base = type(f"{base.__name__}{extra.__name__}", (base, extra), {})
+
+    # A function stored on a class would bind as a method: keep callables (keys, on_lost) plain.
+    attrs = {k: staticmethod(v) if inspect.isfunction(v) else v for k, v in attrs.items()}
 
     def decorate(f: Callable[..., Any]) -> Any:
         make = app.task if app is not None else shared_task

@@ -81,12 +81,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
         logger.debug("task %s[%s]: %s; retry in %.2fs", self.name, self.request.id, exc, countdown)
         raise self.retry(countdown=countdown, max_retries=self.busy_max_retries, exc=exc)
 
-    def lease_lost(self, lease: Lease, *details: Any) -> None:
+    def lease_lost(self, lease: Lease) -> None:
         """Hook, run on the keepalive thread when the run's lease is lost mid-run."""
         logger.warning(
-            "task %s[%s] lost lease %r (token %s) while running %s; its fenced writes are "
+            "task %s lost lease %r (token %s) while running: %s; its fenced writes are "
             "rejected from now on",
-            self.name, self.request.id, lease.name, lease.token, details,
+            self.name, lease.name, lease.token, lease.lost_reason,
         )  # fmt: skip
         callback = type(self).on_lease_lost
         if callback is not None:
@@ -103,7 +103,6 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         name = self.lease_name(args, kwargs)
         ttl = self.lease_ttl if self.lease_ttl is not None else conf.get().default_ttl
-        box: list[Lease] = []
         try:
             held = acquire(
                 name,
@@ -111,11 +110,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 backend=self.lease_backend,
                 timeout=self.lease_timeout,
                 holder=self.lease_holder(),
-                on_lost=lambda *details: self.lease_lost(box[0], *details[1:]),
+                on_lost=self.lease_lost,
             )
         except LeaseUnavailable as exc:
             return self.lease_busy(name, exc)
-        box.append(held)
         call = Call(self, held)
         reset = current_call.set(call)
         try:

@@ -1,0 +1,116 @@
+"""The Celery decorators' plumbing, in process: key templates, lease injection, task classes.
+
+What happens between workers and a broker is proven in ``tests/test_celery.py``; these check
+the pieces every task relies on without starting one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from idempotency.celery import IdempotentTask, idempotent_task
+from leases.celery import (
+    LockedTask,
+    PartitionedTask,
+    format_key,
+    locked_task,
+    partition_for,
+    partitioned,
+)
+from leases.celery._base import Call, current_call
+from tests.celery_app import app
+
+
+def test_key_is_the_same_for_positional_keyword_and_default_arguments() -> None:
+    @locked_task(key="sync:{account}:{region}", app=app, name="keys.sync")
+    def sync(account: int, region: str = "eu") -> None: ...
+
+    assert format_key(sync.lease_key, sync, 7) == "sync:7:eu"
+    assert format_key(sync.lease_key, sync, account=7, region="eu") == "sync:7:eu"
+    assert sync.lease_name((7, "us"), {}) == "sync:7:us"
+
+
+def test_key_of_a_bound_task_skips_self_and_the_injected_lease() -> None:
+    @locked_task(key="bound:{account}", bind=True, app=app, name="keys.bound")
+    def bound(self: Any, account: int, lease: Any) -> None: ...
+
+    assert bound.lease_name((3,), {}) == "bound:3"
+
+
+def test_a_key_naming_no_parameter_fails_with_the_template_in_the_message() -> None:
+    @locked_task(key="x:{acount}", app=app, name="keys.typo")
+    def typo(account: int) -> None: ...
+
+    with pytest.raises(TypeError, match="acount"):
+        typo.lease_name((1,), {})
+
+
+def test_a_callable_key_gets_the_task_arguments() -> None:
+    @locked_task(key=lambda a, b: f"sum:{a + b}", app=app, name="keys.callable")
+    def add(a: int, b: int) -> None: ...
+
+    assert add.lease_name((2, 3), {}) == "sum:5"
+
+
+def test_the_lease_parameter_is_filled_wherever_it_sits_and_hidden_from_callers() -> None:
+    @locked_task(key="inj:{a}", app=app, name="keys.inject")
+    def middle(a: int, lease: Any, b: int = 2, *, c: int = 3) -> tuple[Any, ...]:
+        return a, lease, b, c
+
+    marker = object()
+    reset = current_call.set(Call(middle, marker))  # type: ignore[arg-type]
+    try:
+        assert middle.run(1, 5, c=6) == (1, marker, 5, 6)
+        assert middle.run(a=1) == (1, marker, 2, 3)
+    finally:
+        current_call.reset(reset)
+    with pytest.raises(TypeError):  # Celery's argument check at send time knows no ``lease``
+        middle.__header__(1, None, 2)
+
+
+def test_bare_decorator_and_option_checks() -> None:
+    @locked_task
+    def bare() -> None: ...
+
+    assert isinstance(bare, LockedTask) and bare.lease_name((), {}) == bare.name
+    with pytest.raises(ValueError, match="on_busy"):
+        locked_task(on_busy="wait")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="partitions"):
+        partitioned(key="{a}", partitions=0)
+
+
+def test_bases_combine_lease_outside_idempotency() -> None:
+    @locked_task(key="both:{n}", base=IdempotentTask, app=app, name="keys.both")
+    def both(n: int) -> int:
+        return n
+
+    assert isinstance(both, LockedTask) and isinstance(both, IdempotentTask)
+    order = type(both).__mro__
+    assert order.index(LockedTask) < order.index(IdempotentTask)
+
+    @idempotent_task(app=app, name="keys.plain_idem")
+    def plain(n: int) -> int:
+        return n
+
+    assert isinstance(plain, IdempotentTask) and not isinstance(plain, LockedTask)
+
+
+def test_partitions_are_stable_documented_and_spread() -> None:
+    # the documented function: BLAKE2b-64 of the key, unsigned, modulo the partition count
+    import hashlib
+
+    digest = hashlib.blake2b(b"customer-42", digest_size=8).digest()
+    assert partition_for("customer-42", 7) == int.from_bytes(digest, "big") % 7
+    spread = Counter(partition_for(f"k{n}", 4) for n in range(400))
+    assert set(spread) == {0, 1, 2, 3} and min(spread.values()) > 60
+
+    @partitioned(key="{customer}", partitions=4, app=app, name="keys.part")
+    def part(customer: str) -> None: ...
+
+    assert isinstance(part, PartitionedTask)
+    assert (
+        part.partition_queue(("customer-42",), {}) == f"keys.part.{partition_for('customer-42', 4)}"
+    )
