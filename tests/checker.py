@@ -176,7 +176,7 @@ def check_attempts(attempts: Sequence[Attempt], grants: Sequence[int] | None = N
             assert attempt.token is not None, f"{attempt} was accepted without a token"
             if best is not None and attempt.token < (best.token or 0):
                 raise AssertionError(
-                    f"accepted token went backwards: {attempt} was accepted after {best} "
+                    f"accepted token went backwards: {attempt} came after {best} "
                     f"(a stale holder's write got through the fence). History: "
                     f"{_clip(attempts, index)}"
                 )
