@@ -86,6 +86,8 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
     # -- machinery ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.idempotency_key is None and not self.request.id:
+            return super().__call__(*args, **kwargs)  # called directly: no delivery to dedupe
         key = self.idempotency_key_for(args, kwargs)
         once = idempotency_key(
             key, scope=self.idempotency_scope(), fingerprint=self.fingerprint(args, kwargs),

@@ -59,6 +59,8 @@ class LeaderOnlyTask(Task):  # type: ignore[type-arg]
     def apply_async(  # type: ignore[override]  # options pass through to Celery unchanged
         self, args: Any = None, kwargs: Any = None, **options: Any
     ) -> Any:
+        if options.get("task_id") and options["task_id"] == self.request.id:
+            return super().apply_async(args, kwargs, **options)  # retry(): keeps its header
         token = self.leadership_token()
         if token is None:
             logger.debug("%s not sent: this process does not lead %r", self.name, self.election())
