@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import subprocess
 import threading
 import time
@@ -42,7 +43,7 @@ from tests.celery_app import (
 )
 from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # noqa: F401
 from tests.checker import check_history, history, new_register
-from tests.servers import RedisServer
+from tests.servers import RedisServer, reachable
 from tests.testapp.models_celery import Delivery, Effect, TaskRun
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -76,14 +77,30 @@ def ready(start: Callable[..., Worker], *specs: dict[str, Any]) -> list[Worker]:
     return [worker.wait_ready() for worker in workers]
 
 
+#: RabbitMQ runs the same test too when given (no server is started for it).
+AMQP_URL = os.environ.get("LEASES_TEST_AMQP_URL") or os.environ.get("AMQP_URL")
+
+
+@pytest.fixture(params=["redis", "amqp"])
+def broker_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis":
+        return str(settings.CELERY_BROKER_URL)
+    if not (AMQP_URL and reachable(AMQP_URL)):
+        pytest.skip("RabbitMQ: set LEASES_TEST_AMQP_URL to a reachable amqp:// URL to run this")
+    return AMQP_URL
+
+
 def test_locked_bodies_never_overlap_and_all_complete(
-    celery_workers: Callable[..., Worker],
+    celery_workers: Callable[..., Worker], broker_url: str
 ) -> None:
     queue = new_queue()
-    ready(celery_workers, {"queues": [queue], "name": "a"}, {"queues": [queue], "name": "b"})
+    extra = {"LEASES_TEST_BROKER_URL": broker_url}
+    ready(celery_workers, *({"queues": [queue], "name": n, "extra_env": extra} for n in "ab"))
     register = new_register("celery-locked")
 
-    results = [locked_write.apply_async((register, 0.05), queue=queue) for _ in range(20)]
+    with producer_on(broker_url) as producer:
+        results = [locked_write.apply_async((register, 0.05), queue=queue, producer=producer)
+                   for _ in range(20)]  # fmt: skip
 
     assert [r.get(timeout=90) for r in results] == [True] * 20  # every closing write accepted
     runs = list(TaskRun.objects.filter(label=register))
