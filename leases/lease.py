@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import math
 import os
 import secrets
 import socket
@@ -208,8 +209,8 @@ class Lease:
 
 
 def _valid_ttl(ttl: object) -> float:
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
-        raise InvalidLeaseOption("ttl", ttl, "must be a number of seconds greater than 0")
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
+        raise InvalidLeaseOption("ttl", ttl, "must be a finite number of seconds greater than 0")
     settings = conf.get()
     if ttl * (1 - settings.drift_factor) <= settings.drift_min:
         raise InvalidLeaseOption("ttl", ttl, "must exceed the clock drift allowance")
@@ -219,7 +220,7 @@ def _valid_ttl(ttl: object) -> float:
 def _valid_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
         raise InvalidLeaseOption("timeout", timeout, "must be None (wait forever) or >= 0")
     return float(timeout)
 
