@@ -40,9 +40,9 @@ def problem_type(response: Any) -> str:
 
 @pytest.fixture(autouse=True)
 def _no_failures() -> Any:
-    views_idempotency.FAILURES.update(status=0, raise_=0)
+    views_idempotency.FAILURES.update({"status": 0, "raise": 0})
     yield
-    views_idempotency.FAILURES.update(status=0, **{"raise": 0})
+    views_idempotency.FAILURES.update({"status": 0, "raise": 0})
 
 
 def test_replay_returns_the_stored_response_byte_for_byte(client: Client) -> None:
