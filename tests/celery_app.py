@@ -51,8 +51,9 @@ _HOLDER = f"{socket.gethostname()}:{os.getpid()}"
 
 
 @signals.worker_ready.connect
+@signals.beat_init.connect
 def _announce_ready(**_: Any) -> None:
-    """Tell the test this worker consumes (``LEASES_TEST_READY_FILE``)."""
+    """Tell the test this worker consumes, or this beat schedules (``LEASES_TEST_READY_FILE``)."""
     path = os.environ.get("LEASES_TEST_READY_FILE")
     if path:
         Path(path).write_text(str(os.getpid()))
@@ -191,9 +192,16 @@ def singleton_hold(self: Any, name: str, hold: float) -> None:
     _run(name, self.request.id, None, hold)
 
 
-@leader_only(name="celery-test-beat", ttl=_LEASE_TTL)
-def leader_tick(label: str) -> None:
-    _run(label, "", None, 0)
+@leader_only(name="celery-test-beat", ttl=_LEASE_TTL, bind=True)
+def leader_tick(self: Any, label: str) -> None:
+    _run(label, self.request.id, self.sent_by, 0)
+
+
+if os.environ.get("LEASES_TEST_BEAT_QUEUE"):  # for `celery beat` processes started by a test
+    _tick = {"task": leader_tick.name, "schedule": 0.5}
+    _tick["args"] = (os.environ["LEASES_TEST_BEAT_LABEL"],)
+    _tick["options"] = {"queue": os.environ["LEASES_TEST_BEAT_QUEUE"]}
+    app.conf.beat_schedule = {"tick": _tick}
 
 
 @partitioned(key="{account}", partitions=3, queue_prefix=f"leases-tests-part-{os.getpid()}")

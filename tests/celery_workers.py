@@ -1,4 +1,4 @@
-"""Real ``celery worker`` processes (prefork) for tests: start, wait until ready, kill.
+"""Real ``celery worker`` (prefork) and ``celery beat`` processes for tests: start, wait, kill.
 
 Each worker is a subprocess in a process group of its own (so ``kill()`` takes the pool's
 children with it, like a machine dying), dies with the test if pytest dies (``PDEATHSIG``), and
@@ -68,13 +68,32 @@ def start_worker(
     extra_env: dict[str, str] | None = None,
 ) -> Worker:
     """Start a prefork worker consuming ``queues`` (call :meth:`Worker.wait_ready` next)."""
+    options = ["worker", "-P", "prefork", "-c", str(concurrency), "--without-heartbeat",
+               "--without-gossip", "--without-mingle", "-Q", ",".join(queues)]  # fmt: skip
+    return _start(env, directory, name, options, extra_env, node=True)
+
+
+def start_beat(
+    env: dict[str, str], directory: Path, *, name: str = "beat", extra_env: dict[str, str]
+) -> Worker:
+    """Start a ``celery beat`` process with a schedule file of its own."""
+    options = ["beat", "-s", str(directory / f"{name}-{uuid.uuid4().hex[:6]}.schedule")]
+    return _start(env, directory, name, options, extra_env, node=False)
+
+
+def _start(
+    env: dict[str, str],
+    directory: Path,
+    name: str,
+    options: list[str],
+    extra_env: dict[str, str] | None,
+    *,
+    node: bool,
+) -> Worker:
     unique = f"{name}-{uuid.uuid4().hex[:6]}"
     log, ready = directory / f"{unique}.log", directory / f"{unique}.ready"
-    command = [
-        sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-        "-P", "prefork", "-c", str(concurrency), "--without-heartbeat", "--without-gossip",
-        "--without-mingle", "-Q", ",".join(queues), "-n", f"{unique}@%h", "--loglevel", "INFO",
-    ]  # fmt: skip
+    command = [sys.executable, "-m", "celery", "-A", "tests.celery_app", *options,
+               *(["-n", f"{unique}@%h"] if node else []), "--loglevel", "INFO"]  # fmt: skip
     child_env = {**env, **(extra_env or {}), "LEASES_TEST_READY_FILE": str(ready),
                  "LEASES_TEST_WORKER": name}  # fmt: skip
     with log.open("wb") as out:
@@ -95,8 +114,12 @@ def celery_workers_fixture(
     """
     started: list[Worker] = []
 
-    def start(queues: list[str], **options: Any) -> Worker:
-        worker = start_worker(child_env, tmp_path, queues, **options)
+    def start(queues: list[str] | None = None, **options: Any) -> Worker:
+        """Queues start a worker; ``queues=None`` starts a beat (``extra_env`` required)."""
+        if queues is None:
+            worker = start_beat(child_env, tmp_path, **options)
+        else:
+            worker = start_worker(child_env, tmp_path, queues, **options)
         started.append(worker)
         return worker
 

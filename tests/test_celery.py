@@ -383,3 +383,33 @@ def test_leader_only_worker_skips_a_message_from_a_deposed_leader(
         resign_leaderships()
         for leadership in successor:
             leadership.resign()
+
+
+@pytest.mark.fault
+def test_two_beats_send_each_tick_once_and_the_survivor_leads_after_a_sigkill(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    queue, label, election = new_queue(), new_register("beat"), leader_tick.election()
+    celery_workers([queue]).wait_ready()
+    env = {"LEASES_TEST_BEAT_QUEUE": queue, "LEASES_TEST_BEAT_LABEL": label}
+    beats = [celery_workers(name=f"beat-{n}", extra_env=env) for n in "xy"]
+    for beat in beats:
+        beat.wait_ready()
+    ticks = TaskRun.objects.filter(label=label)
+    wait_until(lambda: ticks.count() >= 2, 30, "the first ticks")
+
+    before = ticks.count()
+    time.sleep(3.0)  # one beat alone sends ~6 ticks of 0.5 s in 3 s; two would send ~12
+    window = list(ticks.order_by("id"))[before:]
+    assert 3 <= len(window) <= 8, f"{len(window)} ticks in 3 s from two beats: both sent"
+    leader = leader_of(election)
+    assert leader is not None and {t.token for t in window} == {leader.token}
+
+    victim = next(b for b in beats if b.proc.pid == leader.pid)
+    victim.kill()
+    killed = time.monotonic()
+    wait_until(lambda: ticks.exclude(token=leader.token).exists(), 20, "the survivor's ticks")
+    assert time.monotonic() - killed <= leader_tick.leader_ttl + 3  # type: ignore[operator]
+    successor = leader_of(election)
+    assert successor is not None and successor.token > leader.token
+    assert successor.pid == next(b for b in beats if b is not victim).proc.pid

@@ -68,10 +68,16 @@ class LeaderOnlyTask(Task):  # type: ignore[type-arg]
         headers = {**(options.pop("headers", None) or {}), LEADER_HEADER: token}
         return super().apply_async(args, kwargs, headers=headers, **options)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def sent_by(self) -> int | None:
+        """The leadership token the current run's message was sent under (fence with it)."""
         request = self.request
         token = (request.headers or {}).get(LEADER_HEADER) or getattr(request, LEADER_HEADER, None)
-        if token is not None and not self.still_leads(int(token)):
+        return None if token is None else int(token)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        token = self.sent_by
+        if token is not None and not self.still_leads(token):
             skip(self, f"sent by a former leader of {self.election()!r} (token {token})")
         return super().__call__(*args, **kwargs)
 
