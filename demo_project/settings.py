@@ -77,6 +77,9 @@ CELERY_RESULT_BACKEND = urlunsplit(urlsplit(REDIS_URL)._replace(path="/2"))
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_ACKS_LATE = True  # redeliver what a dead worker was running; the decorators cope
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BEAT_SCHEDULE = {  # run beat on several hosts: leader_only sends each tick once
+    "nightly-summary": {"task": "demo_project.shop.tasks.nightly_summary", "schedule": 60.0},
+}
 
 LEASES = {
     "BACKENDS": {
