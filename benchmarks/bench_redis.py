@@ -112,27 +112,68 @@ def ours(alias: str, label: str) -> dict[str, Callable[[], object]]:
     }
 
 
-def handoff(alias: str) -> float:
-    """Median seconds from the holder's release() to the waiter's acquire returning."""
-    name = f"bench:handoff:{uuid.uuid4().hex[:8]}"
+#: Blocks until it holds the contended lock, and returns the function that releases it.
+Take = Callable[[], Callable[[], object]]
+
+
+def handoff(take: Take) -> float:
+    """Median seconds from the holder's release to the blocked waiter's acquire returning."""
     samples: list[float] = []
     for _ in range(HANDOFFS):
-        held = acquire(name, ttl=TTL, backend=alias, keepalive=False)
+        release = take()
         got: list[float] = []
-        thread = threading.Thread(target=_wait_and_release, args=(name, alias, got))
+        thread = threading.Thread(target=_take_and_release, args=(take, got))
         thread.start()
         time.sleep(0.02)  # the waiter is blocked by now
         released = time.perf_counter()
-        held.release()
+        release()
         thread.join(15)
         samples.append(got[0] - released)
     return statistics.median(samples)
 
 
-def _wait_and_release(name: str, alias: str, got: list[float]) -> None:
-    waiter = acquire(name, ttl=TTL, backend=alias, keepalive=False, timeout=10)
+def _take_and_release(take: Take, got: list[float]) -> None:
+    release = take()
     got.append(time.perf_counter())
-    waiter.release()
+    release()
+
+
+def takers(client: Any) -> dict[str, Take]:
+    import redis_lock
+    from pottery import Redlock
+
+    name = f"bench:handoff:{uuid.uuid4().hex[:8]}"
+
+    def ours(alias: str) -> Take:
+        def take() -> Callable[[], object]:
+            return acquire(
+                name + alias, ttl=TTL, backend=alias, keepalive=False, timeout=10
+            ).release
+
+        return take
+
+    def redis_py() -> Callable[[], object]:
+        held = client.lock(name + ":rp", timeout=TTL)
+        held.acquire(blocking=True, blocking_timeout=10)
+        return held.release
+
+    def python_redis_lock() -> Callable[[], object]:
+        held = redis_lock.Lock(client, name + ":prl", expire=int(TTL))
+        held.acquire(blocking=True, timeout=10)
+        return held.release
+
+    def pottery() -> Callable[[], object]:
+        held = Redlock(key=name + ":pot", masters={client}, auto_release_time=TTL)
+        held.acquire(blocking=True, timeout=10)
+        return held.release
+
+    return {
+        "ours, redis (BLPOP wake-up)": ours("bench-redis"),
+        "ours, redlock 3 servers (BLPOP on one node)": ours("bench-redlock"),
+        "redis-py Lock (polls every 0.1 s)": redis_py,
+        "python-redis-lock (BLPOP signal)": python_redis_lock,
+        "pottery Redlock, 1 server": pottery,
+    }
 
 
 def interleaved(contenders: dict[str, Callable[[], object]]) -> list[tuple[str, float]]:
@@ -168,8 +209,8 @@ def main(report: Report) -> None:
             }
             report.table("uncontended acquire + release (median per op)", interleaved(contenders))
             report.table(
-                "hand-off latency under contention: release() -> waiter's acquire returns",
-                [(f"ours, {alias}", handoff(alias)) for alias in ("bench-redis", "bench-redlock")],
+                "hand-off latency under contention: release -> the waiter's acquire returns",
+                [(label, handoff(take)) for label, take in takers(client).items()],
                 unit="ms",
             )
     finally:

@@ -370,18 +370,16 @@ class Backend(LeaseBackend):
         return bool(self._run("release", [keys.lock, keys.wake, keys.fence], args) == Reply.OK)
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
-        """``BLPOP`` the name's wake-up list, at most until the holder's grant expires."""
-        keys = LeaseKeys.of(self.prefix, name)
-        client = self.client
-        with edge(self.alias, "wait"):
-            remaining = client.pttl(keys.lock)
-        if remaining == -2:
-            return True
-        wait = timeout if remaining < 0 else min(timeout, remaining / 1000 + 0.001)
-        if wait < 0.001:
+        """``BLPOP`` the name's wake-up list: one blocked request, no polling.
+
+        A release between the caller's failed try and this wait is not missed: its wake-up
+        waits in the list. A holder that dies without releasing wakes nobody; the caller's
+        backoff (capped, a fraction of a second) bounds how long its expiry goes unnoticed.
+        """
+        if timeout < 0.001:  # BLPOP's timeout 0 would mean "forever"
             return False
         with edge(self.alias, "wait"):
-            return blpop(client, keys.wake, wait) is not None
+            return blpop(self.client, LeaseKeys.of(self.prefix, name).wake, timeout) is not None
 
     def inspect(self, name: str) -> LeaseInfo | None:
         keys = LeaseKeys.of(self.prefix, name)

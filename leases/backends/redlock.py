@@ -209,7 +209,7 @@ class Backend(LeaseBackend):
         timeout), after which the Lease layer tries again; so a release usually wakes the
         waiter at once, and a lost wake-up costs at most one retry delay.
         """
-        if timeout <= 0:
+        if timeout < 0.001:  # BLPOP's timeout 0 would mean "forever"
             return False
         started = time.monotonic()
         node = random.choice(self.nodes)
