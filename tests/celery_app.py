@@ -121,10 +121,21 @@ def _fenced_run(register: str, lease: Lease, task_id: str, hold: float) -> bool:
 # -- locked ------------------------------------------------------------------------------------
 
 
-@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, bind=True, acks_late=True,
-             busy_backoff=0.05, busy_backoff_max=0.3, busy_max_retries=400)  # fmt: skip
-def locked_write(self: Any, register: str, hold: float, lease: Lease) -> bool:
+#: Lease backends the locked and singleton tasks run on, one task per backend.
+BACKENDS = ("default", "redis", "redlock")
+
+
+def _locked_write(self: Any, register: str, hold: float, lease: Lease) -> bool:
     return _fenced_run(register, lease, self.request.id, hold)
+
+
+LOCKED_WRITE = {
+    alias: locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, backend=alias, bind=True,
+                       acks_late=True, busy_backoff=0.05, busy_backoff_max=0.3,
+                       busy_max_retries=400, name=f"tests.locked_write.{alias}")(_locked_write)
+    for alias in BACKENDS
+}  # fmt: skip
+locked_write = LOCKED_WRITE["default"]
 
 
 @locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, on_busy="skip", bind=True)
@@ -187,9 +198,16 @@ def add_once(self: Any, effect: str, hold: float) -> int:
 # -- singleton, leader, partitioned -------------------------------------------------------------
 
 
-@singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL, bind=True)
-def singleton_hold(self: Any, name: str, hold: float) -> None:
+def _singleton_hold(self: Any, name: str, hold: float) -> None:
     _run(name, self.request.id, None, hold)
+
+
+SINGLETON_HOLD = {
+    alias: singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL, backend=alias, bind=True,
+                          name=f"tests.singleton_hold.{alias}")(_singleton_hold)
+    for alias in BACKENDS
+}  # fmt: skip
+singleton_hold = SINGLETON_HOLD["default"]
 
 
 @leader_only(name="celery-test-beat", ttl=_LEASE_TTL, bind=True)

@@ -30,6 +30,9 @@ from leases.celery import SKIPPED, partition_for, partition_queues, resign_leade
 from leases.celery.leader import LEADER_HEADER
 from leases.election import elect, leader_of
 from tests.celery_app import (
+    BACKENDS,
+    LOCKED_WRITE,
+    SINGLETON_HOLD,
     add_once,
     app,
     leader_tick,
@@ -37,7 +40,6 @@ from tests.celery_app import (
     locked_skip,
     locked_slow,
     locked_until_lost,
-    locked_write,
     partitioned_touch,
     singleton_hold,
 )
@@ -90,16 +92,18 @@ def broker_url(request: pytest.FixtureRequest) -> str:
     return AMQP_URL
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_locked_bodies_never_overlap_and_all_complete(
-    celery_workers: Callable[..., Worker], broker_url: str
+    celery_workers: Callable[..., Worker], broker_url: str, backend: str
 ) -> None:
+    task = LOCKED_WRITE[backend]
     queue = new_queue()
     extra = {"LEASES_TEST_BROKER_URL": broker_url}
     ready(celery_workers, *({"queues": [queue], "name": n, "extra_env": extra} for n in "ab"))
     register = new_register("celery-locked")
 
     with producer_on(broker_url) as producer:
-        results = [locked_write.apply_async((register, 0.05), queue=queue, producer=producer)
+        results = [task.apply_async((register, 0.05), queue=queue, producer=producer)
                    for _ in range(20)]  # fmt: skip
 
     assert [r.get(timeout=90) for r in results] == [True] * 20  # every closing write accepted
@@ -277,11 +281,12 @@ def broker() -> Any:
     return redis.Redis.from_url(settings.CELERY_BROKER_URL)
 
 
-def test_singleton_50_concurrent_delays_queue_one_task() -> None:
-    queue, name = new_queue(), new_register("single")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_singleton_50_concurrent_delays_queue_one_task(backend: str) -> None:
+    queue, name, task = new_queue(), new_register("single"), SINGLETON_HOLD[backend]
     try:
         with ThreadPoolExecutor(max_workers=10) as pool:
-            ids = list(pool.map(lambda _: singleton_hold.apply_async((name, 0), queue=queue).id,
+            ids = list(pool.map(lambda _: task.apply_async((name, 0), queue=queue).id,
                                 range(50)))  # fmt: skip
         assert len(set(ids)) == 1
         assert broker().llen(queue) == 1
