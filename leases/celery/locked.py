@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 from celery import Task
 
 from .. import conf
-from ..errors import LeaseLost, LeaseUnavailable
+from ..errors import BackendUnavailable, LeaseLost, LeaseUnavailable
 from ..keys import validate_name
 from ..lease import Lease, acquire
 from ._base import Call, Key, backoff, current_call, format_key, skip
@@ -127,18 +127,23 @@ class LockedTask(Task):  # type: ignore[type-arg]
         return result
 
     def _give_back(self, call: Call, *, quiet: bool) -> None:
-        """Release the run's lease once; a loss raises, unless the body already failed."""
+        """Release the run's lease once, as ``lease()`` does on leaving its block.
+
+        A lease lost before the body returned fails the run (it ran unprotected), unless the body
+        already failed or is retrying; a store that cannot be reached after a protected run is
+        only logged: the grant expires by itself.
+        """
         if call.released:
             return
         call.released = True
+        protected = call.lease.remaining() > 0
         try:
-            call.lease.ensure_held()
             call.lease.release()
-        except LeaseLost:
-            if not quiet:
+        except (LeaseLost, BackendUnavailable) as exc:
+            if not quiet and (isinstance(exc, LeaseLost) or not protected):
                 raise
-            logger.warning("task %s[%s]: lease %r was lost before release",
-                           self.name, self.request.id, call.lease.name)  # fmt: skip
+            logger.warning("task %s[%s]: lease %r not released: %s",
+                           self.name, self.request.id, call.lease.name, exc)  # fmt: skip
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Release this run's lease, then retry: a retry must not wait for its own attempt."""
