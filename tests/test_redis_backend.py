@@ -274,3 +274,31 @@ def test_acquire_script_asks_for_an_epoch_when_the_counter_is_missing() -> None:
     code, stored = script(keys=[keys.lock, keys.fence], args=["h", 1000, 0, 2**32 - 1])
     assert (Reply(code), stored) == (Reply.NEED_EPOCH, b"0")
     assert client.exists(keys.lock, keys.fence) == 0  # a refused grant writes nothing
+
+
+def test_one_round_trip_each_for_acquire_renew_release(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(), unique()
+    sent: list[object] = []
+    pool = backend.client.connection_pool
+
+    class Counting(pool.connection_class):  # type: ignore[name-defined,misc]
+        def send_packed_command(self, command: object, *args: object, **kwargs: object) -> None:
+            sent.append(command)
+            super().send_packed_command(command, *args, **kwargs)
+
+    pool.disconnect()
+    pool.connection_class = Counting
+    first = backend.try_acquire(name, "warm-up", 5)  # a new name: + epoch, + script loads
+    assert first is not None
+    backend.release(backend.renew(first, 5))
+    counts = []
+    for step in ("acquire", "renew", "release"):
+        sent.clear()
+        if step == "acquire":
+            grant = backend.try_acquire(name, "a", 5)
+        elif step == "renew":
+            grant = backend.renew(grant, 5)
+        else:
+            backend.release(grant)
+        counts.append(len(sent))
+    assert counts == [1, 1, 1]
