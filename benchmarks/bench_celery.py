@@ -43,14 +43,15 @@ QUEUE = "bench-celery"
 WORKER = f"bench-celery-{os.getpid()}"
 OPS, ROUNDS = 20, 7
 
-# Persistent database connections, as a production worker runs with (else Celery's Django
-# fixup closes the connection after every task and idempotent_task pays a reconnect each time).
-settings.DATABASES["default"]["CONN_MAX_AGE"] = 600
-# A Redis lease backend next to the database one, in this process and in the worker.
-override_settings(LEASES={**settings.LEASES, "BACKENDS": {
-    **settings.LEASES["BACKENDS"],
-    "bench-redis": {"ENGINE": "leases.backends.redis", "CACHE": "default"},
-}}).enable()  # fmt: skip
+if os.environ.get("LEASES_BENCH_CELERY_WORKER"):  # in the worker only, not in the bench run
+    # Persistent database connections, as a production worker runs with (else Celery's Django
+    # fixup closes the connection after every task, and idempotent_task pays a reconnect).
+    settings.DATABASES["default"]["CONN_MAX_AGE"] = 600
+    # A Redis lease backend next to the database one.
+    override_settings(LEASES={**settings.LEASES, "BACKENDS": {
+        **settings.LEASES["BACKENDS"],
+        "bench-redis": {"ENGINE": "leases.backends.redis", "CACHE": "default"},
+    }}).enable()  # fmt: skip
 
 app = Celery("bench")
 app.config_from_object("django.conf:settings", namespace="CELERY")
@@ -91,7 +92,8 @@ def _start_worker() -> subprocess.Popen[bytes]:
                "-P", "prefork", "-c", "1", "--without-heartbeat", "--without-gossip",
                "--without-mingle", "--loglevel", "ERROR", "-Q", QUEUE,
                "-n", f"{WORKER}@%h"]  # fmt: skip
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "demo_project.settings"}
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "demo_project.settings",
+           "LEASES_BENCH_CELERY_WORKER": "1"}  # fmt: skip
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -6,6 +6,7 @@ the pieces every task relies on without starting one.
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from typing import Any
 
@@ -114,3 +115,17 @@ def test_partitions_are_stable_documented_and_spread() -> None:
     assert (
         part.partition_queue(("customer-42",), {}) == f"keys.part.{partition_for('customer-42', 4)}"
     )
+
+
+def test_only_locked_tasks_take_a_lease_parameter() -> None:
+    @idempotent_task(key="{lease}", app=app, name="keys.not_a_lease")
+    def named_lease(lease: str) -> str:
+        return lease
+
+    assert named_lease.run("kept") == "kept"  # an ordinary argument, not injected
+
+    @idempotent_task(base=LockedTask, key="x", app=app, name="keys.idem_locked")
+    def inside(lease: Any) -> Any:
+        return lease
+
+    assert "lease" not in inspect.signature(inside.run).parameters

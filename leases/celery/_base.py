@@ -137,6 +137,8 @@ def task_decorator(
     configure the base's hooks. A ``base=`` in ``options`` is mixed in after ``base``
     (``locked_task(base=IdempotentTask)`` holds the lease around the idempotent run), and
     ``app=`` picks the app (default: ``shared_task``). Bare (``@deco``) and called forms work.
+    When the base says ``inject_lease`` (a locked task does), a ``lease`` parameter of the
+    function gets the run's lease.
     """
     app = options.pop("app", None)
     extra = options.pop("base", None)
@@ -150,6 +152,7 @@ def task_decorator(
 
     def decorate(f: Callable[..., Any]) -> Any:
         make = app.task if app is not None else shared_task
-        return make(base=base, **attrs, **options)(_inject_lease(f))
+        run = _inject_lease(f) if getattr(base, "inject_lease", False) else f
+        return make(base=base, **attrs, **options)(run)
 
     return decorate(fun) if fun is not None else decorate

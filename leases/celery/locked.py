@@ -53,6 +53,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
     busy_backoff_max: ClassVar[float] = 30.0
     busy_max_retries: ClassVar[int] = 100
     on_lease_lost: ClassVar[Callable[[Lease], object] | None] = None
+    #: The decorators fill a ``lease`` parameter of the task function with the run's lease.
+    inject_lease: ClassVar[bool] = True
 
     # -- hooks -------------------------------------------------------------------------------
 
