@@ -302,3 +302,19 @@ def test_one_round_trip_each_for_acquire_renew_release(make_backend: MakeBackend
             backend.release(grant)
         counts.append(len(sent))
     assert counts == [1, 1, 1]
+
+
+def test_a_forked_child_never_ends_the_parents_database_session(make_backend: MakeBackend) -> None:
+    backend = make_backend()
+    assert backend.try_acquire(unique(), "parent", 5) is not None  # the epoch counter connected
+    pid = os.fork()
+    if pid == 0:  # the child: take its own epoch, then close everything, as at shutdown
+        code = 1
+        try:
+            code = 0 if backend.try_acquire(unique(), "child", 5) is not None else 3
+            backend.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert backend.try_acquire(unique(), "parent", 5) is not None  # its session still works

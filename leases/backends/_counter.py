@@ -10,7 +10,9 @@ of its own, so a caller's ``transaction.atomic()`` rolling back can never un-iss
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import weakref
 from typing import Any
 
 from django.db import DatabaseError, connections
@@ -39,6 +41,11 @@ RETURNING token
 SYNCHRONOUS_COMMIT_SQL = "SET synchronous_commit = on"
 CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
 
+_counters: weakref.WeakSet[DurableCounter] = weakref.WeakSet()
+#: Connections inherited over fork, kept referenced and never closed: closing (or collecting)
+#: one would send a Terminate message on the parent's socket and end the parent's session.
+_inherited: list[object] = []
+
 
 class DurableCounter:
     """Counters on a private autocommit connection to database ``alias``, shared by threads."""
@@ -48,6 +55,7 @@ class DurableCounter:
         self.alias = alias
         self._lock = threading.Lock()
         self._connection: Any = None
+        _counters.add(self)
 
     def _execute(self, sql: str, params: tuple[object, ...]) -> int | None:
         with self._lock:
@@ -95,3 +103,14 @@ class DurableCounter:
     def close(self) -> None:
         with self._lock:
             self._close_locked()
+
+
+def _forget_after_fork() -> None:
+    for counter in list(_counters):
+        counter._lock = threading.Lock()
+        if counter._connection is not None:
+            _inherited.append(counter._connection)
+            counter._connection = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
