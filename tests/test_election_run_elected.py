@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from leases.backends import get_backend
-from leases.election import election_lease_name, leader_of
+from leases.election import elect, election_lease_name, leader_of
 
 TTL, GRACE, SLACK = 1.5, 1.0, 3.0
 
@@ -117,3 +117,17 @@ def test_terminated_supervisor_stops_its_command_and_resigns(run_elected: object
     assert proc.wait(GRACE + SLACK) == 128 + signal.SIGTERM
     assert not alive(pid)
     assert leader_of(name) is None
+
+
+@pytest.mark.fault
+def test_command_never_runs_unless_elected(
+    child_env: dict[str, str], python: str, tmp_path: Path
+) -> None:
+    name, out = f"run-elected-{uuid.uuid4().hex[:8]}", tmp_path / "never"
+    with elect(name, ttl=30, timeout=5):
+        args = ["run_elected", name, "--timeout", "0.5", "--", python, "-c", COMMAND, str(out)]
+        done = subprocess.run(
+            [python, "-m", "django", *args, "term"], env=child_env, capture_output=True, timeout=60
+        )
+    assert done.returncode == 1 and b"not elected" in done.stderr
+    assert not out.exists()

@@ -25,6 +25,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from leases.election import Leadership, elect
+from leases.errors import LeaseUnavailable
 
 LOST_EXIT_CODE = 75
 _PR_SET_PDEATHSIG = 1
@@ -95,12 +96,15 @@ class Command(BaseCommand):
         if not command:
             raise CommandError("nothing to run: manage.py run_elected NAME -- COMMAND [ARGS...]")
         with _terminate_on((signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
-            leadership = elect(
-                options["name"],
-                ttl=options["ttl"],
-                backend=options["backend"],
-                timeout=options["timeout"],
-            )
+            try:
+                leadership = elect(
+                    options["name"],
+                    ttl=options["ttl"],
+                    backend=options["backend"],
+                    timeout=options["timeout"],
+                )
+            except LeaseUnavailable as exc:
+                raise CommandError(f"not elected: {exc}") from exc
             with leadership:
                 code = self.supervise(leadership, command, options["grace"], options["poll"])
         if code:
