@@ -210,6 +210,11 @@ SINGLETON_HOLD = {
 singleton_hold = SINGLETON_HOLD["default"]
 
 
+@singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL, on_duplicate="raise")
+def singleton_strict(name: str) -> None:
+    _run(name, "", None, 0)
+
+
 @leader_only(name="celery-test-beat", ttl=_LEASE_TTL, bind=True)
 def leader_tick(self: Any, label: str) -> None:
     _run(label, self.request.id, self.sent_by, 0)

@@ -29,6 +29,7 @@ from leases.backends import get_backend
 from leases.celery import SKIPPED, partition_for, partition_queues, resign_leaderships
 from leases.celery.leader import LEADER_HEADER
 from leases.election import elect, leader_of
+from leases.errors import LeaseUnavailable
 from tests.celery_app import (
     BACKENDS,
     LOCKED_WRITE,
@@ -42,6 +43,7 @@ from tests.celery_app import (
     locked_until_lost,
     partitioned_touch,
     singleton_hold,
+    singleton_strict,
 )
 from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # noqa: F401
 from tests.checker import check_history, history, new_register
@@ -289,6 +291,17 @@ def test_singleton_50_concurrent_delays_queue_one_task(backend: str) -> None:
             ids = list(pool.map(lambda _: task.apply_async((name, 0), queue=queue).id,
                                 range(50)))  # fmt: skip
         assert len(set(ids)) == 1
+        assert broker().llen(queue) == 1
+    finally:
+        broker().delete(queue)
+
+
+def test_singleton_duplicate_raises_when_configured_to() -> None:
+    queue, name = new_queue(), new_register("strict")
+    try:
+        first = singleton_strict.apply_async((name,), queue=queue)
+        with pytest.raises(LeaseUnavailable, match=first.id):
+            singleton_strict.apply_async((name,), queue=queue)
         assert broker().llen(queue) == 1
     finally:
         broker().delete(queue)
