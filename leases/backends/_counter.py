@@ -15,9 +15,11 @@ import threading
 import weakref
 from typing import Any
 
-from django.db import DatabaseError, connections
+import psycopg
+from django.db.backends.signals import connection_created
 
-from ..errors import FencingUnavailable
+from ..errors import BackendUnavailable, FencingUnavailable
+from .database import _connect  # one recipe for the package's private connections
 
 __all__ = ["DurableCounter"]
 
@@ -38,7 +40,6 @@ ON CONFLICT (name) DO UPDATE SET token = leases_lease.token + 1
 RETURNING token
 """
 
-SYNCHRONOUS_COMMIT_SQL = "SET synchronous_commit = on"
 CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
 
 _counters: weakref.WeakSet[DurableCounter] = weakref.WeakSet()
@@ -61,15 +62,12 @@ class DurableCounter:
         with self._lock:
             try:
                 if self._connection is None:
-                    self._connection = connections.create_connection(self.alias)
-                    self._connection.inc_thread_sharing()
-                    with self._connection.cursor() as cursor:
-                        # A bump lost in a database crash could be handed out again.
-                        cursor.execute(SYNCHRONOUS_COMMIT_SQL)
-                with self._connection.cursor() as cursor:
-                    cursor.execute(sql, params)
-                    row = cursor.fetchone()
-            except DatabaseError as exc:
+                    # The database backend's connection recipe: autocommit, synchronous_commit
+                    # on (a bump lost in a crash could be handed out again), TCP keepalives and
+                    # timeouts so a dead server cannot hang a grant forever.
+                    self._connection = _connect(self.alias)
+                row = self._connection.execute(sql, params).fetchone()
+            except (psycopg.Error, BackendUnavailable) as exc:
                 self._close_locked()
                 raise FencingUnavailable(
                     self.backend,
@@ -96,7 +94,7 @@ class DurableCounter:
 
     def _close_locked(self) -> None:
         if self._connection is not None:
-            with contextlib.suppress(DatabaseError):
+            with contextlib.suppress(psycopg.Error):
                 self._connection.close()
             self._connection = None
 
@@ -114,3 +112,14 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _close_before_database_ddl(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """Close counters when Django opens a no-database connection (to create or drop a
+    database, as test runs do): an open counter connection would make ``DROP DATABASE`` fail."""
+    if getattr(connection, "alias", None) == "__no_db__":
+        for counter in list(_counters):
+            counter.close()
+
+
+connection_created.connect(_close_before_database_ddl, dispatch_uid="leases.backends._counter")
