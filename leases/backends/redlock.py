@@ -48,13 +48,7 @@ from django.utils.module_loading import import_string
 from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from ._counter import DurableCounter
-from .base import Capability, Grant, LeaseBackend, LeaseInfo
-from .redis import (
-    RELEASE_LUA,
-    RENEW_LUA,
-    WAKE_TTL_MS,
-    LeaseKeys,
-    Reply,
+from ._redis_io import (
     check_options,
     check_prefix,
     connect,
@@ -65,6 +59,8 @@ from .redis import (
     send,
     text,
 )
+from .base import Capability, Grant, LeaseBackend, LeaseInfo
+from .redis import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply
 
 __all__ = ["Backend"]
 

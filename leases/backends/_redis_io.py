@@ -1,0 +1,166 @@
+"""redis-py plumbing shared by the Redis and Redlock backends.
+
+Connections (a django-redis cache alias or a URL, never retried), commands sent without waiting
+and read later (so Redlock talks to all its nodes at once, and a ``BLPOP`` can outwait the
+socket timeout), option checks, the eviction-policy deploy check, and the one place where
+redis-py's errors become :class:`~leases.errors.BackendUnavailable`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+import redis
+from django.utils import timezone
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ..errors import BackendUnavailable, LeasesImproperlyConfigured
+
+__all__ = [
+    "blpop",
+    "check_options",
+    "check_prefix",
+    "connect",
+    "edge",
+    "eviction_problems",
+    "expires",
+    "ms",
+    "receive",
+    "send",
+    "text",
+]
+
+MAX_PREFIX_LENGTH = 64
+
+
+def ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def expires(seconds: float) -> datetime:
+    """Wall-clock estimate of an expiry, for display only (Redis's clock decides)."""
+    return timezone.now() + timedelta(seconds=seconds)
+
+
+def check_prefix(alias: str, prefix: object) -> str:
+    if not isinstance(prefix, str) or not 0 < len(prefix) <= MAX_PREFIX_LENGTH:
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}]["PREFIX"] must be a string of 1 to '
+            f"{MAX_PREFIX_LENGTH} characters, not {prefix!r}"
+        )
+    if any(c in prefix for c in "{}*?[]\\"):
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}]["PREFIX"] must not contain braces or glob characters'
+        )
+    return prefix
+
+
+def check_options(alias: str, options: Mapping[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}] has unknown options {unknown} '
+            f"(known: {', '.join(sorted(known))})"
+        )
+
+
+def connect(alias: str, cache: object, url: object, socket_timeout: float) -> Any:
+    """A redis-py client for a django-redis cache alias or a URL (never both)."""
+    if (cache is None) == (url is None):
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}] needs exactly one of "CACHE" (a django-redis cache '
+            'alias) or "URL"'
+        )
+    if cache is not None:
+        import django_redis  # type: ignore[import-untyped]
+
+        return django_redis.get_redis_connection(str(cache))
+    # No retries: a retried acquire could double-grant, a retried release report a false loss.
+    return redis.Redis.from_url(
+        str(url),
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_timeout,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def send(client: Any, command: tuple[object, ...]) -> Any:
+    """Send ``command`` on a pooled connection without waiting for the reply.
+
+    With :func:`receive` this lets a caller talk to several servers at once (Redlock) or wait
+    longer than the client's socket timeout for one blocking command. Errors propagate.
+    """
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_command(*command)
+    except BaseException:
+        connection.disconnect()
+        pool.release(connection)
+        raise
+    return connection
+
+
+def receive(client: Any, connection: Any, command: tuple[object, ...], timeout: object) -> Any:
+    """The reply to ``command`` sent on ``connection``, which then goes back to the pool.
+
+    ``timeout`` (seconds) replaces the socket timeout for this one read; ``None`` keeps it and
+    parses the reply as redis-py's method for the command would.
+    """
+    try:
+        if timeout is None:
+            return client.parse_response(connection, str(command[0]))
+        return connection.read_response(timeout=timeout)
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        client.connection_pool.release(connection)
+
+
+def blpop(client: Any, key: str, wait: float) -> Any:
+    """``BLPOP key wait``, read with a timeout that covers the wait (and Redis's 100 ms timer
+    granularity), so a short socket timeout does not turn every long wait into an error."""
+    command = ("BLPOP", key, f"{wait:.3f}")
+    return receive(client, send(client, command), command, wait + 1.0)
+
+
+@contextlib.contextmanager
+def edge(alias: str, what: str) -> Iterator[None]:
+    """Translate redis-py's errors into :class:`BackendUnavailable` at the backend's edge."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise BackendUnavailable(alias, f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def eviction_problems(alias: str, client: Any) -> list[str]:
+    """Why ``client``'s server could lose lease keys to eviction, if it can (deploy check)."""
+    with edge(alias, "deploy check"):
+        client.ping()
+        try:
+            policy = text(client.config_get("maxmemory-policy").get("maxmemory-policy", ""))
+        except redis.ResponseError:
+            return [
+                "cannot read maxmemory-policy (CONFIG is disabled); make sure it is "
+                "'noeviction' so lease keys are never evicted"
+            ]
+    if policy.startswith("allkeys"):
+        return [
+            f"maxmemory-policy is {policy!r}: Redis may evict lease keys, letting two holders in "
+            "at once (fencing still rejects the stale one); use 'noeviction'"
+        ]
+    if policy.startswith("volatile"):
+        return [
+            f"maxmemory-policy is {policy!r}: Redis may evict held leases (they have a TTL) "
+            "under memory pressure; use 'noeviction'"
+        ]
+    return []
