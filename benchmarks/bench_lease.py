@@ -7,6 +7,8 @@
 2. Contended throughput: 8 processes acquiring and releasing one name as fast as they can,
    ours vs django-pglock (``advisory(xact=True)``: a transaction-scoped Postgres lock, which
    protects nothing outside its transaction and has no fencing token) vs python-redis-lock.
+   Ours runs with and without its waiting room (waiters after the first sleep in the server's
+   lock queue instead of all retrying on every release).
 3. Hand-off latency: from the holder's ``release()`` to the blocked waiter's acquire returning.
 """
 
@@ -102,8 +104,8 @@ def _contend(kind: str, name: str, seconds: float, start: Any, counts: Any) -> N
 
 
 def _contender(kind: str, name: str) -> Callable[[], None]:
-    if kind == "ours":
-        return lambda: acquire(name, ttl=TTL, keepalive=False, timeout=30).release()
+    if kind in ("default", "no-room"):
+        return lambda: acquire(name, ttl=TTL, backend=kind, keepalive=False, timeout=30).release()
     if kind == "pglock":
         import pglock
 
@@ -176,9 +178,13 @@ def handoff(take: Callable[[], Callable[[], None]]) -> tuple[float, float]:
     return statistics.median(samples), samples[int(len(samples) * 0.9)]
 
 
-def _take_ours(name: str) -> Callable[[], None]:
-    held = acquire(name, ttl=TTL, keepalive=False, timeout=10)
+def _take_ours(name: str, backend: str = "default") -> Callable[[], None]:
+    held = acquire(name, ttl=TTL, backend=backend, keepalive=False, timeout=10)
     return held.release
+
+
+def _take_ours_without_room(name: str) -> Callable[[], None]:
+    return _take_ours(name, "no-room")
 
 
 def _take_pglock(name: str) -> Callable[[], None]:
@@ -199,7 +205,11 @@ def _take_redis_lock(name: str) -> Callable[[], None]:
 
 
 def main(report: Report) -> None:
-    with override_settings(DEBUG=False):
+    backends = {
+        "default": {"ENGINE": "leases.backends.database"},
+        "no-room": {"ENGINE": "leases.backends.database", "WAITING_ROOM": False},
+    }
+    with override_settings(DEBUG=False, LEASES={"BACKENDS": backends}):
         raw = psycopg.connect(autocommit=True, **connection.get_connection_params())
         try:
             _measure(report, "uncontended acquire + release", uncontended(raw))
@@ -207,7 +217,8 @@ def main(report: Report) -> None:
             raw.close()
         rows, totals = [], []
         for label, kind in (
-            ("ours (database backend)", "ours"),
+            ("ours (database backend)", "default"),
+            ("ours, WAITING_ROOM off", "no-room"),
             ("django-pglock advisory(xact=True)", "pglock"),
             ("python-redis-lock", "redis_lock"),
         ):
@@ -220,6 +231,7 @@ def main(report: Report) -> None:
             (label, handoff(lambda take=take, key=key: take(f"bench:handoff:{key}")))
             for label, take, key in (
                 ("ours (LISTEN/NOTIFY wake-up)", _take_ours, uuid.uuid4().hex[:8]),
+                ("ours, WAITING_ROOM off", _take_ours_without_room, uuid.uuid4().hex[:8]),
                 ("django-pglock (server lock queue)", _take_pglock, uuid.uuid4().hex[:8]),
                 ("python-redis-lock (BLPOP signal)", _take_redis_lock, uuid.uuid4().hex[:8]),
             )

@@ -279,18 +279,24 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _grant(store: LeaseBackend, name: str, holder: str, ttl: float, timeout: float | None) -> Grant:
-    """Try, then wait for a release (or a backoff delay) and try again, until the deadline."""
+    """Try; then, in the name's waiting room, wait for a release (or a backoff delay) and
+    try again, until the deadline."""
     deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
-    backoff: Backoff | None = None  # built on the first failure: most tries succeed at once
-    while True:
-        grant = store.try_acquire(name, holder, ttl)
-        if grant is not None:
-            return grant
-        backoff = backoff or Backoff(deadline=deadline)
-        delay = backoff.next_delay()
-        if delay is None:
-            raise LeaseUnavailable(name, timeout)
-        store.wait_for_release(name, delay)
+    grant = store.try_acquire(name, holder, ttl)
+    if grant is not None:
+        return grant
+    if timeout == 0:
+        raise LeaseUnavailable(name, timeout)
+    backoff = Backoff(deadline=deadline)
+    with store.waiting_room(name, timeout):
+        while True:
+            grant = store.try_acquire(name, holder, ttl)
+            if grant is not None:
+                return grant
+            delay = backoff.next_delay()
+            if delay is None:
+                raise LeaseUnavailable(name, timeout)
+            store.wait_for_release(name, delay)
 
 
 def acquire(

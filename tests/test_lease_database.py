@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,15 @@ from django.test import override_settings
 
 from leases import LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured, acquire
 from leases.backends import get_backend
-from leases.backends.database import ACQUIRE_SQL, RELEASE_SQL, RENEW_SQL, Backend, _connect
+from leases.backends.database import (
+    ACQUIRE_SQL,
+    RELEASE_SQL,
+    RENEW_SQL,
+    ROOM_TIMEOUT,
+    Backend,
+    _connect,
+)
+from leases.keys import advisory_key, split_key
 from tests.lease_backends import lease_name
 
 __all__ = ["lease_name"]
@@ -199,3 +208,58 @@ def test_lease_connection_ignores_django_pool_and_binding_options() -> None:
             conn.close()
     finally:
         del connections.settings["pooled"]
+
+
+def room_locks(name: str) -> dict[bool, int]:
+    """Granted and waiting sessions on ``name``'s waiting-room lock, from ``pg_locks``."""
+    classid, objid = split_key(room_key(name))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT granted, count(*) FROM pg_locks WHERE locktype = 'advisory' "
+            "AND classid = %s AND objid = %s AND objsubid = 1 GROUP BY granted",
+            [classid, objid],
+        )
+        return dict(cursor.fetchall())
+
+
+def room_key(name: str) -> int:
+    key = advisory_key(f"leases:room:{name}")
+    assert isinstance(key, int)
+    return key
+
+
+def test_waiters_sleep_in_the_room_so_a_release_wakes_one(lease_name: str) -> None:
+    holder = acquire(lease_name, ttl=5)
+    tokens: list[int] = []
+
+    def wait() -> None:
+        held = acquire(lease_name, ttl=5, timeout=10)
+        tokens.append(held.token)
+        time.sleep(0.05)
+        held.release()
+
+    waiters = [threading.Thread(target=wait) for _ in range(4)]
+    for thread in waiters:
+        thread.start()
+    time.sleep(0.5)
+    assert room_locks(lease_name) == {True: 1, False: 3}
+    holder.release()
+    for thread in waiters:
+        thread.join(timeout=15)
+    assert len(tokens) == 4 and tokens == sorted(tokens) and tokens[0] > holder.token
+    assert room_locks(lease_name) == {}
+
+
+def test_a_stuck_waiting_room_does_not_block_takeover(lease_name: str) -> None:
+    """A waiter paused inside the room holds its lock; others stop queueing after a while."""
+    paused_waiter = _connect("default")
+    try:
+        paused_waiter.execute("SELECT pg_advisory_lock(%s)", [room_key(lease_name)])
+        first = acquire(lease_name, ttl=0.5, keepalive=False)
+        started = time.monotonic()
+        second = acquire(lease_name, ttl=1, timeout=5, holder="second")
+        assert second.token > first.token
+        assert time.monotonic() - started < 0.5 + ROOM_TIMEOUT + 1.5
+        second.release()
+    finally:
+        paused_waiter.close()

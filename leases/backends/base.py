@@ -15,8 +15,10 @@ renewal or release the store refused).
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
@@ -122,6 +124,17 @@ class LeaseBackend(abc.ABC):
         Returns ``True`` when woken by a release, ``False`` on timeout; may return early or
         spuriously (callers retry ``try_acquire``). Backends without notifications sleep.
         """
+
+    def waiting_room(self, name: str, timeout: float | None) -> AbstractContextManager[None]:
+        """Admit one waiter of ``name`` at a time while others sleep in the store.
+
+        A waiter enters after its first failed try and stays until it acquires or gives up,
+        so a release wakes one contender instead of every waiter (a herd that costs a failed
+        round trip each). Optional and best effort: the default admits everyone at once, and a
+        backend must stop queueing after a short while rather than let a paused waiter hold
+        the others back. Safety never depends on it.
+        """
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def inspect(self, name: str) -> LeaseInfo | None:

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +37,7 @@ from django.db.backends.signals import connection_created
 from django.utils.connection import ConnectionDoesNotExist
 
 from ..errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
+from ..keys import advisory_key
 from .base import Capability, Grant, LeaseBackend, LeaseInfo
 
 __all__ = ["CHANNEL", "Backend"]
@@ -106,6 +107,16 @@ SELECT name, holder, token, acquired_at, expires_at, renewed_at, meta,
 FROM leases_lease ORDER BY name
 """
 LISTEN_SQL = "LISTEN leases_released"
+
+#: The waiting room: one session advisory lock per name, taken by a waiter after its first
+#: failed try, so other waiters sleep in the server's lock queue instead of all retrying on
+#: every release. ``lock_timeout`` bounds the queueing (see :data:`ROOM_TIMEOUT`).
+ROOM_ENTER_SQL = "SELECT set_config('lock_timeout', %(timeout)s, false), pg_advisory_lock(%(key)s)"
+ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock(%(key)s)"
+#: Longest a waiter queues for the room before it waits on its own (a paused waiter in the
+#: room must not hold the others back for longer).
+ROOM_TIMEOUT = 1.0
+_IDLE_ROOM_CONNECTIONS = 4
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
 
 #: libpq settings that bound how long a dead server can hang us (unless the user set them).
@@ -118,7 +129,7 @@ _CONNECT_DEFAULTS: dict[str, Any] = {
     "tcp_user_timeout": 10_000,
     "application_name": "django-leases",
 }
-_KNOWN_OPTIONS = frozenset({"DATABASE"})
+_KNOWN_OPTIONS = frozenset({"DATABASE", "WAITING_ROOM"})
 _RECENT_RELEASES = 4096
 
 _instances: weakref.WeakSet[Backend] = weakref.WeakSet()
@@ -145,6 +156,13 @@ def _connect(db_alias: str) -> psycopg.Connection[Any]:
         return psycopg.connect(autocommit=True, **params)
     except psycopg.Error as exc:
         raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
+
+
+def _close_quietly(conn: psycopg.Connection[Any] | None) -> None:
+    """Close ``conn`` if there is one, ignoring errors (it is being dropped anyway)."""
+    if conn is not None:
+        with contextlib.suppress(Exception):
+            conn.close()
 
 
 def _stale(conn: psycopg.Connection[Any]) -> bool:
@@ -271,6 +289,8 @@ class Backend(LeaseBackend):
         self._conn: psycopg.Connection[Any] | None = None
         self._listener: _Listener | None = None
         self._local = threading.local()
+        self._room_enabled = bool(self.options.get("WAITING_ROOM", True))
+        self._rooms: list[psycopg.Connection[Any]] = []  # idle room connections
         _instances.add(self)
 
     # -- the connection -------------------------------------------------------------------
@@ -296,9 +316,7 @@ class Backend(LeaseBackend):
 
     def _discard(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+        _close_quietly(conn)
 
     def connection(self) -> psycopg.Connection[Any] | None:
         """The backend's own connection, if open (for diagnostics and round-trip tests)."""
@@ -336,6 +354,62 @@ class Backend(LeaseBackend):
             listener = self._listener
         return listener.wait(name, since, max(0.0, timeout))
 
+    @contextlib.contextmanager
+    def waiting_room(self, name: str, timeout: float | None) -> Iterator[None]:
+        """Queue on the name's room lock (at most :data:`ROOM_TIMEOUT`), then wait inside it.
+
+        Each waiter in the room holds a connection of its own (from a small idle pool), since
+        its session sleeps in the lock queue. Any failure just means waiting without a room.
+        """
+        if not self._room_enabled:
+            yield
+            return
+        key = advisory_key(f"leases:room:{name}")
+        assert isinstance(key, int)  # a name always maps to one 64-bit key
+        queue_for = ROOM_TIMEOUT if timeout is None else min(timeout, ROOM_TIMEOUT)
+        params = {"timeout": f"{max(1, int(queue_for * 1000))}ms", "key": key}
+        conn, entered = None, False
+        try:
+            conn = self._room_connection()
+            conn.execute(ROOM_ENTER_SQL, params)
+            entered = True
+        except psycopg.errors.LockNotAvailable:
+            pass  # queued long enough: wait on our own
+        except (psycopg.Error, BackendUnavailable) as exc:
+            logger.debug("leases: waiting without a room for %r: %s", name, exc)
+            _close_quietly(conn)
+            conn = None
+        try:
+            yield
+        finally:
+            if conn is not None:
+                self._leave_room(conn, key, entered)
+
+    def _room_connection(self) -> psycopg.Connection[Any]:
+        with self._lock:
+            while self._rooms:
+                conn = self._rooms.pop()
+                if not _stale(conn):
+                    return conn
+                _close_quietly(conn)
+        return _connect(self.db_alias)
+
+    def _leave_room(self, conn: psycopg.Connection[Any], key: int, entered: bool) -> None:
+        try:
+            if entered and conn.execute(ROOM_LEAVE_SQL, {"key": key}).fetchone() != (True,):
+                # The unlock ran on another server session (a transaction-pooling proxy):
+                # the room cannot work here, so stop using it rather than leak locks.
+                self._room_enabled = False
+                logger.warning("leases: waiting room disabled on %r: unlock failed", self.alias)
+        except psycopg.Error:
+            _close_quietly(conn)  # closing the session releases its advisory lock
+            return
+        with self._lock:
+            if len(self._rooms) < _IDLE_ROOM_CONNECTIONS:
+                self._rooms.append(conn)
+                return
+        _close_quietly(conn)
+
     def inspect(self, name: str) -> LeaseInfo | None:
         rows = self._run(INSPECT_SQL, {"name": name})
         return _info(rows[0], self.alias) if rows else None
@@ -361,13 +435,12 @@ class Backend(LeaseBackend):
 
     def close(self) -> None:
         with self._lock:
-            conn, self._conn = self._conn, None
+            conns, self._conn, self._rooms = [self._conn, *self._rooms], None, []
             listener, self._listener = self._listener, None
         if listener is not None:
             listener.stop()
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+        for conn in conns:
+            _close_quietly(conn)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -382,10 +455,8 @@ class Backend(LeaseBackend):
         """In a forked child: drop (never close) the parent's connections; reconnect lazily."""
         self._lock = threading.Lock()
         listener, self._listener = self._listener, None
-        for conn in (self._conn, listener.conn if listener else None):
-            if conn is not None:
-                _inherited.append(conn)
-        self._conn = None
+        _inherited.extend([self._conn, listener.conn if listener else None, *self._rooms])
+        self._conn, self._rooms = None, []
 
 
 def _after_fork_in_child() -> None:
