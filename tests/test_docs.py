@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,19 @@ def test_every_error_is_documented(error: str) -> None:
 @pytest.mark.parametrize("signal", leases.signals.__all__)
 def test_every_signal_is_documented_with_its_arguments(signal: str) -> None:
     assert f"| `{signal}` |" in page("operating.md")
+
+
+def test_every_system_check_is_documented() -> None:
+    root = GUIDE.parent.parent
+    sources = [*root.glob("leases/**/*.py"), *root.glob("idempotency/**/*.py")]
+    ids = set(re.findall(r'id="((?:leases|idempotency)\.[EW]\d+)"', "".join(map(_read, sources))))
+    assert ids, "no system check ids found: has the check module moved?"
+    missing = sorted(i for i in ids if f"| `{i}` |" not in page("settings.md"))
+    assert not missing, f"system checks missing from docs/guide/settings.md: {missing}"
+
+
+def _read(path: Path) -> str:
+    return path.read_text()
 
 
 def test_every_page_is_in_the_navigation() -> None:
