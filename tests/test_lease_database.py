@@ -18,13 +18,13 @@ from django.test import override_settings
 
 from leases import LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured, acquire
 from leases.backends import get_backend
+from leases.backends._pgconn import connect as _connect
 from leases.backends.database import (
     ACQUIRE_SQL,
     RELEASE_SQL,
     RENEW_SQL,
     ROOM_TIMEOUT,
     Backend,
-    _connect,
 )
 from leases.keys import advisory_key, split_key
 from tests.lease_backends import lease_name

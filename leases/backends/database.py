@@ -22,11 +22,9 @@ import contextlib
 import json
 import logging
 import os
-import select
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
@@ -34,18 +32,17 @@ from typing import Any
 import psycopg
 from django.db import connections
 from django.db.backends.signals import connection_created
-from django.utils.connection import ConnectionDoesNotExist
 
 from ..errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from ..keys import advisory_key
+from ._pgconn import CHANNEL, Listener, close_quietly, connect, stale
 from .base import Capability, Grant, LeaseBackend, LeaseInfo
 
 __all__ = ["CHANNEL", "Backend"]
 
-logger = logging.getLogger("leases")
+_connect = connect  # the old private name, still imported by leases.backends._counter
 
-#: The NOTIFY channel every release and forced release of this backend announces itself on.
-CHANNEL = "leases_released"
+logger = logging.getLogger("leases")
 
 #: Take ``name`` if it is free or expired, bumping its token; nothing is written when it is held.
 ACQUIRE_SQL = """
@@ -106,7 +103,6 @@ SELECT name, holder, token, acquired_at, expires_at, renewed_at, meta,
        holder <> '' AND expires_at > clock_timestamp()
 FROM leases_lease ORDER BY name
 """
-LISTEN_SQL = "LISTEN leases_released"
 
 #: The waiting room: one session advisory lock per name, taken by a waiter after its first
 #: failed try, so other waiters sleep in the server's lock queue instead of all retrying on
@@ -119,66 +115,12 @@ ROOM_TIMEOUT = 1.0
 _IDLE_ROOM_CONNECTIONS = 4
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
 
-#: libpq settings that bound how long a dead server can hang us (unless the user set them).
-_CONNECT_DEFAULTS: dict[str, Any] = {
-    "connect_timeout": 5,
-    "keepalives": 1,
-    "keepalives_idle": 5,
-    "keepalives_interval": 2,
-    "keepalives_count": 3,
-    "tcp_user_timeout": 10_000,
-    "application_name": "django-leases",
-}
 _KNOWN_OPTIONS = frozenset({"DATABASE", "WAITING_ROOM"})
-_RECENT_RELEASES = 4096
 
 _instances: weakref.WeakSet[Backend] = weakref.WeakSet()
 #: Connections inherited over fork: kept referenced, never closed, because closing them would
 #: send a Terminate message on the parent's socket and end the parent's session.
 _inherited: list[object] = []
-
-
-def _connect(db_alias: str) -> psycopg.Connection[Any]:
-    """A new autocommit connection to the database Django's ``db_alias`` points at *now*.
-
-    Read at connect time, not at start-up, so a test database's name is used.
-    """
-    try:
-        wrapper = connections.create_connection(db_alias)
-    except ConnectionDoesNotExist as exc:
-        raise LeasesImproperlyConfigured(str(exc)) from exc
-    params = wrapper.get_connection_params()
-    params.pop("cursor_factory", None)
-    for key, value in _CONNECT_DEFAULTS.items():
-        params.setdefault(key, value)
-    params["options"] = f"{params.get('options', '')} -c synchronous_commit=on".strip()
-    try:
-        return psycopg.connect(autocommit=True, **params)
-    except psycopg.Error as exc:
-        raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
-
-
-def _close_quietly(conn: psycopg.Connection[Any] | None) -> None:
-    """Close ``conn`` if there is one, ignoring errors (it is being dropped anyway)."""
-    if conn is not None:
-        with contextlib.suppress(Exception):
-            conn.close()
-
-
-def _stale(conn: psycopg.Connection[Any]) -> bool:
-    """Whether an idle connection is already dead, without a round trip.
-
-    An idle autocommit session that is not listening has nothing to say; if its socket is
-    readable the server has closed it (restart, ``pg_terminate_backend``). Reconnecting first
-    avoids failing a request on a connection that died while idle.
-    """
-    if conn.closed or conn.broken:
-        return True
-    try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
 
 
 def _info(row: tuple[Any, ...], backend: str) -> LeaseInfo:
@@ -194,65 +136,6 @@ def _info(row: tuple[Any, ...], backend: str) -> LeaseInfo:
         renewed_at=renewed_at,
         meta=json.loads(meta) if isinstance(meta, str | bytes) else meta or {},
     )
-
-
-class _Listener:
-    """One ``LISTEN`` connection and thread; remembers when each name was last released."""
-
-    def __init__(self, backend: Backend) -> None:
-        self._db_alias = backend.db_alias
-        self._cond = threading.Condition()
-        self._released: OrderedDict[str, float] = OrderedDict()
-        self._stop = threading.Event()
-        self.conn: psycopg.Connection[Any] | None = None
-        self._thread = threading.Thread(
-            target=self._run, name=f"leases-listen-{backend.alias}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.conn = _connect(self._db_alias)
-                self.conn.execute(LISTEN_SQL)
-                while not self._stop.is_set():
-                    for note in self.conn.notifies(timeout=0.25):
-                        self._record(note.payload)
-            except Exception as exc:  # never die: waiters fall back to their backoff
-                if not self._stop.is_set():
-                    logger.debug("leases: LISTEN connection failed (%s); retrying", exc)
-                    self._stop.wait(0.5)
-            finally:
-                conn, self.conn = self.conn, None
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        conn.close()
-
-    def _record(self, name: str) -> None:
-        with self._cond:
-            self._released[name] = time.monotonic()
-            self._released.move_to_end(name)
-            while len(self._released) > _RECENT_RELEASES:
-                self._released.popitem(last=False)
-            self._cond.notify_all()
-
-    def wait(self, name: str, since: float, timeout: float) -> bool:
-        """Whether ``name`` was released after ``since``, waiting up to ``timeout`` for it."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._released.get(name, float("-inf")) < since:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set():
-                    return False
-                self._cond.wait(left)
-            return True
-
-    def stop(self) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2)
 
 
 class Backend(LeaseBackend):
@@ -287,7 +170,7 @@ class Backend(LeaseBackend):
             )
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
-        self._listener: _Listener | None = None
+        self._listener: Listener | None = None
         self._local = threading.local()
         self._room_enabled = bool(self.options.get("WAITING_ROOM", True))
         self._rooms: list[psycopg.Connection[Any]] = []  # idle room connections
@@ -303,9 +186,9 @@ class Backend(LeaseBackend):
         """
         with self._lock:
             conn = self._conn
-            if conn is None or _stale(conn):
+            if conn is None or stale(conn):
                 self._discard()
-                conn = self._conn = _connect(self.db_alias)
+                conn = self._conn = connect(self.db_alias)
             try:
                 cursor = conn.execute(sql, params)
                 return cursor.fetchall() if cursor.description else []
@@ -316,7 +199,7 @@ class Backend(LeaseBackend):
 
     def _discard(self) -> None:
         conn, self._conn = self._conn, None
-        _close_quietly(conn)
+        close_quietly(conn)
 
     def connection(self) -> psycopg.Connection[Any] | None:
         """The backend's own connection, if open (for diagnostics and round-trip tests)."""
@@ -350,7 +233,7 @@ class Backend(LeaseBackend):
         since = self._failed_at().pop(name, time.monotonic())
         with self._lock:
             if self._listener is None:
-                self._listener = _Listener(self)
+                self._listener = Listener(self.db_alias, self.alias)
             listener = self._listener
         return listener.wait(name, since, max(0.0, timeout))
 
@@ -377,7 +260,7 @@ class Backend(LeaseBackend):
             pass  # queued long enough: wait on our own
         except (psycopg.Error, BackendUnavailable) as exc:
             logger.debug("leases: waiting without a room for %r: %s", name, exc)
-            _close_quietly(conn)
+            close_quietly(conn)
             conn = None
         try:
             yield
@@ -389,10 +272,10 @@ class Backend(LeaseBackend):
         with self._lock:
             while self._rooms:
                 conn = self._rooms.pop()
-                if not _stale(conn):
+                if not stale(conn):
                     return conn
-                _close_quietly(conn)
-        return _connect(self.db_alias)
+                close_quietly(conn)
+        return connect(self.db_alias)
 
     def _leave_room(self, conn: psycopg.Connection[Any], key: int, entered: bool) -> None:
         try:
@@ -402,13 +285,13 @@ class Backend(LeaseBackend):
                 self._room_enabled = False
                 logger.warning("leases: waiting room disabled on %r: unlock failed", self.alias)
         except psycopg.Error:
-            _close_quietly(conn)  # closing the session releases its advisory lock
+            close_quietly(conn)  # closing the session releases its advisory lock
             return
         with self._lock:
             if len(self._rooms) < _IDLE_ROOM_CONNECTIONS:
                 self._rooms.append(conn)
                 return
-        _close_quietly(conn)
+        close_quietly(conn)
 
     def inspect(self, name: str) -> LeaseInfo | None:
         rows = self._run(INSPECT_SQL, {"name": name})
@@ -440,7 +323,7 @@ class Backend(LeaseBackend):
         if listener is not None:
             listener.stop()
         for conn in conns:
-            _close_quietly(conn)
+            close_quietly(conn)
 
     # -- internals ------------------------------------------------------------------------
 
