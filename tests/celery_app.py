@@ -59,6 +59,16 @@ def _announce_ready(**_: Any) -> None:
         Path(path).write_text(str(os.getpid()))
 
 
+_SENDER = "leases_test_sender"
+
+
+@signals.before_task_publish.connect
+def _stamp_sender(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """Name the sending process on every message (which beat sent a tick?)."""
+    if headers is not None:
+        headers[_SENDER] = _worker()
+
+
 @signals.task_prerun.connect
 def _record_delivery(task_id: str = "", task: Any = None, **_: Any) -> None:
     from tests.testapp.models_celery import Delivery
@@ -86,12 +96,12 @@ def _now() -> Any:
         return cursor.fetchone()[0]  # type: ignore[index]
 
 
-def _run(label: str, task_id: str, token: int | None, hold: float) -> int:
+def _run(label: str, task_id: str, token: int | None, hold: float, sender: str = "") -> int:
     """Record a body run of ``hold`` seconds; returns the run's id."""
     from tests.testapp.models_celery import TaskRun
 
     run = TaskRun.objects.create(label=label, task_id=task_id, worker=_worker(), token=token,
-                                 started_at=_now())  # fmt: skip
+                                 sender=sender, started_at=_now())  # fmt: skip
     time.sleep(hold)
     TaskRun.objects.filter(id=run.id).update(ended_at=_now())
     return run.id
@@ -217,7 +227,8 @@ def singleton_strict(name: str) -> None:
 
 @leader_only(name="celery-test-beat", ttl=_LEASE_TTL, bind=True)
 def leader_tick(self: Any, label: str) -> None:
-    _run(label, self.request.id, self.sent_by, 0)
+    sender = getattr(self.request, _SENDER, None) or (self.request.headers or {}).get(_SENDER)
+    _run(label, self.request.id, self.sent_by, 0, sender=sender or "")
 
 
 if os.environ.get("LEASES_TEST_BEAT_QUEUE"):  # for `celery beat` processes started by a test

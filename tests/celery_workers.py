@@ -34,6 +34,8 @@ class Worker:
     proc: subprocess.Popen[bytes]
     log: Path
     ready_file: Path
+    #: The name the process records itself under (``LEASES_TEST_WORKER``), e.g. ``"a"``.
+    role: str = ""
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> Worker:
         deadline = time.monotonic() + timeout
@@ -101,7 +103,7 @@ def _start(
             command, env=child_env, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_child_setup(signal.SIGKILL),
         )  # fmt: skip
-    return Worker(unique, proc, log, ready)
+    return Worker(unique, proc, log, ready, role=name)
 
 
 @pytest.fixture(name="celery_workers")

@@ -325,7 +325,9 @@ def test_singleton_guard_frees_within_its_ttl_after_worker_sigkill(
             again = singleton_hold.apply_async((name, 0), queue=queue)
             time.sleep(0.05)
         assert again.id != first.id
-        assert time.monotonic() - killed <= ttl + 0.5, "the guard outlived its TTL"
+        assert time.monotonic() - killed <= ttl + 1.5, (
+            "the guard outlived its TTL"
+        )  # + polling slack
     finally:
         broker().delete(queue)
 
@@ -414,20 +416,24 @@ def test_two_beats_send_each_tick_once_and_the_survivor_leads_after_a_sigkill(
     for beat in beats:
         beat.wait_ready()
     ticks = TaskRun.objects.filter(label=label)
-    wait_until(lambda: ticks.count() >= 2, 30, "the first ticks")
+    wait_until(lambda: ticks.count() >= 6, 30, "ticks for 3 s")
 
-    before = ticks.count()
-    time.sleep(3.0)  # one beat alone sends ~6 ticks of 0.5 s in 3 s; two would send ~12
-    window = list(ticks.order_by("id"))[before:]
-    assert 3 <= len(window) <= 8, f"{len(window)} ticks in 3 s from two beats: both sent"
     leader = leader_of(election)
-    assert leader is not None and {t.token for t in window} == {leader.token}
-
+    assert leader is not None
     victim = next(b for b in beats if b.proc.pid == leader.pid)
+    survivor = next(b for b in beats if b is not victim)
+    senders = {t.sender for t in ticks}
+    assert senders == {f"{victim.role}:{leader.pid}"}, (
+        f"ticks sent by {senders}: not only the leader"
+    )
+    assert {t.token for t in ticks} == {leader.token}
+
     victim.kill()
     killed = time.monotonic()
-    wait_until(lambda: ticks.exclude(token=leader.token).exists(), 20, "the survivor's ticks")
+    later = ticks.exclude(token=leader.token)
+    wait_until(later.exists, 20, "the survivor's ticks")
     assert time.monotonic() - killed <= leader_tick.leader_ttl + 3  # type: ignore[operator]
+    assert {t.sender for t in later} == {f"{survivor.role}:{survivor.proc.pid}"}
     successor = leader_of(election)
     assert successor is not None and successor.token > leader.token
-    assert successor.pid == next(b for b in beats if b is not victim).proc.pid
+    assert successor.pid == survivor.proc.pid

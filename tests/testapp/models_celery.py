@@ -16,6 +16,8 @@ class TaskRun(models.Model):
     label = models.CharField(max_length=255, db_index=True)
     task_id = models.CharField(max_length=255)
     worker = models.CharField(max_length=255)
+    #: The process that sent the message (``name:pid``, stamped on publish), for beat ticks.
+    sender = models.CharField(max_length=255, default="")
     token = models.BigIntegerField(null=True)
     started_at = models.DateTimeField()
     ended_at = models.DateTimeField(null=True)
