@@ -177,7 +177,9 @@ class Backend(LeaseBackend):
             grant = Grant(name, holder, token, ttl, sent_at, expires(ttl), {"value": value})
             if self._valid(grant):
                 return grant
-        self._unlock_everywhere(keys, value)
+        # A node that said no has nothing to undo; one that said yes or timed out might.
+        if any(answer is True or answer is FAILED for answer in answers):
+            self._unlock_everywhere(keys, value)
         if all(answer is FAILED for answer in answers):
             raise BackendUnavailable(self.alias, "no Redlock node answered")
         return None
