@@ -129,6 +129,8 @@ def receive(client: Any, connection: Any, command: tuple[object, ...], timeout: 
 def blpop(client: Any, key: str, wait: float) -> Any:
     """``BLPOP key wait``, read with a timeout that covers the wait (and Redis's 100 ms timer
     granularity), so a short socket timeout does not turn every long wait into an error."""
+    if not hasattr(client, "connection_pool"):  # a RedisCluster client routes by key itself
+        return client.blpop([key], timeout=wait)
     command = ("BLPOP", key, f"{wait:.3f}")
     return receive(client, send(client, command), command, wait + 1.0)
 
