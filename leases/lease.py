@@ -17,12 +17,8 @@ import contextlib
 import contextvars
 import inspect
 import logging
-import math
 import os
-import secrets
-import socket
 import threading
-import warnings
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar, overload
@@ -30,6 +26,7 @@ from typing import Any, TypeVar, overload
 from django.dispatch import Signal
 
 from . import conf, keepalive
+from ._arguments import holder_identity, valid_timeout, valid_ttl, warn_if_too_short
 from .backends import Grant, LeaseBackend, get_backend
 from .errors import (
     BackendUnavailable,
@@ -39,8 +36,7 @@ from .errors import (
     LeaseNotHeld,
     LeaseUnavailable,
 )
-from .keepalive import MIN_RETRY_WINDOW, retry_window
-from .keys import MAX_NAME_LENGTH, validate_name
+from .keys import validate_name
 from .retry import SYSTEM_CLOCK, Backoff, Clock
 from .signals import lease_acquired, lease_lost, lease_released, lease_renewed
 
@@ -143,7 +139,7 @@ class Lease:
         """Extend the lease to ``ttl`` seconds (default: its TTL) from now, in one round trip."""
         self._check_owner("renew")
         self.ensure_held()
-        ttl = self.grant.ttl if ttl is None else _valid_ttl(ttl)
+        ttl = self.grant.ttl if ttl is None else valid_ttl(ttl)
         try:
             grant = self._store.renew(self.grant, ttl)
         except LeaseLost as exc:
@@ -206,49 +202,6 @@ class Lease:
             except Exception:
                 logger.exception("leases: on_lost callback for %r raised", self.name)
         _send(lease_lost, self, reason=reason)
-
-
-def _valid_ttl(ttl: object) -> float:
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
-        raise InvalidLeaseOption("ttl", ttl, "must be a finite number of seconds greater than 0")
-    settings = conf.get()
-    if ttl * (1 - settings.drift_factor) <= settings.drift_min:
-        raise InvalidLeaseOption("ttl", ttl, "must exceed the clock drift allowance")
-    return float(ttl)
-
-
-def _valid_timeout(timeout: object) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
-        raise InvalidLeaseOption("timeout", timeout, "must be None (wait forever) or >= 0")
-    return float(timeout)
-
-
-def _warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:
-    window = retry_window(ttl, settings.renew_fraction, settings.drift_factor, settings.drift_min)
-    if window < MIN_RETRY_WINDOW:
-        warnings.warn(
-            f"ttl={ttl:g}s leaves {window:.3f}s to retry a failed renewal (RENEW_FRACTION "
-            f"{settings.renew_fraction:.2f}, drift {settings.drift_min}s + "
-            f"{settings.drift_factor:.0%}); one slow round trip will lose the lease",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-def _holder(holder: str | None) -> str:
-    """Who holds a grant: label, host, pid, thread and a random part unique to this grant."""
-    if holder is None:
-        label = conf.get().holder_label
-        ident = (
-            f"{socket.gethostname()[:100]}:{os.getpid()}:{threading.get_ident()}:"
-            f"{secrets.token_hex(4)}"
-        )
-        holder = f"{label[:100]}@{ident}" if label else ident
-    if not isinstance(holder, str) or not 0 < len(holder) <= MAX_NAME_LENGTH:
-        raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")
-    return holder
 
 
 def _holder_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
@@ -316,17 +269,17 @@ def acquire(
     """
     name = validate_name(name)
     settings = conf.get()
-    ttl = _valid_ttl(settings.default_ttl if ttl is None else ttl)
-    timeout = _valid_timeout(timeout)
+    ttl = valid_ttl(settings.default_ttl if ttl is None else ttl)
+    timeout = valid_timeout(timeout)
     store = get_backend(backend)
     key = _holder_key(store, name, holder)
-    holder = _holder(holder)
+    holder = holder_identity(holder)
     with _held_lock:
         held = _held.get(key)
     if held is not None:
         raise LeaseAlreadyHeld(name, held.holder)
     if keepalive:
-        _warn_if_too_short(ttl, settings)
+        warn_if_too_short(ttl, settings)
     grant = _grant(store, name, holder, ttl, timeout)
     lease = Lease(store, grant, on_lost=on_lost)
     _register(lease, key)

@@ -1,0 +1,67 @@
+"""The arguments of ``lease()`` and ``acquire()``, checked before anything reaches a server.
+
+A bad TTL, timeout or holder raises :class:`~leases.errors.InvalidLeaseOption` (a
+``ValueError``) without costing a round trip or leaving state behind, like a bad name does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import socket
+import threading
+import warnings
+
+from . import conf
+from .errors import InvalidLeaseOption
+from .keepalive import MIN_RETRY_WINDOW, retry_window
+from .keys import MAX_NAME_LENGTH
+
+__all__ = ["holder_identity", "valid_timeout", "valid_ttl", "warn_if_too_short"]
+
+
+def valid_ttl(ttl: object) -> float:
+    """A TTL in seconds; one within the drift allowance would be invalid the moment granted."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
+        raise InvalidLeaseOption("ttl", ttl, "must be a finite number of seconds greater than 0")
+    settings = conf.get()
+    if ttl * (1 - settings.drift_factor) <= settings.drift_min:
+        raise InvalidLeaseOption("ttl", ttl, "must exceed the clock drift allowance")
+    return float(ttl)
+
+
+def valid_timeout(timeout: object) -> float | None:
+    """``None`` (wait forever) or seconds; NaN would silently mean "do not wait"."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+        raise InvalidLeaseOption("timeout", timeout, "must be None (wait forever) or >= 0")
+    return float(timeout)
+
+
+def warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:
+    """Warn (at the caller's line) when a kept-alive TTL leaves no time to retry a renewal."""
+    window = retry_window(ttl, settings.renew_fraction, settings.drift_factor, settings.drift_min)
+    if window < MIN_RETRY_WINDOW:
+        warnings.warn(
+            f"ttl={ttl:g}s leaves {window:.3f}s to retry a failed renewal (RENEW_FRACTION "
+            f"{settings.renew_fraction:.2f}, drift {settings.drift_min}s + "
+            f"{settings.drift_factor:.0%}); one slow round trip will lose the lease",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def holder_identity(holder: str | None) -> str:
+    """Who holds a grant: label, host, pid, thread and a random part unique to this grant."""
+    if holder is None:
+        label = conf.get().holder_label
+        ident = (
+            f"{socket.gethostname()[:100]}:{os.getpid()}:{threading.get_ident()}:"
+            f"{secrets.token_hex(4)}"
+        )
+        holder = f"{label[:100]}@{ident}" if label else ident
+    if not isinstance(holder, str) or not 0 < len(holder) <= MAX_NAME_LENGTH:
+        raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")
+    return holder
