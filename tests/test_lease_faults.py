@@ -266,3 +266,26 @@ def test_tokens_never_go_backwards_across_an_immediate_restart(
         kept.release()
         with lease("restart-held", ttl=1, backend="fault", timeout=0) as successor:
             assert successor.token > kept.token
+
+
+def test_a_short_store_outage_is_retried_within_the_validity(
+    fault_database: tuple[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Renewal fails while the server is down, is retried with backoff, and succeeds in time."""
+    alias, server = fault_database
+    lost: list[Any] = []
+    with override_settings(LEASES=fault_backends(alias)), caplog.at_level("WARNING", "leases"):
+        held = acquire("outage", ttl=4, backend="fault", on_lost=lost.append)
+        server.stop("fast")
+        time.sleep(1.6)  # the renewal due at 1.33 s has failed at least once
+        assert "retrying" in caplog.text
+        held.ensure_held()
+        restarted = time.monotonic()
+        server.start()
+        deadline = time.monotonic() + 4
+        while held.grant.sent_at < restarted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held.grant.sent_at >= restarted, "no renewal succeeded after the outage"
+        held.ensure_held()
+        assert not lost
+        held.release()
