@@ -226,7 +226,10 @@ class BackendLeaseAdmin(_ReadOnlyAdmin):
         ]
         context = self.section_context(
             request,
-            rows=[(info, holder, humanize_delta(left)) for info, holder, left in rows],
+            rows=[
+                (info, operations.lease_state(info), holder, humanize_delta(left))
+                for info, holder, left in rows
+            ],
             errors=errors,
             can_release=request.user.has_perm(operations.FORCE_RELEASE_PERMISSION),
         )

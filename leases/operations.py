@@ -33,6 +33,7 @@ __all__ = [
     "advisory_locks",
     "all_leases",
     "force_release",
+    "lease_state",
     "parse_holder",
     "remember_advisory_names",
     "terminate_session",
@@ -184,6 +185,16 @@ def all_leases() -> tuple[list[LeaseInfo], dict[str, str]]:
             errors[alias] = str(exc)
     found.sort(key=lambda info: (not info.held, info.name, info.backend))
     return found, errors
+
+
+def lease_state(info: LeaseInfo) -> str:
+    """``held``, ``expired`` (a holder whose time ran out) or ``free`` (released), per the store.
+
+    The store's own verdict (its clock), so the admin and the command never disagree with it.
+    """
+    if info.held:
+        return "held"
+    return "expired" if info.holder else "free"
 
 
 def expires_in(info: LeaseInfo, now: datetime | None = None) -> timedelta | None:

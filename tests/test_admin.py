@@ -99,6 +99,8 @@ def test_every_backend_page_lists_and_releases(client: Client, lock_scene: LockS
     login(client, "view_lease")
     page = client.get(EVERY_BACKEND).content.decode()
     assert lock_scene.held in page and grant.name in page and "force-release" not in page
+    for name, state in [(lock_scene.held, "held"), (lock_scene.expired, "expired")]:
+        assert f'data-name="{name}">\n<td>{name}</td><td class="state">{state}</td>' in page
     release = reverse("admin:leases_backendlease_release")
     assert client.post(release, {"name": grant.name, "backend": "redis"}).status_code == 403
 

@@ -25,12 +25,6 @@ HEADERS = ("KIND", "BACKEND", "NAME", "STATE", "HOLDER", "TOKEN", "EXPIRES IN", 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
-def lease_state(info: LeaseInfo, left: float | None) -> str:
-    if info.held and (left is None or left > 0):
-        return "held"
-    return "expired" if info.holder else "free"
-
-
 def lease_rows(infos: Iterable[LeaseInfo]) -> list[tuple[str, ...]]:
     now = timezone.now()
     rows: list[tuple[str, ...]] = []
@@ -43,7 +37,7 @@ def lease_rows(infos: Iterable[LeaseInfo]) -> list[tuple[str, ...]]:
                 "lease",
                 info.backend,
                 info.name,
-                lease_state(info, left),
+                operations.lease_state(info),
                 info.holder or "-",
                 str(info.token),
                 "-" if left is None or not info.holder else f"{left:.1f}s",
