@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from io import StringIO
 from typing import Any
 
@@ -11,6 +12,7 @@ from django.core.management import CommandError, call_command
 
 from leases.backends import get_backend
 from leases.models import ForceRelease
+from leases.operations import advisory_locks
 from tests.factories import UserFactory
 from tests.locks_fixture import LockScene, lock_scene_fixture  # noqa: F401 - fixture
 
@@ -70,3 +72,24 @@ def test_release_needs_the_permission_and_is_recorded(lock_scene: LockScene) -> 
 def test_watch_refreshes_a_bounded_number_of_times(lock_scene: LockScene) -> None:
     output = run("watch", "--interval", "0.01", "--count", "2")
     assert output.count("leases at ") == 2 and output.count(lock_scene.held) == 2
+
+
+def test_terminate_needs_its_permission_and_a_confirmation(lock_scene: LockScene) -> None:
+    pid = lock_scene.holder_pid
+    viewer: Any = UserFactory(username="viewer")
+    viewer.user_permissions.add(Permission.objects.get(codename="force_release_lease"))
+    with pytest.raises(CommandError, match="terminate_lock_session"):
+        run("terminate", str(pid), "--user", viewer.username, "--yes")
+
+    operator: Any = UserFactory(username="dba")
+    operator.user_permissions.add(Permission.objects.get(codename="terminate_lock_session"))
+    with pytest.raises(CommandError, match="add --yes"):
+        run("terminate", str(pid), "--user", operator.username)
+    assert any(row.pid == pid for row in advisory_locks())
+    assert "terminated session" in run("terminate", str(pid), "--user", operator.username, "--yes")
+    deadline = time.monotonic() + 10
+    while any(row.pid == pid for row in advisory_locks()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(row.pid == pid for row in advisory_locks())
+    record = ForceRelease.objects.get(action="terminate")
+    assert (record.by, record.via) == (operator, "command")

@@ -1,4 +1,4 @@
-"""``manage.py leases list|show NAME|release NAME|watch``: the admin pages for a terminal.
+"""``manage.py leases list|show|release|terminate|watch``: the admin pages for a terminal.
 
 ``release`` has the admin action's semantics and permission model: it revokes by advancing the
 token (so the evicted holder's fenced writes are rejected), needs a user holding
@@ -89,6 +89,15 @@ class Command(BaseCommand):
         release.add_argument(
             "--user", required=True, help="username holding leases.force_release_lease"
         )
+        terminate = sub.add_parser(
+            "terminate", help="end the database session holding or awaiting advisory locks"
+        )
+        terminate.add_argument("pid", type=int)
+        terminate.add_argument(
+            "--user", required=True, help="username holding leases.terminate_lock_session"
+        )
+        terminate.add_argument("--yes", action="store_true", help="confirm (else: describe)")
+        terminate.add_argument("--database", default="default")
         watch = sub.add_parser("watch", help="refresh the list every few seconds")
         watch.add_argument("--interval", type=float, default=2.0)
         watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
@@ -102,6 +111,8 @@ class Command(BaseCommand):
             self.show(options["name"], options["database"])
         elif action == "release":
             self.release(options["name"], options["backend"], options["user"])
+        elif action == "terminate":
+            self.terminate(options["pid"], options["user"], options["yes"], options["database"])
         else:
             self.watch(options["interval"], options["count"], options["database"])
 
@@ -146,19 +157,31 @@ class Command(BaseCommand):
             raise CommandError(f"no backend knows {name!r} and no advisory lock of that name")
 
     def release(self, name: str, backend: str, username: str) -> None:
-        user = get_user_model().objects.filter(username=username).first()
-        if user is None:
-            raise CommandError(f"no user {username!r}")
         try:
-            record = operations.force_release(name, backend=backend, user=user, via="command")
-        except PermissionDenied as exc:
-            raise CommandError(str(exc)) from exc
-        except LeaseError as exc:
+            record = operations.force_release(
+                name, backend=backend, user=_user(username), via="command"
+            )
+        except (PermissionDenied, LeaseError) as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(
             f"released {name!r} on {backend!r}: token {record.token} revoked (now "
             f"{record.new_token}); evicted holder {record.holder}"
         )
+
+    def terminate(self, pid: int, username: str, confirmed: bool, using: str) -> None:
+        """Like the admin's confirmation page: without ``--yes`` it only says what would end."""
+        user = _user(username)
+        locks = [row for row in operations.advisory_locks(using) if row.pid == pid]
+        if not locks:
+            raise CommandError(f"session {pid} holds or awaits no advisory lock")
+        self.stdout.write(format_table(HEADERS, advisory_rows(locks, using)))
+        if not confirmed:
+            raise CommandError(f"not terminated: add --yes to end session {pid}")
+        try:
+            operations.terminate_session(pid, user=user, via="command", using=using)
+        except (PermissionDenied, LeaseError) as exc:
+            raise CommandError(str(exc)) from exc
+        self.stdout.write(f"terminated session {pid}")
 
     def watch(self, interval: float, count: int, using: str) -> None:
         done = 0
@@ -170,3 +193,10 @@ class Command(BaseCommand):
             if count and done >= count:
                 return
             time.sleep(interval)
+
+
+def _user(username: str) -> Any:
+    user = get_user_model().objects.filter(username=username).first()
+    if user is None:
+        raise CommandError(f"no user {username!r}")
+    return user
