@@ -23,6 +23,7 @@ from leases.backends.database import (
     ACQUIRE_SQL,
     RELEASE_SQL,
     RENEW_SQL,
+    ROOM_CONNECTIONS,
     ROOM_TIMEOUT,
     Backend,
 )
@@ -248,6 +249,26 @@ def test_waiters_sleep_in_the_room_so_a_release_wakes_one(lease_name: str) -> No
         thread.join(timeout=15)
     assert len(tokens) == 4 and tokens == sorted(tokens) and tokens[0] > holder.token
     assert room_locks(lease_name) == {}
+
+
+def test_room_connections_per_process_are_capped(lease_name: str) -> None:
+    holder = acquire(lease_name, ttl=5)
+    tokens: list[int] = []
+
+    def wait() -> None:
+        held = acquire(lease_name, ttl=5, timeout=20)
+        tokens.append(held.token)
+        held.release()
+
+    waiters = [threading.Thread(target=wait) for _ in range(ROOM_CONNECTIONS + 4)]
+    for thread in waiters:
+        thread.start()
+    time.sleep(0.5)
+    assert room_locks(lease_name) == {True: 1, False: ROOM_CONNECTIONS - 1}
+    holder.release()
+    for thread in waiters:
+        thread.join(timeout=25)
+    assert len(tokens) == len(waiters) and len(set(tokens)) == len(tokens)
 
 
 def test_a_stuck_waiting_room_does_not_block_takeover(lease_name: str) -> None:

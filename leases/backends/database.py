@@ -112,6 +112,8 @@ ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock(%(key)s)"
 #: Longest a waiter queues for the room before it waits on its own (a paused waiter in the
 #: room must not hold the others back for longer).
 ROOM_TIMEOUT = 1.0
+#: Room connections a process may have open (in use or idle) per backend.
+ROOM_CONNECTIONS = 8
 _IDLE_ROOM_CONNECTIONS = 4
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
 
@@ -174,6 +176,7 @@ class Backend(LeaseBackend):
         self._local = threading.local()
         self._room_enabled = bool(self.options.get("WAITING_ROOM", True))
         self._rooms: list[psycopg.Connection[Any]] = []  # idle room connections
+        self._room_slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
         _instances.add(self)
 
     # -- the connection -------------------------------------------------------------------
@@ -241,32 +244,42 @@ class Backend(LeaseBackend):
     def waiting_room(self, name: str, timeout: float | None) -> Iterator[None]:
         """Queue on the name's room lock (at most :data:`ROOM_TIMEOUT`), then wait inside it.
 
-        Each waiter in the room holds a connection of its own (from a small idle pool), since
-        its session sleeps in the lock queue. Any failure just means waiting without a room.
+        Each waiter in the room holds a connection of its own, since its session sleeps in the
+        lock queue; at most :data:`ROOM_CONNECTIONS` per process, so many waiting threads
+        cannot exhaust the server's connections (the rest wait without a room). Any failure
+        just means waiting without a room.
         """
-        if not self._room_enabled:
+        if not self._room_enabled or not self._room_slots.acquire(blocking=False):
             yield
             return
-        key = advisory_key(f"leases:room:{name}")
-        assert isinstance(key, int)  # a name always maps to one 64-bit key
+        try:
+            key = advisory_key(f"leases:room:{name}")
+            assert isinstance(key, int)  # a name always maps to one 64-bit key
+            conn, entered = self._enter_room(name, key, timeout)
+            try:
+                yield
+            finally:
+                if conn is not None:
+                    self._leave_room(conn, key, entered)
+        finally:
+            self._room_slots.release()
+
+    def _enter_room(
+        self, name: str, key: int, timeout: float | None
+    ) -> tuple[psycopg.Connection[Any] | None, bool]:
         queue_for = ROOM_TIMEOUT if timeout is None else min(timeout, ROOM_TIMEOUT)
         params = {"timeout": f"{max(1, int(queue_for * 1000))}ms", "key": key}
-        conn, entered = None, False
+        conn = None
         try:
             conn = self._room_connection()
             conn.execute(ROOM_ENTER_SQL, params)
-            entered = True
+            return conn, True
         except psycopg.errors.LockNotAvailable:
-            pass  # queued long enough: wait on our own
+            return conn, False  # queued long enough: wait on our own
         except (psycopg.Error, BackendUnavailable) as exc:
             logger.debug("leases: waiting without a room for %r: %s", name, exc)
             close_quietly(conn)
-            conn = None
-        try:
-            yield
-        finally:
-            if conn is not None:
-                self._leave_room(conn, key, entered)
+            return None, False
 
     def _room_connection(self) -> psycopg.Connection[Any]:
         with self._lock:
@@ -337,6 +350,7 @@ class Backend(LeaseBackend):
     def _forget_after_fork(self) -> None:
         """In a forked child: drop (never close) the parent's connections; reconnect lazily."""
         self._lock = threading.Lock()
+        self._room_slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
         listener, self._listener = self._listener, None
         _inherited.extend([self._conn, listener.conn if listener else None, *self._rooms])
         self._conn, self._rooms = None, []
