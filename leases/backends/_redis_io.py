@@ -72,8 +72,15 @@ def check_options(alias: str, options: Mapping[str, Any], known: frozenset[str])
         )
 
 
-def connect(alias: str, cache: object, url: object, socket_timeout: float) -> Any:
-    """A redis-py client for a django-redis cache alias or a URL (never both)."""
+def connect(
+    alias: str, cache: object, url: object, socket_timeout: float, *, cluster: bool = False
+) -> Any:
+    """A redis-py client for a django-redis cache alias or a URL (never both).
+
+    A URL client never retries: a retried acquire could leave a grant nobody knows it holds
+    until it expires, and a retried release would report a loss that did not happen.
+    ``cluster`` makes a Redis Cluster client from the URL of any of its nodes.
+    """
     if (cache is None) == (url is None):
         raise LeasesImproperlyConfigured(
             f'LEASES["BACKENDS"][{alias!r}] needs exactly one of "CACHE" (a django-redis cache '
@@ -83,13 +90,12 @@ def connect(alias: str, cache: object, url: object, socket_timeout: float) -> An
         import django_redis  # type: ignore[import-untyped]
 
         return django_redis.get_redis_connection(str(cache))
-    # No retries: a retried acquire could double-grant, a retried release report a false loss.
-    return redis.Redis.from_url(
-        str(url),
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=socket_timeout,
-        retry=Retry(NoBackoff(), 0),
-    )
+    timeouts = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
+    if cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(str(url), **timeouts)
+    return redis.Redis.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts)
 
 
 def send(client: Any, command: tuple[object, ...]) -> Any:

@@ -7,7 +7,8 @@ Configuration (``LEASES["BACKENDS"][alias]``)::
 
 Options: ``CACHE`` or ``URL`` (one of them), ``PREFIX`` (default ``"leases:"``),
 ``EPOCH_DATABASE`` (the Django database alias epochs come from, default ``"default"``),
-``SOCKET_TIMEOUT`` (seconds, ``URL`` only). A cache alias keeps its own connection settings:
+``SOCKET_TIMEOUT`` (seconds, ``URL`` only), ``CLUSTER`` (``True``: the URL names a node of
+a Redis Cluster). A cache alias keeps its own connection settings:
 give it a socket timeout, and mind that redis-py retries failed commands by default (a ``URL``
 client here never retries, so a timed-out release is not retried into a false "lost").
 
@@ -63,7 +64,7 @@ MAX_COUNTER = 2**COUNTER_BITS - 1
 MAX_EPOCH = 2**31 - 1
 #: How long a release's wake-up waits in the list for a waiter that is about to ``BLPOP``.
 WAKE_TTL_MS = 5000
-OPTIONS = frozenset({"CACHE", "URL", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT"})
+OPTIONS = frozenset({"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT"})
 
 
 class Reply(enum.IntEnum):
@@ -191,9 +192,13 @@ class Backend(LeaseBackend):
         """The redis-py client, made on first use (never at import), with its own scripts."""
         with self._lock:
             if self._client is None:
-                timeout = float(self.options.get("SOCKET_TIMEOUT", 5.0))
+                options = self.options
                 client = connect(
-                    self.alias, self.options.get("CACHE"), self.options.get("URL"), timeout
+                    self.alias,
+                    options.get("CACHE"),
+                    options.get("URL"),
+                    float(options.get("SOCKET_TIMEOUT", 5.0)),
+                    cluster=bool(options.get("CLUSTER", False)),
                 )
                 # Registered per client: a Script object is bound to the client that made it.
                 self._scripts = {

