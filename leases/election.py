@@ -11,7 +11,6 @@ Observers ask :func:`leader_of`, which reads the store without campaigning.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import signals
 from .backends import get_backend
-from .errors import LeaseLost
+from .errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from .keys import validate_name
 from .lease import acquire
 from .operations import parse_holder
@@ -119,9 +118,13 @@ class Leadership:
         """Stop leading now so another candidate need not wait for the TTL to run out."""
         lease = self._lease
         if lease is not None and not lease.done:
-            # Already lost: the store moved on and nothing of ours is left to give back.
-            with contextlib.suppress(LeaseLost):
+            try:
                 lease.release()
+            except (LeaseLost, LeaseNotHeld):
+                pass  # already lost (nothing of ours left to give back), or resigned meanwhile
+            except BackendUnavailable as exc:
+                # Stepping down must not fail: keepalive has stopped, so the grant expires.
+                logger.warning("could not resign %r, it will expire: %s", self.name, exc)
         self._end("resigned")
 
     def _lease_lost(self, *args: Any, **kwargs: Any) -> None:
