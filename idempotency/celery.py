@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, overload
 
 from celery import Task
 from django.core.serializers.json import DjangoJSONEncoder
@@ -106,6 +106,20 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
         return operation.result
 
 
+@overload
+def idempotent_task(fun: Callable[..., Any], /) -> IdempotentTask: ...
+@overload
+def idempotent_task(
+    fun: None = None,
+    /,
+    *,
+    key: str | Callable[..., str] | None = None,
+    ttl: float | None = None,
+    lock: float | None = None,
+    wait: float = 0,
+    on_in_flight: Literal["retry", "raise"] = "retry",
+    **options: Any,
+) -> Callable[[Callable[..., Any]], IdempotentTask]: ...
 def idempotent_task(
     fun: Callable[..., Any] | None = None,
     /,

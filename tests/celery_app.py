@@ -35,7 +35,7 @@ from leases.lease import Lease  # noqa: E402
 
 app = Celery("tests")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.conf.broker_url = os.environ.get("LEASES_TEST_BROKER_URL") or settings.CELERY_BROKER_URL
+app.conf.update(broker_url=os.environ.get("LEASES_TEST_BROKER_URL") or settings.CELERY_BROKER_URL)
 if os.environ.get("LEASES_TEST_VISIBILITY_TIMEOUT"):
     app.conf.broker_transport_options = {
         "visibility_timeout": float(os.environ["LEASES_TEST_VISIBILITY_TIMEOUT"]),
@@ -93,7 +93,9 @@ def _worker() -> str:
 def _now() -> Any:
     with connection.cursor() as cursor:
         cursor.execute("SELECT clock_timestamp()")
-        return cursor.fetchone()[0]  # type: ignore[index]
+        row = cursor.fetchone()
+    assert row is not None
+    return row[0]
 
 
 def _run(label: str, task_id: str, token: int | None, hold: float, sender: str = "") -> int:

@@ -30,7 +30,7 @@ package is the only part of ``leases`` that imports Celery.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from ..lease import Lease
 from ._base import SKIPPED, Key, format_key, task_decorator
@@ -56,6 +56,21 @@ __all__ = [
 ]
 
 
+@overload
+def locked_task(fun: Callable[..., Any], /) -> LockedTask: ...
+@overload
+def locked_task(
+    fun: None = None,
+    /,
+    *,
+    key: Key | None = None,
+    ttl: float | None = None,
+    on_busy: OnBusy = "retry",
+    backend: str = "default",
+    timeout: float = 0,
+    on_lost: Callable[[Lease], object] | None = None,
+    **options: Any,
+) -> Callable[[Callable[..., Any]], LockedTask]: ...
 def locked_task(
     fun: Callable[..., Any] | None = None,
     /,
@@ -76,6 +91,19 @@ def locked_task(
     return task_decorator(LockedTask, fun, attrs, options)
 
 
+@overload
+def singleton_task(fun: Callable[..., Any], /) -> SingletonTask: ...
+@overload
+def singleton_task(
+    fun: None = None,
+    /,
+    *,
+    key: Key | None = None,
+    ttl: float | None = None,
+    on_duplicate: Literal["return", "raise"] = "return",
+    backend: str = "default",
+    **options: Any,
+) -> Callable[[Callable[..., Any]], SingletonTask]: ...
 def singleton_task(
     fun: Callable[..., Any] | None = None,
     /,
@@ -94,6 +122,18 @@ def singleton_task(
     return task_decorator(SingletonTask, fun, attrs, options)
 
 
+@overload
+def leader_only(fun: Callable[..., Any], /) -> LeaderOnlyTask: ...
+@overload
+def leader_only(
+    fun: None = None,
+    /,
+    *,
+    name: str | None = None,
+    ttl: float | None = None,
+    backend: str = "default",
+    **options: Any,
+) -> Callable[[Callable[..., Any]], LeaderOnlyTask]: ...
 def leader_only(
     fun: Callable[..., Any] | None = None,
     /,
@@ -109,15 +149,15 @@ def leader_only(
 
 
 def partitioned(
-    fun: Callable[..., Any] | None = None,
-    /,
     *,
     key: Key | None = None,
     partitions: int,
     queue_prefix: str | None = None,
     **options: Any,
-) -> Any:
+) -> Callable[[Callable[..., Any]], PartitionedTask]:
     """A task routed by a stable hash of ``key`` to one of ``partitions`` queues."""
     partition_for("x", partitions)  # validates partitions now, not at the first delay()
     attrs = {"partition_key": key, "partitions": partitions, "partition_queue_prefix": queue_prefix}
-    return task_decorator(PartitionedTask, fun, attrs, options)
+    decorate: Callable[[Callable[..., Any]], PartitionedTask]
+    decorate = task_decorator(PartitionedTask, None, attrs, options)
+    return decorate
