@@ -48,10 +48,10 @@ if os.environ.get("LEASES_BENCH_CELERY_WORKER"):  # in the worker only, not in t
     # fixup closes the connection after every task, and idempotent_task pays a reconnect).
     settings.DATABASES["default"]["CONN_MAX_AGE"] = 600
     # A Redis lease backend next to the database one.
-    override_settings(LEASES={**settings.LEASES, "BACKENDS": {
-        **settings.LEASES["BACKENDS"],
-        "bench-redis": {"ENGINE": "leases.backends.redis", "CACHE": "default"},
-    }}).enable()  # fmt: skip
+    leases_setting: dict[str, Any] = dict(settings.LEASES)
+    backends = {**leases_setting["BACKENDS"], "bench-redis": {"ENGINE": "leases.backends.redis",
+                                                              "CACHE": "default"}}  # fmt: skip
+    override_settings(LEASES={**leases_setting, "BACKENDS": backends}).enable()
 
 app = Celery("bench")
 app.config_from_object("django.conf:settings", namespace="CELERY")
@@ -62,11 +62,11 @@ app.conf.singleton_backend_url = settings.REDIS_URL
 
 PEERS: dict[str, type[Task]] = {}  # type: ignore[type-arg]
 with contextlib.suppress(ImportError):
-    from celery_once import QueueOnce
+    from celery_once import QueueOnce  # type: ignore[import-untyped]
 
     PEERS["celery-once QueueOnce"] = QueueOnce
 with contextlib.suppress(ImportError):
-    from celery_singleton import Singleton
+    from celery_singleton import Singleton  # type: ignore[import-untyped]
 
     PEERS["celery-singleton Singleton"] = Singleton
 
@@ -101,7 +101,9 @@ def _wait_ready(proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if any(
-            name.startswith(WORKER) for reply in app.control.ping(timeout=0.5) for name in reply
+            name.startswith(WORKER)
+            for reply in app.control.ping(timeout=0.5) or []
+            for name in reply
         ):
             return
     raise RuntimeError("the benchmark's celery worker did not start")

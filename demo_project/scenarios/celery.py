@@ -30,11 +30,11 @@ def _workers(names: list[str], queues: list[str]) -> list[subprocess.Popen[bytes
     command = [sys.executable, "-m", "celery", "-A", "demo_project.celery", "worker",
                "-P", "prefork", "-c", "1", "--without-heartbeat", "--without-gossip",
                "--without-mingle", "--loglevel", "WARNING", "-Q", ",".join(queues)]  # fmt: skip
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     return [
-        subprocess.Popen([*command, "-n", f"{name}@%h"], cwd=ROOT, env=os.environ, **quiet)
+        subprocess.Popen([*command, "-n", f"{name}@%h"], cwd=ROOT, env=os.environ,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for name in names
-    ]
+    ]  # fmt: skip
 
 
 def _wait_ready(names: list[str], timeout: float = 60) -> None:
@@ -43,7 +43,7 @@ def _wait_ready(names: list[str], timeout: float = 60) -> None:
     wanted = {f"{name}@{socket.gethostname()}" for name in names}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        answered = {k for reply in app.control.ping(timeout=0.5) for k in reply}
+        answered = {k for reply in app.control.ping(timeout=0.5) or [] for k in reply}
         if wanted <= answered:
             return
     raise AssertionError(f"the demo's workers did not start in {timeout}s")
