@@ -203,3 +203,29 @@ def test_waiter_is_woken_by_the_release_on_whichever_node_it_watches(
         backend.release(grant)
         waiter.join(10)
         assert woken == [True]  # a 30 s lease and 5 s wait: only the release's wake-up
+
+
+def test_nodes_may_be_django_redis_cache_aliases(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    from django.test import override_settings
+
+    servers = redis_servers(3)
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        **{
+            f"node{i}": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": server.url}
+            for i, server in enumerate(servers)
+        },
+    }
+    with override_settings(CACHES=caches):
+        backend = Backend("redlock-caches", {"NODES": ["node0", "node1", "node2"]})
+        try:
+            name = unique()
+            grant = backend.try_acquire(name, "a", 5)
+            assert grant is not None
+            assert holders(servers, name) == [grant.extra["value"].encode()] * 3
+            backend.release(backend.renew(grant, 5))
+            assert holders(servers, name) == [None] * 3
+        finally:
+            backend.close()
