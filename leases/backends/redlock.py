@@ -17,8 +17,9 @@ every node at once, then every reply read, each bounded by the short node timeou
 costs about one round trip and a dead or hung node little more (no thread per call); the
 lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity = TTL - elapsed -
 drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
-``sent_at``). A failed try unlocks on *every* node, with the same compare-and-delete a release
-uses, because a node that timed out may still have set the key. Renewal extends on a quorum or
+``sent_at``). A failed try that any node accepted (or did not answer) unlocks on *every*
+node, with the same compare-and-delete a release uses, because a node that timed out may still
+have set the key. Renewal extends on a quorum or
 reports the lease lost. The :class:`~leases.lease.Lease` layer retries failed tries with
 jittered backoff; between them a waiter blocks in ``BLPOP`` on one node for the wake-up every
 release pushes to all nodes.
@@ -29,8 +30,11 @@ and B gets a majority including it while A still believes it holds the lease). S
 takes its token, *after* winning the quorum, from a source with a global monotonic counter: by
 default the database backend's ``leases_lease`` row for the name, bumped in one statement on a
 connection of its own. B's token is then higher than A's, and the fence at the resource rejects
-whatever A writes after B has written. If the source is unavailable, the quorum is given back and
-the grant refused with :class:`~leases.errors.FencingUnavailable`.
+whatever A writes after B has written. Taking it after the quorum, not before, keeps the order
+of tokens the order of grants (a try delayed in the network cannot win with an older token) and
+spends no counter on failed tries; the price is one database statement per grant. If the source
+is unavailable, the quorum is given back and the grant refused with
+:class:`~leases.errors.FencingUnavailable`.
 """
 
 from __future__ import annotations
