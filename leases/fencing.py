@@ -160,6 +160,10 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
         nothing is changed and ``StaleFencingToken`` names those rows (``stored`` is the
         greatest of their tokens). Otherwise every matched row is updated and its
         ``fencing_token`` set to the token. A lease's ``ensure_held()`` runs at each update.
+
+        Inside a savepoint, the matched rows are locked in primary-key order
+        (``SELECT ... FOR UPDATE``) and then updated: two statements, so racing fenced writers
+        over overlapping rows queue instead of deadlocking. A rejection costs the first only.
         """
         if isinstance(fence, int):
             _valid_token(fence)
@@ -179,19 +183,22 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
             raise TypeError(f"a fenced update sets {FENCE_TOKEN_FIELD} itself; do not pass it")
         token = fence_token(self._fence)
         with transaction.atomic(using=self.db):
-            count = super(FencedQuerySet, self.filter(fencing_token__lte=token)).update(
-                **kwargs, **{FENCE_TOKEN_FIELD: token}
+            # Lock every matched row in primary-key order first: fenced writers racing over
+            # overlapping rows then queue instead of deadlocking, and the tokens read are the
+            # latest committed ones, so the decision below is final.
+            locked = list(
+                self.order_by("pk")
+                .select_for_update(of=("self",))
+                .values_list("pk", FENCE_TOKEN_FIELD)
             )
-            # Rows still matched with a greater token were rejected by the UPDATE above; the
-            # rows it did change are locked, so this sees exactly the losers.
-            stale = list(
-                self.filter(fencing_token__gt=token)
-                .order_by(f"-{FENCE_TOKEN_FIELD}", "pk")
-                .values_list("pk", FENCE_TOKEN_FIELD)[:6]
-            )
+            stale = sorted((t, pk) for pk, t in locked if t > token)
             if stale:
-                raise self._rejected(token, stale)
-        return count
+                raise self._rejected(token, [(pk, t) for t, pk in reversed(stale)])
+            pks = [pk for pk, _ in locked]
+            rows = self.model._base_manager.using(self.db).filter(
+                pk__in=pks, fencing_token__lte=token
+            )
+            return rows.update(**kwargs, **{FENCE_TOKEN_FIELD: token})
 
     update.alters_data = True  # type: ignore[attr-defined]
 
@@ -200,7 +207,7 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
     ) -> int:
         if self._fence is None:
             return super().bulk_update(objs, fields, batch_size=batch_size)
-        objs = list(objs)
+        objs = sorted(objs, key=lambda obj: obj.pk)  # batches lock rows in ascending pk order
         fields = [f for f in fields if f != FENCE_TOKEN_FIELD]
         token = fence_token(self._fence)  # once: every batch carries the same token
         # One savepoint around every batch, so a stale batch also undoes the earlier ones.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import threading
@@ -94,3 +95,84 @@ def test_racing_creators_of_one_row_keep_the_greatest_token() -> None:
         summary = check_history(register)
         assert summary.attempts == threads_per_race
         assert summary.highest == max(tokens)
+
+
+#: A child that writes a group of rows: even writers rewrite the whole group with fenced
+#: update() or bulk_update() (batches of 2, so a stale later batch must undo the earlier ones),
+#: odd writers save(fence=...) one random row, so rows carry different tokens and group writes
+#: are often stale for some rows only. Reports each group write: token, outcome, rows changed.
+GROUP_WRITER = """
+import json, random, sys
+import django
+django.setup()
+from leases import StaleFencingToken
+from tests.testapp.models_fencing import FencedDoc
+group, index, writers, writes = sys.argv[1], *map(int, sys.argv[2:5])
+rng = random.Random(index * 104729 + writes)
+report = []
+for step in range(writes):
+    lead = 0 if index % 2 else 3  # group writes need the greatest token of five rows
+    token = (step + lead + rng.randrange(1, 8)) * writers + index
+    body = f"writer-{index}#{step}@{token}"
+    docs = list(FencedDoc.objects.filter(title=group).order_by("pk"))
+    try:
+        if index % 2:
+            doc = rng.choice(docs)
+            doc.body = body
+            doc.save(fence=token)
+            continue
+        if step % 2:
+            for doc in docs:
+                doc.body = body
+            count = FencedDoc.objects.fenced(token).bulk_update(docs, ["body"], batch_size=2)
+        else:
+            count = FencedDoc.objects.filter(title=group).fenced(token).update(body=body)
+        report.append([body, "accepted", count])
+    except StaleFencingToken:
+        if not index % 2:
+            report.append([body, "rejected", 0])
+print(json.dumps(report))
+"""
+
+
+def test_concurrent_fenced_group_updates_are_all_or_nothing(
+    child_env: dict[str, str], python: str
+) -> None:
+    """An accepted group write changed every row; a rejected one is never seen on any row."""
+    from tests.testapp.models_fencing import FencedDoc
+
+    group, size = new_register("group"), 5
+    FencedDoc.objects.bulk_create([FencedDoc(title=group, body="initial") for _ in range(size)])
+    procs = [
+        subprocess.Popen(
+            [python, "-c", GROUP_WRITER, group, str(i), str(WRITERS), str(WRITES)],
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    seen: set[str] = set()
+    reports: list[tuple[str, str, int]] = []
+    deadline = time.monotonic() + 120
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            seen |= set(FencedDoc.objects.filter(title=group).values_list("body", flat=True))
+            time.sleep(0.002)
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert proc.returncode == 0, err
+            reports += [tuple(r) for r in json.loads(out.strip().splitlines()[-1])]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    seen |= set(FencedDoc.objects.filter(title=group).values_list("body", flat=True))
+    partial = [r for r in reports if r[1] == "accepted" and r[2] != size]
+    assert not partial, f"accepted group writes that changed only some rows: {partial}"
+    leaked = [r for r in reports if r[1] == "rejected" and r[0] in seen]
+    assert not leaked, f"rejected group writes that were visible: {leaked}"
+    outcomes = {r[1] for r in reports}
+    assert outcomes == {"accepted", "rejected"}, outcomes
