@@ -119,6 +119,7 @@ def _reject(sender: Any, resource: str, offered: int, stored: int | None) -> Sta
 
 
 def _has_fence_column(model: type[models.Model]) -> bool:
+    """Whether ``model``'s own table holds the fence (not a multi-table parent's)."""
     return any(f.attname == FENCE_TOKEN_FIELD for f in model._meta.local_concrete_fields)
 
 
