@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 import redis
 from django.test import override_settings
 
+from benchmarks.bench_lease import handoff
 from benchmarks.common import Report
 from leases.backends import get_backend
 from leases.lease import acquire, lease
@@ -29,7 +29,6 @@ from tests.servers import RedisServer
 TITLE = "redis leases: backends vs raw redis-py, redis-py Lock, python-redis-lock, pottery"
 
 TTL = 30.0
-HANDOFFS = 40
 OPS, ROUNDS, WARMUP = 100, 15, 30
 #: The raw floor's release: the compare-and-delete every correct Redis lock needs.
 RAW_RELEASE_LUA = """
@@ -116,28 +115,6 @@ def ours(alias: str, label: str) -> dict[str, Callable[[], object]]:
 Take = Callable[[], Callable[[], object]]
 
 
-def handoff(take: Take) -> float:
-    """Median seconds from the holder's release to the blocked waiter's acquire returning."""
-    samples: list[float] = []
-    for _ in range(HANDOFFS):
-        release = take()
-        got: list[float] = []
-        thread = threading.Thread(target=_take_and_release, args=(take, got))
-        thread.start()
-        time.sleep(0.02)  # the waiter is blocked by now
-        released = time.perf_counter()
-        release()
-        thread.join(15)
-        samples.append(got[0] - released)
-    return statistics.median(samples)
-
-
-def _take_and_release(take: Take, got: list[float]) -> None:
-    release = take()
-    got.append(time.perf_counter())
-    release()
-
-
 def takers(client: Any) -> dict[str, Take]:
     import redis_lock
     from pottery import Redlock
@@ -210,7 +187,7 @@ def main(report: Report) -> None:
             report.table("uncontended acquire + release (median per op)", interleaved(contenders))
             report.table(
                 "hand-off latency under contention: release -> the waiter's acquire returns",
-                [(label, handoff(take)) for label, take in takers(client).items()],
+                [(label, handoff(take)[0]) for label, take in takers(client).items()],
                 unit="ms",
             )
     finally:
