@@ -73,6 +73,7 @@ class Leadership:
         self._on_lost = on_lost
         self._lease: Lease | None = None
         self._ended = threading.Event()
+        self._over = False  # set first, under the lock; the event only after everyone was told
         self._end_lock = threading.Lock()
 
     @property
@@ -92,7 +93,11 @@ class Leadership:
 
     @property
     def lost(self) -> threading.Event:
-        """Set once this process no longer leads (lost, revoked or resigned)."""
+        """Set once this process no longer leads (lost, revoked or resigned).
+
+        Set after ``leader_lost`` and ``on_lost`` have run, so a waiter sees their effects;
+        ``is_leader`` turns false before that.
+        """
         return self._ended
 
     @property
@@ -101,7 +106,7 @@ class Leadership:
         lease = self._lease
         return (
             lease is not None
-            and not self._ended.is_set()
+            and not self._over
             and not lease.lost.is_set()
             and lease.remaining() > 0
         )
@@ -133,9 +138,15 @@ class Leadership:
 
     def _end(self, reason: str) -> None:
         with self._end_lock:
-            if self._ended.is_set():
+            if self._over:
                 return
+            self._over = True
+        try:
+            self._tell(reason)
+        finally:
             self._ended.set()
+
+    def _tell(self, reason: str) -> None:
         token = self._lease.token if self._lease is not None else None
         logger.log(
             logging.INFO if reason == "resigned" else logging.WARNING,
