@@ -229,20 +229,26 @@ def room_key(name: str) -> int:
     return key
 
 
-def test_waiters_sleep_in_the_room_so_a_release_wakes_one(lease_name: str) -> None:
-    holder = acquire(lease_name, ttl=5)
+def queue_behind(name: str, count: int) -> tuple[Any, list[int], list[threading.Thread]]:
+    """Hold ``name`` and start ``count`` threads that wait for it, take it, and release it."""
+    holder = acquire(name, ttl=5)
     tokens: list[int] = []
 
     def wait() -> None:
-        held = acquire(lease_name, ttl=5, timeout=10)
+        held = acquire(name, ttl=5, timeout=20)
         tokens.append(held.token)
-        time.sleep(0.05)
+        time.sleep(0.02)
         held.release()
 
-    waiters = [threading.Thread(target=wait) for _ in range(4)]
+    waiters = [threading.Thread(target=wait) for _ in range(count)]
     for thread in waiters:
         thread.start()
-    time.sleep(0.5)
+    time.sleep(0.5)  # all queued by now, none past ROOM_TIMEOUT
+    return holder, tokens, waiters
+
+
+def test_waiters_sleep_in_the_room_so_a_release_wakes_one(lease_name: str) -> None:
+    holder, tokens, waiters = queue_behind(lease_name, 4)
     assert room_locks(lease_name) == {True: 1, False: 3}
     holder.release()
     for thread in waiters:
@@ -252,18 +258,7 @@ def test_waiters_sleep_in_the_room_so_a_release_wakes_one(lease_name: str) -> No
 
 
 def test_room_connections_per_process_are_capped(lease_name: str) -> None:
-    holder = acquire(lease_name, ttl=5)
-    tokens: list[int] = []
-
-    def wait() -> None:
-        held = acquire(lease_name, ttl=5, timeout=20)
-        tokens.append(held.token)
-        held.release()
-
-    waiters = [threading.Thread(target=wait) for _ in range(ROOM_CONNECTIONS + 4)]
-    for thread in waiters:
-        thread.start()
-    time.sleep(0.5)
+    holder, tokens, waiters = queue_behind(lease_name, ROOM_CONNECTIONS + 4)
     assert room_locks(lease_name) == {True: 1, False: ROOM_CONNECTIONS - 1}
     holder.release()
     for thread in waiters:
