@@ -66,9 +66,9 @@ def test_stalled_redis_past_ttl_reports_the_old_holder_lost_and_fences_it(
     redis_server: RedisServer, configure: Callable[[dict[str, object]], None]
 ) -> None:
     url = redis_server.url
-    configure({"stall": {"ENGINE": "leases.backends.redis", "URL": url, "SOCKET_TIMEOUT": 0.3}})
+    configure({"stall": {"ENGINE": "leases.backends.redis", "URL": url, "SOCKET_TIMEOUT": 0.5}})
     name, register = unique(), checker.new_register()
-    old = acquire(name, ttl=1.0, backend="stall")
+    old = acquire(name, ttl=1.5, backend="stall")
     assert checker.record_write(register, old, "old")
     redis_server.pause()
     try:
