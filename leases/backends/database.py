@@ -107,8 +107,14 @@ FROM leases_lease ORDER BY name
 #: The waiting room: one session advisory lock per name, taken by a waiter after its first
 #: failed try, so other waiters sleep in the server's lock queue instead of all retrying on
 #: every release. ``lock_timeout`` bounds the queueing (see :data:`ROOM_TIMEOUT`).
-ROOM_ENTER_SQL = "SELECT set_config('lock_timeout', %(timeout)s, false), pg_advisory_lock(%(key)s)"
-ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock(%(key)s)"
+#: The waiter inside also listens on its room connection (only it needs waking, so the others
+#: and idle processes are not woken by every release). Both are one simple-protocol round trip
+#: (two statements, integers formatted in: no parameters allowed there).
+ROOM_ENTER_SQL = (
+    "LISTEN leases_released; "
+    "SELECT set_config('lock_timeout', '{timeout_ms}ms', false), pg_advisory_lock({key})"
+)
+ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
 #: Longest a waiter queues for the room before it waits on its own (a paused waiter in the
 #: room must not hold the others back for longer).
 ROOM_TIMEOUT = 1.0
@@ -234,6 +240,9 @@ class Backend(LeaseBackend):
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())
+        room: psycopg.Connection[Any] | None = getattr(self._local, "room", None)
+        if room is not None:
+            return self._wait_in_room(room, name, timeout)
         with self._lock:
             if self._listener is None:
                 self._listener = Listener(self.db_alias, self.alias)
@@ -256,23 +265,39 @@ class Backend(LeaseBackend):
             key = advisory_key(f"leases:room:{name}")
             assert isinstance(key, int)  # a name always maps to one 64-bit key
             conn, entered = self._enter_room(name, key, timeout)
+            self._local.room = conn if entered else None
             try:
                 yield
             finally:
+                self._local.room = None
                 if conn is not None:
                     self._leave_room(conn, key, entered)
         finally:
             self._room_slots.release()
 
+    def _wait_in_room(self, room: psycopg.Connection[Any], name: str, timeout: float) -> bool:
+        """Wait for ``name``'s release on the room connection, which listens since entering.
+
+        Notifications that arrived since then are buffered on the connection, so a release
+        between the failed try and this wait is not missed.
+        """
+        try:
+            for note in room.notifies(timeout=max(0.0, timeout)):
+                if note.payload == name:
+                    return True
+        except psycopg.Error:
+            self._local.room = None  # the session is gone (and its room lock with it)
+        return False
+
     def _enter_room(
         self, name: str, key: int, timeout: float | None
     ) -> tuple[psycopg.Connection[Any] | None, bool]:
         queue_for = ROOM_TIMEOUT if timeout is None else min(timeout, ROOM_TIMEOUT)
-        params = {"timeout": f"{max(1, int(queue_for * 1000))}ms", "key": key}
+        enter = ROOM_ENTER_SQL.format(timeout_ms=max(1, int(queue_for * 1000)), key=int(key))
         conn = None
         try:
             conn = self._room_connection()
-            conn.execute(ROOM_ENTER_SQL, params)
+            conn.execute(enter.encode())
             return conn, True
         except psycopg.errors.LockNotAvailable:
             return conn, False  # queued long enough: wait on our own
@@ -292,7 +317,8 @@ class Backend(LeaseBackend):
 
     def _leave_room(self, conn: psycopg.Connection[Any], key: int, entered: bool) -> None:
         try:
-            if entered and conn.execute(ROOM_LEAVE_SQL, {"key": key}).fetchone() != (True,):
+            leave = ROOM_LEAVE_SQL.format(key=int(key)).encode()
+            if entered and conn.execute(leave).fetchone() != (True,):
                 # The unlock ran on another server session (a transaction-pooling proxy):
                 # the room cannot work here, so stop using it rather than leak locks.
                 self._room_enabled = False
