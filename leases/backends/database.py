@@ -12,8 +12,11 @@ and a commit flush per failed try; the read-only ``NOT EXISTS`` probe in the sam
 the insert produce no row at all when the lease is held, so nothing is locked or written
 (``tests/test_lease_database.py::test_failed_try_assigns_no_transaction_id`` proves both).
 
-Waiters sleep on ``LISTEN`` (one listening connection per process and backend, channel
-:data:`CHANNEL`, payload = name); the release statement notifies in the same round trip.
+The release statement notifies channel :data:`CHANNEL` (payload = name) in the same round
+trip. Waiters queue in a per-name "waiting room" (a session advisory lock): the one inside
+listens on its own connection and retries on each release, the rest sleep in the server's lock
+queue, so a release wakes one waiter instead of a herd. Waiters that find no room (too many,
+or queued past :data:`ROOM_TIMEOUT`) sleep on the process's shared ``LISTEN`` connection.
 """
 
 from __future__ import annotations
