@@ -275,9 +275,9 @@ def test_a_short_store_outage_is_retried_within_the_validity(
     alias, server = fault_database
     lost: list[Any] = []
     with override_settings(LEASES=fault_backends(alias)), caplog.at_level("WARNING", "leases"):
-        held = acquire("outage", ttl=4, backend="fault", on_lost=lost.append)
+        held = acquire("outage", ttl=6, backend="fault", on_lost=lost.append)
         server.stop("fast")
-        time.sleep(1.6)  # the renewal due at 1.33 s has failed at least once
+        time.sleep(2.6)  # the renewal due at 2 s has failed at least once
         assert "retrying" in caplog.text
         held.ensure_held()
         restarted = time.monotonic()
