@@ -17,7 +17,7 @@ from django.db import connection, connections
 from django.test import override_settings
 
 from leases import LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured, acquire
-from leases.backends import get_backend
+from leases.backends import database, get_backend
 from leases.backends._pgconn import connect as _connect
 from leases.backends.database import (
     ACQUIRE_SQL,
@@ -229,9 +229,12 @@ def room_key(name: str) -> int:
     return key
 
 
-def queue_behind(name: str, count: int) -> tuple[Any, list[int], list[threading.Thread]]:
-    """Hold ``name`` and start ``count`` threads that wait for it, take it, and release it."""
-    holder = acquire(name, ttl=5)
+def queue_behind(
+    name: str, count: int, expected: dict[bool, int]
+) -> tuple[Any, list[int], list[threading.Thread]]:
+    """Hold ``name``, start ``count`` threads that wait for it (take it, release it), and wait
+    until the room's lock shows ``expected`` (granted -> sessions)."""
+    holder = acquire(name, ttl=10)
     tokens: list[int] = []
 
     def wait() -> None:
@@ -243,13 +246,23 @@ def queue_behind(name: str, count: int) -> tuple[Any, list[int], list[threading.
     waiters = [threading.Thread(target=wait) for _ in range(count)]
     for thread in waiters:
         thread.start()
-    time.sleep(0.5)  # all queued by now, none past ROOM_TIMEOUT
+    deadline = time.monotonic() + 8
+    while room_locks(name) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert room_locks(name) == expected
     return holder, tokens, waiters
 
 
-def test_waiters_sleep_in_the_room_so_a_release_wakes_one(lease_name: str) -> None:
-    holder, tokens, waiters = queue_behind(lease_name, 4)
-    assert room_locks(lease_name) == {True: 1, False: 3}
+@pytest.fixture
+def patient_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiters queue for the room long enough to be observed on a loaded machine."""
+    monkeypatch.setattr(database, "ROOM_TIMEOUT", 10.0)
+
+
+def test_waiters_sleep_in_the_room_so_a_release_wakes_one(
+    lease_name: str, patient_room: None
+) -> None:
+    holder, tokens, waiters = queue_behind(lease_name, 4, {True: 1, False: 3})
     holder.release()
     for thread in waiters:
         thread.join(timeout=15)
@@ -257,9 +270,9 @@ def test_waiters_sleep_in_the_room_so_a_release_wakes_one(lease_name: str) -> No
     assert room_locks(lease_name) == {}
 
 
-def test_room_connections_per_process_are_capped(lease_name: str) -> None:
-    holder, tokens, waiters = queue_behind(lease_name, ROOM_CONNECTIONS + 4)
-    assert room_locks(lease_name) == {True: 1, False: ROOM_CONNECTIONS - 1}
+def test_room_connections_per_process_are_capped(lease_name: str, patient_room: None) -> None:
+    expected = {True: 1, False: ROOM_CONNECTIONS - 1}
+    holder, tokens, waiters = queue_behind(lease_name, ROOM_CONNECTIONS + 4, expected)
     holder.release()
     for thread in waiters:
         thread.join(timeout=25)
