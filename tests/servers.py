@@ -92,6 +92,20 @@ def _child_setup(sig: int, user: pwd.struct_passwd | None = None) -> Callable[[]
     return preexec
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, from ``/proc`` (children first-level, then theirs)."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for task in glob.glob(f"/proc/{parent}/task/*/children"):
+            with contextlib.suppress(OSError):
+                children = [int(c) for c in Path(task).read_text().split()]
+                found.extend(children)
+                pending.extend(children)
+    return found
+
+
 def _postgres_bindir() -> Path:
     env = os.environ.get("PG_BINDIR")
     candidates = [env] if env else []
@@ -259,14 +273,21 @@ class PostgresServer:
         self.start()
 
     def pause(self) -> None:
-        """SIGSTOP the whole server (postmaster and backends): it hangs, as a stalled host."""
+        """SIGSTOP the whole server, postmaster first (so it forks no new backend), then every
+        backend: it hangs, as a stalled host. Backends call ``setsid()``, so signalling the
+        postmaster's process group alone would leave open sessions answering.
+        """
         if self.proc is not None:
-            os.killpg(self.proc.pid, signal.SIGSTOP)
+            os.kill(self.proc.pid, signal.SIGSTOP)
+            for pid in _descendants(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
 
     def resume(self) -> None:
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGCONT)
+            for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
     def destroy(self) -> None:
         self.stop("fast")
