@@ -7,6 +7,10 @@ as attributes, so nobody has to parse a message.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any
+
 from django.core.exceptions import ImproperlyConfigured
 
 __all__ = [
@@ -29,7 +33,33 @@ __all__ = [
 
 
 class LeaseError(Exception):
-    """Base class of every error raised by django-leases."""
+    """Base class of every error raised by django-leases.
+
+    ``args`` holds the constructor's arguments (not the formatted message), so an error
+    survives pickling and Celery's JSON exception round trip (``cls(*args)``) with its data
+    intact; ``str()`` is still the message.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        signature = inspect.signature(init)
+
+        @functools.wraps(init)
+        def keep_constructor_args(self: LeaseError, *args: Any, **kw: Any) -> None:
+            init(self, *args, **kw)
+            if "_message" not in self.__dict__:  # the innermost __init__ formatted it
+                self.__dict__["_message"] = Exception.__str__(self)
+            bound = signature.bind(self, *args, **kw)
+            bound.apply_defaults()
+            self.args = tuple(bound.arguments.values())[1:]
+
+        cls.__init__ = keep_constructor_args  # type: ignore[method-assign,assignment]
+
+    def __str__(self) -> str:
+        return self.__dict__.get("_message") or Exception.__str__(self)
 
 
 class InvalidLeaseName(LeaseError, ValueError):

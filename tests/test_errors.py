@@ -1,0 +1,48 @@
+"""Errors keep their data across process boundaries (pickle, Celery's JSON round trip)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from idempotency.errors import IdempotencyKeyLost, IdempotencyKeyMismatch
+from leases.errors import (
+    InvalidLeaseName,
+    LeaseError,
+    LeaseLost,
+    LeaseUnavailable,
+    StaleFencingToken,
+)
+
+ERRORS = [
+    LeaseUnavailable("invoice:1", 2.5, "busy"),
+    LeaseLost("invoice:1", token=7),
+    StaleFencingToken("shop.Invoice:1", 3, 9),
+    InvalidLeaseName("", "must not be empty"),
+    IdempotencyKeyMismatch("user:1", "k-1"),
+    IdempotencyKeyLost("user:1", "k-2"),
+]
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: type(e).__name__)
+def test_errors_survive_pickle_with_their_data(error: LeaseError) -> None:
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert str(copy) == str(error)
+    assert copy.__dict__ == error.__dict__
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: type(e).__name__)
+def test_errors_rebuild_from_args_as_celery_does(error: LeaseError) -> None:
+    """Celery's JSON result backend stores ``exc.args`` and rebuilds with ``cls(*args)``."""
+    copy = type(error)(*error.args)
+    assert str(copy) == str(error)
+    assert copy.__dict__ == error.__dict__
+
+
+def test_message_and_attributes_are_unchanged() -> None:
+    error = StaleFencingToken("r", offered=3, stored=9)
+    assert (error.resource, error.offered, error.stored) == ("r", 3, 9)
+    assert error.args == ("r", 3, 9)
+    assert "offered 3" in str(error)
