@@ -18,7 +18,6 @@ import contextlib
 import itertools
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from celery import Celery, Task  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.test.utils import override_settings  # noqa: E402
 
-from benchmarks.common import Report  # noqa: E402
+from benchmarks.common import Report, interleaved  # noqa: E402
 from idempotency.celery import idempotent_task  # noqa: E402
 from leases.celery import locked_task, singleton_task  # noqa: E402
 
@@ -114,25 +113,6 @@ def _round_trip(task: Any) -> Any:
     return lambda: task.apply_async((next(numbers),), queue=QUEUE).get(timeout=30)
 
 
-def _interleaved(contenders: dict[str, Any]) -> list[tuple[str, float]]:
-    """Median seconds per op of each contender, rounds interleaved across contenders.
-
-    One round of every contender after another, so a slow minute on a shared machine hits all
-    of them alike instead of whichever happened to run then.
-    """
-    samples: dict[str, list[float]] = {label: [] for label in contenders}
-    for fn in contenders.values():
-        for _ in range(5):
-            fn()
-    for _ in range(ROUNDS):
-        for label, fn in contenders.items():
-            start = time.perf_counter()
-            for _ in range(OPS):
-                fn()
-            samples[label].append((time.perf_counter() - start) / OPS)
-    return [(label, statistics.median(values)) for label, values in samples.items()]
-
-
 def main(report: Report) -> None:
     app.set_current()
     proc = _start_worker()
@@ -146,7 +126,12 @@ def main(report: Report) -> None:
             "singleton_task (database guard)": singleton,
             **peer_tasks,
         }
-        rows = _interleaved({label: _round_trip(task) for label, task in contenders.items()})
+        rows = interleaved(
+            {label: _round_trip(task) for label, task in contenders.items()},
+            ops=OPS,
+            rounds=ROUNDS,
+            warmup=5,
+        )
         report.table("one task sent and its result awaited, one prefork worker", rows, unit="ms")
         for label in ("celery-once QueueOnce", "celery-singleton Singleton"):
             if label not in PEERS:

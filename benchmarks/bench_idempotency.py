@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.test import RequestFactory, override_settings
 
 from benchmarks.bench_advisory import round_trips
-from benchmarks.common import Report, per_op
+from benchmarks.common import Report, interleaved
 from demo_project.payments.models import Payment
 from idempotency import idempotent
 from idempotency.models import IdempotencyKey
@@ -95,23 +94,13 @@ def _with_drf_idempotency_table(run: Callable[[], None]) -> None:
                 editor.delete_model(IdempotencyRecord)
 
 
-def _interleaved(contenders: dict[str, Callable[[], Any]]) -> list[tuple[str, float]]:
-    """Median per contender over rounds that take turns, so load drifting over the run (a shared
-    machine) does not favour whoever ran first."""
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(ROUNDS):
-        for name, fn in contenders.items():
-            samples[name].append(per_op(fn, ops=OPS, rounds=1, warmup=10))
-    return [(name, statistics.median(times)) for name, times in samples.items()]
-
-
 def main(report: Report) -> None:
     make = _requests()
     connection.ensure_connection()
     pgconn = connection.connection.pgconn
 
     def measure(contenders: dict[str, Callable[[], Any]]) -> None:
-        rows = _interleaved(contenders)
+        rows = interleaved(contenders, ops=OPS, rounds=ROUNDS)
         trips = {name: round_trips(pgconn, fn) for name, fn in contenders.items()}
         report.table("median time per request (ratio to the undecorated view)", rows)
         for name, count in trips.items():

@@ -10,8 +10,6 @@ holder's ``release()`` to the waiter's acquire returning.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +19,7 @@ import redis
 from django.test import override_settings
 
 from benchmarks.bench_lease import handoff
-from benchmarks.common import Report
+from benchmarks.common import Report, interleaved
 from leases.backends import get_backend
 from leases.lease import acquire, lease
 from tests.servers import RedisServer
@@ -153,25 +151,6 @@ def takers(client: Any) -> dict[str, Take]:
     }
 
 
-def interleaved(contenders: dict[str, Callable[[], object]]) -> list[tuple[str, float]]:
-    """Median seconds per op, the contenders taking turns round by round.
-
-    On a shared machine load comes in waves; taking turns spreads each wave over everyone
-    instead of letting it land on whoever happened to run then.
-    """
-    samples: dict[str, list[float]] = {label: [] for label in contenders}
-    for fn in contenders.values():
-        for _ in range(WARMUP):
-            fn()
-    for _ in range(ROUNDS):
-        for label, fn in contenders.items():
-            start = time.perf_counter()
-            for _ in range(OPS):
-                fn()
-            samples[label].append((time.perf_counter() - start) / OPS)
-    return [(label, statistics.median(values)) for label, values in samples.items()]
-
-
 def main(report: Report) -> None:
     nodes = [RedisServer().start() for _ in range(3)]
     try:
@@ -184,7 +163,8 @@ def main(report: Report) -> None:
                 **ours("bench-redis", "redis"),
                 **ours("bench-redlock", "redlock 3 servers"),
             }
-            report.table("uncontended acquire + release (median per op)", interleaved(contenders))
+            rows = interleaved(contenders, ops=OPS, rounds=ROUNDS, warmup=WARMUP)
+            report.table("uncontended acquire + release (median per op)", rows)
             report.table(
                 "hand-off latency under contention: release -> the waiter's acquire returns",
                 [(label, handoff(take)[0]) for label, take in takers(client).items()],

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-__all__ = ["Report", "per_op"]
+__all__ = ["Report", "interleaved", "per_op"]
 
 
 def per_op(
@@ -47,6 +47,32 @@ def per_op(
         if time.monotonic() > budget:
             break
     return statistics.median(samples)
+
+
+def interleaved(
+    contenders: dict[str, Callable[[], object]],
+    *,
+    ops: int = 100,
+    rounds: int = 7,
+    warmup: int = 10,
+) -> list[tuple[str, float]]:
+    """Median seconds per call of each contender, the contenders taking turns round by round.
+
+    On a shared machine load comes in waves; taking turns spreads each wave over every
+    contender instead of letting it land on whoever happened to run then. Rows come back in
+    the order given, ready for :meth:`Report.table` (first one is the baseline).
+    """
+    samples: dict[str, list[float]] = {label: [] for label in contenders}
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    for _ in range(rounds):
+        for label, fn in contenders.items():
+            start = time.perf_counter()
+            for _ in range(ops):
+                fn()
+            samples[label].append((time.perf_counter() - start) / ops)
+    return [(label, statistics.median(values)) for label, values in samples.items()]
 
 
 @dataclass
