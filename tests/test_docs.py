@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -25,6 +26,28 @@ def page(name: str) -> str:
 )
 def test_every_setting_is_documented(key: str) -> None:
     assert f"| `{key.removeprefix('IDEMPOTENCY:')}` |" in page("settings.md")
+
+
+def _documented_options(engine: str) -> set[str]:
+    """The option names in the table under the guide's ``**`engine`**`` heading."""
+    section = page("settings.md").split(f"**`{engine}`**", 1)[1].split("\n**`", 1)[0]
+    section = section.split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([A-Z_]+)` \|", section, flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize(
+    ("engine", "accepted"),
+    [
+        ("leases.backends.database", "_KNOWN_OPTIONS"),
+        ("leases.backends.redis", "OPTIONS"),
+        ("leases.backends.redlock", "OPTIONS"),
+    ],
+)
+def test_every_backend_option_is_documented_and_no_other(engine: str, accepted: str) -> None:
+    """Unknown options are configuration errors, so a documented one that is gone would
+    send readers straight into ``leases.E001``."""
+    module = importlib.import_module(engine)
+    assert _documented_options(engine) == set(getattr(module, accepted))
 
 
 @pytest.mark.parametrize("error", [*leases.errors.__all__, *idempotency.errors.__all__])
