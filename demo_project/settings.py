@@ -93,5 +93,9 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"leases": {"handlers": ["console"], "level": "INFO"}},
+    "loggers": {
+        "leases": {"handlers": ["console"], "level": "INFO"},
+        # The demo provokes 409s and 422s on purpose and narrates them itself.
+        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
+    },
 }
