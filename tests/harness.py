@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from tests.rabbitmq_server import RabbitMQServer, rabbitmq_binary
 from tests.servers import PostgresServer, RedisServer, configured_or_throwaway, reachable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,6 +122,30 @@ def redis_server() -> Iterator[RedisServer]:
     server = RedisServer().start()
     try:
         yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> Iterator[str]:
+    """An AMQP broker URL for this session: ``LEASES_TEST_AMQP_URL`` when set and reachable,
+    else a throwaway RabbitMQ node of this process (each xdist worker that asks starts its own).
+
+    Started only when a test asks for it, so runs without AMQP tests pay nothing; skips when
+    RabbitMQ is not installed (there is no broker wheel to fall back on, unlike Redis).
+    """
+    configured = os.environ.get("LEASES_TEST_AMQP_URL")
+    if configured and reachable(configured):
+        yield configured
+        return
+    if rabbitmq_binary() is None:
+        pytest.skip(
+            "RabbitMQ: no rabbitmq-server installed (e.g. apt-get install rabbitmq-server) "
+            "and LEASES_TEST_AMQP_URL is not set to a reachable amqp:// URL"
+        )
+    server = RabbitMQServer().start()
+    try:
+        yield server.url
     finally:
         server.destroy()
 

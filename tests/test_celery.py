@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import subprocess
 import threading
 import time
@@ -47,7 +46,7 @@ from tests.celery_app import (
 )
 from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # noqa: F401
 from tests.checker import check_history, history, new_register
-from tests.servers import RedisServer, reachable
+from tests.servers import RedisServer
 from tests.testapp.models_celery import Delivery, Effect, TaskRun
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -86,17 +85,12 @@ def ready(start: Callable[..., Worker], *specs: dict[str, Any]) -> list[Worker]:
     return [worker.wait_ready() for worker in workers]
 
 
-#: RabbitMQ runs the same test too when given (no server is started for it).
-AMQP_URL = os.environ.get("LEASES_TEST_AMQP_URL") or os.environ.get("AMQP_URL")
-
-
 @pytest.fixture(params=["redis", "amqp"])
 def broker_url(request: pytest.FixtureRequest) -> str:
+    """The session Redis, then RabbitMQ (``amqp_url``: configured, or started on first use)."""
     if request.param == "redis":
         return str(settings.CELERY_BROKER_URL)
-    if not (AMQP_URL and reachable(AMQP_URL)):
-        pytest.skip("RabbitMQ: set LEASES_TEST_AMQP_URL to a reachable amqp:// URL to run this")
-    return AMQP_URL
+    return str(request.getfixturevalue("amqp_url"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
