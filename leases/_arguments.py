@@ -53,14 +53,25 @@ def warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:
         )
 
 
+_this_process = ""
+
+
+def _read_process_identity() -> None:
+    """``host:pid``, read once per process (and again in a forked child, which has a new pid):
+    ``gethostname`` is a system call that every acquire would otherwise pay for."""
+    global _this_process
+    _this_process = f"{socket.gethostname()[:100]}:{os.getpid()}"
+
+
+_read_process_identity()
+os.register_at_fork(after_in_child=_read_process_identity)
+
+
 def holder_identity(holder: str | None) -> str:
     """Who holds a grant: label, host, pid, thread and a random part unique to this grant."""
     if holder is None:
         label = conf.get().holder_label
-        ident = (
-            f"{socket.gethostname()[:100]}:{os.getpid()}:{threading.get_ident()}:"
-            f"{secrets.token_hex(4)}"
-        )
+        ident = f"{_this_process}:{threading.get_ident()}:{secrets.token_hex(4)}"
         holder = f"{label[:100]}@{ident}" if label else ident
     if not isinstance(holder, str) or not 0 < len(holder) <= MAX_NAME_LENGTH:
         raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")
