@@ -149,17 +149,18 @@ class RabbitMQServer:
         )
         log.close()
         try:
-            self._wait_ready(timeout)
+            self._wait_ready(self.proc, timeout)
         except BaseException:
             self.stop("kill")
             raise
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        """An open port is not yet a broker that takes work: wait for a real AMQP handshake."""
         import amqp  # py-amqp, which Celery's kombu already depends on
 
         deadline = time.monotonic() + timeout
-        _wait_port(self.port, self.proc, timeout, "rabbitmq-server")  # type: ignore[arg-type]
+        _wait_port(self.port, proc, timeout, "rabbitmq-server")
         while True:
             try:
                 with amqp.Connection(f"127.0.0.1:{self.port}", connect_timeout=2) as conn:
