@@ -176,7 +176,6 @@ class RabbitMQServer:
         """Stop the node: ``fast`` (SIGTERM, a clean shutdown) or ``kill`` (SIGKILL)."""
         if self.proc is None:
             return
-        self.resume()
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGKILL if mode == "kill" else signal.SIGTERM)
         try:
@@ -195,15 +194,6 @@ class RabbitMQServer:
         """Stop and start again on the same ports and data (durable queues survive)."""
         self.stop(mode)
         self.start()
-
-    def pause(self) -> None:
-        if self.proc is not None:
-            os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGCONT)
 
     def destroy(self) -> None:
         self.stop("fast")
