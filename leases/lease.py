@@ -84,8 +84,9 @@ class Lease:
         self.holder = grant.holder
         #: The alias of the backend in ``LEASES["BACKENDS"]``.
         self.backend = backend.alias
-        self.lost = threading.Event()
         self.lost_reason: str | None = None
+        self._lost = False
+        self._lost_event: threading.Event | None = None
         self.clock = clock
         self._store = backend
         self._on_lost = on_lost
@@ -98,7 +99,7 @@ class Lease:
         self.valid_until = grant.valid_until(*self._drift)
 
     def __repr__(self) -> str:
-        state = "lost" if self.lost.is_set() else "released" if self._released else "held"
+        state = "lost" if self._lost else "released" if self._released else "held"
         return f"<Lease {self.name!r} token={self.token} {state} holder={self.holder!r}>"
 
     def __int__(self) -> int:
@@ -110,9 +111,23 @@ class Lease:
         return self.grant.expires_at
 
     @property
+    def lost(self) -> threading.Event:
+        """Set once the lease is lost (never cleared).
+
+        Made on first use: most leases are never waited on, and a ``threading.Event`` costs
+        more to build than the rest of the lease.
+        """
+        with self._state:
+            if self._lost_event is None:
+                self._lost_event = threading.Event()
+                if self._lost:
+                    self._lost_event.set()
+            return self._lost_event
+
+    @property
     def done(self) -> bool:
         """Released or lost: nothing more to renew or watch."""
-        return self._released or self.lost.is_set()
+        return self._released or self._lost
 
     def remaining(self) -> float:
         """Seconds this holder may still rely on the lease; pessimistic, never negative."""
@@ -130,9 +145,9 @@ class Lease:
             raise LeaseLost(self.name, self.token, f"held by process {self._pid}, not this child")
         if self._released:
             raise LeaseLost(self.name, self.token, "it was released")
-        if not self.lost.is_set() and self.clock.monotonic() >= self.valid_until:
+        if not self._lost and self.clock.monotonic() >= self.valid_until:
             self._mark_lost("expired: its validity ran out before this check")
-        if self.lost.is_set():
+        if self._lost:
             raise LeaseLost(self.name, self.token, self.lost_reason or "lost")
 
     def renew(self, ttl: float | None = None) -> Grant:
@@ -164,7 +179,7 @@ class Lease:
             if self._released:
                 raise LeaseNotHeld(self.name, "this lease was already released")
             self._released = True
-            lost_before = self.lost.is_set()
+            lost_before = self._lost
         _unregister(self)
         try:
             self._store.release(self.grant)
@@ -187,14 +202,20 @@ class Lease:
         with self._state:
             if self.done:
                 return
-            self.lost_reason = reason
-            self.lost.set()
+            self._flag_lost(reason)
         _unregister(self)
         self._report_lost(reason)
 
-    def _report_lost(self, reason: str) -> None:
+    def _flag_lost(self, reason: str) -> None:
+        """Record the loss; the caller holds ``_state``."""
         self.lost_reason = self.lost_reason or reason
-        self.lost.set()
+        self._lost = True
+        if self._lost_event is not None:
+            self._lost_event.set()
+
+    def _report_lost(self, reason: str) -> None:
+        with self._state:
+            self._flag_lost(reason)
         logger.warning("leases: lost %r (token %s): %s", self.name, self.token, reason)
         if self._on_lost is not None:
             try:
