@@ -53,7 +53,13 @@ _held_lock = threading.Lock()
 
 
 def _send(signal: Signal, lease: Lease, **kwargs: Any) -> None:
-    """Send ``signal``; a receiver that raises is logged, never allowed to break the lease."""
+    """Send ``signal``; a receiver that raises is logged, never allowed to break the lease.
+
+    Most processes connect no receivers, and every acquire and release sends a signal: skip
+    building the call when nobody listens.
+    """
+    if not signal.receivers:
+        return
     for receiver, result in signal.send_robust(sender=lease.backend, lease=lease, **kwargs):
         if isinstance(result, Exception):
             logger.error(
