@@ -136,7 +136,14 @@ _renewers: dict[str, Scheduler] = {}
 
 
 def _scheduler(alias: str | None) -> Scheduler:
+    """The watchdog (``alias`` None) or the alias's renewer, made on first use.
+
+    Every acquire asks for one; once it exists it is read without taking the lock.
+    """
     global _watchdog
+    existing = _watchdog if alias is None else _renewers.get(alias)
+    if existing is not None:
+        return existing
     with _lock:
         if alias is None:
             if _watchdog is None:
