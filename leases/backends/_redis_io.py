@@ -8,9 +8,9 @@ redis-py's errors become :class:`~leases.errors.BackendUnavailable`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from datetime import datetime, timedelta
+from types import TracebackType
 from typing import Any
 
 import redis
@@ -141,13 +141,30 @@ def blpop(client: Any, key: str, wait: float) -> Any:
     return receive(client, send(client, command), command, wait + 1.0)
 
 
-@contextlib.contextmanager
-def edge(alias: str, what: str) -> Iterator[None]:
-    """Translate redis-py's errors into :class:`BackendUnavailable` at the backend's edge."""
-    try:
-        yield
-    except redis.RedisError as exc:
-        raise BackendUnavailable(alias, f"{what}: {type(exc).__name__}: {exc}") from exc
+class edge:
+    """Translate redis-py's errors into :class:`BackendUnavailable` at the backend's edge.
+
+    A class, not ``@contextmanager``: it wraps every round trip, and a generator-based context
+    manager costs about a microsecond more each time.
+    """
+
+    __slots__ = ("alias", "what")
+
+    def __init__(self, alias: str, what: str) -> None:
+        self.alias, self.what = alias, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if isinstance(exc, redis.RedisError):
+            detail = f"{self.what}: {type(exc).__name__}: {exc}"
+            raise BackendUnavailable(self.alias, detail) from exc
 
 
 def eviction_problems(alias: str, client: Any) -> list[str]:
