@@ -34,6 +34,7 @@ refused with :class:`~leases.errors.FencingUnavailable` instead of risking a rep
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 import time
 from collections.abc import Mapping
@@ -144,15 +145,22 @@ class LeaseKeys:
 
     @classmethod
     def of(cls, prefix: str, name: str) -> LeaseKeys:
-        # Braces inside the name would move the hash tag; escaping keeps the mapping one-to-one.
-        escaped = validate_name(name).replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-        base = f"{prefix}{{{escaped}}}"
-        return cls(lock=f"{base}:lock", fence=f"{base}:fence", wake=f"{base}:wake")
+        return _lease_keys(prefix, validate_name(name))
 
     @staticmethod
     def name_of(prefix: str, fence_key: str) -> str:
         escaped = fence_key[len(prefix) + 1 : -len("}:fence")]
         return escaped.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
+
+
+@functools.lru_cache(maxsize=1024)
+def _lease_keys(prefix: str, name: str) -> LeaseKeys:
+    """Cached: every acquire, renew and release needs the keys, and escaping the name costs
+    more than the rest of building the call."""
+    # Braces inside the name would move the hash tag; escaping keeps the mapping one-to-one.
+    escaped = name.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    base = f"{prefix}{{{escaped}}}"
+    return LeaseKeys(lock=f"{base}:lock", fence=f"{base}:fence", wake=f"{base}:wake")
 
 
 def token_of(value: str) -> tuple[int, str]:
