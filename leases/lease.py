@@ -276,7 +276,22 @@ def _grant(store: LeaseBackend, name: str, holder: str, ttl: float, timeout: flo
             delay = backoff.next_delay()
             if delay is None:
                 raise LeaseUnavailable(name, timeout)
-            store.wait_for_release(name, delay)
+            _wait(store, name, delay)
+
+
+def _wait(store: LeaseBackend, name: str, delay: float) -> None:
+    """Wait up to ``delay`` for a release; a failed wait only costs the wake-up.
+
+    Waiting merely saves round trips: the next ``try_acquire`` is what decides, and it reports
+    a store that is really gone. So a wait that fails (a socket timeout on a loaded machine)
+    sleeps out the rest of its delay instead of failing the acquisition.
+    """
+    started = SYSTEM_CLOCK.monotonic()
+    try:
+        store.wait_for_release(name, delay)
+    except BackendUnavailable as exc:
+        logger.debug("leases: waiting for %r failed, retrying after the delay: %s", name, exc)
+        SYSTEM_CLOCK.sleep(delay - (SYSTEM_CLOCK.monotonic() - started))
 
 
 def acquire(

@@ -40,7 +40,7 @@ def alive(pid: int) -> bool:
     """Running and not a zombie (an orphan may wait for a reaper that never comes)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # ESRCH: it exited mid-read
         return False
     return state not in ("Z", "X")
 

@@ -18,7 +18,7 @@ from django.test import override_settings
 import leases
 from leases import LeaseAlreadyHeld, LeaseLost, LeaseNotHeld, LeaseUnavailable, acquire, lease
 from leases.backends import Capability, Grant, get_backend
-from leases.errors import InvalidLeaseName, InvalidLeaseOption
+from leases.errors import BackendUnavailable, InvalidLeaseName, InvalidLeaseOption
 from leases.signals import lease_acquired, lease_lost, lease_released, lease_renewed
 from tests.checker import check_history, new_register, record_write
 from tests.lease_backends import lease_backend, lease_name, require
@@ -185,6 +185,32 @@ def test_release_wakes_a_waiter(lease_backend: str, lease_name: str) -> None:
     holder.release()
     waiter.join(timeout=10)
     assert got and got[0].token > holder.token
+    got[0].release()
+
+
+def test_a_failing_wait_does_not_fail_the_acquisition(
+    lease_backend: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting only saves round trips: a wait that errors (a socket timeout on a loaded
+    machine) is slept out and the next try decides."""
+    store = get_backend(lease_backend)
+    waits: list[float] = []
+
+    def broken_wait(name: str, timeout: float) -> bool:
+        waits.append(timeout)
+        raise BackendUnavailable(store.alias, "wait: TimeoutError: Timeout reading from socket")
+
+    monkeypatch.setattr(store, "wait_for_release", broken_wait)
+    holder = acquire(lease_name, ttl=5, backend=lease_backend)
+    got: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(acquire(lease_name, ttl=5, backend=lease_backend, timeout=10))
+    )
+    waiter.start()
+    time.sleep(0.3)
+    holder.release()
+    waiter.join(timeout=10)
+    assert waits and got and got[0].token > holder.token
     got[0].release()
 
 
