@@ -58,11 +58,29 @@ def browser() -> Iterator[Any]:
         options.add_argument(flag)
     driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
     driver.set_page_load_timeout(30)
+    driver.implicitly_wait(10)  # element lookups wait for the page a click started loading
     try:
         yield driver
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def submit_login(browser: Any, username: str) -> None:
+    """Fill in the admin login form, submit it, and wait until the next page has loaded.
+
+    ``click()`` may return before the navigation it starts has finished; reading the page
+    then would still see the login form.
+    """
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.find_element(By.NAME, "username").send_keys(username)
+    browser.find_element(By.NAME, "password").send_keys("password")
+    button = browser.find_element(By.CSS_SELECTOR, "input[type=submit]")
+    button.click()
+    WebDriverWait(browser, 30).until(expected_conditions.staleness_of(button))
 
 
 def test_staff_sees_held_and_waiting_locks_and_force_releases(
@@ -76,9 +94,7 @@ def test_staff_sees_held_and_waiting_locks_and_force_releases(
     operator.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
 
     browser.get(f"{live_server.url}/admin/login/?next=/admin/leases/advisorylock/")
-    browser.find_element(By.NAME, "username").send_keys("browser-operator")
-    browser.find_element(By.NAME, "password").send_keys("password")
-    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    submit_login(browser, "browser-operator")
 
     waiting = browser.find_element(By.CSS_SELECTOR, "#advisory-locks tr.waiting")
     assert lock_scene.advisory in waiting.text and "lock-waiter" in waiting.text
@@ -110,13 +126,12 @@ def test_non_staff_and_staff_without_permission_are_refused(
     def log_in(username: str) -> None:
         browser.delete_all_cookies()
         browser.get(f"{live_server.url}/admin/login/?next=/admin/leases/lease/")
-        browser.find_element(By.NAME, "username").send_keys(username)
-        browser.find_element(By.NAME, "password").send_keys("password")
-        browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+        submit_login(browser, username)
 
     UserFactory(username="browser-customer")
     log_in("browser-customer")
     assert "/admin/login/" in browser.current_url  # the admin refuses non-staff logins
+    assert "correct username and password for a staff account" in browser.page_source
     assert lock_scene.held not in browser.page_source
 
     viewer: Any = StaffUserFactory(username="browser-viewer")
