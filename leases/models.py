@@ -21,6 +21,9 @@ class Lease(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     renewed_at = models.DateTimeField(null=True, blank=True)
     meta = models.JSONField(default=dict, blank=True)
+    #: sha256 of the current grant's secret: renew and release must present the secret itself,
+    #: so the holder and token an observer can read are not enough to release someone's lease.
+    secret_hash = models.BinaryField(null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "leases_lease"
@@ -46,6 +49,32 @@ class Fence(models.Model):
 
     def __str__(self) -> str:
         return f"{self.resource} @ {self.token}"
+
+
+class Revocation(models.Model):
+    """Grants an operator revoked: a write fenced by a lease of ``(backend, name)`` whose token
+    is at most ``token`` is refused by the resource, in the same statement as the write.
+
+    Written by every force release, in every database where the ``leases`` app is migrated
+    (where fenced rows and ``leases_fence`` live), so revocation needs no successor to write
+    first and works the same on every backend.
+    """
+
+    backend = models.CharField(max_length=100)
+    name = models.CharField(max_length=255)
+    #: Grants of the name with a token up to and including this one are revoked.
+    token = models.BigIntegerField()
+    at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "leases_revocation"
+        ordering = ["backend", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["backend", "name"], name="leases_revocation_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.backend}:{self.name} revoked through token {self.token}"
 
 
 class AdvisoryLockName(models.Model):
