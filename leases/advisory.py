@@ -30,10 +30,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import warnings
+from collections.abc import Callable
 from contextlib import ContextDecorator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -107,6 +109,7 @@ _CONNECTION_ERRORS = (
 )
 
 logger = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -285,18 +288,43 @@ class _LockBlock(ContextDecorator):
 
     Nothing is stored per call: what ``__exit__`` needs (key, alias) is fixed at construction,
     and whether this session holds the lock is the server's to say.
+
+    Calling ``xact_lock(name)`` alone reads naturally ("lock until the transaction ends") but
+    takes no lock: only entering does. The call cannot take the lock itself (the same call
+    builds a decorator at import time, outside any transaction), so an object dropped without
+    ever being entered or decorating anything is reported instead, as Python reports a
+    coroutine never awaited: a ``RuntimeWarning`` and an error log line, the moment it is
+    dropped (at once in CPython, for a bare call).
     """
 
     WAIT: ClassVar[dict[bool, str]]
     TRY: ClassVar[dict[bool, str]]
     NEEDS_TRANSACTION: ClassVar[bool]
+    FACTORY: ClassVar[str]
 
     def __init__(self, lock: AdvisoryLock, timeout: float | None) -> None:
         _timeout_ms(timeout)
         self.lock = lock
         self.timeout = timeout
+        #: Entered or used as a decorator at least once (only ever set to True).
+        self.used = False
+
+    def __call__(self, func: F) -> F:
+        self.used = True
+        return super().__call__(func)
+
+    def __del__(self) -> None:
+        if getattr(self, "used", True):
+            return
+        message = (
+            f"advisory.{self.FACTORY}({self.lock.label!r}) was never entered, so it locked "
+            f"nothing: write `with advisory.{self.FACTORY}(...):` or use it as a decorator"
+        )
+        warnings.warn(message, RuntimeWarning, stacklevel=1, source=self)
+        logger.error(message)
 
     def __enter__(self) -> AdvisoryLock:
+        self.used = True
         if self.timeout == 0:
             if not _call(self.lock, self.TRY, needs_transaction=self.NEEDS_TRANSACTION):
                 raise LeaseUnavailable(self.lock.label, 0)
@@ -309,6 +337,7 @@ class _XactLock(_LockBlock):
     """``xact_lock(...)``."""
 
     WAIT, TRY, NEEDS_TRANSACTION = XACT_LOCK, XACT_TRY_LOCK, True
+    FACTORY = "xact_lock"
 
     def __exit__(
         self,
@@ -347,6 +376,7 @@ class _SessionLock(_LockBlock):
     """``session_lock(...)``."""
 
     WAIT, TRY, NEEDS_TRANSACTION = SESSION_LOCK, SESSION_TRY_LOCK, False
+    FACTORY = "session_lock"
 
     def __exit__(
         self,

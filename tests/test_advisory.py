@@ -316,3 +316,26 @@ def test_timed_locks_work_with_server_side_binding(other: psycopg.Connection[Any
             assert holders(other, "ssb") == 1
         with advisory.session_lock("ssb", timeout=1):
             assert holders(other, "ssb") == 1
+
+
+@pytest.mark.parametrize("factory", [advisory.xact_lock, advisory.session_lock])
+def test_a_bare_call_that_locks_nothing_is_reported_loudly(
+    factory: Any, caplog: pytest.LogCaptureFixture, other: psycopg.Connection[Any]
+) -> None:
+    with transaction.atomic():
+        with pytest.warns(RuntimeWarning, match="was never entered, so it locked nothing"):
+            factory("advisory-bare-call")  # no `with`: no lock, and it must not pass silently
+        assert not holders(other, "advisory-bare-call")
+    assert "advisory-bare-call" in caplog.text and "never entered" in caplog.text
+
+
+def test_entered_or_decorating_locks_are_not_reported(recwarn: pytest.WarningsRecorder) -> None:
+    with transaction.atomic(), advisory.xact_lock("advisory-entered"):
+        pass
+
+    @advisory.xact_lock("advisory-decorating")
+    def never_called() -> None:
+        """A decorator that is never called is not a misuse."""
+
+    del never_called
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
