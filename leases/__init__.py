@@ -12,6 +12,8 @@ from ._lazy import lazy_exports
 from .errors import (
     BackendNotSupported,
     BackendUnavailable,
+    FenceRequired,
+    FencingTokenRevoked,
     FencingUnavailable,
     InvalidFencingToken,
     InvalidLeaseName,
@@ -39,7 +41,9 @@ if TYPE_CHECKING:  # each feature module adds its line when it lands
 __all__ = [
     "BackendNotSupported",
     "BackendUnavailable",
+    "FenceRequired",
     "FencedModel",
+    "FencingTokenRevoked",
     "FencingUnavailable",
     "InvalidFencingToken",
     "InvalidLeaseName",

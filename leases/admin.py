@@ -4,24 +4,29 @@ Pages: leases of the database backend (a plain changelist, filters and search), 
 configured backend (through ``inspect_all``), Postgres advisory locks held or awaited (from
 ``pg_locks``), and the audit of forced releases. Nothing here edits or deletes a lease row: a
 deleted row would restart the name's tokens and let a stale holder through every fence. Taking a
-lease away is a force release (advances the token) behind ``leases.force_release_lease``;
-terminating a database session needs ``leases.terminate_lock_session`` and a confirmation page.
+lease away is a force release (revokes the grant, advances the token) behind
+``leases.force_release_lease`` and a confirmation page; it names the (name, token) the operator
+saw, so a lease that changed hands meanwhile is left alone. Terminating a database session needs
+``leases.terminate_lock_session`` and a confirmation page too.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeAlias
 
 from django.contrib import admin, messages
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, SuspiciousOperation
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
 
 from . import conf, operations
+from .backends import get_backend
 from .errors import LeaseError
 from .models import AdvisoryLock, BackendLease, ForceRelease, Lease
 
@@ -181,21 +186,79 @@ class LeaseAdmin(_ReadOnlyAdmin):
         description="Force release (revoke: advance the fencing token)",
         permissions=["force_release"],
     )
-    def force_release(self, request: HttpRequest, queryset: QuerySet[Lease]) -> None:
-        release_and_report(
-            self, request, [(obj.name, database_backend_alias()) for obj in queryset]
+    def force_release(self, request: HttpRequest, queryset: QuerySet[Lease]) -> HttpResponse:
+        """Show the confirmation page for the selected rows, with the tokens shown now."""
+        alias = database_backend_alias()
+        targets: list[Target] = [(alias, obj.name, obj.token) for obj in queryset]
+        changelist = reverse("admin:leases_lease_changelist")
+        return confirm_release(self, request, targets, changelist)
+
+
+#: What the operator saw and confirms: (backend alias, name, token).
+Target: TypeAlias = tuple[str, str, int]
+
+
+def parse_targets(values: list[str]) -> list[Target]:
+    """``["backend", "name", token]`` JSON triples from the confirmation form, checked."""
+    targets = []
+    for value in values:
+        try:
+            alias, name, token = json.loads(value)
+        except (TypeError, ValueError) as exc:
+            raise SuspiciousOperation("malformed force-release target") from exc
+        if alias not in conf.get().backends:
+            raise PermissionDenied("unknown backend")
+        if not isinstance(name, str) or isinstance(token, bool) or not isinstance(token, int):
+            raise SuspiciousOperation("malformed force-release target")
+        targets.append((alias, name, token))
+    return targets
+
+
+def confirm_release(
+    model_admin: _ReadOnlyAdmin, request: HttpRequest, targets: list[Target], back: str
+) -> HttpResponse:
+    """The page that says what a force release will do to each lease, before it is done."""
+    rows = []
+    for alias, name, token in targets:
+        try:
+            now = get_backend(alias).inspect(name)
+        except LeaseError as exc:
+            now, error = None, str(exc)
+        else:
+            error = ""
+        rows.append(
+            {
+                "alias": alias,
+                "name": name,
+                "token": token,
+                "now": now,
+                "changed": now is None or not now.held or now.token != token,
+                "holder": operations.parse_holder(now.holder) if now else None,
+                "error": error,
+                "target": json.dumps([alias, name, token]),
+            }
         )
+    count = len(rows)
+    context = model_admin.section_context(
+        request,
+        rows=rows,
+        back=back,
+        title=f"Force-release {count} lease{'s' if count != 1 else ''}?",
+    )
+    return TemplateResponse(request, "admin/leases/confirm_release.html", context)
 
 
 def release_and_report(
     model_admin: admin.ModelAdmin,  # type: ignore[type-arg]
     request: HttpRequest,
-    targets: list[tuple[str, str]],
+    targets: list[Target],
 ) -> None:
-    """Force-release each ``(name, backend)`` and tell the operator what happened to each."""
-    for name, alias in targets:
+    """Force-release each confirmed target and tell the operator what happened to each."""
+    for alias, name, token in targets:
         try:
-            record = operations.force_release(name, backend=alias, user=request.user, via="admin")
+            record = operations.force_release(
+                name, backend=alias, token=token, user=request.user, via="admin"
+            )
         except LeaseError as exc:
             model_admin.message_user(request, str(exc), messages.WARNING)
             continue
@@ -236,15 +299,27 @@ class BackendLeaseAdmin(_ReadOnlyAdmin):
         return TemplateResponse(request, "admin/leases/backend_leases.html", context)
 
     def release_view(self, request: HttpRequest) -> HttpResponse:
-        if request.method != "POST" or not self.has_view_permission(request):
+        """A confirmation page on GET (``?backend=&name=&token=``); releases on a confirmed POST.
+
+        Both the database changelist's action and this page's buttons end here, naming the
+        token the operator saw, so the release is a compare-and-release on it.
+        """
+        if not self.has_view_permission(request):
             raise PermissionDenied
         if not request.user.has_perm(operations.FORCE_RELEASE_PERMISSION):
             raise PermissionDenied
-        targets = [(str(request.POST.get("name", "")), str(request.POST.get("backend", "")))]
-        if targets[0][1] not in conf.get().backends:
-            raise PermissionDenied("unknown backend")
-        release_and_report(self, request, targets)
-        return HttpResponseRedirect(reverse("admin:leases_backendlease_changelist"))
+        back = str(request.POST.get("next") or request.GET.get("next") or "")
+        if not back or not url_has_allowed_host_and_scheme(back, allowed_hosts=None):
+            back = reverse("admin:leases_backendlease_changelist")
+        if request.method == "POST" and request.POST.get("confirm") == "yes":
+            release_and_report(self, request, parse_targets(request.POST.getlist("target")))
+            return HttpResponseRedirect(back)
+        query = request.GET
+        try:
+            seen = [json.dumps([query["backend"], query["name"], int(query["token"])])]
+        except (KeyError, ValueError) as exc:
+            raise SuspiciousOperation("a force release names backend, name and token") from exc
+        return confirm_release(self, request, parse_targets(seen), back)
 
 
 @admin.register(AdvisoryLock)

@@ -16,6 +16,8 @@ from django.core.exceptions import ImproperlyConfigured
 __all__ = [
     "BackendNotSupported",
     "BackendUnavailable",
+    "FenceRequired",
+    "FencingTokenRevoked",
     "FencingUnavailable",
     "InvalidFencingToken",
     "InvalidLeaseName",
@@ -200,6 +202,41 @@ class StaleFencingToken(LeaseError):
         super().__init__(
             f"stale fencing token for {resource}: offered {offered}, but {stored} was already "
             "accepted; the lease behind this write was lost, so the write was rejected"
+        )
+
+
+class FencingTokenRevoked(StaleFencingToken):
+    """A write was fenced by a lease an operator force-released (revoked).
+
+    The resource refuses it although nobody newer has written yet: the revocation is recorded
+    in the application database and the fenced statement consults it.
+    """
+
+    def __init__(self, resource: str, offered: int, lease: str, revoked_through: int) -> None:
+        self.resource = resource
+        self.offered = offered
+        self.stored = None
+        self.lease = lease
+        self.revoked_through = revoked_through
+        LeaseError.__init__(
+            self,
+            f"fencing token {offered} for {resource} was revoked: lease {lease} was "
+            f"force-released through token {revoked_through}, so the write was rejected",
+        )
+
+
+class FenceRequired(LeaseError, TypeError):
+    """An unfenced write (``save()``, ``update()``, ``delete()``) of a model that requires a fence.
+
+    Raised before anything reaches the database, for models that set ``require_fence = True``.
+    """
+
+    def __init__(self, model: str, operation: str) -> None:
+        self.model = model
+        self.operation = operation
+        super().__init__(
+            f"{model} requires a fence: pass fence=lease to {operation}, or use "
+            f"{model.rsplit('.', 1)[-1]}.objects.fenced(lease)"
         )
 
 

@@ -2,9 +2,10 @@
 
 One module behind both the admin pages and ``manage.py leases``, so the two can never disagree
 about what "held" means or skip the permission check and the audit record the other keeps.
-Every revocation goes through the backend's ``force_release``, which advances the token: the
-evicted holder's renewals fail and its fenced writes are rejected, which is what makes taking
-a lease away safe at all.
+Every revocation is recorded in the application database, where fenced statements consult it,
+and goes through the backend's ``force_release``, which advances the token: the evicted
+holder's fenced writes are rejected at once and its renewals fail, which is what makes taking a
+lease away safe at all.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from django.core.exceptions import PermissionDenied
 from django.db import connections
 from django.utils import timezone
 
-from . import conf
+from . import conf, revocation
 from .backends import get_backend
 from .backends.base import LeaseInfo
-from .errors import LeaseError, LeaseNotHeld
+from .errors import InvalidFencingToken, LeaseError, LeaseNotHeld
 from .keys import split_key
 
 __all__ = [
@@ -210,19 +211,35 @@ def _require(user: Any, permission: str) -> None:
         raise PermissionDenied(f"{who} lacks the {permission} permission")
 
 
-def force_release(name: str, *, backend: str, user: Any, via: str) -> Any:
-    """Revoke ``name`` on ``backend`` by advancing its token; record who did it and when.
+def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -> Any:
+    """Revoke grant ``token`` of ``name`` on ``backend``; record who did it and when.
 
-    Raises :class:`PermissionDenied` unless ``user`` has ``leases.force_release_lease``, and
-    :class:`~leases.errors.LeaseNotHeld` when nobody holds the name (nothing to revoke).
-    Returns the :class:`~leases.models.ForceRelease` record.
+    A compare-and-release on what the operator saw: if the name's token is no longer ``token``
+    (the lease was released and someone else took it since the page was drawn), nothing is
+    done and :class:`~leases.errors.LeaseNotHeld` says so, so a click can never evict a
+    successor nobody looked at. Raises :class:`PermissionDenied` unless ``user`` has
+    ``leases.force_release_lease``.
+
+    In order: the revocation is committed in the application database(s) (from then on every
+    write fenced by the evicted lease is refused by the resource itself, on any backend), then
+    the backend advances the token (the holder's renewals fail, waiters are woken), then the
+    audit record is written. Returns the :class:`~leases.models.ForceRelease` record.
     """
     _require(user, FORCE_RELEASE_PERMISSION)
+    if isinstance(token, bool) or not isinstance(token, int) or token < 1:
+        raise InvalidFencingToken(token, "the token of the grant to release, as shown")
     store = get_backend(backend)
     before = store.inspect(name)
     if before is None or not before.held:
         raise LeaseNotHeld(name, f"nobody holds it on backend {backend!r}; nothing to release")
-    after = store.force_release(name)
+    if before.token != token:
+        raise LeaseNotHeld(
+            name,
+            f"its token on {backend!r} is now {before.token}, not {token}: it changed hands "
+            "since you looked, so nothing was released",
+        )
+    revocation.record(backend, name, token)
+    after = store.force_release(name, token)
     return _audit(
         user,
         via,
@@ -231,8 +248,8 @@ def force_release(name: str, *, backend: str, user: Any, via: str) -> Any:
         name=name,
         backend=backend,
         holder=before.holder,
-        token=before.token,
-        new_token=after.token if after is not None else None,
+        token=token,
+        new_token=after.token,
     )
 
 

@@ -52,21 +52,38 @@ def test_show_tells_holder_parts_and_token(lock_scene: LockScene) -> None:
 
 
 def test_release_needs_the_permission_and_is_recorded(lock_scene: LockScene) -> None:
+    old = lock_scene.tokens[lock_scene.held]
     plain: Any = UserFactory(username="plain-operator")
     with pytest.raises(CommandError, match="force_release_lease"):
-        run("release", lock_scene.held, "--user", plain.username)
+        run("release", lock_scene.held, "--token", str(old), "--user", plain.username)
     assert get_backend().inspect(lock_scene.held).held  # type: ignore[union-attr]
 
     operator: Any = UserFactory(username="operator")
     operator.user_permissions.add(Permission.objects.get(codename="force_release_lease"))
-    output = run("release", lock_scene.held, "--user", operator.username)
-    old = lock_scene.tokens[lock_scene.held]
+    output = run("release", lock_scene.held, "--token", str(old), "--user", operator.username)
     assert f"token {old} revoked" in output
     info = get_backend().inspect(lock_scene.held)
     assert info is not None and not info.held and info.token > old
     record = ForceRelease.objects.get(name=lock_scene.held)
     assert (record.by, record.via, record.token) == (operator, "command", old)
     assert record.holder == lock_scene.holder and record.new_token == info.token
+
+
+def test_release_of_a_token_that_changed_hands_releases_nothing(lock_scene: LockScene) -> None:
+    """The operator names the grant they saw; a successor's grant is never evicted."""
+    current = lock_scene.tokens[lock_scene.held]
+    operator: Any = UserFactory(username="careful-operator")
+    operator.user_permissions.add(Permission.objects.get(codename="force_release_lease"))
+    with pytest.raises(CommandError, match=f"now {current}, not {current + 1}"):
+        run("release", lock_scene.held, "--token", str(current + 1), "--user", operator.username)
+    info = get_backend().inspect(lock_scene.held)
+    assert info is not None and info.held and info.token == current
+    assert not ForceRelease.objects.filter(name=lock_scene.held).exists()
+
+
+def test_release_requires_the_token(lock_scene: LockScene) -> None:
+    with pytest.raises(CommandError, match="--token"):
+        run("release", lock_scene.held, "--user", "anyone")
 
 
 def test_watch_refreshes_a_bounded_number_of_times(lock_scene: LockScene) -> None:

@@ -178,11 +178,14 @@ def test_unfenced_save_works_and_never_lowers_the_fence() -> None:
     assert (doc.title, doc.fencing_token) == ("unfenced edit", 7)
 
 
-def test_unfenced_save_sets_the_token_only_when_named() -> None:
+def test_unfenced_save_named_token_can_raise_but_never_lower_it() -> None:
     doc = make_doc(7)
     doc.fencing_token = 1
     doc.save(update_fields=["fencing_token"])
-    assert stored_token(doc) == 1
+    assert stored_token(doc) == 7
+    doc.fencing_token = 9
+    doc.save(update_fields=["fencing_token"])
+    assert stored_token(doc) == 9
 
 
 def test_rejection_inside_atomic_keeps_the_transaction_usable() -> None:

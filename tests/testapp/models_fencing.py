@@ -81,3 +81,14 @@ class FencedDocPart(FencedDoc):
 
     class Meta:
         app_label = "testapp"
+
+
+class StrictDoc(FencedModel):
+    """A fenced model that refuses unfenced writes to stored rows (``require_fence``)."""
+
+    require_fence = True
+
+    title = models.CharField(max_length=100, default="")
+
+    class Meta:
+        app_label = "testapp"

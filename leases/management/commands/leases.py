@@ -1,7 +1,8 @@
 """``manage.py leases list|show|release|terminate|watch``: the admin pages for a terminal.
 
-``release`` has the admin action's semantics and permission model: it revokes by advancing the
-token (so the evicted holder's fenced writes are rejected), needs a user holding
+``release`` has the admin action's semantics and permission model: it revokes the grant whose
+token you name (``--token``, as ``list``/``show`` print it; a lease that changed hands since is
+left alone), so the evicted holder's fenced writes are rejected; it needs a user holding
 ``leases.force_release_lease`` (``--user``), and leaves the same audit record.
 """
 
@@ -87,6 +88,12 @@ class Command(BaseCommand):
         release.add_argument("name")
         release.add_argument("--backend", default="default")
         release.add_argument(
+            "--token",
+            type=int,
+            required=True,
+            help="the token shown by list/show: only that grant is released",
+        )
+        release.add_argument(
             "--user", required=True, help="username holding leases.force_release_lease"
         )
         terminate = sub.add_parser(
@@ -110,7 +117,7 @@ class Command(BaseCommand):
         elif action == "show":
             self.show(options["name"], options["database"])
         elif action == "release":
-            self.release(options["name"], options["backend"], options["user"])
+            self.release(options["name"], options["backend"], options["token"], options["user"])
         elif action == "terminate":
             self.terminate(options["pid"], options["user"], options["yes"], options["database"])
         else:
@@ -156,10 +163,10 @@ class Command(BaseCommand):
         if not found:
             raise CommandError(f"no backend knows {name!r} and no advisory lock of that name")
 
-    def release(self, name: str, backend: str, username: str) -> None:
+    def release(self, name: str, backend: str, token: int, username: str) -> None:
         try:
             record = operations.force_release(
-                name, backend=backend, user=_user(username), via="command"
+                name, backend=backend, token=token, user=_user(username), via="command"
             )
         except (PermissionDenied, LeaseError) as exc:
             raise CommandError(str(exc)) from exc

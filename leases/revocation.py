@@ -1,0 +1,125 @@
+"""Revocation: an operator's force release fences the evicted grant at once, on every backend.
+
+Advancing the token in the lease store is not enough on its own: a fenced row only compares the
+offered token with the highest one *it* has accepted, so the evicted holder's writes would pass
+until a successor happened to write. So a force release also records ``(backend, name,
+revoked-through token)`` in ``leases_revocation``, in every database where the ``leases`` app is
+migrated (where fenced rows and ``leases_fence`` live), before it returns; and every write fenced
+by a *lease* adds ``NOT EXISTS (revocation covering this grant)`` to the very statement that
+writes. Whatever the backend (a Redis key, an etcd revision), the resource itself refuses.
+
+A bare integer fence names no lease, so it cannot be matched with a revocation: ``fence=lease``
+is the form that gets this protection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db import connections, router
+from django.db.models import Exists, Q
+
+__all__ = [
+    "NOT_REVOKED_SQL",
+    "REVOKE_SQL",
+    "Offer",
+    "checked_on",
+    "not_revoked",
+    "record",
+    "revoked_through",
+]
+
+#: Record a revocation; a later one of the same name only ever raises the revoked-through token.
+REVOKE_SQL = """
+INSERT INTO leases_revocation (backend, name, token, at)
+VALUES (%s, %s, %s, clock_timestamp())
+ON CONFLICT (backend, name) DO UPDATE
+SET token = GREATEST(leases_revocation.token, EXCLUDED.token), at = EXCLUDED.at
+"""
+#: The condition a fenced statement carries for a lease's grant; parameters: backend, name,
+#: token. Backed by the unique index on ``(backend, name)``: one index probe per write.
+NOT_REVOKED_SQL = (
+    "NOT EXISTS (SELECT 1 FROM leases_revocation WHERE backend = %s AND name = %s AND token >= %s)"
+)
+#: Read only after a rejection, to say which revocation refused the write.
+REVOKED_THROUGH_SQL = "SELECT token FROM leases_revocation WHERE backend = %s AND name = %s"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The token a write carries and, when it came from a lease, which grant it belongs to.
+
+    Also a fence in its own right (``token`` + ``ensure_held``), so a fenced queryset can hand
+    the checked offer on to the per-batch updates of ``bulk_update`` without checking the lease
+    again or forgetting which grant the token came from.
+    """
+
+    token: int
+    backend: str | None = None
+    name: str | None = None
+
+    @property
+    def revocable(self) -> bool:
+        return self.backend is not None and self.name is not None
+
+    def ensure_held(self) -> None:
+        """Nothing to check: the lease was checked when the offer was made."""
+
+    def params(self) -> list[str | int | None]:
+        return [self.backend, self.name, self.token]
+
+
+def _migrated_on(alias: str) -> bool:
+    from .models import Revocation
+
+    vendor = connections[alias].vendor
+    return vendor == "postgresql" and router.allow_migrate_model(alias, Revocation)
+
+
+def checked_on(using: str) -> bool:
+    """Whether database ``using`` has the revocation table (the ``leases`` app is migrated there).
+
+    A project that keeps fenced rows in a database without it gets token fencing only there.
+    """
+    return _migrated_on(using)
+
+
+def record(backend: str, name: str, token: int) -> list[str]:
+    """Revoke every grant of ``name`` on ``backend`` up to ``token``; returns the databases.
+
+    Written on a private connection per database, in autocommit, so the revocation is durable
+    when this returns whatever transaction the caller is in (an ``ATOMIC_REQUESTS`` admin
+    view, a test): a fenced write that starts afterwards is refused, and a caller's rollback
+    cannot undo it.
+    """
+    aliases = [alias for alias in connections if _migrated_on(alias)]
+    for alias in aliases:
+        private = connections.create_connection(alias)
+        try:
+            with private.cursor() as cursor:
+                cursor.execute(REVOKE_SQL, [backend, name, token])
+        finally:
+            private.close()
+    return aliases
+
+
+def not_revoked(offer: Offer) -> Q:
+    """The ORM form of :data:`NOT_REVOKED_SQL`, for querysets' ``filter()``."""
+    from .models import Revocation
+
+    revoked = Revocation.objects.filter(
+        backend=offer.backend, name=offer.name, token__gte=offer.token
+    )
+    return ~Q(Exists(revoked))
+
+
+def revoked_through(offer: Offer, using: str) -> int | None:
+    """The revoked-through token when a revocation covers ``offer``'s grant, else ``None``."""
+    if not offer.revocable or not checked_on(using):
+        return None
+    with connections[using].cursor() as cursor:
+        cursor.execute(REVOKED_THROUGH_SQL, [offer.backend, offer.name])
+        row = cursor.fetchone()
+    if row is None or int(row[0]) < offer.token:
+        return None
+    return int(row[0])

@@ -1,0 +1,121 @@
+"""No ORM path lowers a stored fencing token, bad fences fail at ``fenced()``, and models can
+require a fence for every write to a stored row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from leases import FenceRequired, InvalidFencingToken, StaleFencingToken
+from tests.testapp.models_fencing import FencedDoc, StrictDoc
+
+pytestmark = pytest.mark.django_db
+
+
+def stored(doc: Any) -> int:
+    return int(type(doc).objects.filter(pk=doc.pk).values_list("fencing_token", flat=True)[0])
+
+
+@pytest.mark.parametrize("fence", [None, "7", 7.0, True, 0, -1, 2**63, object()])
+def test_fenced_refuses_what_can_never_fence_at_the_call(fence: Any) -> None:
+    with CaptureQueriesContext(connection) as queries, pytest.raises(InvalidFencingToken):
+        FencedDoc.objects.fenced(fence)
+    assert len(queries) == 0
+
+
+def test_fenced_none_never_turns_into_an_unfenced_update() -> None:
+    doc = FencedDoc(title="kept")
+    doc.save(fence=5)
+    with pytest.raises(InvalidFencingToken):
+        FencedDoc.objects.fenced(None).update(title="unfenced")  # type: ignore[arg-type]
+    doc.refresh_from_db()
+    assert doc.title == "kept"
+
+
+def test_unfenced_queryset_update_cannot_lower_the_token() -> None:
+    doc = FencedDoc(title="t")
+    doc.save(fence=7)
+    FencedDoc.objects.filter(pk=doc.pk).update(fencing_token=1)
+    assert stored(doc) == 7
+    FencedDoc.objects.filter(pk=doc.pk).update(fencing_token=9)
+    assert stored(doc) == 9
+
+
+def test_unfenced_bulk_update_cannot_lower_the_token() -> None:
+    docs = [FencedDoc(title=f"d{i}") for i in range(3)]
+    for doc in docs:
+        doc.save(fence=7)
+    for doc in docs:
+        doc.fencing_token = 1
+        doc.title = "bulk"
+    FencedDoc.objects.bulk_update(docs, ["title", "fencing_token"])
+    assert {stored(doc) for doc in docs} == {7}
+    assert set(
+        FencedDoc.objects.filter(pk__in=[d.pk for d in docs]).values_list("title", flat=True)
+    ) == {"bulk"}
+
+
+def test_a_lowered_token_would_let_a_stale_writer_through() -> None:
+    """Why it matters: had the token been lowered, a stale token-1 write would succeed."""
+    doc = FencedDoc(title="t")
+    doc.save(fence=7)
+    FencedDoc.objects.filter(pk=doc.pk).update(fencing_token=1)
+    doc.title = "stale"
+    with pytest.raises(StaleFencingToken):
+        doc.save(fence=1)
+
+
+def test_require_fence_refuses_unfenced_writes_to_stored_rows_before_any_query() -> None:
+    doc = StrictDoc(title="new")
+    doc.save()  # creating a row unfenced stays allowed
+    doc.save(fence=3)
+    doc.title = "unfenced"
+    with CaptureQueriesContext(connection) as queries:
+        with pytest.raises(FenceRequired):
+            doc.save()
+        with pytest.raises(FenceRequired):
+            StrictDoc.objects.filter(pk=doc.pk).update(title="unfenced")
+        with pytest.raises(FenceRequired):
+            StrictDoc.objects.bulk_update([doc], ["title"])
+        with pytest.raises(FenceRequired):
+            StrictDoc.objects.filter(pk=doc.pk).delete()
+        with pytest.raises(FenceRequired):
+            doc.delete()
+    assert len(queries) == 0
+    assert StrictDoc.objects.get(pk=doc.pk).title == "new"
+
+
+def test_require_fence_refuses_an_unfenced_save_of_a_new_instance_over_a_stored_row() -> None:
+    doc = StrictDoc(title="stored")
+    doc.save(fence=3)
+    clash = StrictDoc(pk=doc.pk, title="clash")
+    with pytest.raises(FenceRequired):
+        clash.save()
+    assert StrictDoc.objects.get(pk=doc.pk).title == "stored"
+
+
+def test_require_fence_allows_fenced_writes_and_deletes() -> None:
+    doc = StrictDoc(title="a")
+    doc.save(fence=3)
+    doc.title = "b"
+    doc.save(fence=4)
+    assert StrictDoc.objects.filter(pk=doc.pk).fenced(4).update(title="c") == 1
+    with pytest.raises(StaleFencingToken):
+        doc.delete(fence=3)
+    assert StrictDoc.objects.filter(pk=doc.pk).exists()
+    doc.delete(fence=4)
+    assert not StrictDoc.objects.filter(pk=doc.pk).exists()
+
+
+def test_fenced_queryset_delete_is_all_or_nothing() -> None:
+    low, high = FencedDoc(title="low"), FencedDoc(title="high")
+    low.save(fence=2)
+    high.save(fence=9)
+    pks = [low.pk, high.pk]
+    with pytest.raises(StaleFencingToken):
+        FencedDoc.objects.filter(pk__in=pks).fenced(5).delete()
+    assert FencedDoc.objects.filter(pk__in=pks).count() == 2
+    assert FencedDoc.objects.filter(pk__in=pks).fenced(9).delete()[0] == 2

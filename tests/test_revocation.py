@@ -1,0 +1,200 @@
+"""A force release fences the evicted grant at the resource at once, on every backend.
+
+No successor writes in these tests: the resource must refuse the evicted lease's writes on the
+strength of the recorded revocation alone, in the statement that would write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from leases import FencingTokenRevoked, LeaseNotHeld, StaleFencingToken, acquire, check_fence
+from leases.backends import get_backend
+from leases.lease import Lease
+from leases.models import ForceRelease, Revocation
+from leases.operations import force_release
+from tests.checker import check_history, history, new_register, record_write
+from tests.factories import UserFactory
+from tests.lease_backends import lease_backend, lease_name
+from tests.testapp.models_fencing import FencedDoc, FencedDocPart, FencedRegister
+
+__all__ = ["lease_backend", "lease_name"]  # fixtures, re-exported for pytest
+
+
+@pytest.fixture
+def operator(db: None) -> Any:
+    user: Any = UserFactory(username="revoking-operator")
+    user.user_permissions.add(Permission.objects.get(codename="force_release_lease"))
+    return user
+
+
+def evict(held: Lease, operator: Any) -> None:
+    force_release(held.name, backend=held.backend, token=held.token, user=operator, via="test")
+
+
+def test_evicted_lease_cannot_write_although_nobody_newer_did(
+    lease_backend: str, lease_name: str, operator: Any
+) -> None:
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    doc = FencedDoc(title="before")
+    doc.save(fence=held)
+    check_fence(f"file:{lease_name}", held)
+    evict(held, operator)
+    held.ensure_held()  # the holder does not know yet: only the resource can refuse
+
+    doc.title = "after"
+    with pytest.raises(FencingTokenRevoked) as refused:
+        doc.save(fence=held)
+    assert (refused.value.offered, refused.value.revoked_through) == (held.token, held.token)
+    with pytest.raises(FencingTokenRevoked):
+        FencedDoc.objects.filter(pk=doc.pk).fenced(held).update(title="after")
+    with pytest.raises(FencingTokenRevoked):
+        FencedDoc.objects.fenced(held).bulk_update([doc], ["title"])
+    with pytest.raises(FencingTokenRevoked):
+        doc.delete(fence=held)
+    with pytest.raises(FencingTokenRevoked):
+        check_fence(f"file:{lease_name}", held)
+    with pytest.raises(FencingTokenRevoked):
+        check_fence(f"other-file:{lease_name}", held)  # a resource it never wrote to
+    doc.refresh_from_db()
+    assert (doc.title, doc.fencing_token) == ("before", held.token)
+
+
+def test_evicted_lease_cannot_insert_new_rows(
+    lease_backend: str, lease_name: str, operator: Any
+) -> None:
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    evict(held, operator)
+    with pytest.raises(FencingTokenRevoked):
+        FencedDoc(title=f"auto pk {lease_name}").save(fence=held)  # plain INSERT
+    with pytest.raises(FencingTokenRevoked):
+        FencedRegister(name=lease_name, value="explicit pk").save(fence=held)  # the upsert
+    with pytest.raises(FencingTokenRevoked):
+        FencedDocPart(title=f"child {lease_name}").save(fence=held)  # parent row first
+    assert not FencedDoc.objects.filter(title__endswith=lease_name).exists()
+    assert not FencedRegister.objects.filter(name=lease_name).exists()
+
+
+def test_revocation_survives_the_callers_rollback_and_keeps_its_transaction_usable(
+    lease_backend: str, lease_name: str, operator: Any
+) -> None:
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    doc = FencedDoc(title="before")
+    doc.save(fence=held)
+    with transaction.atomic():
+        sid = transaction.savepoint()
+        evict(held, operator)
+        transaction.savepoint_rollback(sid)
+        doc.title = "after"
+        with pytest.raises(FencingTokenRevoked):
+            doc.save(fence=held)
+        FencedDoc(title="the transaction still works").save(fence=1)
+    assert Revocation.objects.filter(backend=lease_backend, name=lease_name).exists()
+
+
+def test_successor_writes_normally_after_a_revocation(
+    lease_backend: str, lease_name: str, operator: Any
+) -> None:
+    register = new_register()
+    first = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    assert record_write(register, first, "first")
+    evict(first, operator)
+    assert not record_write(register, first, "first")  # refused by the resource
+    second = acquire(lease_name, ttl=5, backend=lease_backend, timeout=5, holder="successor")
+    try:
+        assert second.token > first.token
+        assert record_write(register, second, "second")
+        assert not record_write(register, first, "first")
+    finally:
+        second.release()
+    outcomes = [(a.writer, a.outcome) for a in history(register)]
+    assert outcomes == [
+        ("first", "accepted"),
+        ("first", "stale"),
+        ("second", "accepted"),
+        ("first", "stale"),
+    ]
+    check_history(register, grants=[first.token, second.token])
+
+
+def test_bare_int_fences_name_no_lease_so_revocation_cannot_reach_them(
+    lease_backend: str, lease_name: str, operator: Any
+) -> None:
+    """The documented limit: ``fence=lease`` is the form revocation protects."""
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    doc = FencedDoc(title="before")
+    doc.save(fence=held)
+    evict(held, operator)
+    doc.title = "by a bare token"
+    doc.save(fence=int(held))
+    doc.refresh_from_db()
+    assert doc.title == "by a bare token"
+
+
+def test_a_lease_that_changed_hands_is_not_released_or_revoked(
+    lease_backend: str, lease_name: str, operator: Any
+) -> None:
+    seen = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    seen.release()
+    successor = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    try:
+        with pytest.raises(LeaseNotHeld, match=f"now {successor.token}, not {seen.token}"):
+            evict(seen, operator)
+        info = get_backend(lease_backend).inspect(lease_name)
+        assert info is not None and info.held and info.token == successor.token
+        assert not Revocation.objects.filter(backend=lease_backend, name=lease_name).exists()
+        assert not ForceRelease.objects.filter(name=lease_name).exists()
+        FencedDoc(title="successor").save(fence=successor)
+    finally:
+        successor.release()
+
+
+def test_revocation_does_not_leak_into_another_backend_or_name(
+    lease_backend: str, lease_name: str, operator: Any
+) -> None:
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    other = acquire(f"{lease_name}-other", ttl=30, backend=lease_backend, keepalive=False)
+    try:
+        evict(held, operator)
+        FencedDoc(title="other name").save(fence=other)
+        Revocation.objects.create(backend="not-this-backend", name=other.name, token=10**9)
+        FencedDoc(title="other backend's revocation").save(fence=other)
+    finally:
+        other.release()
+
+
+def test_an_unrevoked_fenced_update_costs_no_extra_statement(
+    lease_backend: str, lease_name: str
+) -> None:
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    try:
+        doc = FencedDoc(title="a")
+        doc.save(fence=held)
+        doc.title = "b"
+        with CaptureQueriesContext(connection) as queries:
+            doc.save(fence=held)
+        assert len(queries) == 1 and "leases_revocation" in queries[0]["sql"]
+    finally:
+        held.release()
+
+
+@pytest.mark.parametrize("token", [0, -1, "7", None, True])
+def test_force_release_refuses_a_token_that_cannot_be_one(
+    lease_name: str, operator: Any, token: Any
+) -> None:
+    held = acquire(lease_name, ttl=30, keepalive=False)
+    try:
+        with pytest.raises(ValueError):
+            force_release(lease_name, backend="default", token=token, user=operator, via="test")
+        assert get_backend().inspect(lease_name).held  # type: ignore[union-attr]
+    finally:
+        held.release()
+
+
+def test_stale_and_revoked_are_both_stale_fencing_token() -> None:
+    assert issubclass(FencingTokenRevoked, StaleFencingToken)
