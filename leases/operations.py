@@ -222,7 +222,7 @@ def force_release(name: str, *, backend: str, user: Any, via: str) -> Any:
     before = store.inspect(name)
     if before is None or not before.held:
         raise LeaseNotHeld(name, f"nobody holds it on backend {backend!r}; nothing to release")
-    after = store.force_release(name)
+    after = store.force_release(name, before.token)
     return _audit(
         user,
         via,
