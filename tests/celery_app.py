@@ -179,7 +179,7 @@ def locked_until_lost(self: Any, register: str, lease: Lease) -> bool:
     from leases.backends import get_backend
 
     _fenced_run(register, lease, self.request.id, 0)
-    get_backend().force_release(lease.name)  # an operator's revocation, mid-run
+    get_backend().force_release(lease.name, lease.token)  # an operator's revocation, mid-run
     lease.lost.wait(_LEASE_TTL * 2)
     _run(register, self.request.id, lease.token, 0)
     return _fenced_run(register, lease, self.request.id, 0)

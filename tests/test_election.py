@@ -101,7 +101,7 @@ def test_revoked_leader_learns_it_lost_and_signals_fire(
     try:
         leadership = elect(name, ttl=0.9, backend=backend, timeout=5, on_lost=lost_calls.append)
         resign_all.append(leadership)
-        get_backend(backend).force_release(election_lease_name(name))
+        get_backend(backend).force_release(election_lease_name(name), leadership.token)
         assert leadership.lost.wait(5), "keepalive never noticed the revoked leadership"
         assert not leadership.is_leader
         assert lost_calls == [leadership]

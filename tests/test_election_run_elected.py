@@ -88,7 +88,7 @@ def test_deposed_leaders_command_is_stopped_within_the_grace_period(
     name, proc, pid, token, out = run_elected(mode)  # type: ignore[operator]
     leader = leader_of(name)
     assert leader is not None and leader.token == token
-    get_backend().force_release(election_lease_name(name))  # an operator deposes the leader
+    get_backend().force_release(election_lease_name(name), token)  # an operator deposes the leader
     took = wait_until(lambda: not alive(pid), TTL + GRACE + SLACK)
     assert took is not None, f"the deposed leader's command still runs after {TTL + GRACE + SLACK}s"
     assert Path(f"{out}.term").exists(), "the command was not sent SIGTERM first"

@@ -292,3 +292,20 @@ def test_a_stuck_waiting_room_does_not_block_takeover(lease_name: str) -> None:
         second.release()
     finally:
         paused_waiter.close()
+
+
+def test_a_row_expiring_in_year_33715_breaks_no_read(lease_name: str) -> None:
+    """Python's ``datetime`` ends at year 9999; PostgreSQL's does not. Such a row (written
+    before TTLs were bounded) must not fail every ``inspect_all`` or its own revocation."""
+    with _connect("default") as own:  # committed: the backend reads on a connection of its own
+        own.execute(
+            "INSERT INTO leases_lease (name, holder, token, acquired_at, expires_at, meta) "
+            "VALUES (%s, 'far-future', 7, now(), '33715-01-01 00:00:00+00', '{}')",
+            [lease_name],
+        )
+    backend = database_backend()
+    (far,) = [info for info in backend.inspect_all() if info.name == lease_name]
+    assert far.held and far.token == 7 and far.expires_at is not None
+    assert far.expires_at.year == 9999
+    revoked = backend.force_release(lease_name, 7)
+    assert revoked.token == 8 and not revoked.held

@@ -115,7 +115,7 @@ def test_revoked_lease_is_reported_by_the_next_renewal(lease_backend: str, lease
         backend=lease_backend,
         on_lost=lambda lost: reasons.append(lost.lost_reason or ""),
     )
-    store.force_release(lease_name)
+    store.force_release(lease_name, held.token)
     assert held.lost.wait(3)
     deadline = time.monotonic() + 2
     while not reasons and time.monotonic() < deadline:

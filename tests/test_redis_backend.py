@@ -146,7 +146,7 @@ def test_inspect_force_release_and_inspect_all(make_backend: MakeBackend) -> Non
     assert grant is not None
     info = backend.inspect(name)
     assert info is not None and info.held and (info.holder, info.token) == ("a", grant.token)
-    after = backend.force_release(name)
+    after = backend.force_release(name, grant.token)
     assert after is not None and not after.held and after.token > grant.token
     with pytest.raises(LeaseLost):
         backend.renew(grant, 5)

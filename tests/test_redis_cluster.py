@@ -102,7 +102,7 @@ def test_leases_on_every_node_of_a_cluster(cluster: list[RedisServer]) -> None:
         assert {info.name for info in backend.inspect_all()} == set(names)
         held = backend.try_acquire(names[0], "c", 5)
         assert held is not None
-        revoked = backend.force_release(names[0])
+        revoked = backend.force_release(names[0], held.token)
         assert revoked is not None and revoked.token > held.token and not revoked.held
     finally:
         backend.close()

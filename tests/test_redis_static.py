@@ -1,7 +1,8 @@
 """Static proof that no Redis command path deletes or expires a lease key without comparing.
 
 Every Lua constant of the Redis backends is scanned: a command that deletes, overwrites or
-re-times a key must sit inside an ``if redis.call('GET', <that key>) == ARGV[n]`` block, or be a
+re-times a key must sit inside an ``if redis.call('GET', <that key>) == ARGV[n]`` block (or one
+comparing the value's token prefix, ``string.sub(... or '', 1, #ARGV[n]) == ARGV[n]``), or be a
 ``SET ... NX`` (which cannot overwrite). The only exception is the wake-up list (a key the script
 ``RPUSH``es to), which holds no grant. The Python sources are scanned too: the only direct
 write is Redlock's ``SET NX``, and nothing lists keys by pattern (``KEYS``).
@@ -27,7 +28,11 @@ DESTRUCTIVE = {
     "FLUSHALL", "HDEL",
 }  # fmt: skip
 CALL = re.compile(r"redis\.call\(\s*'(\w+)'\s*(?:,\s*(KEYS\[\d+\]))?([^)]*)\)")
-GUARD = re.compile(r"redis\.call\(\s*'GET'\s*,\s*(KEYS\[\d+\])\s*\)\s*==\s*ARGV\[\d+\]")
+GUARD = re.compile(
+    r"redis\.call\(\s*'GET'\s*,\s*(KEYS\[\d+\])\s*\)\s*==\s*ARGV\[\d+\]"
+    r"|string\.sub\(redis\.call\(\s*'GET'\s*,\s*(KEYS\[\d+\])\s*\)\s*or\s*''\s*,\s*1\s*,"
+    r"\s*#ARGV\[(\d+)\]\s*\)\s*==\s*ARGV\[\3\]"
+)
 PY_FORBIDDEN = {
     "delete", "unlink", "expire", "pexpire", "expireat", "pexpireat", "persist", "getdel",
     "getex", "getset", "setex", "psetex", "rename", "execute_command", "eval", "evalsha",
@@ -53,7 +58,7 @@ def unguarded(script: str) -> list[str]:
         stripped = line.strip()
         if stripped.startswith(("if ", "for ", "while ")) or stripped.endswith(" do"):
             guard = GUARD.search(stripped)
-            guards.append(guard.group(1) if guard else None)
+            guards.append((guard.group(1) or guard.group(2)) if guard else None)
         for cmd, key, rest in CALL.findall(stripped):
             cmd = cmd.upper()
             if cmd in ("KEYS", "SCAN"):
@@ -76,7 +81,7 @@ def test_no_lua_script_deletes_or_expires_without_comparing(name: str, script: s
 
 def test_the_scripts_that_must_exist_are_scanned() -> None:
     names = {name.rsplit(".", 1)[1] for name, _ in scripts()}
-    assert {"ACQUIRE_LUA", "RENEW_LUA", "RELEASE_LUA"} <= names
+    assert {"ACQUIRE_LUA", "RENEW_LUA", "RELEASE_LUA", "FORCE_RELEASE_LUA"} <= names
 
 
 def test_the_scan_catches_bare_deletes_and_expires() -> None:
@@ -91,6 +96,9 @@ def test_the_scan_catches_bare_deletes_and_expires() -> None:
     assert not unguarded(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then\n  redis.call('DEL', KEYS[1])\nend"
     )
+    prefix = "if string.sub(redis.call('GET', KEYS[1]) or '', 1, #ARGV[4]) == ARGV[{}] then"
+    assert not unguarded(f"{prefix.format(4)}\n  redis.call('DEL', KEYS[1])\nend")
+    assert unguarded(f"{prefix.format(3)}\n  redis.call('DEL', KEYS[1])\nend")
 
 
 def python_writes(source: str) -> list[str]:

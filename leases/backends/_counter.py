@@ -42,6 +42,18 @@ RETURNING token
 
 CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
 
+#: Compare-and-bump for a revocation: the token moves on only if it is still the one the
+#: operator saw. Returns the new token, or NULL and the current one (NULL if never granted).
+REVOKE_LEASE_SQL = """
+WITH revoked AS (
+    UPDATE leases_lease SET token = token + 1 WHERE name = %s AND token = %s RETURNING token
+)
+SELECT token, NULL FROM revoked
+UNION ALL
+SELECT NULL, (SELECT token FROM leases_lease WHERE name = %s)
+WHERE NOT EXISTS (SELECT 1 FROM revoked)
+"""
+
 _counters: weakref.WeakSet[DurableCounter] = weakref.WeakSet()
 #: Connections inherited over fork, kept referenced and never closed: closing (or collecting)
 #: one would send a Terminate message on the parent's socket and end the parent's session.
@@ -59,6 +71,10 @@ class DurableCounter:
         _counters.add(self)
 
     def _execute(self, sql: str, params: tuple[object, ...]) -> int | None:
+        row = self._fetch(sql, params)
+        return None if row is None else int(row[0])
+
+    def _fetch(self, sql: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
         with self._lock:
             try:
                 if self._connection is None:
@@ -66,7 +82,7 @@ class DurableCounter:
                     # on (a bump lost in a crash could be handed out again), TCP keepalives and
                     # timeouts so a dead server cannot hang a grant forever.
                     self._connection = _connect(self.alias)
-                row = self._connection.execute(sql, params).fetchone()
+                row: tuple[Any, ...] | None = self._connection.execute(sql, params).fetchone()
             except (psycopg.Error, BackendUnavailable) as exc:
                 self._close_locked()
                 raise FencingUnavailable(
@@ -74,7 +90,7 @@ class DurableCounter:
                     f"cannot take a durable counter from database {self.alias!r} ({exc}); "
                     "without it a token could repeat one already handed out",
                 ) from exc
-        return None if row is None else int(row[0])
+        return row
 
     def bump_fence(self, resource: str, floor: int = 1) -> int:
         """The next value of counter ``resource``: higher than every earlier one, >= ``floor``."""
@@ -87,6 +103,14 @@ class DurableCounter:
         value = self._execute(BUMP_LEASE_SQL, (name,))
         assert value is not None
         return value
+
+    def revoke_lease(self, name: str, token: int) -> tuple[int | None, int | None]:
+        """``(new token, None)`` if ``name``'s token was ``token`` and moved on, else
+        ``(None, current token)`` (``None`` if never granted) and nothing changed."""
+        row = self._fetch(REVOKE_LEASE_SQL, (name, token, name))
+        assert row is not None
+        new, current = row
+        return (None if new is None else int(new)), (None if current is None else int(current))
 
     def current_lease(self, name: str) -> int | None:
         """The last token handed out for ``name``, or ``None`` if none ever was."""

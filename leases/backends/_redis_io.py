@@ -9,7 +9,7 @@ redis-py's errors become :class:`~leases.errors.BackendUnavailable`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any
 
@@ -45,9 +45,19 @@ def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+#: The latest expiry shown: any key can exist (``PX`` of 1e15 ms is year 33715), and reading it
+#: must not raise ``OverflowError`` where ``datetime`` ends.
+LATEST = datetime(9999, 12, 30, tzinfo=UTC)
+
+
 def expires(seconds: float) -> datetime:
     """Wall-clock estimate of an expiry, for display only (Redis's clock decides)."""
-    return timezone.now() + timedelta(seconds=seconds)
+    now = timezone.now()
+    latest = LATEST if now.tzinfo is not None else LATEST.replace(tzinfo=None)
+    try:
+        return min(now + timedelta(seconds=seconds), latest)
+    except OverflowError:
+        return latest
 
 
 def check_prefix(alias: str, prefix: object) -> str:

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from ..errors import BackendNotSupported
 
-__all__ = ["Capability", "Grant", "LeaseBackend", "LeaseInfo"]
+__all__ = ["Capability", "Grant", "LeaseBackend", "LeaseInfo", "not_revoked"]
 
 
 class Capability(enum.StrEnum):
@@ -144,10 +144,17 @@ class LeaseBackend(abc.ABC):
     def inspect_all(self) -> list[LeaseInfo]:
         """Every name the store knows, held or not, for operators' views."""
 
-    def force_release(self, name: str) -> LeaseInfo | None:
-        """Revoke the current grant of ``name`` by advancing its token (operators only).
+    def force_release(self, name: str, token: int) -> LeaseInfo:
+        """Revoke the grant of ``name`` with ``token`` by advancing the token (operators only).
 
-        The evicted holder's renewals fail and its fenced writes are rejected.
+        Compare-and-revoke: only while the name's stored token is still ``token`` (read by the
+        operator from :meth:`inspect`) does it advance the token, free the name and wake
+        waiters; the evicted holder's renewals then fail and its fenced writes are rejected.
+        Otherwise the name changed hands since it was inspected (or was never granted), and
+        evicting whoever holds it now would punish the wrong holder: it raises
+        :class:`~leases.errors.LeaseNotHeld` and changes nothing. Returns the name's state
+        after the revocation (free, with the advanced token). One round trip where the store
+        can compare and write in one request.
         """
         raise BackendNotSupported(self.alias, Capability.FORCE_RELEASE.value)
 
@@ -160,3 +167,13 @@ class LeaseBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends need nothing
         """Release connections; called when settings change and at interpreter exit."""
+
+
+def not_revoked(offered: int, current: int | None) -> str:
+    """Why a :meth:`LeaseBackend.force_release` did nothing, for its :class:`LeaseNotHeld`."""
+    if current is None:
+        return f"it was never granted, so token {offered} was not revoked; nothing was done"
+    return (
+        f"its current token is {current}, not {offered} (it changed hands since it was "
+        "inspected); nothing was done: inspect it again and revoke the current token"
+    )

@@ -36,10 +36,10 @@ import psycopg
 from django.db import connections
 from django.db.backends.signals import connection_created
 
-from ..errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
+from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ..keys import advisory_key
 from ._pgconn import CHANNEL, Listener, close_quietly, connect, stale
-from .base import Capability, Grant, LeaseBackend, LeaseInfo
+from .base import Capability, Grant, LeaseBackend, LeaseInfo, not_revoked
 
 __all__ = ["CHANNEL", "Backend"]
 
@@ -84,26 +84,35 @@ WITH freed AS (
 SELECT pg_notify('leases_released', name) FROM freed
 """
 
-#: Revoke whoever holds ``name``: advance the token so its renewals and fenced writes fail.
+#: Compare-and-revoke: only if ``name``'s stored token is still ``token``, advance it (so the
+#: evicted holder's renewals and fenced writes fail), free the name and wake waiters. Otherwise
+#: nothing is written and the one row says what the token is now (``NULL``: never granted);
+#: an operator's click on a stale page must not evict whoever holds the name by then.
 FORCE_RELEASE_SQL = """
 WITH revoked AS (
     UPDATE leases_lease SET token = token + 1, holder = '', expires_at = clock_timestamp()
-    WHERE name = %(name)s::text
+    WHERE name = %(name)s::text AND token = %(token)s
     RETURNING name, holder, token, acquired_at, expires_at, renewed_at, meta
 )
 SELECT name, holder, token, acquired_at, expires_at, renewed_at, meta, false,
        pg_notify('leases_released', name)
 FROM revoked
+UNION ALL
+SELECT NULL, NULL, (SELECT token FROM leases_lease WHERE name = %(name)s::text),
+       NULL, NULL, NULL, NULL, NULL, NULL
+WHERE NOT EXISTS (SELECT 1 FROM revoked)
 """
 
+#: What observers see. ``expires_at`` is clamped into what Python's ``datetime`` can hold: a
+#: row written with an absurd TTL (year 33715) must not make every read of the table fail.
 INSPECT_SQL = """
-SELECT name, holder, token, acquired_at, expires_at, renewed_at, meta,
-       holder <> '' AND expires_at > clock_timestamp()
+SELECT name, holder, token, acquired_at, LEAST(expires_at, '9999-12-30 00:00:00+00'),
+       renewed_at, meta, holder <> '' AND expires_at > clock_timestamp()
 FROM leases_lease WHERE name = %(name)s::text
 """
 INSPECT_ALL_SQL = """
-SELECT name, holder, token, acquired_at, expires_at, renewed_at, meta,
-       holder <> '' AND expires_at > clock_timestamp()
+SELECT name, holder, token, acquired_at, LEAST(expires_at, '9999-12-30 00:00:00+00'),
+       renewed_at, meta, holder <> '' AND expires_at > clock_timestamp()
 FROM leases_lease ORDER BY name
 """
 
@@ -342,9 +351,11 @@ class Backend(LeaseBackend):
     def inspect_all(self) -> list[LeaseInfo]:
         return [_info(row, self.alias) for row in self._run(INSPECT_ALL_SQL, {})]
 
-    def force_release(self, name: str) -> LeaseInfo | None:
-        rows = self._run(FORCE_RELEASE_SQL, {"name": name})
-        return _info(rows[0], self.alias) if rows else None
+    def force_release(self, name: str, token: int) -> LeaseInfo:
+        row = self._run(FORCE_RELEASE_SQL, {"name": name, "token": token})[0]
+        if row[0] is None:
+            raise LeaseNotHeld(name, not_revoked(token, row[2]))
+        return _info(row, self.alias)
 
     def deploy_checks(self) -> list[str]:
         try:

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import FencingUnavailable, LeaseLost
+from ..errors import FencingUnavailable, LeaseLost, LeaseNotHeld
 from ..keys import validate_name
 from ._counter import DurableCounter
 from ._redis_io import (
@@ -55,9 +55,18 @@ from ._redis_io import (
     ms,
     text,
 )
-from .base import Capability, Grant, LeaseBackend, LeaseInfo
+from .base import Capability, Grant, LeaseBackend, LeaseInfo, not_revoked
 
-__all__ = ["ACQUIRE_LUA", "RELEASE_LUA", "RENEW_LUA", "Backend", "LeaseKeys", "Reply", "lua"]
+__all__ = [
+    "ACQUIRE_LUA",
+    "FORCE_RELEASE_LUA",
+    "RELEASE_LUA",
+    "RENEW_LUA",
+    "Backend",
+    "LeaseKeys",
+    "Reply",
+    "lua",
+]
 
 #: Epochs and counters are packed into one signed 64-bit token (``FencedModel``'s bigint).
 COUNTER_BITS = 32
@@ -118,20 +127,38 @@ end
 return LOST
 """)
 
-#: KEYS: lock, wake, fence. ARGV: value, wake ttl ms, "1" to advance the counter (revocation).
+#: KEYS: lock, wake, fence. ARGV: value, wake ttl ms.
 #: Compare-and-delete, then wake one waiter; the counter in ``fence`` is never deleted.
 RELEASE_LUA = lua("""
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  if ARGV[3] == '1' then
-    redis.call('HINCRBY', KEYS[3], 'counter', 1)
-  end
   redis.call('RPUSH', KEYS[2], '1')
   redis.call('LTRIM', KEYS[2], 0, 0)
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
   return OK
 end
 return LOST
+""")
+
+
+#: KEYS: lock, wake, fence. ARGV: epoch, counter (the token to revoke), wake ttl ms, the lock
+#: value's prefix for that token (``epoch:counter:``).
+#: Compare-and-revoke: only while the stored token is still the one given, free the name (if
+#: that grant still holds it), advance the counter so the evicted holder's renewals fail, and
+#: wake one waiter. Returns {OK, epoch, new counter} | {LOST, stored epoch, stored counter}.
+FORCE_RELEASE_LUA = lua("""
+local state = redis.call('HMGET', KEYS[3], 'epoch', 'counter')
+if tonumber(state[1]) ~= tonumber(ARGV[1]) or tonumber(state[2]) ~= tonumber(ARGV[2]) then
+  return {LOST, state[1], state[2]}
+end
+if string.sub(redis.call('GET', KEYS[1]) or '', 1, #ARGV[4]) == ARGV[4] then
+  redis.call('DEL', KEYS[1])
+end
+local counter = redis.call('HINCRBY', KEYS[3], 'counter', 1)
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('LTRIM', KEYS[2], 0, 0)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {OK, state[1], counter}
 """)
 
 
@@ -167,6 +194,10 @@ def token_of(value: str) -> tuple[int, str]:
     """``(token, holder)`` from a lock value ``epoch:counter:holder``."""
     epoch, counter, holder = value.split(":", 2)
     return int(epoch) << COUNTER_BITS | int(counter), holder
+
+
+def _token(epoch: bytes | str | int, counter: bytes | str | int) -> int:
+    return int(epoch) << COUNTER_BITS | int(counter)
 
 
 def value_of(grant: Grant) -> str:
@@ -213,6 +244,7 @@ class Backend(LeaseBackend):
                     "acquire": client.register_script(ACQUIRE_LUA),
                     "renew": client.register_script(RENEW_LUA),
                     "release": client.register_script(RELEASE_LUA),
+                    "force_release": client.register_script(FORCE_RELEASE_LUA),
                 }
                 self._client = client
             return self._client
@@ -248,13 +280,10 @@ class Backend(LeaseBackend):
         return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
 
     def release(self, grant: Grant) -> None:
-        if not self._release(grant.name, value_of(grant), revoke=False):
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        args = [value_of(grant), WAKE_TTL_MS]
+        if self._run("release", [keys.lock, keys.wake, keys.fence], args) != Reply.OK:
             raise LeaseLost(grant.name, grant.token, "expired or taken over before the release")
-
-    def _release(self, name: str, value: str, *, revoke: bool) -> bool:
-        keys = LeaseKeys.of(self.prefix, name)
-        args = [value, WAKE_TTL_MS, "1" if revoke else "0"]
-        return bool(self._run("release", [keys.lock, keys.wake, keys.fence], args) == Reply.OK)
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` the name's wake-up list: one blocked request, no polling.
@@ -280,8 +309,7 @@ class Backend(LeaseBackend):
             return LeaseInfo(name, holder, token, True, self.alias, expires_at=at)
         if epoch is None or counter is None:
             return None
-        token = int(epoch) << COUNTER_BITS | int(counter)
-        return LeaseInfo(name, "", token, False, self.alias)
+        return LeaseInfo(name, "", _token(epoch, counter), False, self.alias)
 
     def inspect_all(self) -> list[LeaseInfo]:
         """Every name with a counter, by ``SCAN`` (never ``KEYS``): operators' views only."""
@@ -293,19 +321,16 @@ class Backend(LeaseBackend):
         infos = (self.inspect(name) for name in sorted(found))
         return [info for info in infos if info is not None]
 
-    def force_release(self, name: str) -> LeaseInfo | None:
-        """Revoke the current grant: compare-and-delete its exact value, advancing the counter.
-
-        Returns the name's state after the revocation (free, with the advanced token).
-        """
-        for _ in range(5):
-            info = self.inspect(name)
-            if info is None or not info.held:
-                return info
-            value = value_of(Grant(name, info.holder, info.token, 0.0, 0.0))
-            if self._release(name, value, revoke=True):
-                return self.inspect(name)
-        return self.inspect(name)
+    def force_release(self, name: str, token: int) -> LeaseInfo:
+        """Compare-and-revoke in one script: the stored counter decides, not a read before."""
+        keys = LeaseKeys.of(self.prefix, name)
+        epoch, counter = token >> COUNTER_BITS, token & MAX_COUNTER
+        args = [epoch, counter, WAKE_TTL_MS, f"{epoch}:{counter}:"]
+        code, epoch, counter = self._run("force_release", [keys.lock, keys.wake, keys.fence], args)
+        if code != Reply.OK:
+            current = None if epoch is None or counter is None else _token(epoch, counter)
+            raise LeaseNotHeld(name, not_revoked(token, current))
+        return LeaseInfo(name, "", _token(epoch, counter), False, self.alias)
 
     def deploy_checks(self) -> list[str]:
         return eviction_problems(self.alias, self.client)

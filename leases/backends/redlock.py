@@ -50,7 +50,7 @@ import redis
 from django.utils.module_loading import import_string
 
 from .. import conf
-from ..errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
+from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._counter import DurableCounter
 from ._redis_io import (
     check_options,
@@ -63,7 +63,7 @@ from ._redis_io import (
     send,
     text,
 )
-from .base import Capability, Grant, LeaseBackend, LeaseInfo
+from .base import Capability, Grant, LeaseBackend, LeaseInfo, not_revoked
 from .redis import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply
 
 __all__ = ["Backend"]
@@ -126,8 +126,9 @@ class Backend(LeaseBackend):
         self.node_timeout = float(options.get("NODE_TIMEOUT", 0.05))
         self.counter = DurableCounter(alias, str(options.get("TOKEN_DATABASE", "default")))
         source = options.get("TOKEN_SOURCE", "database")
+        self._source_is_database = source == "database"
         self.next_token: Callable[[str], int] = (
-            self.counter.bump_lease if source == "database" else import_string(str(source))
+            self.counter.bump_lease if self._source_is_database else import_string(str(source))
         )
         self._nodes: list[_Node] | None = None
 
@@ -222,19 +223,34 @@ class Backend(LeaseBackend):
             return False
         return reply is not None
 
-    def force_release(self, name: str) -> LeaseInfo | None:
-        """Delete the quorum's value everywhere (compare-and-delete) and advance the token.
+    def force_release(self, name: str, token: int) -> LeaseInfo:
+        """Compare-and-revoke: the token source decides, then every node gives the grant up.
 
-        The evicted holder's renewals fail on every node; the next grant's token is higher
-        than the returned one.
+        The nodes know no tokens (a grant takes its token after winning them), so the compare
+        happens where the token lives: one conditional statement on the name's database row.
+        Only once that moved the token on is the quorum's value compare-and-deleted on every
+        node, so the evicted holder's renewals fail everywhere.
         """
         keys = LeaseKeys.of(self.prefix, name)
         values = [v for v in self._fan_out("GET", keys.lock) if v not in (None, FAILED)]
         held = {text(v) for v in values if values.count(v) >= self.quorum}
-        if not held:
-            return self.inspect(name)
-        self._unlock_everywhere(keys, held.pop())
-        return LeaseInfo(name, "", self.next_token(name), False, self.alias)
+        new, current = self._revoke_token(name, token)
+        if new is None:
+            raise LeaseNotHeld(name, not_revoked(token, current))
+        if held:
+            self._unlock_everywhere(keys, held.pop())
+        return LeaseInfo(name, "", new, False, self.alias)
+
+    def _revoke_token(self, name: str, token: int) -> tuple[int | None, int | None]:
+        """Advance ``name``'s token if it is ``token``: atomically in the database row, or (with
+        a custom ``TOKEN_SOURCE``, which only hands out tokens) against what :meth:`inspect`
+        reports, then with the source's next token."""
+        if self._source_is_database:
+            return self.counter.revoke_lease(name, token)
+        current = self.counter.current_lease(name)
+        if current != token:
+            return None, current
+        return self.next_token(name), None
 
     def inspect(self, name: str) -> LeaseInfo | None:
         keys = LeaseKeys.of(self.prefix, name)
