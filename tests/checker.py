@@ -12,7 +12,9 @@ which raises ``AssertionError`` with a readable account of the first violation o
 3. every grant's token exceeds every earlier grant's (when grants are given);
 4. every stale rejection is explained by an earlier accepted, greater token (the fence never
    refuses a write it should have let through);
-5. the register's final row is the last accepted write, with the greatest accepted token.
+5. the register's final row is the last accepted write, with the greatest accepted token;
+6. a write refused as revoked carries a token the test revoked (``revoked=``), and once the
+   resource has refused a revoked token it never accepts that token again.
 
 :func:`check_attempts` checks 1-4 on a plain list, so the checker itself can be tested on
 fabricated bad histories. From a child process: ``python -m tests.checker REGISTER WRITER
@@ -46,7 +48,7 @@ __all__ = [
     "run_writes",
 ]
 
-ACCEPTED, STALE, LOST = "accepted", "stale", "lost"
+ACCEPTED, STALE, LOST, REVOKED = "accepted", "stale", "lost", "revoked"
 
 
 class _ClockTimestamp(models.Func):
@@ -105,7 +107,7 @@ def record_write(
     Never raises for a stale token or a lease that already knew it was lost: both are recorded
     (outcome ``stale`` / ``lost``) and return False. Any other error propagates.
     """
-    from leases.errors import LeaseLost, StaleFencingToken
+    from leases.errors import FencingTokenRevoked, LeaseLost, StaleFencingToken
     from tests.testapp.models_fencing import FencedRegister, RegisterLog
 
     offered = token if isinstance(token, int) else getattr(token, "token", None)
@@ -114,6 +116,8 @@ def record_write(
     with transaction.atomic(using=using):
         try:
             FencedRegister(name=register, value=value).save(fence=token, using=using)
+        except FencingTokenRevoked:
+            outcome = REVOKED
         except StaleFencingToken as exc:
             outcome, stored = STALE, exc.stored
         except LeaseLost:
@@ -165,13 +169,32 @@ def check_grants(grants: Sequence[int]) -> None:
         highest = token if highest is None else max(highest, token)
 
 
-def check_attempts(attempts: Sequence[Attempt], grants: Sequence[int] | None = None) -> Summary:
-    """Check invariants 1-4 on attempts in log order; raise ``AssertionError`` or summarise."""
+def check_attempts(
+    attempts: Sequence[Attempt],
+    grants: Sequence[int] | None = None,
+    revoked: Iterable[int] = (),
+) -> Summary:
+    """Check invariants 1-4 and 6 on attempts in log order; raise ``AssertionError`` or
+    summarise. ``revoked``: the tokens the test force-released."""
     if grants is not None:
         check_grants(grants)
+    revocable = set(revoked)
+    refused: set[int] = set()
     best: Attempt | None = None
     holders: dict[int, Attempt] = {}
     for index, attempt in enumerate(attempts):
+        if attempt.outcome == REVOKED:
+            if attempt.token not in revocable:
+                raise AssertionError(
+                    f"{attempt} was refused as revoked, but the test revoked only "
+                    f"{sorted(revocable)}. History: {_clip(attempts, index)}"
+                )
+            refused.add(attempt.token)
+        if attempt.accepted and attempt.token in refused:
+            raise AssertionError(
+                f"{attempt} was accepted after the resource had refused token {attempt.token} "
+                f"as revoked. History: {_clip(attempts, index)}"
+            )
         if attempt.accepted:
             assert attempt.token is not None, f"{attempt} was accepted without a token"
             if best is not None and attempt.token < (best.token or 0):
@@ -219,13 +242,17 @@ def _check_rejection(
 
 
 def check_history(
-    register: str, grants: Sequence[int] | None = None, *, using: str = DEFAULT_DB_ALIAS
+    register: str,
+    grants: Sequence[int] | None = None,
+    *,
+    revoked: Iterable[int] = (),
+    using: str = DEFAULT_DB_ALIAS,
 ) -> Summary:
     """Check every invariant (module docstring) on a register's log and final row."""
     from tests.testapp.models_fencing import FencedRegister
 
     attempts = history(register, using=using)
-    summary = check_attempts(attempts, grants)
+    summary = check_attempts(attempts, grants, revoked)
     accepted = [a for a in attempts if a.accepted]
     row = FencedRegister.objects.using(using).filter(name=register).first()
     if not accepted:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -29,9 +30,19 @@ def login(client: Client, *codenames: str, staff: bool = True) -> Any:
     return user
 
 
+RELEASE = reverse("admin:leases_backendlease_release")
+
+
 def force_release_action(client: Client, name: str) -> Any:
+    """Choose the action on the changelist: it only shows the confirmation page."""
     data = {"action": "force_release", "_selected_action": [name], "index": "0"}
     return client.post(LEASES, data, follow=True)
+
+
+def confirm_release(client: Client, backend: str, name: str, token: int) -> Any:
+    target = json.dumps([backend, name, token])
+    data = {"confirm": "yes", "target": [target], "next": LEASES}
+    return client.post(RELEASE, data, follow=True)
 
 
 @pytest.mark.parametrize("page", [LEASES, ADVISORY, EVERY_BACKEND])
@@ -77,8 +88,12 @@ def test_force_release_with_permission_revokes_and_is_recorded(
     client: Client, lock_scene: LockScene
 ) -> None:
     user = login(client, "view_lease", "force_release_lease")
-    response = force_release_action(client, lock_scene.held)
     old = lock_scene.tokens[lock_scene.held]
+    confirmation = force_release_action(client, lock_scene.held).content.decode()
+    assert "Yes, force-release" in confirmation and lock_scene.held in confirmation
+    assert json.dumps(["default", lock_scene.held, old]).replace('"', "&quot;") in confirmation
+    assert get_backend().inspect(lock_scene.held).held  # type: ignore[union-attr]  # not yet
+    response = confirm_release(client, "default", lock_scene.held, old)
     assert f"token {old} revoked" in response.content.decode()
     info = get_backend().inspect(lock_scene.held)
     assert info is not None and not info.held and info.token > old
@@ -101,11 +116,18 @@ def test_every_backend_page_lists_and_releases(client: Client, lock_scene: LockS
     assert lock_scene.held in page and grant.name in page and "force-release" not in page
     for name, state in [(lock_scene.held, "held"), (lock_scene.expired, "expired")]:
         assert f'data-name="{name}">\n<td>{name}</td><td class="state">{state}</td>' in page
-    release = reverse("admin:leases_backendlease_release")
-    assert client.post(release, {"name": grant.name, "backend": "redis"}).status_code == 403
+    seen = {"name": grant.name, "backend": "redis", "token": grant.token}
+    assert client.get(RELEASE, seen).status_code == 403
+    target = json.dumps(["redis", grant.name, grant.token])
+    assert client.post(RELEASE, {"confirm": "yes", "target": [target]}).status_code == 403
 
     login(client, "view_lease", "force_release_lease")
-    client.post(release, {"name": grant.name, "backend": "redis"})
+    page = client.get(EVERY_BACKEND).content.decode()
+    assert "force-release" in page and f'name="token" value="{grant.token}"' in page
+    confirmation = client.get(RELEASE, seen).content.decode()
+    assert "Yes, force-release" in confirmation and grant.name in confirmation
+    assert redis.inspect(grant.name).held  # type: ignore[union-attr]  # a GET changes nothing
+    client.post(RELEASE, {"confirm": "yes", "target": [target]})
     info = redis.inspect(grant.name)
     assert info is not None and not info.held and info.token > grant.token
     record = ForceRelease.objects.get(name=grant.name)
@@ -160,3 +182,43 @@ def _registered_apps() -> set[str]:
     from django.contrib import admin
 
     return {model._meta.app_label for model in admin.site._registry}
+
+
+def test_a_confirmed_release_of_a_lease_that_changed_hands_releases_nothing(
+    client: Client, lock_scene: LockScene
+) -> None:
+    """The page showed token N; by the click a successor holds N+1: it must be left alone."""
+    store = get_backend()
+    name = f"{lock_scene.held}-handover"
+    seen = store.try_acquire(name, "first-holder", 300)
+    assert seen is not None
+    login(client, "view_lease", "force_release_lease")
+    confirmation = client.get(
+        RELEASE, {"name": name, "backend": "default", "token": seen.token}
+    ).content.decode()
+    assert "Yes, force-release" in confirmation
+    store.release(seen)
+    successor = store.try_acquire(name, "successor", 300)
+    assert successor is not None
+    changed = client.get(
+        RELEASE, {"name": name, "backend": "default", "token": seen.token}
+    ).content.decode()
+    assert "changed:" in changed and "it will be left alone" in changed
+    response = confirm_release(client, "default", name, seen.token).content.decode()
+    assert f"now {successor.token}, not {seen.token}" in response
+    info = store.inspect(name)
+    assert info is not None and info.held and info.token == successor.token
+    assert not ForceRelease.objects.filter(name=name).exists()
+    store.release(successor)
+
+
+@pytest.mark.parametrize(
+    "target", ['["default", "x"]', "not json", '["nope", "x", 1]', '["default", "x", "1"]']
+)
+def test_malformed_or_unknown_release_targets_are_refused(
+    client: Client, lock_scene: LockScene, target: str
+) -> None:
+    login(client, "view_lease", "force_release_lease")
+    response = client.post(RELEASE, {"confirm": "yes", "target": [target]})
+    assert response.status_code in (400, 403)
+    assert not ForceRelease.objects.exists()

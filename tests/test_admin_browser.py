@@ -110,6 +110,12 @@ def test_staff_sees_held_and_waiting_locks_and_force_releases(
     Select(browser.find_element(By.NAME, "action")).select_by_value("force_release")
     browser.find_element(By.NAME, "index").click()
 
+    target = browser.find_element(By.CSS_SELECTOR, "#release-targets tr.release-target")
+    assert lock_scene.held in target.text and "worker-1" in target.text
+    browser.save_screenshot(str(ARTIFACTS / "admin-force-release-confirm.png"))
+    assert get_backend().inspect(lock_scene.held).held  # type: ignore[union-attr]  # not yet
+    browser.find_element(By.CSS_SELECTOR, "input[value='Yes, force-release']").click()
+
     message = browser.find_element(By.CSS_SELECTOR, "ul.messagelist li.success").text
     assert f"Released {lock_scene.held!r}" in message
     browser.save_screenshot(str(ARTIFACTS / "admin-force-release.png"))

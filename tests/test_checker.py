@@ -134,3 +134,16 @@ def test_child_process_helper_records_writes(child_env: dict[str, str], python: 
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, False, True, True]
     summary = check_history(register)
     assert summary.accepted_tokens == (2, 2, 5)
+
+
+def test_checker_catches_a_revoked_token_accepted_after_its_refusal() -> None:
+    attempts = [
+        Attempt(1, "a", 1, True),
+        Attempt(2, "a", 1, False, outcome="revoked"),
+        Attempt(3, "a", 1, True),
+    ]
+    with pytest.raises(AssertionError, match="after the resource had refused token 1"):
+        check_attempts(attempts, revoked=[1])
+    with pytest.raises(AssertionError, match="the test revoked only"):
+        check_attempts(attempts[:2])
+    assert check_attempts(attempts[:2], revoked=[1]).accepted == 1
