@@ -2,7 +2,8 @@
 
 Two ``manage.py run_elected demo:scheduler -- JOB`` processes start; one is elected and starts
 the job (which gets its fencing token in ``LEASES_LEADER_TOKEN``), the other waits. An operator
-runs ``manage.py leases release leader:demo:scheduler --user ...``: the token advances, the
+runs ``manage.py leases release leader:demo:scheduler --token T --user ...`` (the token it
+saw): the grant is revoked, the token advances, the
 leader's keepalive learns at its next renewal, its job is stopped (SIGTERM) and it exits with
 75; the waiting supervisor is elected with a higher token and starts its own job.
 """
@@ -68,7 +69,8 @@ def run(say: Callable[[str], None]) -> None:
             say(f"leader_of({ELECTION!r}) -> host {leader.host}, pid {leader.pid}")
             say("the other supervisor campaigns and waits.")
 
-            release = ["leases", "release", election_lease_name(ELECTION), "--user", _operator()]
+            release = ["leases", "release", election_lease_name(ELECTION)]
+            release += ["--token", str(token), "--user", _operator()]
             out = subprocess.run(
                 [sys.executable, "manage.py", *release],
                 cwd=ROOT,
