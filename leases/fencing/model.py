@@ -1,0 +1,352 @@
+"""``FencedModel``: rows that refuse a write carrying a token lower than one they accepted.
+
+Django builds every statement (so field preparation, ``pre_save`` and expressions behave as in
+any save); the fence narrows the UPDATE, adds a conflict condition to the upsert, and turns a
+one-row INSERT into an INSERT ... SELECT that a revoked grant cannot pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Self
+
+from asgiref.sync import sync_to_async
+from django.db import DEFAULT_DB_ALIAS, connections, models, router
+from django.db.models.constants import OnConflict
+
+from .. import revocation
+from ..errors import FenceRequired, StaleFencingToken
+from ..revocation import NOT_REVOKED_SQL, Offer
+from .queryset import FencedManager, FencedQuerySet, never_lower, refuse_unfenced
+from .tokens import FENCE_TOKEN_FIELD, FenceLike, fence_offer, has_fence_column, reject, revoked
+
+if TYPE_CHECKING:
+    from django.db.models.sql.subqueries import InsertQuery
+
+__all__ = ["UPSERT_FENCE_SQL", "FencedModel"]
+
+#: A query parameter in Django's SQL (``%%`` is an escaped percent sign, not a parameter).
+_PLACEHOLDER = re.compile(r"%%|%s")
+#: A fenced UPDATE can miss a row another transaction committed while it ran (READ COMMITTED
+#: snapshot); the retry sees it. Two tries always decide; the third is slack.
+_UPDATE_ATTEMPTS = 3
+#: Appended to Django's ``INSERT ... ON CONFLICT (pk) DO UPDATE SET ...`` for a fenced insert.
+UPSERT_FENCE_SQL = " WHERE {table}.{column} <= EXCLUDED.{column} RETURNING {returning}"
+
+
+class FencedModel(models.Model):
+    """A model whose rows reject writes carrying a token lower than one already accepted.
+
+    ``fencing_token`` is ``NOT NULL DEFAULT 0`` rather than nullable: ``fencing_token <= %s``
+    is then a plain comparison (no ``COALESCE`` defeating an index, no NULL that silently
+    rejects every write), adding the column to an existing table needs no backfill, and 0 is
+    below every real token (tokens start at 1), so a never-fenced row accepts any lease.
+
+    An unfenced ``save()`` works as always but never writes ``fencing_token`` on update (a
+    stale in-memory copy must not lower the fence); named in ``update_fields`` it can only
+    raise the stored token. No ORM path lowers it (``update()`` and ``bulk_update()`` neither).
+
+    Set ``require_fence = True`` on a subclass to make every unfenced write to an existing row
+    raise :class:`~leases.errors.FenceRequired` before reaching the database: ``save()`` of a
+    stored row, ``delete()``, and the default manager's ``update()``/``bulk_update()``/
+    ``delete()``. Creating new rows unfenced stays allowed. Raw SQL and other managers are, of
+    course, beyond its reach.
+    """
+
+    fencing_token = models.BigIntegerField(default=0, editable=False)
+
+    objects = FencedManager()
+
+    #: Refuse unfenced writes to stored rows (see the class docstring).
+    require_fence: bool = False
+
+    #: Per-save state, set by ``save()`` only for the length of the call.
+    _leases_fence: Offer | None = None
+    _leases_force_insert: bool = False
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args: Any, fence: FenceLike | None = None, **kwargs: Any) -> None:
+        """Save; with ``fence`` the write happens only if no greater token was accepted.
+
+        An update is one ``UPDATE ... WHERE pk = %s AND fencing_token <= %s``; an insert with an
+        explicit primary key is one ``INSERT ... ON CONFLICT (pk) DO UPDATE ... WHERE`` so two
+        racing creators still end with the greater token's row. The stored token is read only
+        after a rejection. Raises ``StaleFencingToken``, leaving the row and this instance's
+        ``fencing_token`` unchanged and the caller's transaction usable.
+        """
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        needed_rollback = connections[using].needs_rollback
+        if fence is None:
+            if not self._state.adding:
+                refuse_unfenced(type(self), "save()")
+            try:
+                super().save(*args, **kwargs)
+            except FenceRequired:  # a new instance whose primary key is a stored row's
+                self._keep_transaction_usable(using, needed_rollback)
+                raise
+            return
+        offer = fence_offer(fence)
+        token = offer.token
+        update_fields = kwargs.get("update_fields")
+        if update_fields is not None:
+            kwargs["update_fields"] = {*update_fields, FENCE_TOKEN_FIELD}
+        previous = self.fencing_token
+        self.fencing_token = token
+        self._leases_fence = offer
+        self._leases_force_insert = bool(kwargs.get("force_insert"))
+        guard: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if offer.revocable and revocation.checked_on(using):
+            guard = connections[using].execute_wrapper(_InsertUnlessRevoked(self, offer, using))
+        try:
+            with guard:
+                super().save(*args, **kwargs)
+        except StaleFencingToken:
+            self.fencing_token = previous
+            self._keep_transaction_usable(using, needed_rollback)
+            raise
+        finally:
+            del self._leases_fence, self._leases_force_insert
+
+    save.alters_data = True  # type: ignore[attr-defined]
+
+    def delete(
+        self,
+        using: str | None = None,
+        keep_parents: bool = False,
+        *,
+        fence: FenceLike | None = None,
+    ) -> tuple[int, dict[str, int]]:
+        """Delete; with ``fence`` only if no greater token was accepted and it is not revoked."""
+        if fence is None:
+            refuse_unfenced(type(self), "delete()")
+            return super().delete(using=using, keep_parents=keep_parents)
+        using = using or router.db_for_write(type(self), instance=self)
+        rows: FencedQuerySet[Self] = FencedQuerySet(type(self), using=using).filter(pk=self.pk)
+        return rows.fenced(fence_offer(fence)).delete()
+
+    delete.alters_data = True  # type: ignore[attr-defined]
+
+    async def asave(self, *args: Any, fence: FenceLike | None = None, **kwargs: Any) -> None:
+        """Async ``save()``, fenced the same way (Django runs the save in a thread)."""
+        await sync_to_async(self.save)(*args, fence=fence, **kwargs)
+
+    asave.alters_data = True  # type: ignore[attr-defined]
+
+    def _keep_transaction_usable(self, using: str, needed_rollback: bool) -> None:
+        """Undo Django's "roll back on any error" mark when only our refusal happened.
+
+        ``save_base`` marks an enclosing ``atomic`` block for rollback on any exception; a
+        rejection ran no failing statement and changed nothing, so the caller may go on (and,
+        say, record the rejection). With parent tables (multi-table inheritance) a parent may
+        already have been written, so the mark stays.
+        """
+        connection = connections[using]
+        if not self._meta.parents and connection.in_atomic_block and not needed_rollback:
+            connection.needs_rollback = False
+
+    def _resource(self) -> str:
+        return f"{self._meta.label}(pk={self.pk!r})"
+
+    def _do_update(
+        self,
+        base_qs: models.QuerySet[Any],
+        using: str | None,
+        pk_val: Any,
+        values: Any,
+        update_fields: Iterable[str] | None,
+        forced_update: bool,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Django's UPDATE, narrowed to ``fencing_token <= token`` (how fsm-style mixins do it).
+
+        Django 5.2 returns a bool, 6.0 the returned rows; either is falsy when no row matched.
+        """
+        update = super()._do_update
+        rest = (using, pk_val, values, update_fields, forced_update, *args)
+        if not has_fence_column(base_qs.model):
+            return update(base_qs, *rest, **kwargs)
+        offer = self._leases_fence
+        if offer is None:
+            refuse_unfenced(type(self), "save()")
+            values = _unfenced_values(values, update_fields)
+            return update(
+                base_qs, using, pk_val, values, update_fields, forced_update, *args, **kwargs
+            )
+        token = offer.token
+        fenced_qs = base_qs.filter(fencing_token__lte=token)
+        if offer.revocable and using is not None and revocation.checked_on(using):
+            fenced_qs = fenced_qs.filter(revocation.not_revoked(offer))
+        for _ in range(_UPDATE_ATTEMPTS):
+            updated = update(fenced_qs, *rest, **kwargs)
+            if updated:
+                return updated
+            stored = base_qs.filter(pk=pk_val).values_list(FENCE_TOKEN_FIELD, flat=True).first()
+            if stored is None:
+                return updated  # no such row: Django goes on to the (fenced) insert
+            if stored > token:
+                break
+            through = revocation.revoked_through(offer, using or DEFAULT_DB_ALIAS)
+            if through is not None:
+                raise revoked(type(self), self._resource(), offer, through)
+            # The row was created (committed) after the UPDATE took its snapshot and before
+            # the read took its own: the UPDATE never saw it. Try again; the row is visible now.
+        raise reject(type(self), self._resource(), token, stored)
+
+    def _do_insert(
+        self,
+        manager: models.Manager[Any],
+        using: str,
+        fields: list[Any],
+        returning_fields: list[Any],
+        raw: bool,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        meta = manager.model._meta
+        if (
+            self._leases_fence is None
+            or self._leases_force_insert
+            or raw
+            or meta.pk not in fields
+            or not has_fence_column(manager.model)
+        ):
+            return super()._do_insert(  # type: ignore[misc]
+                manager, using, fields, returning_fields, raw, *args, **kwargs
+            )
+        return self._fenced_upsert(manager, using, fields, returning_fields)
+
+    def _fenced_upsert(
+        self,
+        manager: models.Manager[Any],
+        using: str,
+        fields: list[Any],
+        returning_fields: list[Any],
+    ) -> list[tuple[Any, ...]]:
+        """``INSERT ... ON CONFLICT (pk) DO UPDATE ... WHERE stored <= offered RETURNING``.
+
+        Django builds the insert and its conflict clause (so field preparation, ``pre_save``
+        and expressions behave as in any save); only the fence condition is appended.
+        """
+        from django.db.models.sql.subqueries import InsertQuery
+
+        meta = manager.model._meta
+        connection = connections[using]
+        qn = connection.ops.quote_name
+        query: InsertQuery = InsertQuery(
+            manager.model,
+            on_conflict=OnConflict.UPDATE,
+            update_fields=[f for f in fields if f is not meta.pk],
+            unique_fields=[meta.pk],
+        )
+        query.insert_values(fields, [self])
+        compiler = query.get_compiler(using=using)
+        [(sql, params)] = compiler.as_sql()
+        returning = returning_fields or [meta.pk]
+        sql += UPSERT_FENCE_SQL.format(
+            table=qn(meta.db_table),
+            column=qn(FENCE_TOKEN_FIELD),
+            returning=", ".join(f"{qn(meta.db_table)}.{qn(f.column)}" for f in returning),
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            row = cursor.fetchone()
+        if row is None:
+            token = int(self.fencing_token)
+            stored = (
+                manager.using(using)
+                .filter(pk=self.pk)
+                .values_list(FENCE_TOKEN_FIELD, flat=True)
+                .first()
+            )
+            raise reject(type(self), self._resource(), token, stored)
+        if not returning_fields:
+            return []
+        cols = [f.get_col(meta.db_table) for f in returning_fields]
+        rows: list[Any] = [row]
+        converters = compiler.get_converters(cols)
+        if converters:
+            rows = list(compiler.apply_converters(rows, converters))
+        return [tuple(r) for r in rows]
+
+
+def _unfenced_values(values: Any, update_fields: Iterable[str] | None) -> list[Any]:
+    """An unfenced save never lowers the stored token (see :func:`never_lower`).
+
+    Without ``update_fields`` the in-memory token (perhaps stale) is not written at all; named
+    in ``update_fields`` it is written as ``GREATEST(stored, value)``.
+    """
+    if FENCE_TOKEN_FIELD not in (update_fields or ()):
+        return [v for v in values if v[0].attname != FENCE_TOKEN_FIELD]
+    return [
+        (field, model, never_lower({FENCE_TOKEN_FIELD: value})[FENCE_TOKEN_FIELD])
+        if field.attname == FENCE_TOKEN_FIELD
+        else (field, model, value)
+        for field, model, value in values
+    ]
+
+
+class _InsertUnlessRevoked:
+    """Rewrites the fenced save's one-row ``INSERT ... VALUES (...)`` into ``INSERT ... SELECT
+    ... WHERE NOT EXISTS (revocation)``, through Django's ``execute_wrapper``.
+
+    So an insert (auto primary key, the fenced upsert, a multi-table parent's row) refuses a
+    revoked grant in the very statement that writes, while Django still builds the statement
+    and reads back what it returns. A revoked grant inserts nothing; the wrapper then raises
+    :class:`~leases.errors.FencingTokenRevoked` (an empty upsert that was not revoked is a
+    stale token, which the upsert itself reports).
+    """
+
+    def __init__(self, instance: FencedModel, offer: Offer, using: str) -> None:
+        self.instance = instance
+        self.offer = offer
+        self.using = using
+
+    def __call__(
+        self, execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]
+    ) -> Any:
+        rewritten = None if many else _insert_select(sql)
+        if rewritten is None:
+            return execute(sql, params, many, context)
+        sql, placeholders = rewritten
+        params = [*params[:placeholders], *self.offer.params(), *params[placeholders:]]
+        result = execute(sql, params, many, context)
+        if context["cursor"].rowcount == 0:
+            through = revocation.revoked_through(self.offer, self.using)
+            if through is not None:
+                model = type(self.instance)
+                raise revoked(model, self.instance._resource(), self.offer, through)
+        return result
+
+
+def _insert_select(sql: str) -> tuple[str, int] | None:
+    """``(the INSERT as INSERT ... SELECT ... WHERE not revoked, parameters before the
+    condition)`` for a one-row ``INSERT ... VALUES (...)``; ``None`` for any other statement."""
+    head, found, rest = sql.partition(" VALUES (")
+    if not found or not head.startswith("INSERT INTO "):
+        return None
+    end = _closing_parenthesis(rest)
+    if end is None:
+        return None
+    values, tail = rest[:end], rest[end + 1 :]
+    if tail.lstrip().startswith(","):  # several rows: not a save's insert
+        return None
+    placeholders = sum(1 for found in _PLACEHOLDER.findall(values) if found == "%s")
+    return f"{head} SELECT {values} WHERE {NOT_REVOKED_SQL}{tail}", placeholders
+
+
+def _closing_parenthesis(text: str) -> int | None:
+    """Index of the ``)`` that closes a ``(`` just before ``text`` starts."""
+    depth = 1
+    for index, char in enumerate(text):
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+            if depth == 0:
+                return index
+    return None

@@ -1,0 +1,184 @@
+"""``FencedQuerySet``: fenced ``update()``, ``bulk_update()`` and ``delete()``, all or nothing.
+
+Unfenced, it is Django's queryset except that nothing lowers a stored token and a model with
+``require_fence`` refuses unfenced writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Self, TypeVar
+
+from django.db import models, transaction
+from django.db.models.expressions import Value
+from django.db.models.functions import Greatest
+
+from .. import revocation
+from ..errors import FenceRequired, StaleFencingToken
+from ..revocation import Offer
+from .tokens import FENCE_TOKEN_FIELD, FenceLike, fence_offer, reject, revoked, valid_fence
+
+__all__ = ["FencedManager", "FencedQuerySet", "never_lower", "refuse_unfenced"]
+
+_M = TypeVar("_M", bound=models.Model)
+
+
+def refuse_unfenced(model: type[models.Model], operation: str) -> None:
+    if getattr(model, "require_fence", False):
+        raise FenceRequired(model._meta.label, operation)
+
+
+def never_lower(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An unfenced ``update(fencing_token=x)`` may raise the stored token, never lower it.
+
+    A lowered token would let a stale holder's writes through the fence again; the value
+    (a number or an expression, e.g. ``bulk_update``'s ``Case``) becomes
+    ``GREATEST(fencing_token, value)``.
+    """
+    if FENCE_TOKEN_FIELD not in kwargs:
+        return kwargs
+    value = kwargs[FENCE_TOKEN_FIELD]
+    if not hasattr(value, "resolve_expression"):
+        value = Value(value, output_field=models.BigIntegerField())
+    return {**kwargs, FENCE_TOKEN_FIELD: Greatest(models.F(FENCE_TOKEN_FIELD), value)}
+
+
+class FencedQuerySet(models.QuerySet[_M, _M]):
+    """A queryset whose ``fenced(token)`` clones update only rows the token may write.
+
+    Unfenced, it works as any queryset except that ``update(fencing_token=...)`` (and so
+    ``bulk_update`` of that field) can only raise the stored token, and that a model with
+    ``require_fence = True`` refuses unfenced ``update()``/``delete()``.
+
+    Subclass it (or ``FencedManager.from_queryset``) to combine with your own queryset methods.
+    """
+
+    _fence: FenceLike | None = None
+
+    def fenced(self, fence: FenceLike) -> Self:
+        """A clone whose ``update()`` and ``bulk_update()`` carry ``fence``.
+
+        All or nothing: if any row the queryset matches holds a token greater than ``fence``'s,
+        nothing is changed and ``StaleFencingToken`` names those rows (``stored`` is the
+        greatest of their tokens). Otherwise every matched row is updated and its
+        ``fencing_token`` set to the token. A lease's ``ensure_held()`` runs at each update.
+
+        Inside a savepoint, the matched rows are locked in primary-key order
+        (``SELECT ... FOR UPDATE``) and then updated: two statements, so racing fenced writers
+        over overlapping rows queue instead of deadlocking. A rejection costs the first only.
+        """
+        valid_fence(fence)
+        clone = self.all()
+        clone._fence = fence
+        return clone
+
+    def _clone(self) -> Self:
+        clone = super()._clone()  # type: ignore[misc]
+        clone._fence = self._fence
+        return clone  # type: ignore[no-any-return]
+
+    def update(self, **kwargs: Any) -> int:
+        if self._fence is None:
+            refuse_unfenced(self.model, "update()")
+            return super().update(**never_lower(kwargs))
+        if FENCE_TOKEN_FIELD in kwargs:
+            raise TypeError(f"a fenced update sets {FENCE_TOKEN_FIELD} itself; do not pass it")
+        offer = fence_offer(self._fence)
+        token = offer.token
+        self._for_write = True  # the write alias, as Django's own update() uses
+        with transaction.atomic(using=self.db):
+            # Lock every matched row in primary-key order first: fenced writers racing over
+            # overlapping rows then queue instead of deadlocking, and the tokens read are the
+            # latest committed ones, so the decision below is final.
+            locked = list(
+                self.order_by("pk")
+                .select_for_update(of=("self",))
+                .values_list("pk", FENCE_TOKEN_FIELD)
+            )
+            stale = sorted((t, pk) for pk, t in locked if t > token)
+            if stale:
+                raise self._rejected(token, [(pk, t) for t, pk in reversed(stale)])
+            pks = [pk for pk, _ in locked]
+            rows = self._unrevoked(offer).filter(pk__in=pks, fencing_token__lte=token)
+            updated = rows.update(**kwargs, **{FENCE_TOKEN_FIELD: token})
+            if updated < len(pks):  # the rows are locked: only a revocation skips one
+                raise self._revoked_or_stale(offer, pks)
+            return updated
+
+    update.alters_data = True  # type: ignore[attr-defined]
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        """Unfenced: Django's delete. Fenced: all or nothing, like a fenced ``update()``."""
+        if self._fence is None:
+            refuse_unfenced(self.model, "delete()")
+            return super().delete()
+        offer = fence_offer(self._fence)
+        self._for_write = True
+        with transaction.atomic(using=self.db):
+            locked = list(
+                self.order_by("pk")
+                .select_for_update(of=("self",))
+                .values_list("pk", FENCE_TOKEN_FIELD)
+            )
+            stale = sorted((t, pk) for pk, t in locked if t > offer.token)
+            if stale:
+                raise self._rejected(offer.token, [(pk, t) for t, pk in reversed(stale)])
+            pks = [pk for pk, _ in locked]
+            deleted, per_model = self._unrevoked(offer).filter(pk__in=pks).delete()
+            if per_model.get(self.model._meta.label, 0) < len(pks):
+                raise self._revoked_or_stale(offer, pks)
+            return deleted, per_model
+
+    delete.alters_data = True  # type: ignore[attr-defined]
+    delete.queryset_only = True  # type: ignore[attr-defined]
+
+    def _unrevoked(self, offer: Offer) -> models.QuerySet[_M]:
+        """The plain rows of this model, narrowed to "the offer's grant is not revoked".
+
+        The condition is part of the writing statement itself, so a revocation committed before
+        it runs is always seen.
+        """
+        rows = self.model._base_manager.using(self.db).all()
+        if offer.revocable and revocation.checked_on(self.db):
+            rows = rows.filter(revocation.not_revoked(offer))
+        return rows
+
+    def _revoked_or_stale(self, offer: Offer, pks: list[Any]) -> StaleFencingToken:
+        through = revocation.revoked_through(offer, self.db)
+        resource = f"{self.model._meta.label}(pk in {pks[:5]!r})"
+        if through is not None:
+            return revoked(self.model, resource, offer, through)
+        return reject(self.model, resource, offer.token, None)
+
+    def bulk_update(
+        self, objs: Iterable[_M], fields: Iterable[str], batch_size: int | None = None
+    ) -> int:
+        if self._fence is None:
+            refuse_unfenced(self.model, "bulk_update()")  # before Django opens its savepoint
+            return super().bulk_update(objs, fields, batch_size=batch_size)
+        objs = sorted(objs, key=lambda obj: obj.pk)  # batches lock rows in ascending pk order
+        fields = [f for f in fields if f != FENCE_TOKEN_FIELD]
+        offer = fence_offer(self._fence)  # once: every batch carries the same checked offer
+        self._for_write = True
+        # One savepoint around every batch, so a stale batch also undoes the earlier ones.
+        with transaction.atomic(using=self.db):
+            count = super(FencedQuerySet, self.fenced(offer)).bulk_update(
+                objs, fields, batch_size=batch_size
+            )
+        for obj in objs:
+            setattr(obj, FENCE_TOKEN_FIELD, offer.token)
+        return count
+
+    bulk_update.alters_data = True  # type: ignore[attr-defined]
+
+    def _rejected(self, token: int, stale: list[tuple[Any, int]]) -> StaleFencingToken:
+        pks = ", ".join(repr(pk) for pk, _ in stale[:5]) + (", ..." if len(stale) > 5 else "")
+        stored = max(t for _, t in stale)
+        return reject(self.model, f"{self.model._meta.label}(pk in [{pks}])", token, stored)
+
+
+_FencedManagerBase = models.Manager.from_queryset(FencedQuerySet)
+
+
+class FencedManager(_FencedManagerBase[_M]):
+    """The default manager of :class:`FencedModel`: ``Model.objects.fenced(lease).update()``."""
