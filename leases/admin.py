@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied, SuspiciousOperation
-from django.db.models import Q, QuerySet
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
@@ -75,18 +75,13 @@ class LeaseStateFilter(admin.SimpleListFilter):
     parameter_name = "state"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("held", "held"), ("expired", "expired"), ("free", "free")]
+        return [(state, state) for state in operations.LEASE_STATES]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        now = timezone.now()
-        taken = ~Q(holder="")
-        if self.value() == "held":
-            return queryset.filter(taken, expires_at__gt=now)
-        if self.value() == "expired":
-            return queryset.filter(taken).filter(Q(expires_at__lte=now) | Q(expires_at=None))
-        if self.value() == "free":
-            return queryset.filter(holder="")
-        return queryset
+        state = self.value()
+        if state not in operations.LEASE_STATES:
+            return queryset
+        return operations.rows_in_state(queryset, str(state))
 
 
 class _ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
@@ -147,11 +142,7 @@ class LeaseAdmin(_ReadOnlyAdmin):
     @admin.display(description="state")
     def state(self, obj: Lease) -> str:
         """The same three states as the filter, on the web server's clock (a hint)."""
-        if not obj.holder:
-            return "free"
-        if obj.expires_at is not None and obj.expires_at > timezone.now():
-            return "held"
-        return "expired"
+        return operations.row_state(obj)
 
     @admin.display(description="host")
     def holder_host(self, obj: Lease) -> str:

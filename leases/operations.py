@@ -18,6 +18,7 @@ from typing import Any
 
 from django.core.exceptions import PermissionDenied
 from django.db import connections
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from . import conf, revocation
@@ -28,6 +29,7 @@ from .keys import split_key
 
 __all__ = [
     "FORCE_RELEASE_PERMISSION",
+    "LEASE_STATES",
     "TERMINATE_PERMISSION",
     "AdvisoryLockRow",
     "Holder",
@@ -37,6 +39,9 @@ __all__ = [
     "lease_state",
     "parse_holder",
     "remember_advisory_names",
+    "row_state",
+    "rows_in_state",
+    "state_of",
     "terminate_session",
 ]
 
@@ -188,14 +193,39 @@ def all_leases() -> tuple[list[LeaseInfo], dict[str, str]]:
     return found, errors
 
 
-def lease_state(info: LeaseInfo) -> str:
-    """``held``, ``expired`` (a holder whose time ran out) or ``free`` (released), per the store.
+#: The three states an operator sees, in the order the admin's filter offers them.
+LEASE_STATES = ("held", "expired", "free")
 
-    The store's own verdict (its clock), so the admin and the command never disagree with it.
+
+def state_of(holder: str, held: bool) -> str:
+    """``held``, ``expired`` (a holder whose time ran out) or ``free`` (released).
+
+    The one definition of the verdict: the command, both admin pages and the admin's filter
+    (:func:`rows_in_state`) all derive theirs from it.
     """
-    if info.held:
+    if held:
         return "held"
-    return "expired" if info.holder else "free"
+    return "expired" if holder else "free"
+
+
+def lease_state(info: LeaseInfo) -> str:
+    """The verdict for what a backend reported: the store's own clock decided ``held``."""
+    return state_of(info.holder, info.held)
+
+
+def row_state(row: Any, now: datetime | None = None) -> str:
+    """The verdict for a ``leases_lease`` row, on the web server's clock (a hint)."""
+    now = now or timezone.now()
+    held = bool(row.holder) and row.expires_at is not None and row.expires_at > now
+    return state_of(row.holder, held)
+
+
+def rows_in_state(rows: QuerySet[Any], state: str, now: datetime | None = None) -> QuerySet[Any]:
+    """``rows`` (of ``leases_lease``) whose :func:`row_state` is ``state``, as one filter."""
+    now = now or timezone.now()
+    held = ~Q(holder="") & Q(expires_at__gt=now)
+    conditions = {"held": held, "expired": ~Q(holder="") & ~held, "free": Q(holder="")}
+    return rows.filter(conditions[state])
 
 
 def expires_in(info: LeaseInfo, now: datetime | None = None) -> timedelta | None:
