@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection
 from django.test import AsyncClient, Client, RequestFactory, override_settings
 
-from idempotency import IdempotencyImproperlyConfigured, ResponseNotStorable, idempotent
+from idempotency import IdempotencyImproperlyConfigured, ResponseNotStorable, idempotent, scopes
 from idempotency.checks import check_settings
 from idempotency.http import PROBLEM_TYPE_BASE, default_fingerprint
 from idempotency.models import IdempotencyKey
@@ -23,6 +23,28 @@ from tests.testapp.models_idempotency import Charge
 pytestmark = pytest.mark.django_db
 
 BODY = json.dumps({"amount": 42})
+
+AnyClient = TypeVar("AnyClient", Client, AsyncClient)
+
+
+def identified(client: AnyClient) -> AnyClient:
+    """``client`` with a session of its own: a keyed request from a client with no identity at
+    all is refused (``test_idempotency_scopes``), so every client here has one."""
+    client.session  # the test client saves a new session and sets its cookie
+    return client
+
+
+@pytest.fixture
+def client() -> Client:
+    """pytest-django's ``client``, identified by a session (see :func:`identified`)."""
+    return identified(Client())
+
+
+def scope_of(client: Client | AsyncClient) -> str:
+    """The scope the default settings give this client's requests: its session's."""
+    request = RequestFactory().post("/")
+    request.session = client.session
+    return scopes.by_session(request)
 
 
 def post(client: Client, url: str, key: str | None, body: str = BODY, **extra: Any) -> Any:
@@ -127,7 +149,8 @@ def test_same_key_while_the_first_runs_is_409_with_retry_after(client: Client) -
     request = RequestFactory().post(
         "/idem/charge/", BODY, content_type="application/json", HTTP_IDEMPOTENCY_KEY="k-3"
     )
-    running = begin("anonymous", "k-3", default_fingerprint(request), ttl=60, lock_timeout=60)
+    scope = scope_of(client)
+    running = begin(scope, "k-3", default_fingerprint(request), ttl=60, lock_timeout=60)
     assert running.claim is not None
     response = post(client, "/idem/charge/", "k-3")
     assert response.status_code == 409
@@ -237,7 +260,7 @@ def test_drf_authentication_runs_once_per_request(client: Client) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_async_views_are_guarded_atomically() -> None:
-    client = AsyncClient()
+    client = identified(AsyncClient())
 
     def send(key: str, body: dict[str, Any]) -> Any:
         return async_to_sync(client.post)(
@@ -271,7 +294,7 @@ def test_a_bad_setting_is_reported_by_system_checks() -> None:
 
 
 def test_the_admin_lists_keys_read_only_searchable_and_filtered(admin_client: Client) -> None:
-    post(Client(), "/idem/charge/", "findme-1")
+    post(identified(Client()), "/idem/charge/", "findme-1")
     row = IdempotencyKey.objects.get()
     found = admin_client.get("/admin/idempotency/idempotencykey/?q=findme&state=completed")
     assert found.status_code == 200 and b"findme-1" in found.content
