@@ -231,6 +231,41 @@ def test_class_based_view_with_the_mixin(client: Client) -> None:
     assert Charge.objects.count() == 1
 
 
+ASYNC_CLASS_VIEWS = ["/idem/async-cbv/", "/idem/async-cbv-decorated/"]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("url", ASYNC_CLASS_VIEWS)
+@pytest.mark.parametrize("client_class", [Client, AsyncClient])
+def test_async_class_based_views_are_guarded_like_async_function_views(
+    url: str, client_class: type[Client | AsyncClient]
+) -> None:
+    """``IdempotentMixin`` on an async ``View``, and ``@idempotent`` around its ``as_view()``:
+    the first request runs, a retry replays, a 5xx keeps nothing, and conflicts are refused."""
+    client = identified(client_class())
+
+    def send(key: str, body: dict[str, Any]) -> Any:
+        args = (url, json.dumps(body), "application/json")
+        if isinstance(client, AsyncClient):
+            return async_to_sync(client.post)(*args, headers={"Idempotency-Key": key})
+        return client.post(*args, HTTP_IDEMPOTENCY_KEY=key)
+
+    assert send("c-1", {"amount": 1, "fail": True}).status_code == 500
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    first = send("c-2", {"amount": 2})
+    again = send("c-2", {"amount": 2})
+    assert first.status_code == again.status_code == 201 and "Idempotent-Replayed" not in first
+    assert again.content == first.content and again["Idempotent-Replayed"] == "true"
+    mismatch = send("c-2", {"amount": 3})
+    assert mismatch.status_code == 422 and problem_type(mismatch) == "idempotency-key-mismatch"
+    request = RequestFactory().post(url, json.dumps({"amount": 4}), content_type="application/json")
+    running = begin(scope_of(client), "c-3", default_fingerprint(request), ttl=60, lock_timeout=60)
+    assert running.claim is not None
+    busy = send("c-3", {"amount": 4})
+    assert busy.status_code == 409 and problem_type(busy) == "idempotency-key-in-progress"
+    assert Charge.objects.count() == 1
+
+
 def _basic(username: str) -> str:
     return "Basic " + base64.b64encode(f"{username}:password".encode()).decode()
 
