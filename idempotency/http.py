@@ -13,6 +13,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 from django.http.request import RawPostDataException
 
+from . import sfv
 from .errors import (
     IdempotencyError,
     IdempotencyKeyInProgress,
@@ -60,42 +61,27 @@ UNREPLAYED_HEADERS = frozenset(
 )
 
 
-def _sf_string(raw: str) -> tuple[str, str]:
-    """Parse an RFC 8941 sf-string at the start of ``raw``: (the string, what follows it)."""
-    chars: list[str] = []
-    i = 1
-    while i < len(raw):
-        char = raw[i]
-        if char == "\\":
-            if i + 1 >= len(raw) or raw[i + 1] not in '"\\':
-                raise IdempotencyKeyInvalid(raw, "a backslash may only escape '\"' or '\\'")
-            chars.append(raw[i + 1])
-            i += 2
-            continue
-        if char == '"':
-            return "".join(chars), raw[i + 1 :]
-        if not " " <= char <= "~":
-            raise IdempotencyKeyInvalid(raw, "only printable ASCII characters are allowed")
-        chars.append(char)
-        i += 1
-    raise IdempotencyKeyInvalid(raw, "the quoted string is not closed")
-
-
 def parse_key(raw: str) -> str:
     """The key in an ``Idempotency-Key`` header value.
 
-    Accepts the draft's RFC 8941 string (``"abc"``, with ``\\"`` and ``\\\\`` escapes) and the bare
-    form Stripe clients send (``abc``). Servers join repeated headers with commas, so a comma
-    after the string, or in a bare key, means more than one header.
+    Accepts the draft's RFC 8941 string Item (``"abc"``, with ``\\"`` and ``\\\\`` escapes, and
+    parameters such as ``"abc";v=1``, which are ignored) and the bare form Stripe clients send
+    (``abc``, taken whole). Servers join repeated headers with commas, so a comma after the Item,
+    or in a bare key, means more than one header.
     """
     value = raw.strip(" \t")
     if value.startswith('"'):
-        key, rest = _sf_string(value)
-        rest = rest.strip(" \t")
+        try:
+            key, rest = sfv.parse_string_item(value)
+        except sfv.Malformed as exc:
+            raise IdempotencyKeyInvalid(raw, exc.reason) from exc
+        rest = rest.lstrip(" \t")
         if rest.startswith(","):
             raise IdempotencyKeyMultiple(raw)
         if rest:
-            raise IdempotencyKeyInvalid(raw, "unexpected characters after the quoted string")
+            raise IdempotencyKeyInvalid(
+                raw, "unexpected characters after the string and its parameters"
+            )
     else:
         key = value
         if "," in key:
