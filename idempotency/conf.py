@@ -36,7 +36,9 @@ DEFAULTS: dict[str, Any] = {
     "METHODS": ["POST", "PATCH"],
     # Scope of a key: a callable (or dotted path) request -> str. One scope never sees another's.
     "SCOPE": "idempotency.scopes.by_user",
-    # What idempotency.scopes.by_user falls back to for anonymous requests.
+    # What idempotency.scopes.by_user falls back to for anonymous requests. by_session refuses a
+    # client with no session (400); idempotency.scopes.anonymous shares one key space among them
+    # (unguessable keys only; idempotency.W001).
     "ANONYMOUS_SCOPE": "idempotency.scopes.by_session",
     # Seconds a started key stays locked; after that a retry may take a crashed request's key.
     "LOCK_TIMEOUT": 60,

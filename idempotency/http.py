@@ -15,6 +15,7 @@ from django.http.request import RawPostDataException
 
 from . import sfv
 from .errors import (
+    GUIDE_URL,
     IdempotencyError,
     IdempotencyKeyInProgress,
     IdempotencyKeyInvalid,
@@ -39,7 +40,7 @@ HEADER = "Idempotency-Key"
 META_KEY = "HTTP_IDEMPOTENCY_KEY"
 REPLAYED_HEADER = "Idempotent-Replayed"
 MAX_KEY_LENGTH = 255
-PROBLEM_TYPE_BASE = "https://django-leases.readthedocs.io/en/stable/problems/"
+PROBLEM_TYPE_BASE = GUIDE_URL + "problems/"
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 
 # Never replayed: cookies belong to the first client's session; hop-by-hop headers describe the
@@ -171,7 +172,7 @@ def replay(outcome: Outcome) -> HttpResponse:
 def problem(error: IdempotencyError) -> HttpResponse:
     """An RFC 9457 problem response for an error a client caused, with a stable ``type``."""
     body: dict[str, Any] = {
-        "type": PROBLEM_TYPE_BASE + error.slug,
+        "type": error.problem_type or PROBLEM_TYPE_BASE + error.slug,
         "title": error.title,
         "status": error.http_status,
         "detail": str(error),

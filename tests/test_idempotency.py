@@ -4,25 +4,37 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any, TypeVar
 
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection
 from django.test import AsyncClient, Client, RequestFactory, override_settings
+from markdown.extensions.toc import slugify
 
-from idempotency import IdempotencyImproperlyConfigured, ResponseNotStorable, idempotent, scopes
+from idempotency import (
+    IdempotencyImproperlyConfigured,
+    ResponseNotStorable,
+    errors,
+    idempotent,
+    scopes,
+)
 from idempotency.checks import check_settings
 from idempotency.http import PROBLEM_TYPE_BASE, default_fingerprint
 from idempotency.models import IdempotencyKey
 from idempotency.store import begin
 from tests.factories import UserFactory
+from tests.harness import ROOT
 from tests.testapp import views_idempotency
 from tests.testapp.models_idempotency import Charge
 
 pytestmark = pytest.mark.django_db
 
 BODY = json.dumps({"amount": 42})
+ANONYMOUS_GUIDE = (
+    "https://django-leases.readthedocs.io/en/stable/idempotency.html#anonymous-clients"
+)
 
 AnyClient = TypeVar("AnyClient", Client, AsyncClient)
 
@@ -172,6 +184,33 @@ def test_one_users_key_never_replays_to_another_user(client: Client) -> None:
     assert post(client, "/idem/charge/", "shared").content == first.content
     assert post(other, "/idem/charge/", "shared").content == second.content
     assert Charge.objects.count() == 2
+
+
+def test_clients_with_no_identity_are_refused_not_put_in_one_key_space() -> None:
+    """Neither user nor session: sharing one key space would replay one client's response to
+    another, so the keyed request is refused with a problem that links to the guide."""
+    first, second = (post(Client(), "/idem/charge/", "k-anon") for _ in range(2))
+    for response in (first, second):
+        assert response.status_code == 400 and "Idempotent-Replayed" not in response
+        problem_type(response)
+        assert json.loads(response.content)["type"] == ANONYMOUS_GUIDE
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    assert post(Client(), "/idem/charge/", None).status_code == 201  # no key: nothing to scope
+
+
+def test_each_session_is_a_key_space_of_its_own() -> None:
+    first = post(identified(Client()), "/idem/charge/", "k-visit")
+    second = post(identified(Client()), "/idem/charge/", "k-visit")
+    assert first.status_code == second.status_code == 201 and "Idempotent-Replayed" not in second
+    assert first.content != second.content and Charge.objects.count() == 2
+
+
+@override_settings(IDEMPOTENCY={"ANONYMOUS_SCOPE": "idempotency.scopes.anonymous"})
+def test_the_shared_anonymous_key_space_is_an_explicit_opt_in() -> None:
+    first = post(Client(), "/idem/charge/", "k-unguessable")
+    again = post(Client(), "/idem/charge/", "k-unguessable")
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert IdempotencyKey.objects.get().scope == scopes.ANONYMOUS
 
 
 def test_a_5xx_keeps_neither_response_nor_effect_and_the_retry_runs(client: Client) -> None:
@@ -326,6 +365,17 @@ def test_a_bad_setting_is_reported_by_system_checks() -> None:
     for word in ("TTL", "BOGUS", "no.such.scope", "METHODS", "ON_CONFLICT"):
         assert word in messages
     assert check_settings() == []
+
+
+@pytest.mark.parametrize(
+    "error", [e for e in vars(errors).values() if getattr(e, "problem_type", None)]
+)
+def test_a_problem_type_names_a_section_of_the_guide(error: type[errors.IdempotencyError]) -> None:
+    """The client's bug report carries the URI; the developer must land on the explanation."""
+    page, _, anchor = str(error.problem_type).removeprefix(errors.GUIDE_URL).partition("#")
+    text = (ROOT / "docs" / "guide" / page.replace(".html", ".md")).read_text()
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
+    assert anchor in {slugify(heading, "-") for heading in headings}
 
 
 def test_the_admin_lists_keys_read_only_searchable_and_filtered(admin_client: Client) -> None:
