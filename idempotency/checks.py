@@ -50,3 +50,25 @@ def check_anonymous_scope(app_configs: Any = None, **kwargs: Any) -> list[CheckM
         for name, scope in chosen.items()
         if scope is scopes.anonymous
     ]
+
+
+@register(Tags.compatibility)
+def check_atomic(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """idempotency.W002: ATOMIC is off, so the key no longer commits with the view's effects, and
+    a request killed after its effects committed is run again by a retry after LOCK_TIMEOUT."""
+    settings = _valid_settings()
+    if settings is None or settings.atomic:
+        return []
+    return [
+        Warning(
+            f'{conf.SETTING_NAME}["ATOMIC"] is False: a view\'s database effects commit before '
+            "its key is marked done, so a worker killed in between (or a view that raises or "
+            "answers 5xx after writing) leaves effects that the client's retry applies again.",
+            hint=(
+                "Keep ATOMIC on unless the effects are outside this database anyway; then make "
+                "them idempotent on their own (pass the key on) and silence idempotency.W002. "
+                f"See {GUIDE_URL}idempotency.html#atomic-mode"
+            ),
+            id="idempotency.W002",
+        )
+    ]

@@ -46,6 +46,9 @@ DEFAULTS: dict[str, Any] = {
     "ON_CONFLICT": "409",
     "WAIT_TIMEOUT": 10,
     # Atomic mode: the key, the stored response and the view's database effects commit together.
+    # Off, the effects commit as the view makes them and the key is marked done afterwards: a
+    # worker killed in between leaves a started key whose retry, after LOCK_TIMEOUT, applies the
+    # effects again (as does a retry after the view raised or answered 5xx). idempotency.W002.
     "ATOMIC": True,
     # Larger responses are refused (and rolled back) instead of being stored in part.
     "MAX_RESPONSE_BYTES": 1024 * 1024,
@@ -61,6 +64,11 @@ _SCOPES = ("SCOPE", "ANONYMOUS_SCOPE")
 
 @dataclass(frozen=True)
 class IdempotencySettings:
+    """The validated setting. ``atomic`` is what makes a retry after a crash safe: with it, a
+    killed request's effects roll back with its transaction, so the retry that takes over its
+    key after ``lock_timeout`` runs the view once in all; without it the effects have already
+    committed and the retry applies them a second time (``manage.py check`` warns, W002)."""
+
     ttl: float
     required: bool
     methods: frozenset[str]

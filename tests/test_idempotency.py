@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 from typing import Any, TypeVar
 
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection
 from django.test import AsyncClient, Client, RequestFactory, override_settings
-from markdown.extensions.toc import slugify
 
 from idempotency import (
     IdempotencyImproperlyConfigured,
     ResponseNotStorable,
-    errors,
     idempotent,
     scopes,
 )
@@ -25,7 +22,6 @@ from idempotency.http import PROBLEM_TYPE_BASE, default_fingerprint
 from idempotency.models import IdempotencyKey
 from idempotency.store import begin
 from tests.factories import UserFactory
-from tests.harness import ROOT
 from tests.testapp import views_idempotency
 from tests.testapp.models_idempotency import Charge
 
@@ -365,17 +361,6 @@ def test_a_bad_setting_is_reported_by_system_checks() -> None:
     for word in ("TTL", "BOGUS", "no.such.scope", "METHODS", "ON_CONFLICT"):
         assert word in messages
     assert check_settings() == []
-
-
-@pytest.mark.parametrize(
-    "error", [e for e in vars(errors).values() if getattr(e, "problem_type", None)]
-)
-def test_a_problem_type_names_a_section_of_the_guide(error: type[errors.IdempotencyError]) -> None:
-    """The client's bug report carries the URI; the developer must land on the explanation."""
-    page, _, anchor = str(error.problem_type).removeprefix(errors.GUIDE_URL).partition("#")
-    text = (ROOT / "docs" / "guide" / page.replace(".html", ".md")).read_text()
-    headings = re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
-    assert anchor in {slugify(heading, "-") for heading in headings}
 
 
 def test_the_admin_lists_keys_read_only_searchable_and_filtered(admin_client: Client) -> None:
