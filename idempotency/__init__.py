@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from leases._lazy import lazy_exports
 
 from .errors import (
+    IdempotencyClientUnidentified,
     IdempotencyError,
     IdempotencyImproperlyConfigured,
     IdempotencyKeyInProgress,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from .views import IdempotentMixin, idempotent
 
 __all__ = [
+    "IdempotencyClientUnidentified",
     "IdempotencyError",
     "IdempotencyImproperlyConfigured",
     "IdempotencyKeyInProgress",

@@ -36,7 +36,9 @@ DEFAULTS: dict[str, Any] = {
     "METHODS": ["POST", "PATCH"],
     # Scope of a key: a callable (or dotted path) request -> str. One scope never sees another's.
     "SCOPE": "idempotency.scopes.by_user",
-    # What idempotency.scopes.by_user falls back to for anonymous requests.
+    # What idempotency.scopes.by_user falls back to for anonymous requests. by_session refuses a
+    # client with no session (400); idempotency.scopes.anonymous shares one key space among them
+    # (unguessable keys only; idempotency.W001).
     "ANONYMOUS_SCOPE": "idempotency.scopes.by_session",
     # Seconds a started key stays locked; after that a retry may take a crashed request's key.
     "LOCK_TIMEOUT": 60,
@@ -44,6 +46,9 @@ DEFAULTS: dict[str, Any] = {
     "ON_CONFLICT": "409",
     "WAIT_TIMEOUT": 10,
     # Atomic mode: the key, the stored response and the view's database effects commit together.
+    # Off, the effects commit as the view makes them and the key is marked done afterwards: a
+    # worker killed in between leaves a started key whose retry, after LOCK_TIMEOUT, applies the
+    # effects again (as does a retry after the view raised or answered 5xx). idempotency.W002.
     "ATOMIC": True,
     # Larger responses are refused (and rolled back) instead of being stored in part.
     "MAX_RESPONSE_BYTES": 1024 * 1024,
@@ -59,6 +64,11 @@ _SCOPES = ("SCOPE", "ANONYMOUS_SCOPE")
 
 @dataclass(frozen=True)
 class IdempotencySettings:
+    """The validated setting. ``atomic`` is what makes a retry after a crash safe: with it, a
+    killed request's effects roll back with its transaction, so the retry that takes over its
+    key after ``lock_timeout`` runs the view once in all; without it the effects have already
+    committed and the retry applies them a second time (``manage.py check`` warns, W002)."""
+
     ttl: float
     required: bool
     methods: frozenset[str]

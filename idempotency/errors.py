@@ -2,8 +2,9 @@
 
 ``IdempotencyError`` subclasses :class:`leases.errors.LeaseError` so the whole distribution has one
 root a caller can catch. Errors a client caused also carry what an HTTP layer needs to answer
-(``http_status`` and a stable problem ``slug``), so the views render any of them the same way and
-no table elsewhere has to be kept in sync with this module.
+(``http_status`` and a stable problem ``slug``, or a ``problem_type`` URI of the guide page that
+explains the error), so the views render any of them the same way and no table elsewhere has to
+be kept in sync with this module.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from django.core.exceptions import ImproperlyConfigured
 from leases.errors import LeaseError
 
 __all__ = [
+    "IdempotencyClientUnidentified",
     "IdempotencyError",
     "IdempotencyImproperlyConfigured",
     "IdempotencyKeyInProgress",
@@ -25,12 +27,20 @@ __all__ = [
 ]
 
 
+GUIDE_URL = "https://django-leases.readthedocs.io/en/stable/"
+
+
 class IdempotencyError(LeaseError):
-    """Base class of every idempotency error; ``http_status`` and ``slug`` name the answer."""
+    """Base class of every idempotency error; ``http_status`` and ``slug`` name the answer.
+
+    ``problem_type``, when set, is the problem's ``type`` URI: a section of the guide that tells
+    the developer reading a client's bug report what to change.
+    """
 
     http_status = 500
     slug = "error"
     title = "Idempotency error"
+    problem_type: str | None = None
 
 
 class IdempotencyImproperlyConfigured(IdempotencyError, ImproperlyConfigured):
@@ -64,6 +74,27 @@ class IdempotencyKeyInvalid(IdempotencyError, ValueError):
         super().__init__(
             f"the Idempotency-Key header is malformed: {reason}; send 1-255 printable ASCII "
             'characters, as a quoted string (Idempotency-Key: "<key>") or bare'
+        )
+
+
+class IdempotencyClientUnidentified(IdempotencyError, ValueError):
+    """A keyed request came from a client with no identity: no user, no session, no scope.
+
+    Its key cannot be given a key space of its own, and one key space shared by every such client
+    would replay one client's response to another who picked the same key; so the request is
+    refused rather than guessed at. The guide section says how to give clients an identity or
+    configure ``IDEMPOTENCY["SCOPE"]``.
+    """
+
+    http_status = 400
+    slug = "idempotency-client-unidentified"
+    title = "Idempotency-Key sent without a client identity"
+    problem_type = GUIDE_URL + "idempotency.html#anonymous-clients"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "an Idempotency-Key is kept per client, and this request identifies no client: "
+            "log in or start a session first, or send the credentials this API scopes keys by"
         )
 
 

@@ -13,7 +13,9 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 from django.http.request import RawPostDataException
 
+from . import sfv
 from .errors import (
+    GUIDE_URL,
     IdempotencyError,
     IdempotencyKeyInProgress,
     IdempotencyKeyInvalid,
@@ -38,7 +40,7 @@ HEADER = "Idempotency-Key"
 META_KEY = "HTTP_IDEMPOTENCY_KEY"
 REPLAYED_HEADER = "Idempotent-Replayed"
 MAX_KEY_LENGTH = 255
-PROBLEM_TYPE_BASE = "https://django-leases.readthedocs.io/en/stable/problems/"
+PROBLEM_TYPE_BASE = GUIDE_URL + "problems/"
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 
 # Never replayed: cookies belong to the first client's session; hop-by-hop headers describe the
@@ -60,42 +62,27 @@ UNREPLAYED_HEADERS = frozenset(
 )
 
 
-def _sf_string(raw: str) -> tuple[str, str]:
-    """Parse an RFC 8941 sf-string at the start of ``raw``: (the string, what follows it)."""
-    chars: list[str] = []
-    i = 1
-    while i < len(raw):
-        char = raw[i]
-        if char == "\\":
-            if i + 1 >= len(raw) or raw[i + 1] not in '"\\':
-                raise IdempotencyKeyInvalid(raw, "a backslash may only escape '\"' or '\\'")
-            chars.append(raw[i + 1])
-            i += 2
-            continue
-        if char == '"':
-            return "".join(chars), raw[i + 1 :]
-        if not " " <= char <= "~":
-            raise IdempotencyKeyInvalid(raw, "only printable ASCII characters are allowed")
-        chars.append(char)
-        i += 1
-    raise IdempotencyKeyInvalid(raw, "the quoted string is not closed")
-
-
 def parse_key(raw: str) -> str:
     """The key in an ``Idempotency-Key`` header value.
 
-    Accepts the draft's RFC 8941 string (``"abc"``, with ``\\"`` and ``\\\\`` escapes) and the bare
-    form Stripe clients send (``abc``). Servers join repeated headers with commas, so a comma
-    after the string, or in a bare key, means more than one header.
+    Accepts the draft's RFC 8941 string Item (``"abc"``, with ``\\"`` and ``\\\\`` escapes, and
+    parameters such as ``"abc";v=1``, which are ignored) and the bare form Stripe clients send
+    (``abc``, taken whole). Servers join repeated headers with commas, so a comma after the Item,
+    or in a bare key, means more than one header.
     """
     value = raw.strip(" \t")
     if value.startswith('"'):
-        key, rest = _sf_string(value)
-        rest = rest.strip(" \t")
+        try:
+            key, rest = sfv.parse_string_item(value)
+        except sfv.Malformed as exc:
+            raise IdempotencyKeyInvalid(raw, exc.reason) from exc
+        rest = rest.lstrip(" \t")
         if rest.startswith(","):
             raise IdempotencyKeyMultiple(raw)
         if rest:
-            raise IdempotencyKeyInvalid(raw, "unexpected characters after the quoted string")
+            raise IdempotencyKeyInvalid(
+                raw, "unexpected characters after the string and its parameters"
+            )
     else:
         key = value
         if "," in key:
@@ -185,7 +172,7 @@ def replay(outcome: Outcome) -> HttpResponse:
 def problem(error: IdempotencyError) -> HttpResponse:
     """An RFC 9457 problem response for an error a client caused, with a stable ``type``."""
     body: dict[str, Any] = {
-        "type": PROBLEM_TYPE_BASE + error.slug,
+        "type": error.problem_type or PROBLEM_TYPE_BASE + error.slug,
         "title": error.title,
         "status": error.http_status,
         "detail": str(error),

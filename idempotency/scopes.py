@@ -3,6 +3,13 @@
 A key is unique per scope, so the scope is what keeps one client from replaying another's
 response. Secrets that identify a client (session keys, API keys) are hashed before they become a
 scope: the key table is visible in the admin and must not become a list of live credentials.
+
+A client with no identity at all (no user, no session) has no scope: the default chain
+(``by_user`` -> ``by_session``) raises :class:`~idempotency.errors.IdempotencyClientUnidentified`
+(a 400) instead of putting every such client in one key space, where two of them choosing the
+same key would get each other's response. :func:`anonymous` is that shared key space, for
+projects whose clients all send unguessable keys; choosing it is explicit and ``manage.py check``
+reports it (``idempotency.W001``).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import conf
+from .errors import IdempotencyClientUnidentified
 
 __all__ = ["ANONYMOUS", "anonymous", "by_header", "by_session", "by_user"]
 
@@ -31,14 +39,22 @@ def by_user(request: Any) -> str:
 
 
 def by_session(request: Any) -> str:
-    """The (hashed) session key when the client has a session, else the shared anonymous scope."""
+    """The (hashed) session key; a client without a session is refused, never pooled.
+
+    Django gives a client a session key only once its session was saved (a login, or a view that
+    stored something in it), so a first anonymous visit has none.
+    """
     session = getattr(request, "session", None)
     session_key = getattr(session, "session_key", None)
-    return f"session:{_digest(session_key)}" if session_key else ANONYMOUS
+    if not session_key:
+        raise IdempotencyClientUnidentified()
+    return f"session:{_digest(session_key)}"
 
 
 def anonymous(request: Any) -> str:
-    """One scope shared by every anonymous client: only safe when keys are unguessable."""
+    """One scope shared by every client that uses it: safe only when every key is unguessable
+    (e.g. a random UUID per operation), since a client that sends another's key gets its
+    response. An explicit opt-in, reported by ``idempotency.W001``."""
     return ANONYMOUS
 
 

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection
 from django.test import AsyncClient, Client, RequestFactory, override_settings
 
-from idempotency import IdempotencyImproperlyConfigured, ResponseNotStorable, idempotent
+from idempotency import (
+    IdempotencyImproperlyConfigured,
+    ResponseNotStorable,
+    idempotent,
+    scopes,
+)
 from idempotency.checks import check_settings
 from idempotency.http import PROBLEM_TYPE_BASE, default_fingerprint
 from idempotency.models import IdempotencyKey
@@ -23,6 +28,31 @@ from tests.testapp.models_idempotency import Charge
 pytestmark = pytest.mark.django_db
 
 BODY = json.dumps({"amount": 42})
+ANONYMOUS_GUIDE = (
+    "https://django-leases.readthedocs.io/en/stable/idempotency.html#anonymous-clients"
+)
+
+AnyClient = TypeVar("AnyClient", Client, AsyncClient)
+
+
+def identified(client: AnyClient) -> AnyClient:
+    """``client`` with a session of its own: a keyed request from a client with no identity at
+    all is refused (``test_idempotency_scopes``), so every client here has one."""
+    client.session  # the test client saves a new session and sets its cookie
+    return client
+
+
+@pytest.fixture
+def client() -> Client:
+    """pytest-django's ``client``, identified by a session (see :func:`identified`)."""
+    return identified(Client())
+
+
+def scope_of(client: Client | AsyncClient) -> str:
+    """The scope the default settings give this client's requests: its session's."""
+    request = RequestFactory().post("/")
+    request.session = client.session
+    return scopes.by_session(request)
 
 
 def post(client: Client, url: str, key: str | None, body: str = BODY, **extra: Any) -> Any:
@@ -127,7 +157,8 @@ def test_same_key_while_the_first_runs_is_409_with_retry_after(client: Client) -
     request = RequestFactory().post(
         "/idem/charge/", BODY, content_type="application/json", HTTP_IDEMPOTENCY_KEY="k-3"
     )
-    running = begin("anonymous", "k-3", default_fingerprint(request), ttl=60, lock_timeout=60)
+    scope = scope_of(client)
+    running = begin(scope, "k-3", default_fingerprint(request), ttl=60, lock_timeout=60)
     assert running.claim is not None
     response = post(client, "/idem/charge/", "k-3")
     assert response.status_code == 409
@@ -149,6 +180,33 @@ def test_one_users_key_never_replays_to_another_user(client: Client) -> None:
     assert post(client, "/idem/charge/", "shared").content == first.content
     assert post(other, "/idem/charge/", "shared").content == second.content
     assert Charge.objects.count() == 2
+
+
+def test_clients_with_no_identity_are_refused_not_put_in_one_key_space() -> None:
+    """Neither user nor session: sharing one key space would replay one client's response to
+    another, so the keyed request is refused with a problem that links to the guide."""
+    first, second = (post(Client(), "/idem/charge/", "k-anon") for _ in range(2))
+    for response in (first, second):
+        assert response.status_code == 400 and "Idempotent-Replayed" not in response
+        problem_type(response)
+        assert json.loads(response.content)["type"] == ANONYMOUS_GUIDE
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    assert post(Client(), "/idem/charge/", None).status_code == 201  # no key: nothing to scope
+
+
+def test_each_session_is_a_key_space_of_its_own() -> None:
+    first = post(identified(Client()), "/idem/charge/", "k-visit")
+    second = post(identified(Client()), "/idem/charge/", "k-visit")
+    assert first.status_code == second.status_code == 201 and "Idempotent-Replayed" not in second
+    assert first.content != second.content and Charge.objects.count() == 2
+
+
+@override_settings(IDEMPOTENCY={"ANONYMOUS_SCOPE": "idempotency.scopes.anonymous"})
+def test_the_shared_anonymous_key_space_is_an_explicit_opt_in() -> None:
+    first = post(Client(), "/idem/charge/", "k-unguessable")
+    again = post(Client(), "/idem/charge/", "k-unguessable")
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert IdempotencyKey.objects.get().scope == scopes.ANONYMOUS
 
 
 def test_a_5xx_keeps_neither_response_nor_effect_and_the_retry_runs(client: Client) -> None:
@@ -208,6 +266,41 @@ def test_class_based_view_with_the_mixin(client: Client) -> None:
     assert Charge.objects.count() == 1
 
 
+ASYNC_CLASS_VIEWS = ["/idem/async-cbv/", "/idem/async-cbv-decorated/"]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("url", ASYNC_CLASS_VIEWS)
+@pytest.mark.parametrize("client_class", [Client, AsyncClient])
+def test_async_class_based_views_are_guarded_like_async_function_views(
+    url: str, client_class: type[Client | AsyncClient]
+) -> None:
+    """``IdempotentMixin`` on an async ``View``, and ``@idempotent`` around its ``as_view()``:
+    the first request runs, a retry replays, a 5xx keeps nothing, and conflicts are refused."""
+    client = identified(client_class())
+
+    def send(key: str, body: dict[str, Any]) -> Any:
+        args = (url, json.dumps(body), "application/json")
+        if isinstance(client, AsyncClient):
+            return async_to_sync(client.post)(*args, headers={"Idempotency-Key": key})
+        return client.post(*args, HTTP_IDEMPOTENCY_KEY=key)
+
+    assert send("c-1", {"amount": 1, "fail": True}).status_code == 500
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    first = send("c-2", {"amount": 2})
+    again = send("c-2", {"amount": 2})
+    assert first.status_code == again.status_code == 201 and "Idempotent-Replayed" not in first
+    assert again.content == first.content and again["Idempotent-Replayed"] == "true"
+    mismatch = send("c-2", {"amount": 3})
+    assert mismatch.status_code == 422 and problem_type(mismatch) == "idempotency-key-mismatch"
+    request = RequestFactory().post(url, json.dumps({"amount": 4}), content_type="application/json")
+    running = begin(scope_of(client), "c-3", default_fingerprint(request), ttl=60, lock_timeout=60)
+    assert running.claim is not None
+    busy = send("c-3", {"amount": 4})
+    assert busy.status_code == 409 and problem_type(busy) == "idempotency-key-in-progress"
+    assert Charge.objects.count() == 1
+
+
 def _basic(username: str) -> str:
     return "Basic " + base64.b64encode(f"{username}:password".encode()).decode()
 
@@ -237,7 +330,7 @@ def test_drf_authentication_runs_once_per_request(client: Client) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_async_views_are_guarded_atomically() -> None:
-    client = AsyncClient()
+    client = identified(AsyncClient())
 
     def send(key: str, body: dict[str, Any]) -> Any:
         return async_to_sync(client.post)(
@@ -271,7 +364,7 @@ def test_a_bad_setting_is_reported_by_system_checks() -> None:
 
 
 def test_the_admin_lists_keys_read_only_searchable_and_filtered(admin_client: Client) -> None:
-    post(Client(), "/idem/charge/", "findme-1")
+    post(identified(Client()), "/idem/charge/", "findme-1")
     row = IdempotencyKey.objects.get()
     found = admin_client.get("/admin/idempotency/idempotencykey/?q=findme&state=completed")
     assert found.status_code == 200 and b"findme-1" in found.content

@@ -2,7 +2,8 @@
 
 Concurrency and crash properties need real sockets and real processes: 50 identical requests
 racing on separate connections, repeated headers as a server joins them, and a server process
-SIGKILLed after the view's effects were written but before it answered.
+SIGKILLed after the view's effects were written but before it answered. Keyed requests carry a
+session cookie: a client with no identity at all is refused (see ``test_idempotency``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.db import connection
 
 from idempotency.http import PROBLEM_TYPE_BASE
@@ -106,6 +109,7 @@ def send(
     *,
     method: str = "POST",
     extra_keys: tuple[str, ...] = (),
+    cookie: str | None = None,
     timeout: float = 60.0,
 ) -> Reply:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -114,6 +118,8 @@ def send(
         conn.putrequest(method, path)
         conn.putheader("Content-Type", "application/json")
         conn.putheader("Content-Length", str(len(payload)))
+        if cookie is not None:
+            conn.putheader("Cookie", cookie)
         for value in (key, *extra_keys) if key is not None else extra_keys:
             conn.putheader("Idempotency-Key", value)
         conn.endheaders(payload)
@@ -125,6 +131,14 @@ def send(
 
 
 @pytest.fixture
+def cookie(transactional_db: None) -> str:
+    """The cookie of a saved session, committed so the server's processes see it."""
+    session = import_module(settings.SESSION_ENGINE).SessionStore()
+    session.create()
+    return f"{settings.SESSION_COOKIE_NAME}={session.session_key}"
+
+
+@pytest.fixture
 def server(child_env: dict[str, str], tmp_path: Path) -> Iterator[Gunicorn]:
     live = Gunicorn(child_env, tmp_path / "gunicorn.log")
     try:
@@ -133,7 +147,9 @@ def server(child_env: dict[str, str], tmp_path: Path) -> Iterator[Gunicorn]:
         live.stop()
 
 
-def race(port: int, path: str, key: str, body: dict[str, Any], count: int = 50) -> list[Reply]:
+def race(
+    port: int, path: str, key: str, body: dict[str, Any], cookie: str, count: int = 50
+) -> list[Reply]:
     """``count`` identical requests on separate connections, released at the same moment."""
     barrier = threading.Barrier(count, timeout=60)
     replies: list[Reply | BaseException] = [RuntimeError("no reply")] * count
@@ -141,7 +157,7 @@ def race(port: int, path: str, key: str, body: dict[str, Any], count: int = 50) 
     def one(i: int) -> None:
         try:
             barrier.wait()
-            replies[i] = send(port, path, key, body)
+            replies[i] = send(port, path, key, body, cookie=cookie)
         except BaseException as exc:
             replies[i] = exc
 
@@ -155,9 +171,11 @@ def race(port: int, path: str, key: str, body: dict[str, Any], count: int = 50) 
     return [r for r in replies if isinstance(r, Reply)]
 
 
-def test_fifty_concurrent_identical_requests_apply_the_effect_once(server: Gunicorn) -> None:
+def test_fifty_concurrent_identical_requests_apply_the_effect_once(
+    server: Gunicorn, cookie: str
+) -> None:
     body = {"amount": 5, "sleep": 1.5}
-    replies = race(server.port, "/idem/charge/", "race-1", body)
+    replies = race(server.port, "/idem/charge/", "race-1", body, cookie)
     ran = [r for r in replies if r.status == 201 and not r.replayed]
     refused = [r for r in replies if r.status == 409]
     assert len(ran) == 1, [r.status for r in replies]
@@ -166,16 +184,16 @@ def test_fifty_concurrent_identical_requests_apply_the_effect_once(server: Gunic
     assert all(r.headers.get("retry-after") for r in refused)
     assert all(r.body == ran[0].body for r in replies if r.status == 201)
     assert {r.status for r in replies} <= {201, 409}
-    later = send(server.port, "/idem/charge/", "race-1", body)
+    later = send(server.port, "/idem/charge/", "race-1", body, cookie=cookie)
     assert later.replayed and later.status == 201 and later.body == ran[0].body
     assert later.headers["x-charge"] == ran[0].headers["x-charge"]
     assert Charge.objects.count() == 1
 
 
 def test_fifty_concurrent_requests_in_wait_mode_all_get_the_one_response(
-    server: Gunicorn,
+    server: Gunicorn, cookie: str
 ) -> None:
-    replies = race(server.port, "/idem/wait/", "race-2", {"amount": 7, "sleep": 1.0})
+    replies = race(server.port, "/idem/wait/", "race-2", {"amount": 7, "sleep": 1.0}, cookie)
     assert [r.status for r in replies] == [201] * 50
     assert sum(not r.replayed for r in replies) == 1
     assert len({r.body for r in replies}) == 1
@@ -199,7 +217,7 @@ def _idle_in_transaction_queries() -> list[str]:
 
 @pytest.mark.fault
 def test_sigkill_after_the_effect_was_written_does_not_apply_it_twice(
-    child_env: dict[str, str], tmp_path: Path
+    child_env: dict[str, str], tmp_path: Path, cookie: str
 ) -> None:
     marker = tmp_path / "written"
     env = {**child_env, CRASH_MARKER_ENV: str(marker)}
@@ -207,7 +225,7 @@ def test_sigkill_after_the_effect_was_written_does_not_apply_it_twice(
     second: Gunicorn | None = None
     outcome: list[object] = []
     client = threading.Thread(
-        target=lambda: outcome.append(_try_send(first.port, "/idem/crash/", "crash-1"))
+        target=lambda: outcome.append(_try_send(first.port, "/idem/crash/", "crash-1", cookie))
     )
     try:
         client.start()
@@ -220,13 +238,13 @@ def test_sigkill_after_the_effect_was_written_does_not_apply_it_twice(
         client.join(30)
         assert outcome and isinstance(outcome[0], Exception), "the first request was answered"
         second = Gunicorn(env, tmp_path / "second.log", workers=1, threads=2).start()
-        retry = send(second.port, "/idem/crash/", "crash-1", {"amount": 5})
+        retry = send(second.port, "/idem/crash/", "crash-1", {"amount": 5}, cookie=cookie)
         deadline = time.monotonic() + 30
         while retry.status == 409 and time.monotonic() < deadline:
             time.sleep(0.2)  # the crashed attempt's lock (1 s) has to lapse first
-            retry = send(second.port, "/idem/crash/", "crash-1", {"amount": 5})
+            retry = send(second.port, "/idem/crash/", "crash-1", {"amount": 5}, cookie=cookie)
         assert retry.status == 201 and not retry.replayed
-        again = send(second.port, "/idem/crash/", "crash-1", {"amount": 5})
+        again = send(second.port, "/idem/crash/", "crash-1", {"amount": 5}, cookie=cookie)
         assert again.replayed and again.body == retry.body
         assert Charge.objects.count() == 1
     finally:
@@ -235,8 +253,8 @@ def test_sigkill_after_the_effect_was_written_does_not_apply_it_twice(
             second.stop()
 
 
-def _try_send(port: int, path: str, key: str) -> object:
+def _try_send(port: int, path: str, key: str, cookie: str) -> object:
     try:
-        return send(port, path, key, {"amount": 5})
+        return send(port, path, key, {"amount": 5}, cookie=cookie)
     except Exception as exc:
         return exc

@@ -15,6 +15,7 @@ from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
 from idempotency import (
+    IdempotencyClientUnidentified,
     IdempotencyKeyInProgress,
     IdempotencyKeyLost,
     IdempotencyKeyMismatch,
@@ -243,8 +244,17 @@ def test_secrets_are_hashed_before_they_become_scopes(rf: Any) -> None:
     by_key = scopes.by_header("X-Api-Key")(request)
     assert by_key.startswith("header:x-api-key:") and "sk_live_secret" not in by_key
     assert scopes.by_user(request) == scopes.by_session(request)
-    request.session = None
-    assert scopes.by_user(request) == scopes.ANONYMOUS
+
+
+def test_a_request_with_no_identity_has_no_scope(rf: Any) -> None:
+    request = rf.post("/")
+    request.user = AnonymousUser()
+    for session in (None, type("S", (), {"session_key": None})()):
+        request.session = session
+        for scope in (scopes.by_user, scopes.by_session, scopes.by_header("X-Api-Key")):
+            with pytest.raises(IdempotencyClientUnidentified):
+                scope(request)
+    assert scopes.anonymous(request) == scopes.ANONYMOUS  # the explicit opt-in
 
 
 def test_without_atomic_mode_effects_stay_but_the_key_is_freed_for_a_retry() -> None:

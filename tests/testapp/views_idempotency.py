@@ -110,9 +110,7 @@ def charge_stream(request: HttpRequest) -> HttpResponse:
     return StreamingHttpResponse(iter([b"a", b"b"]))  # type: ignore[return-value]
 
 
-@csrf_exempt
-@idempotent
-async def charge_async(request: HttpRequest) -> HttpResponse:
+async def _charge_async(request: HttpRequest) -> HttpResponse:
     data = json.loads(request.body or b"{}")
     made = await Charge.objects.acreate(key="async", amount=int(data.get("amount", 0)))
     if data.get("fail"):
@@ -120,11 +118,31 @@ async def charge_async(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"charge": made.pk, "amount": made.amount}, status=201)
 
 
+@csrf_exempt
+@idempotent
+async def charge_async(request: HttpRequest) -> HttpResponse:
+    return await _charge_async(request)
+
+
 class ChargeView(IdempotentMixin, View):
     idempotency_required = True
 
     def post(self, request: HttpRequest) -> HttpResponse:
         return _answer(_charge(request))
+
+
+class AsyncChargeView(IdempotentMixin, View):
+    """An async class-based view: Django runs it as a coroutine (``view_is_async``)."""
+
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        return await _charge_async(request)
+
+
+class AsyncPlainView(View):
+    """An async class-based view without the mixin, for ``idempotent(AsyncPlainView.as_view())``."""
+
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        return await _charge_async(request)
 
 
 class CountingBasicAuthentication(BasicAuthentication):
@@ -163,6 +181,8 @@ urlpatterns = [
     path("stream/", charge_stream),
     path("async/", charge_async),
     path("cbv/", csrf_exempt(ChargeView.as_view())),
+    path("async-cbv/", csrf_exempt(AsyncChargeView.as_view())),
+    path("async-cbv-decorated/", csrf_exempt(idempotent(AsyncPlainView.as_view()))),
     path("drf/", ChargeAPIView.as_view()),
     path("viewset/", ChargeViewSet.as_view({"post": "create"})),
 ]
