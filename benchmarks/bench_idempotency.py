@@ -43,7 +43,8 @@ def _requests() -> Callable[[str | None], HttpRequest]:
     factory = RequestFactory()
 
     def make(key: str | None) -> HttpRequest:
-        extra = {"HTTP_IDEMPOTENCY_KEY": key} if key else {}
+        # The demo scopes keys by the client's API key (demo_project/payments/scopes.py).
+        extra = {"HTTP_IDEMPOTENCY_KEY": key, "HTTP_X_API_KEY": "bench"} if key else {}
         return factory.post("/payments/", BODY, content_type="application/json", **extra)
 
     return make

@@ -25,7 +25,11 @@ def _post(key: str, body: dict[str, Any]) -> Any:
 
     try:
         return Client(HTTP_HOST="localhost").post(
-            "/payments/", json.dumps(body), "application/json", HTTP_IDEMPOTENCY_KEY=f'"{key}"'
+            "/payments/",
+            json.dumps(body),
+            "application/json",
+            HTTP_IDEMPOTENCY_KEY=f'"{key}"',
+            HTTP_X_API_KEY="demo-shop-1",  # whose key space (demo_project/payments/scopes.py)
         )
     finally:
         if threading.current_thread() is not threading.main_thread():
