@@ -23,6 +23,7 @@ from django.test import RequestFactory, override_settings
 from benchmarks.bench_advisory import round_trips
 from benchmarks.common import Report, interleaved
 from demo_project.payments.models import Payment
+from demo_project.payments.scopes import by_api_key
 from idempotency import idempotent
 from idempotency.models import IdempotencyKey
 
@@ -51,7 +52,7 @@ def _requests() -> Callable[[str | None], HttpRequest]:
 
 
 def _contenders(make: Callable[[str | None], HttpRequest]) -> dict[str, Callable[[], Any]]:
-    ours = idempotent(_view)
+    ours = idempotent(scope=by_api_key)(_view)
     atomic = transaction.atomic(_view)
     fresh = (f"{PREFIX}{n}" for n in itertools.count())
     ours(make(f"{PREFIX}replay"))

@@ -81,8 +81,6 @@ CELERY_BEAT_SCHEDULE = {  # run beat on several hosts: leader_only sends each ti
     "nightly-summary": {"task": "demo_project.shop.tasks.nightly_summary", "schedule": 60.0},
 }
 
-IDEMPOTENCY = {"SCOPE": "demo_project.payments.scopes.by_api_key"}
-
 LEASES = {
     "BACKENDS": {
         "default": {"ENGINE": "leases.backends.database"},

@@ -48,6 +48,7 @@ from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # no
 from tests.checker import check_history, history, new_register
 from tests.servers import RedisServer
 from tests.testapp.models_celery import Delivery, Effect, TaskRun
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -166,13 +167,6 @@ def test_lost_lease_mid_task_fails_the_task_and_its_later_fenced_write(
 
 
 # -- redelivery: a killed worker, a visibility timeout shorter than the task -------------------
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from leases.backends import get_backend
 from leases.election import elect, election_lease_name, leader_of
+from tests.waiting import wait_until
 
 TTL, GRACE, SLACK = 1.5, 1.0, 3.0
 
@@ -45,16 +45,6 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def wait_until(predicate: object, timeout: float) -> float | None:
-    """Seconds until ``predicate()`` held, or ``None`` if it never did within ``timeout``."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if predicate():  # type: ignore[operator]
-            return time.monotonic() - start
-        time.sleep(0.02)
-    return None
-
-
 @pytest.fixture
 def run_elected(child_env: dict[str, str], python: str, tmp_path: Path) -> Iterator[object]:
     started: list[subprocess.Popen[bytes]] = []
@@ -67,7 +57,7 @@ def run_elected(child_env: dict[str, str], python: str, tmp_path: Path) -> Itera
             env=child_env,
         )
         started.append(proc)
-        assert wait_until(out.exists, 30) is not None, "the command never started"
+        wait_until(out.exists, 30, "the command to start")
         pid, token = map(int, out.read_text().split())
         return name, proc, pid, token, out
 
@@ -89,8 +79,7 @@ def test_deposed_leaders_command_is_stopped_within_the_grace_period(
     leader = leader_of(name)
     assert leader is not None and leader.token == token
     get_backend().force_release(election_lease_name(name), token)  # an operator deposes the leader
-    took = wait_until(lambda: not alive(pid), TTL + GRACE + SLACK)
-    assert took is not None, f"the deposed leader's command still runs after {TTL + GRACE + SLACK}s"
+    wait_until(lambda: not alive(pid), TTL + GRACE + SLACK, "the deposed leader's command to end")
     assert Path(f"{out}.term").exists(), "the command was not sent SIGTERM first"
     assert proc.wait(10) == 75
 
@@ -106,8 +95,7 @@ def test_command_that_ends_by_itself_ends_the_leadership(run_elected: object) ->
 def test_killed_supervisor_takes_its_command_down(run_elected: object) -> None:
     _, proc, pid, _, _ = run_elected("term")  # type: ignore[operator]
     os.kill(proc.pid, signal.SIGKILL)
-    took = wait_until(lambda: not alive(pid), 5)
-    assert took is not None, "the command outlived its killed run_elected"
+    wait_until(lambda: not alive(pid), 5, "the command of a killed run_elected to end")
 
 
 @pytest.mark.fault

@@ -17,6 +17,7 @@ from django.views.decorators.http import require_http_methods
 from idempotency import idempotent
 
 from .models import Payment
+from .scopes import by_api_key
 
 MAX_DELAY = 10.0
 
@@ -26,7 +27,7 @@ def _problem(detail: str) -> JsonResponse:
     return JsonResponse(body, status=400, content_type="application/problem+json")
 
 
-@idempotent(required=True, methods=["POST"])
+@idempotent(required=True, methods=["POST"], scope=by_api_key)
 def _create(request: HttpRequest) -> HttpResponse:
     try:
         data = json.loads(request.body or b"{}")
