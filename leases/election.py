@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ELECTION_PREFIX", "Leader", "Leadership", "elect", "election_lease_name", "leader_of"]
 
-logger = logging.getLogger("leases")
+logger = logging.getLogger(__name__)
 
 #: Lease names of elections carry this prefix, so an election and a lease of the same name
 #: never exclude each other by accident.
@@ -162,7 +162,7 @@ class Leadership:
                 "reason": reason,
             },
         )
-        signals.leader_lost.send_robust(sender=self.backend, leadership=self, reason=reason)
+        signals.send(signals.leader_lost, self.backend, leadership=self, reason=reason)
         if self._on_lost is not None and reason != "resigned":
             try:
                 self._on_lost(self)
@@ -217,7 +217,7 @@ def elect(
             "token": leadership.token,
         },
     )
-    signals.leader_elected.send_robust(sender=backend, leadership=leadership)
+    signals.send(signals.leader_elected, backend, leadership=leadership)
     return leadership
 
 

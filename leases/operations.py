@@ -45,7 +45,7 @@ __all__ = [
     "terminate_session",
 ]
 
-logger = logging.getLogger("leases")
+logger = logging.getLogger(__name__)
 
 FORCE_RELEASE_PERMISSION = "leases.force_release_lease"
 TERMINATE_PERMISSION = "leases.terminate_lock_session"

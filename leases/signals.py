@@ -23,6 +23,9 @@ allowed to break the lease machinery. ``sender`` is the backend alias (a ``str``
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from django.dispatch import Signal
 
 __all__ = [
@@ -33,7 +36,10 @@ __all__ = [
     "lease_lost",
     "lease_released",
     "lease_renewed",
+    "send",
 ]
+
+logger = logging.getLogger(__name__)
 
 lease_acquired = Signal()
 lease_renewed = Signal()
@@ -42,3 +48,23 @@ lease_lost = Signal()
 fence_rejected = Signal()
 leader_elected = Signal()
 leader_lost = Signal()
+
+
+def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
+    """Send ``signal`` with ``send_robust`` and log every receiver that raised.
+
+    The one way the package sends its signals: a receiver's bug must never break a lease, a
+    fence or an election, and must never vanish either (``send_robust`` alone returns the
+    exception and leaves it to the caller to notice). Most processes connect no receivers, and
+    signals are sent on every acquire and release, so an unused signal costs one check.
+    """
+    if not signal.receivers:
+        return
+    for receiver, result in signal.send_robust(sender=sender, **kwargs):
+        if isinstance(result, Exception):
+            logger.error(
+                "a receiver of a django-leases signal raised: %r",
+                result,
+                exc_info=result,
+                extra={"receiver": getattr(receiver, "__qualname__", repr(receiver))},
+            )

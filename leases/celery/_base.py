@@ -32,7 +32,7 @@ __all__ = [
     "task_signature",
 ]
 
-logger = logging.getLogger("leases.celery")
+logger = logging.getLogger(__name__)
 
 #: Result state of a run that did nothing on purpose (its lease was busy with
 #: ``on_busy="skip"``, or it was sent by a former leader). Celery does not count it as ready:

@@ -19,7 +19,7 @@ from ._base import SKIPPED, skip
 
 __all__ = ["LEADER_HEADER", "LeaderOnlyTask", "resign_leaderships"]
 
-logger = logging.getLogger("leases.celery")
+logger = logging.getLogger(__name__)
 
 #: Message header carrying the sender's leadership token to the worker.
 LEADER_HEADER = "leases_leader_token"

@@ -17,7 +17,7 @@ from ._base import Call, Key, backoff, current_call, format_key, skip
 
 __all__ = ["LockedTask", "OnBusy"]
 
-logger = logging.getLogger("leases.celery")
+logger = logging.getLogger(__name__)
 
 OnBusy = Literal["retry", "skip", "raise"]
 

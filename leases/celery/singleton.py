@@ -20,7 +20,7 @@ from ._base import Key, format_key
 
 __all__ = ["GUARD_HEADER", "SingletonTask"]
 
-logger = logging.getLogger("leases.celery")
+logger = logging.getLogger(__name__)
 
 #: Message header carrying the guard (name, holder, token) from the sender to the worker.
 GUARD_HEADER = "leases_singleton"

@@ -100,8 +100,8 @@ def revoked(sender: Any, resource: str, offer: Offer, through: int) -> FencingTo
         offer.token,
         lease,
     )
-    signals.fence_rejected.send_robust(
-        sender=sender, resource=resource, offered=offer.token, stored=None
+    signals.send(
+        signals.fence_rejected, sender, resource=resource, offered=offer.token, stored=None
     )
     return FencingTokenRevoked(resource, offer.token, lease, through)
 
@@ -110,9 +110,7 @@ def reject(sender: Any, resource: str, offered: int, stored: int | None) -> Stal
     logger.warning(
         "fenced write to %s rejected: offered token %s, stored %s", resource, offered, stored
     )
-    signals.fence_rejected.send_robust(
-        sender=sender, resource=resource, offered=offered, stored=stored
-    )
+    signals.send(signals.fence_rejected, sender, resource=resource, offered=offered, stored=stored)
     return StaleFencingToken(resource, offered, stored)
 
 
