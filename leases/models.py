@@ -111,8 +111,14 @@ class ForceRelease(models.Model):
     token = models.BigIntegerField(null=True, blank=True)
     #: The token the name carries after the revocation (higher than ``token``).
     new_token = models.BigIntegerField(null=True, blank=True)
+    #: No database constraint: the leases tables may live in a database without the user
+    #: table (routed elsewhere); ``by_username`` keeps who it was either way.
     by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        db_constraint=False,
     )
     #: The operator's username, kept even if the user row is deleted later.
     by_username = models.CharField(max_length=150, blank=True, default="")

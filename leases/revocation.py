@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from django.db import connections, router
+from django.db import DatabaseError, connections, router
 from django.db.models import Exists, Q
 
 __all__ = [
@@ -41,6 +41,8 @@ SET token = GREATEST(leases_revocation.token, EXCLUDED.token), at = EXCLUDED.at
 NOT_REVOKED_SQL = (
     "NOT EXISTS (SELECT 1 FROM leases_revocation WHERE backend = %s AND name = %s AND token >= %s)"
 )
+#: ``read_only_sql_transaction``: the database is a hot standby (or read-only by default).
+READ_ONLY_SQLSTATE = "25006"
 #: Read only after a rejection, to say which revocation refused the write.
 REVOKED_THROUGH_SQL = "SELECT token FROM leases_revocation WHERE backend = %s AND name = %s"
 
@@ -90,17 +92,37 @@ def record(backend: str, name: str, token: int) -> list[str]:
     Written on a private connection per database, in autocommit, so the revocation is durable
     when this returns whatever transaction the caller is in (an ``ATOMIC_REQUESTS`` admin
     view, a test): a fenced write that starts afterwards is refused, and a caller's rollback
-    cannot undo it.
+    cannot undo it. Aliases naming the same database (a test mirror, a second alias for one
+    server) are written once; a read-only database (a hot standby replica) refuses the insert
+    and is skipped: it takes no fenced writes, and its primary's row replicates to it.
     """
-    aliases = [alias for alias in connections if _migrated_on(alias)]
-    for alias in aliases:
-        private = connections.create_connection(alias)
-        try:
-            with private.cursor() as cursor:
-                cursor.execute(REVOKE_SQL, [backend, name, token])
-        finally:
-            private.close()
-    return aliases
+    written: list[str] = []
+    seen: set[tuple[object, ...]] = set()
+    for alias in connections:
+        if not _migrated_on(alias):
+            continue
+        settings = connections.settings[alias]
+        where = (settings.get("HOST"), settings.get("PORT"), settings.get("NAME"))
+        if where in seen:
+            continue
+        seen.add(where)
+        if _write(alias, [backend, name, token]):
+            written.append(alias)
+    return written
+
+
+def _write(alias: str, params: list[str | int]) -> bool:
+    private = connections.create_connection(alias)
+    try:
+        with private.cursor() as cursor:
+            cursor.execute(REVOKE_SQL, params)
+    except DatabaseError as exc:
+        if getattr(getattr(exc, "__cause__", None), "sqlstate", None) == READ_ONLY_SQLSTATE:
+            return False
+        raise
+    finally:
+        private.close()
+    return True
 
 
 def not_revoked(offer: Offer) -> Q:

@@ -51,7 +51,17 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {"default": database_settings(URLS["DATABASE_URL"])}
+DATABASES = {
+    "default": database_settings(URLS["DATABASE_URL"]),
+    # Two more names for the same test database, for router tests (tests/routers.py): a
+    # read-only "replica" as a hot standby behaves, and a writable "other" alias.
+    "replica": {
+        **database_settings(URLS["DATABASE_URL"]),
+        "OPTIONS": {"options": "-c default_transaction_read_only=on"},
+        "TEST": {"MIRROR": "default"},
+    },
+    "other": {**database_settings(URLS["DATABASE_URL"]), "TEST": {"MIRROR": "default"}},
+}
 
 CACHES = {
     "default": {

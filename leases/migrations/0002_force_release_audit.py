@@ -52,7 +52,9 @@ class Migration(migrations.Migration):
                 ('by_username', models.CharField(blank=True, default='', max_length=150)),
                 ('via', models.CharField(blank=True, default='', max_length=32)),
                 ('at', models.DateTimeField(auto_now_add=True)),
-                ('by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
+                # db_constraint=False since 0004 (the audit may live in a database without the
+                # user table); new databases never get the constraint, existing ones drop it in 0004.
+                ('by', models.ForeignKey(blank=True, db_constraint=False, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
             ],
             options={
                 'verbose_name': 'force release (audit)',

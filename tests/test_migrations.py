@@ -1,0 +1,52 @@
+"""The apps migrate onto a database of their own, routed away from the user table."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.harness import url_with_database
+
+
+@pytest.fixture
+def coordination_database(child_env: dict[str, str]) -> Iterator[str]:
+    """A fresh, empty database on the test server; dropped afterwards."""
+    name = f"coordination_{uuid.uuid4().hex[:10]}"
+    admin_url = child_env["DATABASE_URL"]
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield url_with_database(admin_url, name)
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_both_apps_migrate_onto_a_database_without_auth_tables(
+    child_env: dict[str, str], python: str, coordination_database: str
+) -> None:
+    env = {
+        **child_env,
+        "DJANGO_SETTINGS_MODULE": "tests.migrate_elsewhere_settings",
+        "COORDINATION_DATABASE_URL": coordination_database,
+    }
+    done = subprocess.run(
+        [python, "-m", "django", "migrate", "--database", "coordination", "-v", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    with psycopg.connect(coordination_database) as conn:
+        tables: Any = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+        ).fetchall()
+    found = {row[0] for row in tables}
+    assert {"leases_lease", "leases_force_release", "leases_revocation"} <= found
+    assert "auth_user" not in found
