@@ -325,11 +325,14 @@ class AdvisoryLockAdmin(_ReadOnlyAdmin):
         ]
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        """One table per database where the ``leases`` app lives (usually just one)."""
         if not self.has_view_permission(request):
             raise PermissionDenied
+        databases = operations.advisory_databases()
         context = self.section_context(
             request,
-            rows=operations.advisory_locks(),
+            databases=[(alias, operations.advisory_locks(alias)) for alias in databases],
+            several=len(databases) > 1,
             can_terminate=request.user.has_perm(operations.TERMINATE_PERMISSION),
         )
         return TemplateResponse(request, "admin/leases/advisory_locks.html", context)
@@ -341,17 +344,24 @@ class AdvisoryLockAdmin(_ReadOnlyAdmin):
         if not request.user.has_perm(operations.TERMINATE_PERMISSION):
             raise PermissionDenied
         changelist = reverse("admin:leases_advisorylock_changelist")
+        using = operations.advisory_database(
+            str(request.POST.get("database") or request.GET.get("database") or "") or None
+        )
         if request.method == "POST" and request.POST.get("confirm") == "yes":
             try:
-                operations.terminate_session(pid, user=request.user, via="admin")
+                operations.terminate_session(pid, user=request.user, via="admin", using=using)
             except LeaseError as exc:
                 self.message_user(request, str(exc), messages.WARNING)
             else:
                 self.message_user(request, f"Session {pid} terminated.", messages.SUCCESS)
             return HttpResponseRedirect(changelist)
-        rows = [row for row in operations.advisory_locks() if row.pid == pid]
+        rows = [row for row in operations.advisory_locks(using) if row.pid == pid]
         context = self.section_context(
-            request, rows=rows, pid=pid, title=f"Terminate database session {pid}?"
+            request,
+            rows=rows,
+            pid=pid,
+            database=using,
+            title=f"Terminate database session {pid} on {using!r}?",
         )
         return TemplateResponse(request, "admin/leases/confirm_terminate.html", context)
 

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
-from django.db import connections
+from django.db import connections, router
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
@@ -33,6 +33,8 @@ __all__ = [
     "TERMINATE_PERMISSION",
     "AdvisoryLockRow",
     "Holder",
+    "advisory_database",
+    "advisory_databases",
     "advisory_locks",
     "all_leases",
     "force_release",
@@ -150,8 +152,46 @@ def _signed32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def advisory_locks(using: str = "default") -> list[AdvisoryLockRow]:
-    """Advisory locks held or awaited now on database ``using``, held ones first."""
+def advisory_databases() -> list[str]:
+    """The databases whose advisory locks operators see: PostgreSQL aliases where the
+    ``leases`` app is migrated (its name table joins ``pg_locks``), one alias per database."""
+    from .models import AdvisoryLockName
+
+    found: list[str] = []
+    seen: set[tuple[object, ...]] = set()
+    for alias in connections:
+        if connections[alias].vendor != "postgresql":
+            continue
+        if not router.allow_migrate_model(alias, AdvisoryLockName):
+            continue
+        settings = connections.settings[alias]
+        where = (settings.get("HOST"), settings.get("PORT"), settings.get("NAME"))
+        if where not in seen:
+            seen.add(where)
+            found.append(alias)
+    return found
+
+
+def advisory_database(requested: str | None = None) -> str:
+    """``requested`` if operators may look at it, else the first such database.
+
+    Raises :class:`PermissionDenied` for an alias that is not one of
+    :func:`advisory_databases` (a URL parameter must not reach an arbitrary connection).
+    """
+    allowed = advisory_databases()
+    if requested:
+        if requested not in allowed:
+            raise PermissionDenied(f"no advisory locks are shown for database {requested!r}")
+        return requested
+    if not allowed:
+        raise PermissionDenied("no PostgreSQL database has the leases tables")
+    return allowed[0]
+
+
+def advisory_locks(using: str | None = None) -> list[AdvisoryLockRow]:
+    """Advisory locks held or awaited now on database ``using`` (default: the first of
+    :func:`advisory_databases`), held ones first."""
+    using = advisory_database(using)
     with connections[using].cursor() as cursor:
         cursor.execute(ADVISORY_LOCKS_SQL)
         return [_advisory_row(row) for row in cursor.fetchall()]
@@ -283,7 +323,7 @@ def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -
     )
 
 
-def terminate_session(pid: int, *, user: Any, via: str, using: str = "default") -> Any:
+def terminate_session(pid: int, *, user: Any, via: str, using: str | None = None) -> Any:
     """End the database session ``pid`` so the session locks it holds are freed.
 
     Only for a session that holds or awaits an advisory lock now. Whatever that session was
@@ -291,6 +331,7 @@ def terminate_session(pid: int, *, user: Any, via: str, using: str = "default") 
     needs its own permission (``leases.terminate_lock_session``). Returns the audit record.
     """
     _require(user, TERMINATE_PERMISSION)
+    using = advisory_database(using)
     rows = [row for row in advisory_locks(using) if row.pid == pid]
     if not rows:
         raise LeaseNotHeld(f"pid {pid}", "that session holds or awaits no advisory lock now")

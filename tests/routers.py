@@ -29,3 +29,12 @@ class OtherDatabaseRouter:
 
     def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool:
         return db == "default"
+
+
+class LeasesElsewhereRouter:
+    """The ``leases`` app's tables live in the ``other`` alias only."""
+
+    def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool | None:
+        if app_label == "leases":
+            return db == "other"
+        return None

@@ -222,3 +222,26 @@ def test_malformed_or_unknown_release_targets_are_refused(
     response = client.post(RELEASE, {"confirm": "yes", "target": [target]})
     assert response.status_code in (400, 403)
     assert not ForceRelease.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "replica", "other"])
+def test_advisory_pages_follow_the_database_the_leases_tables_live_in(
+    client: Client, lock_scene: LockScene
+) -> None:
+    from django.db import connections
+    from django.test import override_settings
+    from django.test.utils import CaptureQueriesContext
+
+    user = login(client, "view_lease", "terminate_lock_session")
+    with override_settings(DATABASE_ROUTERS=["tests.routers.LeasesElsewhereRouter"]):
+        with CaptureQueriesContext(connections["other"]) as on_other:
+            page = client.get(ADVISORY).content.decode()
+        assert any("pg_locks" in q["sql"] for q in on_other.captured_queries)
+        assert "Database <code>other</code>" in page and lock_scene.advisory in page
+        terminate = reverse("admin:leases_advisorylock_terminate", args=[lock_scene.holder_pid])
+        confirmation = client.get(terminate, {"database": "other"}).content.decode()
+        assert f"Terminate database session {lock_scene.holder_pid} on &#x27;other&#x27;?" in (
+            confirmation
+        )
+        assert client.get(terminate, {"database": "replica"}).status_code == 403
+    assert user is not None
