@@ -19,6 +19,7 @@ from django.test import override_settings
 import leases
 from leases import LeaseAlreadyHeld, LeaseLost, LeaseNotHeld, LeaseUnavailable, acquire, lease
 from leases.backends import Capability, Grant, get_backend
+from leases.backends.base import new_secret
 from leases.errors import BackendUnavailable, InvalidLeaseName, InvalidLeaseOption
 from leases.signals import lease_acquired, lease_lost, lease_released, lease_renewed
 from tests.checker import check_history, new_register, record_write
@@ -114,6 +115,61 @@ def test_non_owner_release_and_renew_are_refused(lease_backend: str, lease_name:
                 store.renew(grant, 1.0)
         info = store.inspect(lease_name)
         assert info is not None and info.held and info.holder == held.holder
+
+
+def test_public_holder_and_token_neither_release_nor_renew(
+    lease_backend: str, lease_name: str
+) -> None:
+    """Holder and token are public (``inspect()``, the admin); a grant built from them without
+    the secret is refused as not held, and the real holder's lease is left untouched."""
+    store = get_backend(lease_backend)
+    with lease(lease_name, ttl=2, backend=lease_backend, keepalive=False) as held:
+        info = store.inspect(lease_name)
+        assert info is not None and (info.holder, info.token) == (held.holder, held.token)
+        for secret in ("", "0" * 32, new_secret()):
+            forged = Grant(
+                lease_name, info.holder, info.token, 2.0, time.monotonic(), secret=secret
+            )
+            with pytest.raises(LeaseNotHeld, match="secret"):
+                store.release(forged)
+            with pytest.raises(LeaseNotHeld, match="secret"):
+                store.renew(forged, 30.0)
+        after = store.inspect(lease_name)
+        assert after is not None and after.held
+        assert (after.holder, after.token) == (held.holder, held.token)
+        held.renew()
+        held.ensure_held()
+
+
+def test_the_grant_secret_never_shows(
+    lease_backend: str, lease_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = get_backend(lease_backend)
+    shown: list[str] = []
+
+    def record(sender: str, **kwargs: Any) -> None:
+        shown.append(repr(kwargs))
+
+    for signal in (lease_acquired, lease_renewed, lease_released):
+        signal.connect(record)
+    try:
+        with (
+            caplog.at_level("DEBUG"),
+            lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as held,
+        ):
+            secret = held.grant.secret
+            held.renew()
+            assert held.grant.secret == secret  # a renewed grant keeps its secret
+            shown += [repr(held), repr(held.grant), repr(store.inspect(lease_name))]
+            shown.append(repr([i for i in store.inspect_all() if i.name == lease_name]))
+    finally:
+        for signal in (lease_acquired, lease_renewed, lease_released):
+            signal.disconnect(record)
+    assert len(secret) == 32 and int(secret, 16) >= 0
+    assert len(shown) == 7 and caplog.text is not None
+    assert not [text for text in [*shown, caplog.text] if secret in text]
+    with lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as again:
+        assert again.grant.secret != secret
 
 
 def test_keepalive_holds_the_lease_past_its_ttl(lease_backend: str, lease_name: str) -> None:

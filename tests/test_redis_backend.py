@@ -6,6 +6,7 @@ Tests that kill, pause or fail over a server use servers of their own (``redis_s
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -16,7 +17,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from leases.backends.base import Capability
+from leases.backends.base import Capability, Grant
 from leases.backends.redis import (
     ACQUIRE_LUA,
     COUNTER_BITS,
@@ -24,7 +25,7 @@ from leases.backends.redis import (
     Backend,
     LeaseKeys,
     Reply,
-    value_of,
+    owner_args,
 )
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
@@ -54,6 +55,25 @@ def make_backend() -> Iterator[MakeBackend]:
     yield make
     for backend in made:
         backend.close()
+
+
+def stored_value(grant: Grant) -> str:
+    """The lock value of ``grant``: its epoch, counter, the SHA-1 of its secret, its holder."""
+    digest = hashlib.sha1(grant.secret.encode(), usedforsecurity=False).hexdigest()
+    epoch, counter = grant.token >> COUNTER_BITS, grant.token & (2**COUNTER_BITS - 1)
+    return f"{epoch}:{counter}:{digest}:{grant.holder}"
+
+
+def test_redis_keeps_a_hash_of_the_secret_never_the_secret(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(), unique()
+    grant = backend.try_acquire(name, "a", 5)
+    assert grant is not None and len(grant.secret) == 32
+    keys = LeaseKeys.of(backend.prefix, name)
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    stored = (client.get(keys.lock) or b"") + b"".join(client.hgetall(keys.fence).values())
+    assert grant.secret.encode() not in stored
+    assert client.get(keys.lock) == stored_value(grant).encode()
+    backend.release(grant)
 
 
 def test_tokens_increase_and_a_held_name_is_busy(make_backend: MakeBackend) -> None:
@@ -87,8 +107,8 @@ def test_release_after_expiry_keeps_successor(make_backend: MakeBackend) -> None
     client = redis.Redis.from_url(os.environ["REDIS_URL"])
     # The compare-and-delete itself answers "not yours" and leaves the key alone.
     script = client.register_script(RELEASE_LUA)
-    assert script(keys=[keys.lock, keys.wake, keys.fence], args=[value_of(old), 1, 0]) == 0
-    assert client.get(keys.lock) == value_of(new).encode()
+    assert script(keys=[keys.lock, keys.wake], args=[*owner_args(old), 1]) == Reply.LOST
+    assert client.get(keys.lock) == stored_value(new).encode()
     info = backend.inspect(name)
     assert info is not None and info.held and info.holder == "new" and info.token == new.token
     backend.release(new)

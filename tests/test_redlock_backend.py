@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from leases.backends.redis import LeaseKeys
-from leases.backends.redlock import Backend
+from leases.backends.redlock import Backend, node_value
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
 from tests.servers import RedisServer
@@ -165,7 +165,7 @@ def test_release_after_expiry_keeps_successor(
         backend.release(old)
     with pytest.raises(LeaseLost):
         backend.renew(old, 5)
-    assert holders(servers, name) == [new.extra["value"].encode()] * 3
+    assert holders(servers, name) == [node_value(new.holder, new.secret).encode()] * 3
     info = backend.inspect(name)
     assert info is not None and info.held and (info.holder, info.token) == ("new", new.token)
     assert [i.name for i in backend.inspect_all()] == [name]
@@ -227,7 +227,7 @@ def test_nodes_may_be_django_redis_cache_aliases(
             name = unique()
             grant = backend.try_acquire(name, "a", 5)
             assert grant is not None
-            assert holders(servers, name) == [grant.extra["value"].encode()] * 3
+            assert holders(servers, name) == [node_value(grant.holder, grant.secret).encode()] * 3
             backend.release(backend.renew(grant, 5))
             assert holders(servers, name) == [None] * 3
         finally:

@@ -39,8 +39,8 @@ is unavailable, the quorum is given back and the grant refused with
 
 from __future__ import annotations
 
+import hashlib
 import random
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -63,16 +63,37 @@ from ._redis_io import (
     send,
     text,
 )
-from .base import Capability, Grant, LeaseBackend, LeaseInfo, not_revoked
-from .redis import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply
+from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
+from .redis import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 
-__all__ = ["Backend"]
+__all__ = ["REVOKE_LUA", "Backend", "node_value"]
 
 OPTIONS = frozenset({"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_DATABASE"})
 
 
 #: What :meth:`Backend._fan_out` records for a node that failed or timed out.
 FAILED = object()
+
+#: KEYS: lock, wake. ARGV: the exact value a quorum holds, wake ttl ms. An operator's
+#: revocation (:meth:`Backend.force_release`), after the token moved on: compare-and-delete the
+#: value read, never whatever a node holds by now, then wake one waiter.
+REVOKE_LUA = lua("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('RPUSH', KEYS[2], '1')
+  redis.call('LTRIM', KEYS[2], 0, 0)
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return OK
+end
+return LOST
+""")
+
+
+def node_value(holder: str, secret: str) -> str:
+    """What a grant sets on the nodes: ``sha1(secret):holder``. Unique per grant, and only the
+    secret's owner can prove it is theirs (the scripts hash what renew and release present,
+    as :data:`~leases.backends.redis.RENEW_LUA` does): the nodes never hold the secret."""
+    return f"{hashlib.sha1(secret.encode(), usedforsecurity=False).hexdigest()}:{holder}"
 
 
 class _Node:
@@ -149,20 +170,27 @@ class Backend(LeaseBackend):
         sent = [(node, node.send(command)) for node in self.nodes]
         return [node.answer(connection, command) for node, connection in sent]
 
-    def _unlock_everywhere(self, keys: LeaseKeys, value: str) -> int:
+    def _unlock_everywhere(self, grant: Grant) -> list[Any]:
         """Compare-and-delete on every node (a timed-out ``SET`` may still have landed)."""
-        answers = self._fan_out(
-            "EVAL", RELEASE_LUA, 3, keys.lock, keys.wake, keys.fence, value, WAKE_TTL_MS, "0"
-        )
-        return sum(answer == Reply.OK for answer in answers)
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        owner = ("", grant.holder, grant.secret)
+        return self._fan_out("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
 
-    @staticmethod
-    def _value(grant: Grant) -> str:
-        """The random value this grant set on the nodes; a forged grant has none."""
-        value = grant.extra.get("value")
-        if not isinstance(value, str) or not value.endswith(f":{grant.holder}"):
-            raise LeaseLost(grant.name, grant.token, "not a grant of this Redlock backend")
-        return value
+    def _refusal(self, grant: Grant, answers: list[Any], what: str) -> LeaseLost | LeaseNotHeld:
+        """Why a quorum refused. The nodes know holders but no tokens, so "holder matches,
+        secret does not" is a forged grant only if ``grant`` is still valid by its own clock and
+        its token is the name's current one (one more statement, on this failure path only);
+        otherwise another grant, perhaps of the same holder name, took over: the lease was lost.
+        """
+        if sum(answer == Reply.NOT_OWNER for answer in answers) >= self.quorum and (
+            self._valid(grant)
+            and (
+                not self._source_is_database
+                or self.counter.current_lease(grant.name) == grant.token
+            )
+        ):
+            return LeaseNotHeld(grant.name, FORGED)
+        return LeaseLost(grant.name, grant.token, f"a quorum of nodes refused the {what}")
 
     def _valid(self, grant: Grant) -> bool:
         settings = conf.get()
@@ -170,21 +198,22 @@ class Backend(LeaseBackend):
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         keys = LeaseKeys.of(self.prefix, name)
-        value = f"{secrets.token_hex(12)}:{holder}"
+        secret = new_secret()
         sent_at = time.monotonic()
-        answers = self._fan_out("SET", keys.lock, value, "NX", "PX", ms(ttl))
+        answers = self._fan_out("SET", keys.lock, node_value(holder, secret), "NX", "PX", ms(ttl))
+        attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
         if sum(answer is True for answer in answers) >= self.quorum:
             try:
                 token = self.next_token(name)
             except BaseException:
-                self._unlock_everywhere(keys, value)
+                self._unlock_everywhere(attempt)
                 raise
-            grant = Grant(name, holder, token, ttl, sent_at, expires(ttl), {"value": value})
+            grant = replace(attempt, token=token, expires_at=expires(ttl))
             if self._valid(grant):
                 return grant
         # A node that said no has nothing to undo; one that said yes or timed out might.
         if any(answer is True or answer is FAILED for answer in answers):
-            self._unlock_everywhere(keys, value)
+            self._unlock_everywhere(attempt)
         if all(answer is FAILED for answer in answers):
             raise BackendUnavailable(self.alias, "no Redlock node answered")
         return None
@@ -193,17 +222,20 @@ class Backend(LeaseBackend):
         """Extend on a quorum within the new validity, or give the lease up everywhere."""
         keys = LeaseKeys.of(self.prefix, grant.name)
         sent_at = time.monotonic()
-        answers = self._fan_out("EVAL", RENEW_LUA, 1, keys.lock, self._value(grant), ms(ttl))
+        owner = ("", grant.holder, grant.secret)
+        answers = self._fan_out("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
             return renewed
-        self._unlock_everywhere(keys, self._value(grant))
-        raise LeaseLost(grant.name, grant.token, "could not extend it on a quorum of nodes")
+        refusal = self._refusal(grant, answers, "renewal")
+        if isinstance(refusal, LeaseLost):
+            self._unlock_everywhere(grant)
+        raise refusal
 
     def release(self, grant: Grant) -> None:
-        keys = LeaseKeys.of(self.prefix, grant.name)
-        if self._unlock_everywhere(keys, self._value(grant)) < self.quorum:
-            raise LeaseLost(grant.name, grant.token, "a quorum of nodes no longer had it")
+        answers = self._unlock_everywhere(grant)
+        if sum(answer == Reply.OK for answer in answers) < self.quorum:
+            raise self._refusal(grant, answers, "release")
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` on one node, picked at random, for the wake-up every release pushes.
@@ -238,7 +270,8 @@ class Backend(LeaseBackend):
         if new is None:
             raise LeaseNotHeld(name, not_revoked(token, current))
         if held:
-            self._unlock_everywhere(keys, held.pop())
+            revoke = ("EVAL", REVOKE_LUA, 2, keys.lock, keys.wake, held.pop(), WAKE_TTL_MS)
+            self._fan_out(*revoke)
         return LeaseInfo(name, "", new, False, self.alias)
 
     def _revoke_token(self, name: str, token: int) -> tuple[int | None, int | None]:
