@@ -379,15 +379,40 @@ def test_caller_rollback_neither_unacquires_nor_unreleases(
         ({"timeout": float("nan")}, InvalidLeaseOption),
         ({"holder": ""}, InvalidLeaseOption),
         ({"holder": "h" * 256}, InvalidLeaseOption),
+        ({"ttl": 1e12}, InvalidLeaseOption),
+        ({"ttl": 86400.5}, InvalidLeaseOption),
+        ({"holder": "h\x00x"}, InvalidLeaseOption),
+        ({"holder": "h\nx"}, InvalidLeaseOption),
+        ({"holder": "\x7f"}, InvalidLeaseOption),
     ],
 )
 def test_bad_input_is_refused_before_any_round_trip(
-    lease_backend: str, kwargs: dict[str, Any], error: type[Exception]
+    lease_backend: str, lease_name: str, kwargs: dict[str, Any], error: type[Exception]
 ) -> None:
-    arguments: dict[str, Any] = {"name": "valid", "ttl": 1, "backend": lease_backend, **kwargs}
+    arguments: dict[str, Any] = {"name": lease_name, "ttl": 1, "backend": lease_backend, **kwargs}
+    name = arguments.pop("name")
     with pytest.raises(error) as info:
-        acquire(arguments.pop("name"), **arguments)
+        acquire(name, **arguments)
     assert isinstance(info.value, ValueError)
+    if isinstance(name, str) and name and "\x00" not in name and len(name) <= 255:
+        assert get_backend(lease_backend).inspect(name) is None  # nothing reached the store
+
+
+def test_renewal_beyond_the_max_ttl_is_refused_before_any_round_trip(
+    lease_backend: str, lease_name: str
+) -> None:
+    with lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as held:
+        before = held.grant
+        with pytest.raises(InvalidLeaseOption, match="MAX_TTL"):
+            held.renew(ttl=1e12)
+        assert held.grant is before
+        info = get_backend(lease_backend).inspect(lease_name)
+        assert info is not None and (info.expires_at is None or info.expires_at.year < 3000)
+    with override_settings(LEASES={"BACKENDS": _backends(), "MAX_TTL": 2, "DEFAULT_TTL": 1}):
+        with pytest.raises(InvalidLeaseOption, match="MAX_TTL"):
+            acquire(lease_name, ttl=3, backend=lease_backend)
+        assert get_backend(lease_backend).inspect(lease_name) is not None  # the earlier grant
+        acquire(lease_name, ttl=2, backend=lease_backend, keepalive=False).release()
 
 
 def test_force_release_revokes_the_holder(lease_backend: str, lease_name: str) -> None:
