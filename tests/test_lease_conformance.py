@@ -71,6 +71,25 @@ def test_held_lease_cannot_be_taken(lease_backend: str, lease_name: str) -> None
         assert 0.15 <= time.monotonic() - started < 2.0
 
 
+def test_a_failed_wait_gives_up_at_its_deadline(lease_backend: str, lease_name: str) -> None:
+    """``timeout`` is a deadline, not a hint: redis-py's own blocking test allows 50 ms over.
+
+    One sample can be late for reasons that are not ours (a loaded 2-core machine deschedules
+    the thread), so the median of five decides; a wait that overshoots by design (a server
+    timer firing on its ``hz`` tick, 55-90 ms late) is late every time and fails it.
+    """
+    timeout, overshoots = 0.4, []
+    with lease(lease_name, ttl=30, backend=lease_backend, keepalive=False):
+        for _ in range(5):
+            started = time.monotonic()
+            with pytest.raises(LeaseUnavailable):
+                acquire(lease_name, ttl=1, backend=lease_backend, timeout=timeout, holder="w")
+            overshoots.append(time.monotonic() - started - timeout)
+    overshoots.sort()
+    assert overshoots[0] > -0.005, overshoots  # never gives up early either
+    assert overshoots[2] <= 0.05, overshoots
+
+
 def test_expired_lease_is_taken_over_with_a_higher_token(
     lease_backend: str, lease_name: str
 ) -> None:

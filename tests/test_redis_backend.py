@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -340,3 +341,30 @@ def test_a_forked_child_never_ends_the_parents_database_session(make_backend: Ma
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert backend.try_acquire(unique(), "parent", 5) is not None  # its session still works
+
+
+def wait_overshoots(backend: Any, name: str, wait: float = 0.21, tries: int = 7) -> list[float]:
+    """How late ``wait_for_release`` returns when nothing is released, sorted (seconds).
+
+    Back-to-back waits of 0.21 s on an idle server each start just after the timer tick that
+    ended the one before, so a timeout left to that tick (every 100 ms) is ~90 ms late every
+    time, not just sometimes: the test cannot pass by a lucky phase.
+    """
+    late = []
+    for _ in range(tries):
+        started = time.monotonic()
+        assert backend.wait_for_release(name, wait) is False
+        late.append(time.monotonic() - started - wait)
+    return sorted(late)
+
+
+@pytest.mark.fault
+def test_a_wait_ends_at_its_deadline_on_an_idle_server(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    """An idle Redis fires a ``BLPOP`` timeout only at its next timer tick (up to 100 ms
+    late); the wait must end on the caller's deadline instead. Median of seven, so one
+    descheduled sample on a loaded machine does not decide; the tick's lateness would."""
+    backend, name = make_backend(redis_server.url), unique()
+    late = wait_overshoots(backend, name)
+    assert late[0] > -0.005 and late[3] <= 0.05, late

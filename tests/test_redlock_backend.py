@@ -15,6 +15,7 @@ from leases.backends.redlock import Backend, node_value
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
 from tests.servers import RedisServer
+from tests.test_redis_backend import wait_overshoots
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -232,3 +233,12 @@ def test_nodes_may_be_django_redis_cache_aliases(
             assert holders(servers, name) == [None] * 3
         finally:
             backend.close()
+
+
+def test_a_wait_ends_at_its_deadline_on_idle_nodes(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    """Like the Redis backend's: the node's timer tick must not decide when a wait ends."""
+    backend = make_backend(redis_servers(3))
+    late = wait_overshoots(backend, unique())
+    assert late[0] > -0.005 and late[3] <= 0.05, late

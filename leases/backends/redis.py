@@ -327,7 +327,7 @@ class Backend(LeaseBackend):
         waits in the list. A holder that dies without releasing wakes nobody; the caller's
         backoff (capped, a fraction of a second) bounds how long its expiry goes unnoticed.
         """
-        if timeout < 0.001:  # BLPOP's timeout 0 would mean "forever"
+        if timeout < 0.001:  # nothing to wait for
             return False
         with edge(self.alias, "wait"):
             return blpop(self.client, LeaseKeys.of(self.prefix, name).wake, timeout) is not None

@@ -53,6 +53,7 @@ from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._counter import DurableCounter
 from ._redis_io import (
+    blpop_command,
     check_options,
     check_prefix,
     connect,
@@ -240,17 +241,18 @@ class Backend(LeaseBackend):
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` on one node, picked at random, for the wake-up every release pushes.
 
-        A dead or hung node only costs this one wait (bounded by ``timeout`` plus the node
-        timeout), after which the Lease layer tries again; so a release usually wakes the
+        The wait ends on the socket's read timeout at ``timeout``, not on the server's timer
+        (see :data:`~leases.backends._redis_io.BLPOP_SLACK`). A dead or hung node only costs
+        this one wait, after which the Lease layer tries again; so a release usually wakes the
         waiter at once, and a lost wake-up costs at most one retry delay.
         """
-        if timeout < 0.001:  # BLPOP's timeout 0 would mean "forever"
+        if timeout < 0.001:
             return False
         started = time.monotonic()
         node = random.choice(self.nodes)
-        command = ("BLPOP", LeaseKeys.of(self.prefix, name).wake, f"{timeout:.3f}")
-        reply = node.answer(node.send(command), command, timeout + self.node_timeout)
-        if reply is FAILED:  # a dead node: fall back to a pause instead of a busy retry
+        command = blpop_command(LeaseKeys.of(self.prefix, name).wake, timeout)
+        reply = node.answer(node.send(command), command, timeout)
+        if reply is FAILED:  # the deadline, or a dead node: never a busy retry
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
         return reply is not None
