@@ -85,13 +85,22 @@ def check_options(alias: str, options: Mapping[str, Any], known: frozenset[str])
 
 
 def connect(
-    alias: str, cache: object, url: object, socket_timeout: float, *, cluster: bool = False
+    alias: str,
+    cache: object,
+    url: object,
+    socket_timeout: float,
+    *,
+    cluster: bool = False,
+    handshake: bool = True,
 ) -> Any:
     """A redis-py client for a django-redis cache alias or a URL (never both).
 
     A URL client never retries: a retried acquire could leave a grant nobody knows it holds
     until it expires, and a retried release would report a loss that did not happen.
-    ``cluster`` makes a Redis Cluster client from the URL of any of its nodes.
+    ``cluster`` makes a Redis Cluster client from the URL of any of its nodes. Without
+    ``handshake`` a new connection sends nothing before its first command (no ``CLIENT
+    SETINFO``), so connecting to a hung server cannot block: the first read is bounded by the
+    caller's deadline instead (Redlock talks to all its nodes at once).
     """
     if (cache is None) == (url is None):
         raise LeasesImproperlyConfigured(
@@ -107,7 +116,8 @@ def connect(
         from redis.cluster import RedisCluster
 
         return RedisCluster.from_url(str(url), **timeouts)
-    return redis.Redis.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts)
+    quiet: dict[str, Any] = {} if handshake else {"driver_info": None, "protocol": 2}
+    return redis.Redis.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts, **quiet)
 
 
 def send(client: Any, command: tuple[object, ...]) -> Any:
@@ -127,21 +137,26 @@ def send(client: Any, command: tuple[object, ...]) -> Any:
     return connection
 
 
-def receive(client: Any, connection: Any, command: tuple[object, ...], timeout: object) -> Any:
+def receive(
+    client: Any, connection: Any, command: tuple[object, ...], timeout: float | None = None
+) -> Any:
     """The reply to ``command`` sent on ``connection``, which then goes back to the pool.
 
-    ``timeout`` (seconds) replaces the socket timeout for this one read; ``None`` keeps it and
-    parses the reply as redis-py's method for the command would.
+    ``timeout`` (seconds) replaces the socket timeout for this one read (``None`` keeps it);
+    the reply is parsed as redis-py's method for the command would (``SET`` gives ``True``).
     """
     try:
         if timeout is None:
-            return client.parse_response(connection, str(command[0]))
-        return connection.read_response(timeout=timeout)
+            response = connection.read_response()
+        else:
+            response = connection.read_response(timeout=timeout)
     except BaseException:
         connection.disconnect()
         raise
     finally:
         client.connection_pool.release(connection)
+    parse = client.response_callbacks.get(str(command[0]).upper())
+    return response if parse is None else parse(response)
 
 
 #: How much longer than the caller's wait a ``BLPOP`` is told to block. Redis fires a blocked

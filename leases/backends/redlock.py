@@ -7,14 +7,15 @@ Configuration (``LEASES["BACKENDS"][alias]``)::
      "NODE_TIMEOUT": 0.05}
 
 Options: ``NODES`` (URLs, or django-redis cache aliases, which keep their own timeouts),
-``NODE_TIMEOUT`` (seconds per node and request, default 0.05), ``PREFIX`` (default
+``NODE_TIMEOUT`` (seconds all nodes have to answer a request, default 0.05), ``PREFIX`` (default
 ``"leases:"``), ``TOKEN_SOURCE`` (``"database"``, or the dotted path of a callable
 ``(name) -> int`` whose results strictly increase per name), ``TOKEN_DATABASE`` (default
 ``"default"``).
 
 One try of :meth:`Backend.try_acquire` follows the Redlock algorithm: ``SET NX PX`` sent to
-every node at once, then every reply read, each bounded by the short node timeout, so a try
-costs about one round trip and a dead or hung node little more (no thread per call); the
+every node at once, then every reply read by one shared deadline (the node timeout), so a try
+costs about one round trip and hung nodes at most one node timeout, however many (no thread per
+call; a failed try's unlock leaves its replies to one persistent drain thread); the
 lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity = TTL - elapsed -
 drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
 ``sent_at``). A failed try that any node accepted (or did not answer) unlocks on *every*
@@ -40,7 +41,11 @@ is unavailable, the quorum is given back and the grant refused with
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import queue
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -68,6 +73,8 @@ from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret
 from .redis import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 
 __all__ = ["REVOKE_LUA", "Backend", "node_value"]
+
+logger = logging.getLogger("leases")
 
 OPTIONS = frozenset({"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_DATABASE"})
 
@@ -98,12 +105,12 @@ def node_value(holder: str, secret: str) -> str:
 
 
 class _Node:
-    """One Redis server's client (no retries, the short node timeout)."""
+    """One Redis server's client (no retries, the short node timeout, no connect handshake)."""
 
     def __init__(self, alias: str, location: str, timeout: float) -> None:
         url = location if "://" in location else None
         self.location = location
-        self.client: Any = connect(alias, None if url else location, url, timeout)
+        self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
 
     def send(self, command: tuple[object, ...]) -> Any:
         """Send ``command`` without waiting; ``None`` if the node could not be reached."""
@@ -112,18 +119,67 @@ class _Node:
         except (redis.RedisError, OSError):
             return None
 
-    def answer(self, connection: Any, command: tuple[object, ...], timeout: object = None) -> Any:
-        """The reply to ``command`` sent on ``connection``, or :data:`FAILED`."""
+    def answer(self, connection: Any, command: tuple[object, ...], deadline: float) -> Any:
+        """The reply to ``command`` sent on ``connection`` by ``deadline``, or :data:`FAILED`.
+
+        A reply that arrived while an earlier node was awaited is read at once (the last
+        millisecond is granted even past the deadline, for one already in the socket)."""
         if connection is None:
             return FAILED
         try:
-            return receive(self.client, connection, command, timeout)
+            return receive(
+                self.client, connection, command, max(0.001, deadline - time.monotonic())
+            )
         except (redis.RedisError, OSError):
             return FAILED
 
     def close(self) -> None:
         if "://" in self.location:
             self.client.close()
+
+
+class _Drain:
+    """One thread per backend and process that reads the replies no caller waits for.
+
+    A try that failed gives its key back on every node, but must not wait another node
+    timeout for hung nodes to confirm: it sends the unlock and hands the connections here,
+    where the replies are read (bounded by the same deadline) and the connections returned to
+    their pools. Persistent, never a thread per call; made again in a forked child.
+    """
+
+    def __init__(self, alias: str) -> None:
+        self._name = f"leases-redlock-{alias}"
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._pid = 0
+
+    def put(self, pending: _Pending) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
+                threading.Thread(target=self._run, args=(self._queue,), name=self._name,
+                                 daemon=True).start()  # fmt: skip
+            self._queue.put(pending)
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[_Pending | None]) -> None:
+        while (job := jobs.get()) is not None:
+            sent, command, deadline = job
+            for node, connection in sent:
+                try:
+                    node.answer(connection, command, deadline)
+                except Exception as exc:  # e.g. its client was closed meanwhile: never die
+                    logger.debug("leases: unlock reply from %s lost: %r", node.location, exc)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                self._queue.put(None)
+            self._pid = 0
+
+
+#: Commands in flight: (node, connection) pairs, the command, and the deadline for replies.
+_Pending = tuple[list[tuple[_Node, Any]], tuple[object, ...], float]
 
 
 class Backend(LeaseBackend):
@@ -153,6 +209,7 @@ class Backend(LeaseBackend):
             self.counter.bump_lease if self._source_is_database else import_string(str(source))
         )
         self._nodes: list[_Node] | None = None
+        self._drain = _Drain(alias)
 
     @property
     def nodes(self) -> list[_Node]:
@@ -161,21 +218,36 @@ class Backend(LeaseBackend):
             self._nodes = [_Node(self.alias, loc, self.node_timeout) for loc in self.locations]
         return self._nodes
 
+    def _send_all(self, command: tuple[object, ...]) -> _Pending:
+        """Send ``command`` to every node at once; replies are due one node timeout from now.
+
+        Sending never waits on a node (connections make no handshake), so the nodes work in
+        parallel and a hung one costs no more than a live one until the replies are read."""
+        deadline = time.monotonic() + self.node_timeout
+        return [(node, node.send(command)) for node in self.nodes], command, deadline
+
     def _fan_out(self, *command: object) -> list[Any]:
-        """Send ``command`` to every node, then read every reply.
+        """Send ``command`` to every node, then read every reply by one shared deadline.
 
-        The nodes work in parallel, so a try costs about one round trip, not N, without a
-        thread per call; each reply is bounded by the node timeout. A node that fails or times
-        out answers :data:`FAILED`.
+        A try costs about one round trip, and at most one node timeout however many nodes
+        hang (each read gets what is left of the deadline, not a timeout of its own), without
+        a thread per call. A node that fails or does not answer in time answers :data:`FAILED`.
         """
-        sent = [(node, node.send(command)) for node in self.nodes]
-        return [node.answer(connection, command) for node, connection in sent]
+        sent, _, deadline = self._send_all(command)
+        return [node.answer(connection, command, deadline) for node, connection in sent]
 
-    def _unlock_everywhere(self, grant: Grant) -> list[Any]:
-        """Compare-and-delete on every node (a timed-out ``SET`` may still have landed)."""
+    def _unlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> list[Any]:
+        """Compare-and-delete on every node (a timed-out ``SET`` may still have landed).
+
+        Without ``confirm`` (giving up a failed try or renewal) the replies are left to the
+        drain thread, so hung nodes cost the caller nothing more."""
         keys = LeaseKeys.of(self.prefix, grant.name)
         owner = ("", grant.holder, grant.secret)
-        return self._fan_out("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
+        command = ("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
+        if confirm:
+            return self._fan_out(*command)
+        self._drain.put(self._send_all(command))
+        return []
 
     def _refusal(self, grant: Grant, answers: list[Any], what: str) -> LeaseLost | LeaseNotHeld:
         """Why a quorum refused. The nodes know holders but no tokens, so "holder matches,
@@ -207,14 +279,14 @@ class Backend(LeaseBackend):
             try:
                 token = self.next_token(name)
             except BaseException:
-                self._unlock_everywhere(attempt)
+                self._unlock_everywhere(attempt, confirm=False)
                 raise
             grant = replace(attempt, token=token, expires_at=expires(ttl))
             if self._valid(grant):
                 return grant
         # A node that said no has nothing to undo; one that said yes or timed out might.
         if any(answer is True or answer is FAILED for answer in answers):
-            self._unlock_everywhere(attempt)
+            self._unlock_everywhere(attempt, confirm=False)
         if all(answer is FAILED for answer in answers):
             raise BackendUnavailable(self.alias, "no Redlock node answered")
         return None
@@ -230,7 +302,7 @@ class Backend(LeaseBackend):
             return renewed
         refusal = self._refusal(grant, answers, "renewal")
         if isinstance(refusal, LeaseLost):
-            self._unlock_everywhere(grant)
+            self._unlock_everywhere(grant, confirm=False)
         raise refusal
 
     def release(self, grant: Grant) -> None:
@@ -251,7 +323,7 @@ class Backend(LeaseBackend):
         started = time.monotonic()
         node = random.choice(self.nodes)
         command = blpop_command(LeaseKeys.of(self.prefix, name).wake, timeout)
-        reply = node.answer(node.send(command), command, timeout)
+        reply = node.answer(node.send(command), command, started + timeout)
         if reply is FAILED:  # the deadline, or a dead node: never a busy retry
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
@@ -328,6 +400,7 @@ class Backend(LeaseBackend):
         return problems
 
     def close(self) -> None:
+        self._drain.stop()
         nodes, self._nodes = self._nodes, None
         for node in nodes or ():
             node.close()
