@@ -22,12 +22,17 @@ __all__ = ["holder_identity", "valid_timeout", "valid_ttl", "warn_if_too_short"]
 
 
 def valid_ttl(ttl: object) -> float:
-    """A TTL in seconds; one within the drift allowance would be invalid the moment granted."""
+    """A TTL in seconds; one within the drift allowance would be invalid the moment granted,
+    and one above ``LEASES["MAX_TTL"]`` is a unit mistake or an expiry nothing can read back."""
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
         raise InvalidLeaseOption("ttl", ttl, "must be a finite number of seconds greater than 0")
     settings = conf.get()
     if ttl * (1 - settings.drift_factor) <= settings.drift_min:
         raise InvalidLeaseOption("ttl", ttl, "must exceed the clock drift allowance")
+    if ttl > settings.max_ttl:
+        raise InvalidLeaseOption(
+            "ttl", ttl, f'must be at most LEASES["MAX_TTL"] = {settings.max_ttl:g} seconds'
+        )
     return float(ttl)
 
 
@@ -68,11 +73,18 @@ os.register_at_fork(after_in_child=_read_process_identity)
 
 
 def holder_identity(holder: str | None) -> str:
-    """Who holds a grant: label, host, pid, thread and a random part unique to this grant."""
+    """Who holds a grant: label, host, pid, thread and a random part unique to this grant.
+
+    Printable only: Redis's Lua truncates at a NUL (the stored holder would never match again,
+    leaving a lease nobody can release), PostgreSQL rejects one, and control characters would
+    corrupt the admin, the logs and ``manage.py leases``.
+    """
     if holder is None:
         label = conf.get().holder_label
         ident = f"{_this_process}:{threading.get_ident()}:{secrets.token_hex(4)}"
         holder = f"{label[:100]}@{ident}" if label else ident
     if not isinstance(holder, str) or not 0 < len(holder) <= MAX_NAME_LENGTH:
         raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")
+    if not holder.isprintable():
+        raise InvalidLeaseOption("holder", holder, "must be printable (no NUL, no control chars)")
     return holder

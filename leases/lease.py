@@ -166,6 +166,9 @@ class Lease:
         except LeaseLost as exc:
             self._mark_lost(f"renewal refused: {exc}")
             raise
+        except LeaseNotHeld as exc:  # our own secret refused: another grant holds the name now
+            self._mark_lost(f"renewal refused: {exc}")
+            raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc
         with self._state:
             if not self.done:
                 self.grant = grant
@@ -189,7 +192,7 @@ class Lease:
         _unregister(self)
         try:
             self._store.release(self.grant)
-        except LeaseLost as exc:
+        except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
             if not lost_before:
                 self._report_lost(f"release refused: {exc}")
             raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc

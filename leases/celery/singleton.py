@@ -22,7 +22,8 @@ __all__ = ["GUARD_HEADER", "SingletonTask"]
 
 logger = logging.getLogger(__name__)
 
-#: Message header carrying the guard (name, holder, token) from the sender to the worker.
+#: Message header carrying the guard (name, holder, token, and the grant's secret, which the
+#: worker needs to renew and release it) from the sender to the worker.
 GUARD_HEADER = "leases_singleton"
 _HOLDER_PREFIX = "celery-task:"
 _LOOKS = 5
@@ -83,7 +84,8 @@ class SingletonTask(Task):  # type: ignore[type-arg]
                 continue
             headers = dict(options.pop("headers", None) or {})
             headers[GUARD_HEADER] = {"name": name, "holder": guard.holder, "token": guard.token,
-                                     "extra": dict(guard.extra)}  # fmt: skip
+                                     "extra": dict(guard.extra),
+                                     "secret": guard.secret}  # fmt: skip
             try:
                 return super().apply_async(
                     args, kwargs, task_id=task_id, headers=headers, **options
@@ -124,7 +126,8 @@ def _adopt(data: Mapping[str, Any], ttl: float, alias: str) -> Lease:
     """
     store = get_backend(alias)
     sent = Grant(str(data["name"]), str(data["holder"]), int(data["token"]), ttl,
-                 time.monotonic(), extra=dict(data.get("extra") or {}))  # fmt: skip
+                 time.monotonic(), extra=dict(data.get("extra") or {}),
+                 secret=str(data.get("secret") or ""))  # fmt: skip
     held = Lease(store, store.renew(sent, ttl))
     keepalive.watch(held)
     keepalive.keep_alive(held, conf.get().renew_fraction)
