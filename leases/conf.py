@@ -18,9 +18,11 @@ from django.dispatch import receiver
 
 from .errors import LeasesImproperlyConfigured
 
-__all__ = ["BackendConfig", "LeasesSettings", "get", "problems"]
+__all__ = ["MIN_RETRY_WINDOW", "BackendConfig", "LeasesSettings", "get", "problems"]
 
 SETTING_NAME = "LEASES"
+#: Seconds a due renewal must have to be retried before the validity ends (below: W001).
+MIN_RETRY_WINDOW = 0.1
 #: The highest ``MAX_TTL`` accepted: ten years.
 MAX_TTL_LIMIT = 10 * 365 * 86400.0
 
@@ -59,6 +61,15 @@ class LeasesSettings:
     drift_factor: float
     drift_min: float
     holder_label: str
+
+    def retry_window(self, ttl: float) -> float:
+        """Time between a renewal falling due and the holder's validity running out.
+
+        This is all the time a failed renewal has to be retried; a TTL that leaves (almost)
+        none loses its lease to the first slow round trip. It follows from the settings alone,
+        so the checks, ``lease()``'s warning and keepalive all read it here.
+        """
+        return ttl * (1 - self.renew_fraction) - (ttl * self.drift_factor + self.drift_min)
 
     def backend(self, alias: str) -> BackendConfig:
         try:

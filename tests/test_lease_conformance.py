@@ -24,17 +24,9 @@ from leases.errors import BackendUnavailable, InvalidLeaseName, InvalidLeaseOpti
 from leases.signals import lease_acquired, lease_lost, lease_released, lease_renewed
 from tests.checker import check_history, new_register, record_write
 from tests.lease_backends import lease_backend, lease_name, require
+from tests.waiting import wait_until
 
 __all__ = ["lease_backend", "lease_name"]  # fixtures, re-exported for pytest
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
 
 
 def test_public_lease_is_the_function() -> None:
@@ -220,8 +212,8 @@ def test_without_keepalive_loss_is_reported_at_expiry(lease_backend: str, lease_
             keepalive=False,
             on_lost=lambda lost: reasons.append(lost.lost_reason),
         )
-        assert wait_until(held.lost.is_set, timeout=3)
-        assert wait_until(lambda: received, timeout=1)
+        wait_until(held.lost.is_set, 3, "the lease to be reported lost")
+        wait_until(lambda: received, 1, "lease_lost to be received")
     finally:
         lease_lost.disconnect(on_lost_signal)
     assert len(reasons) == 1 and "expired" in reasons[0]
