@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from tests.servers import PostgresServer, RedisServer, configured_or_throwaway
+from devservers import PostgresServer, RedisServer, configured_or_throwaway
 
 
 def main(argv: list[str]) -> int:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from tests.servers import database_settings
+import dj_database_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "demo-only-not-secret")
@@ -57,7 +57,7 @@ TEMPLATES = [
 ]
 
 DATABASES = {
-    "default": database_settings(
+    "default": dj_database_url.parse(
         os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     )
 }
