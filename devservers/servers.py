@@ -474,8 +474,18 @@ class RedisServer:
         self.destroy()
 
 
-def configured_or_throwaway(owned: list[PostgresServer | RedisServer]) -> dict[str, str]:
-    """``DATABASE_URL`` and ``REDIS_URL``: the configured ones, else new servers.
+_SERVER_CLASSES: dict[str, type[PostgresServer] | type[RedisServer]] = {
+    "DATABASE_URL": PostgresServer,
+    "REDIS_URL": RedisServer,
+}
+
+
+def configured_or_throwaway(
+    owned: list[PostgresServer | RedisServer],
+    variables: tuple[str, ...] = ("DATABASE_URL", "REDIS_URL"),
+) -> dict[str, str]:
+    """``DATABASE_URL`` and ``REDIS_URL`` (or just ``variables``): the configured ones, else
+    new servers.
 
     A configured URL whose server does not answer is an error: quietly running against a
     throwaway server instead would show someone a demo (or a green test run) of a database
@@ -483,14 +493,14 @@ def configured_or_throwaway(owned: list[PostgresServer | RedisServer]) -> dict[s
     them when done.
     """
     urls: dict[str, str] = {}
-    for variable, server_class in (("DATABASE_URL", PostgresServer), ("REDIS_URL", RedisServer)):
+    for variable in variables:
         configured = os.environ.get(variable)
         if configured:
             if not reachable(configured, timeout=3.0):
                 raise ServerUnreachable(variable, configured)
             urls[variable] = configured
         else:
-            server = server_class().start()
+            server = _SERVER_CLASSES[variable]().start()
             owned.append(server)
             urls[variable] = server.url
     return urls
