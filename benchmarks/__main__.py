@@ -12,7 +12,7 @@ import pkgutil
 import sys
 
 from benchmarks.common import Report
-from tests.servers import PostgresServer, RedisServer, configured_or_throwaway
+from devservers import PostgresServer, RedisServer, configured_or_throwaway
 
 
 def main(argv: list[str]) -> int:

@@ -20,9 +20,9 @@ from django.test import override_settings
 
 from benchmarks.bench_lease import handoff
 from benchmarks.common import Report, interleaved
+from devservers import RedisServer
 from leases.backends import get_backend
 from leases.lease import acquire, lease
-from tests.servers import RedisServer
 
 TITLE = "redis leases: backends vs raw redis-py, redis-py Lock, python-redis-lock, pottery"
 

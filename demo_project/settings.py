@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from tests.servers import database_settings
+import dj_database_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "demo-only-not-secret")
@@ -57,7 +57,7 @@ TEMPLATES = [
 ]
 
 DATABASES = {
-    "default": database_settings(
+    "default": dj_database_url.parse(
         os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     )
 }
@@ -81,9 +81,14 @@ CELERY_BEAT_SCHEDULE = {  # run beat on several hosts: leader_only sends each ti
     "nightly-summary": {"task": "demo_project.shop.tasks.nightly_summary", "schedule": 60.0},
 }
 
+# Redlock over three databases of the one demo Redis (3-5; Celery uses 1 and 2): the algorithm
+# runs as in production, where NODES are three independent servers.
+REDLOCK_NODES = [urlunsplit(urlsplit(REDIS_URL)._replace(path=f"/{db}")) for db in (3, 4, 5)]
 LEASES = {
     "BACKENDS": {
         "default": {"ENGINE": "leases.backends.database"},
+        "redis": {"ENGINE": "leases.backends.redis", "CACHE": "default"},
+        "redlock": {"ENGINE": "leases.backends.redlock", "NODES": REDLOCK_NODES},
     },
     "DEFAULT_TTL": 30,
 }

@@ -1,17 +1,23 @@
-# Sourced by scripts/*: a project virtualenv in .venv with the package and its extras.
-# Reinstalls only when pyproject.toml changed, so repeated runs start at once.
+# Sourced by scripts/*: a project virtualenv in .venv with the package (editable), its extras and
+# the development dependency groups of pyproject.toml (PEP 735).
+# LEASES_EXTRAS (default binary,redis,celery,drf) and LEASES_GROUPS (default dev) choose them.
+# Reinstalls only when pyproject.toml or the choice changed, so repeated runs start at once.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON_BIN="${PYTHON:-python3}"
-EXTRAS="${LEASES_EXTRAS:-dev}"
-stamp=".venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)-${EXTRAS//,/_}"
+EXTRAS="${LEASES_EXTRAS:-binary,redis,celery,drf}"
+DEV_GROUPS="${LEASES_GROUPS:-dev}"
+stamp=".venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)-${EXTRAS//,/_}-${DEV_GROUPS//,/_}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON_BIN" -m venv .venv
 fi
 if [ ! -f "$stamp" ]; then
-  echo "installing django-leases[$EXTRAS] into .venv ..." >&2
-  .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
-  .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]"
+  echo "installing django-leases[$EXTRAS] and groups $DEV_GROUPS into .venv ..." >&2
+  # `--group` needs pip >= 25.1; a fresh venv may come with an older one.
+  .venv/bin/python -m pip install --quiet --upgrade "pip>=25.1" >/dev/null
+  group_args=()
+  for group in ${DEV_GROUPS//,/ }; do group_args+=(--group "$group"); done
+  .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]" "${group_args[@]}"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

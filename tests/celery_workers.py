@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import _child_setup
+from devservers.servers import _child_setup
 
 START_TIMEOUT = 60.0
 

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from devservers import PostgresServer, RedisServer, configured_or_throwaway, reachable
 from tests.rabbitmq_server import RabbitMQServer, rabbitmq_binary
-from tests.servers import PostgresServer, RedisServer, configured_or_throwaway, reachable
 
 ROOT = Path(__file__).resolve().parent.parent
 _OWNED: list[PostgresServer | RedisServer] = []

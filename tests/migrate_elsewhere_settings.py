@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tests.servers import database_settings
+from devservers import database_settings
 
 SECRET_KEY = "tests-only-not-secret"
 USE_TZ = True

@@ -1,6 +1,6 @@
 """A throwaway RabbitMQ node on free loopback ports, for the Celery tests' AMQP broker.
 
-Kept apart from :mod:`tests.servers` (same shape as its ``RedisServer``) because a RabbitMQ node
+Kept apart from :mod:`devservers` (same shape as its ``RedisServer``) because a RabbitMQ node
 needs more around it: Erlang distribution, an ``epmd``, a cookie and a pile of paths, all of
 which must be this node's own so the machine's RabbitMQ (if any) is neither used nor disturbed.
 
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.servers import _child_setup, _wait_port, free_port
+from devservers.servers import _child_setup, _wait_port, free_port
 
 __all__ = ["RabbitMQServer", "rabbitmq_binary"]
 

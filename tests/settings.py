@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from devservers import database_settings
 from tests.harness import bootstrap_servers, url_with_database
-from tests.servers import database_settings
 
 URLS = bootstrap_servers()
 

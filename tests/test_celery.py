@@ -23,6 +23,7 @@ from celery import Task, group
 from celery.result import AsyncResult
 from django.conf import settings
 
+from devservers import RedisServer
 from idempotency.models import IdempotencyKey
 from leases.backends import get_backend
 from leases.celery import SKIPPED, partition_for, partition_queues, resign_leaderships
@@ -47,7 +48,6 @@ from tests.celery_app import (
 )
 from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # noqa: F401
 from tests.checker import check_history, history, new_register
-from tests.servers import RedisServer
 from tests.testapp.models_celery import Delivery, Effect, TaskRun
 from tests.waiting import wait_until
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
 import time
+import uuid
+from datetime import datetime, timedelta
 from io import StringIO
 from typing import Any
 
@@ -10,6 +15,7 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
 
+from leases import acquire
 from leases.backends import get_backend
 from leases.models import ForceRelease
 from leases.operations import advisory_locks
@@ -110,3 +116,80 @@ def test_terminate_needs_its_permission_and_a_confirmation(lock_scene: LockScene
     assert not any(row.pid == pid for row in advisory_locks())
     record = ForceRelease.objects.get(action="terminate")
     assert (record.by, record.via) == (operator, "command")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["list", "--database", "nope"], "unknown database 'nope'"),
+        (["show", "x", "--database", "nope"], "unknown database 'nope'"),
+        (["show", ""], "must not be empty"),
+        (["release", "", "--token", "1", "--user", "u"], "must not be empty"),
+        (["watch", "--interval", "-1"], "--interval must be greater than 0, not -1"),
+        (["watch", "--interval", "nan"], "--interval must be greater than 0, not nan"),
+        (["watch", "--count", "-2"], "--count must be at least 0, not -2"),
+    ],
+)
+@pytest.mark.django_db
+def test_bad_input_is_a_command_error(args: list[str], message: str) -> None:
+    with pytest.raises(CommandError, match=re.escape(message)):
+        run(*args)
+
+
+def cli(env: dict[str, str], python: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [python, "-m", "django", "leases", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_bad_input_from_the_command_line_is_one_line_and_exit_1(
+    child_env: dict[str, str], python: str
+) -> None:
+    done = cli(child_env, python, "list", "--database", "nope")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("CommandError: unknown database 'nope' (settings.DATABASES has: default")
+
+
+def test_settings_and_verbosity_are_accepted_after_the_subcommand(
+    child_env: dict[str, str], python: str
+) -> None:
+    env = {k: v for k, v in child_env.items() if k != "DJANGO_SETTINGS_MODULE"}
+    done = cli(env, python, "list", "--settings", "tests.settings", "-v", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:4] == ["KIND", "BACKEND", "NAME", "STATE"]
+
+
+def test_list_json_is_typed_for_scripts(lock_scene: LockScene) -> None:
+    data = json.loads(run("list", "--json"))
+    held = next(row for row in data["leases"] if row["name"] == lock_scene.held)
+    assert held["state"] == "held" and held["holder"] == lock_scene.holder
+    assert held["token"] == lock_scene.tokens[lock_scene.held]
+    assert isinstance(held["expires_in"], float) and held["expires_in"] > 0
+    assert datetime.fromisoformat(held["acquired_at"]).tzinfo is not None
+    waiting = [row for row in data["advisory_locks"] if row["state"] == "WAITING"]
+    assert [row["pid"] for row in waiting] == [lock_scene.waiter_pid]
+    assert data["unavailable_backends"] == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_since_is_when_the_grant_began_not_its_last_renewal() -> None:
+    held = acquire(f"since-{uuid.uuid4().hex[:8]}", ttl=30, timeout=0, keepalive=False)
+    try:
+        time.sleep(1.1)
+        held.renew()
+        info = get_backend().inspect(held.name)
+        assert info is not None and info.acquired_at and info.renewed_at
+        assert info.renewed_at - info.acquired_at >= timedelta(seconds=1)
+        row = line_of(run("list"), held.name, "held")
+        assert row.split()[-1] == info.acquired_at.isoformat(timespec="seconds")
+        (listed,) = [
+            r for r in json.loads(run("list", "--json"))["leases"] if r["name"] == held.name
+        ]
+        assert listed["acquired_at"] == info.acquired_at.isoformat()
+    finally:
+        held.release()

@@ -119,3 +119,50 @@ def test_command_never_runs_unless_elected(
         )
     assert done.returncode == 1 and b"not elected" in done.stderr
     assert not out.exists()
+
+
+def run_elected_cli(
+    env: dict[str, str], python: str, *args: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [python, "-m", "django", "run_elected", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["x", "--ttl", "0"], "CommandError: --ttl must be greater than 0, not 0"),
+        (["x", "--grace", "-1"], "CommandError: --grace must be at least 0, not -1"),
+        (["x", "--timeout", "-1"], "CommandError: --timeout must be at least 0, not -1"),
+        ([""], "CommandError: invalid lease name '': must not be empty"),
+        (["x", "--backend", "nope"], "CommandError: "),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_1(
+    child_env: dict[str, str], python: str, args: list[str], message: str
+) -> None:
+    done = run_elected_cli(child_env, python, *args, "--", "true")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(message), line
+
+
+def test_a_missing_program_exits_127_like_the_shell(child_env: dict[str, str], python: str) -> None:
+    name = f"run-elected-{uuid.uuid4().hex[:8]}"
+    done = run_elected_cli(child_env, python, name, "-v", "0", "--", "no-such-program-here")
+    assert done.returncode == 127
+    assert done.stderr.strip() == "run_elected: no-such-program-here: command not found"
+    assert leader_of(name) is None  # resigned on the way out
+
+
+def test_verbosity_0_silences_progress(child_env: dict[str, str], python: str) -> None:
+    name = f"run-elected-{uuid.uuid4().hex[:8]}"
+    loud = run_elected_cli(child_env, python, name, "--", "true")
+    quiet = run_elected_cli(child_env, python, name, "-v", "0", "--", "true")
+    assert loud.returncode == quiet.returncode == 0
+    assert "elected leader" in loud.stderr and quiet.stderr == ""

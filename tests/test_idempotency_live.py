@@ -26,8 +26,8 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from devservers import free_port, reachable
 from idempotency.http import PROBLEM_TYPE_BASE
-from tests.servers import free_port, reachable
 from tests.testapp.models_idempotency import Charge
 from tests.testapp.views_idempotency import CRASH_MARKER_ENV
 

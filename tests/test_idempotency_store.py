@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import AnonymousUser
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
@@ -275,3 +275,45 @@ def test_importing_the_package_needs_no_settings_or_app_registry(python: str) ->
     )
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     subprocess.run([python, "-c", code], env=env, check=True, timeout=60, cwd=ROOT)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batch_size": 0}, "--batch-size must be at least 1, not 0"),
+        ({"sleep": -1.0}, "--sleep must be at least 0, not -1"),
+        ({"max_batches": -1}, "--max-batches must be at least 0, not -1"),
+        ({"database": "nope"}, "unknown database 'nope'"),
+    ],
+)
+def test_purge_refuses_bad_input_before_deleting_anything(
+    options: dict[str, object], message: str
+) -> None:
+    _rows(expired=("completed", "-1 second", None))
+    with pytest.raises(CommandError, match=message):
+        call_command("purge_idempotency_keys", stdout=io.StringIO(), **options)
+    assert IdempotencyKey.objects.count() == 1
+
+
+def test_purge_at_verbosity_0_prints_nothing_but_a_dry_run_count() -> None:
+    _rows(**{f"k{i}": ("completed", "-1 second", None) for i in range(3)})
+    dry = io.StringIO()
+    call_command("purge_idempotency_keys", dry_run=True, verbosity=0, stdout=dry)
+    assert dry.getvalue().strip() == "3 expired idempotency key(s)"
+    out = io.StringIO()
+    call_command("purge_idempotency_keys", batch_size=1, verbosity=0, stdout=out)
+    assert out.getvalue() == "" and IdempotencyKey.objects.count() == 0
+
+
+def test_purge_bad_input_from_the_command_line_is_one_line_and_exit_1(
+    child_env: dict[str, str], python: str
+) -> None:
+    done = subprocess.run(
+        [python, "-m", "django", "purge_idempotency_keys", "--batch-size", "0"],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == "CommandError: --batch-size must be at least 1, not 0"

@@ -18,6 +18,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from devservers import RedisServer
 from leases.backends.base import Capability, Grant
 from leases.backends.redis import (
     ACQUIRE_LUA,
@@ -30,7 +31,6 @@ from leases.backends.redis import (
 )
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
-from tests.servers import RedisServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,8 +8,8 @@ import redis
 from django.core.checks import run_checks
 from django.test import override_settings
 
+from devservers import RedisServer
 from leases.checks import check_backend_stores
-from tests.servers import RedisServer
 
 pytestmark = pytest.mark.django_db
 

@@ -18,9 +18,9 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from devservers import RedisServer, free_port
 from leases.backends.redis import Backend, LeaseKeys
 from leases.errors import LeaseLost
-from tests.servers import RedisServer, free_port
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator
 import pytest
 from django.test import override_settings
 
+from devservers import RedisServer
 from leases.backends import get_backend
 from leases.errors import LeaseLost, LeaseUnavailable
 from leases.lease import Lease, acquire
 from tests import checker
-from tests.servers import RedisServer
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 

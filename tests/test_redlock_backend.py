@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
+from devservers import RedisServer
 from leases.backends.redis import LeaseKeys
 from leases.backends.redlock import Backend, node_value
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
-from tests.servers import RedisServer
 from tests.test_redis_backend import wait_overshoots
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]

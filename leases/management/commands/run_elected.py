@@ -7,7 +7,10 @@ itself paused, so the child gets the leadership's fencing token in ``LEASES_LEAD
 fence its writes with: that is what makes a late write of a deposed leader harmless.
 
 Exit status: the command's own when it ends while leading; 75 (EX_TEMPFAIL) when leadership
-was lost and the command had to be stopped, so a supervisor restarts the campaign.
+was lost and the command had to be stopped, so a supervisor restarts the campaign; 127 when the
+program does not exist and 126 when it cannot be executed (the shell's convention, so a
+supervisor tells a typo from a job that failed); 1 with one ``CommandError`` line on bad input.
+``-v 0`` silences the progress lines.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from leases.election import Leadership, elect
-from leases.errors import LeaseUnavailable
+from leases.errors import LeaseError, LeaseUnavailable
+from leases.management._options import at_least, lease_name
 
 LOST_EXIT_CODE = 75
+NOT_FOUND_EXIT_CODE = 127
+NOT_EXECUTABLE_EXIT_CODE = 126
 _PR_SET_PDEATHSIG = 1
 
 
@@ -75,6 +81,7 @@ class Command(BaseCommand):
     )
     #: The part of argv after ``--`` (argparse would try to parse the command's own options).
     command: tuple[str, ...] = ()
+    talk = True
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="election name")
@@ -95,6 +102,16 @@ class Command(BaseCommand):
         command = list(self.command)
         if not command:
             raise CommandError("nothing to run: manage.py run_elected NAME -- COMMAND [ARGS...]")
+        lease_name(options["name"])
+        for option, minimum, inclusive in (
+            ("ttl", 0, False),
+            ("timeout", 0, True),
+            ("grace", 0, True),
+            ("poll", 0, False),
+        ):
+            if options[option] is not None:
+                at_least(f"--{option}", options[option], minimum, inclusive=inclusive)
+        self.talk = options["verbosity"] > 0
         with _terminate_on((signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
             try:
                 leadership = elect(
@@ -105,10 +122,16 @@ class Command(BaseCommand):
                 )
             except LeaseUnavailable as exc:
                 raise CommandError(f"not elected: {exc}") from exc
+            except LeaseError as exc:  # a bad --backend, a TTL under the drift allowance...
+                raise CommandError(str(exc)) from exc
             with leadership:
                 code = self.supervise(leadership, command, options["grace"], options["poll"])
         if code:
             raise SystemExit(code)
+
+    def say(self, line: str) -> None:
+        if self.talk:
+            self.stderr.write(line)
 
     def supervise(
         self, leadership: Leadership, command: list[str], grace: float, poll: float
@@ -120,16 +143,21 @@ class Command(BaseCommand):
             "LEASES_LEADER_TOKEN": str(leadership.token),
             "LEASES_LEADER_BACKEND": leadership.backend,
         }
-        self.stderr.write(f"elected leader of {leadership.name!r} (token {leadership.token})")
-        child = subprocess.Popen(
-            command, env=env, start_new_session=True, preexec_fn=_die_with_parent
-        )
+        self.say(f"elected leader of {leadership.name!r} (token {leadership.token})")
+        try:
+            child = subprocess.Popen(
+                command, env=env, start_new_session=True, preexec_fn=_die_with_parent
+            )
+        except FileNotFoundError:
+            self.stderr.write(f"run_elected: {command[0]}: command not found")
+            return NOT_FOUND_EXIT_CODE
+        except PermissionError:
+            self.stderr.write(f"run_elected: {command[0]}: permission denied")
+            return NOT_EXECUTABLE_EXIT_CODE
         try:
             while child.poll() is None:
                 if not leadership.is_leader:
-                    self.stderr.write(
-                        f"leadership of {leadership.name!r} lost; stopping pid {child.pid}"
-                    )
+                    self.say(f"leadership of {leadership.name!r} lost; stopping pid {child.pid}")
                     stop_process_group(child, grace)
                     return LOST_EXIT_CODE
                 leadership.lost.wait(poll)

@@ -1,0 +1,70 @@
+"""Checks on command-line input shared by the commands of both apps.
+
+Each turns bad input into a :class:`CommandError`, which ``manage.py`` prints as one line and
+exits 1 with, before anything runs: an operator who mistyped a database alias or a negative
+interval should read what to fix, not a traceback from deep inside a connection handler. The
+checks live in ``handle()``, not in argparse ``type=`` callables, because argparse errors from
+the command line exit 2 with a usage dump instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Iterable
+
+from django.core.management.base import CommandError
+from django.db import connections
+
+from leases.errors import InvalidLeaseName
+from leases.keys import validate_name
+
+__all__ = ["at_least", "database", "lease_name", "share_base_options"]
+
+#: The options Django's ``BaseCommand`` adds to every command's parser.
+_BASE_DESTS = frozenset(
+    {"verbosity", "settings", "pythonpath", "traceback", "no_color", "force_color", "skip_checks"}
+)
+
+
+def share_base_options(
+    parser: argparse.ArgumentParser, subparsers: Iterable[argparse.ArgumentParser]
+) -> None:
+    """Accept ``--settings``, ``-v`` and the other base options after a subcommand too.
+
+    argparse hands everything after ``leases list`` to the subcommand's parser, which does not
+    know them, so ``manage.py leases list --settings x`` failed with "unrecognized arguments"
+    although ``manage.py`` itself had already honoured ``--settings``. The copies default to
+    ``SUPPRESS``, so a value given before the subcommand is not overwritten.
+    """
+    shared = [action for action in parser._actions if action.dest in _BASE_DESTS]
+    for subparser in subparsers:
+        for action in shared:
+            copied = copy.copy(action)
+            copied.default = argparse.SUPPRESS
+            subparser._add_action(copied)
+
+
+def database(alias: str) -> str:
+    """``alias`` if it names a database in ``settings.DATABASES``."""
+    if alias not in connections.settings:
+        known = ", ".join(sorted(connections.settings)) or "none"
+        raise CommandError(f"unknown database {alias!r} (settings.DATABASES has: {known})")
+    return alias
+
+
+def at_least(option: str, value: float, minimum: float, *, inclusive: bool = True) -> float:
+    """``value`` of ``option`` if it is at least (or, not ``inclusive``, above) ``minimum``;
+    NaN, which compares false with everything, is refused too."""
+    if not (value >= minimum if inclusive else value > minimum):
+        relation = "at least" if inclusive else "greater than"
+        raise CommandError(f"{option} must be {relation} {minimum:g}, not {value:g}")
+    return value
+
+
+def lease_name(name: str) -> str:
+    """``name`` if it can name a lease (see :func:`leases.keys.validate_name`)."""
+    try:
+        return validate_name(name)
+    except InvalidLeaseName as exc:
+        raise CommandError(str(exc)) from None
