@@ -129,12 +129,14 @@ class _Guard:
         return attempt
 
     def close(self, attempt: store.Attempt, response: HttpResponseBase) -> HttpResponseBase:
-        """Store a response under 500 with the effects; undo everything for 5xx or failures."""
-        if response.status_code >= 500:
+        """Store the response with the effects, or undo both: for a 5xx, a failure, and a
+        refusal of a request that never ran (``NOT_STORED_STATUSES``), so the retry runs."""
+        settings = self._settings()
+        if not settings.stores(response.status_code):
             attempt.abort()
             return response
         try:
-            response, outcome = http.capture(response, self._settings().max_response_bytes)
+            response, outcome = http.capture(response, settings.max_response_bytes)
         except BaseException:
             attempt.abort()
             raise

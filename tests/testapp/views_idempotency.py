@@ -18,15 +18,28 @@ from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import viewsets
 from rest_framework.authentication import BasicAuthentication
+from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.throttling import BaseThrottle
 from rest_framework.views import APIView
 
 from idempotency import IdempotentMixin, idempotent
 from tests.testapp.models_idempotency import Charge
 
-# Failures the flaky view still has to produce, by kind ("status" -> 503, "raise" -> exception).
-FAILURES: dict[str, int] = {"status": 0, "raise": 0}
+# Failures the flaky views still have to produce, by kind: "status" -> 503, "raise" -> exception,
+# "refuse" -> 429 from the view, "throttle" -> DRF's 429, "forbid" -> DRF's permission 403.
+FAILURES: dict[str, int] = {"status": 0, "raise": 0, "refuse": 0, "throttle": 0, "forbid": 0}
+
+
+def _fail(kind: str) -> bool:
+    """Whether a failure of ``kind`` is still due (and count it as produced)."""
+    if FAILURES[kind] > 0:
+        FAILURES[kind] -= 1
+        return True
+    return False
+
+
 CRASH_MARKER_ENV = "IDEMPOTENCY_TEST_CRASH_MARKER"
 
 
@@ -75,12 +88,12 @@ def charge_wait(request: HttpRequest) -> HttpResponse:
 @idempotent
 def charge_flaky(request: HttpRequest) -> HttpResponse:
     made = _charge(request)
-    if FAILURES["status"] > 0:
-        FAILURES["status"] -= 1
+    if _fail("status"):
         return HttpResponse("upstream unavailable", status=503)
-    if FAILURES["raise"] > 0:
-        FAILURES["raise"] -= 1
+    if _fail("raise"):
         raise RuntimeError("the view failed after writing")
+    if _fail("refuse"):
+        return HttpResponse("slow down", status=429, headers={"Retry-After": "30"})
     return _answer(made)
 
 
@@ -171,6 +184,35 @@ class ChargeViewSet(IdempotentMixin, viewsets.ViewSet):
         return Response({"charge": made.pk, "owner": made.owner}, status=201)
 
 
+class FlakyThrottle(BaseThrottle):
+    """Refuses while ``FAILURES["throttle"]`` says so, asking the client to wait 30 s."""
+
+    def allow_request(self, request: Request, view: APIView) -> bool:
+        return not _fail("throttle")
+
+    def wait(self) -> float:
+        return 30.0
+
+
+class FlakyPermission(BasePermission):
+    """Denies while ``FAILURES["forbid"]`` says so (DRF answers an authenticated user 403)."""
+
+    def has_permission(self, request: Request, view: APIView) -> bool:
+        return not _fail("forbid")
+
+
+class GuardedAPIView(IdempotentMixin, APIView):
+    """A DRF view whose throttle and permission refuse before the handler ran."""
+
+    authentication_classes = [BasicAuthentication]
+    throttle_classes = [FlakyThrottle]
+    permission_classes = [FlakyPermission]
+
+    def post(self, request: Request) -> Response:
+        made = _charge(request)
+        return Response({"charge": made.pk, "owner": made.owner}, status=201)
+
+
 urlpatterns = [
     path("charge/", charge),
     path("required/", charge_required),
@@ -184,5 +226,6 @@ urlpatterns = [
     path("async-cbv/", csrf_exempt(AsyncChargeView.as_view())),
     path("async-cbv-decorated/", csrf_exempt(idempotent(AsyncPlainView.as_view()))),
     path("drf/", ChargeAPIView.as_view()),
+    path("drf-guarded/", GuardedAPIView.as_view()),
     path("viewset/", ChargeViewSet.as_view({"post": "create"})),
 ]
