@@ -14,10 +14,16 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.urls import path
+from django.utils.decorators import method_decorator
 from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import viewsets
-from rest_framework.authentication import BasicAuthentication
+from rest_framework.authentication import (
+    BasicAuthentication,
+    SessionAuthentication,
+    TokenAuthentication,
+)
+from rest_framework.decorators import api_view, authentication_classes
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -213,6 +219,28 @@ class GuardedAPIView(IdempotentMixin, APIView):
         return Response({"charge": made.pk, "owner": made.owner}, status=201)
 
 
+@api_view(["POST"])
+@authentication_classes([TokenAuthentication, SessionAuthentication])
+@idempotent
+def drf_function_charge(request: Request) -> Response:
+    """The order the guide shows: ``@idempotent`` next to the function, under ``@api_view``."""
+    made = _charge(request)
+    return Response({"charge": made.pk, "owner": made.owner}, status=201)
+
+
+class NestedChargeView(IdempotentMixin, View):
+    """Two guards on one request: the mixin on the view and ``@idempotent`` on its handler."""
+
+    @method_decorator(idempotent)
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return _answer(_charge(request))
+
+
+class PlainChargeView(IdempotentMixin, View):
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return _answer(_charge(request))
+
+
 urlpatterns = [
     path("charge/", charge),
     path("required/", charge_required),
@@ -227,5 +255,8 @@ urlpatterns = [
     path("async-cbv-decorated/", csrf_exempt(idempotent(AsyncPlainView.as_view()))),
     path("drf/", ChargeAPIView.as_view()),
     path("drf-guarded/", GuardedAPIView.as_view()),
+    path("drf-function/", drf_function_charge),
+    path("nested/", csrf_exempt(NestedChargeView.as_view())),
+    path("nested-outside/", csrf_exempt(idempotent(PlainChargeView.as_view()))),
     path("viewset/", ChargeViewSet.as_view({"post": "create"})),
 ]
