@@ -6,6 +6,7 @@ view's effects really committed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -241,6 +242,38 @@ class PlainChargeView(IdempotentMixin, View):
         return _answer(_charge(request))
 
 
+def _buffered(request: HttpRequest) -> bool:
+    """Whether the whole body was read into memory (Django keeps it as ``request._body``)."""
+    return hasattr(request, "_body")
+
+
+@idempotent
+def upload(request: HttpRequest) -> HttpResponse:
+    """A multipart upload; not CSRF-exempt, so an enforcing client has the middleware parse it
+    before the guard runs."""
+    files = {name: hashlib.sha256(f.read()).hexdigest() for name, f in request.FILES.items()}
+    size = sum(f.size or 0 for f in request.FILES.values())
+    made = Charge.objects.create(key="upload", amount=size)
+    return JsonResponse(
+        {"charge": made.pk, "files": files, "buffered": _buffered(request)}, status=201
+    )
+
+
+@csrf_exempt
+@idempotent
+def upload_stream(request: HttpRequest) -> HttpResponse:
+    """Reads its (non-form) body as a stream, as a view taking large raw uploads does."""
+    hasher, size = hashlib.sha256(), 0
+    for chunk in iter(lambda: request.read(64 * 1024), b""):
+        hasher.update(chunk)
+        size += len(chunk)
+    made = Charge.objects.create(key="stream", amount=size)
+    return JsonResponse(
+        {"charge": made.pk, "sha256": hasher.hexdigest(), "buffered": _buffered(request)},
+        status=201,
+    )
+
+
 urlpatterns = [
     path("charge/", charge),
     path("required/", charge_required),
@@ -256,6 +289,9 @@ urlpatterns = [
     path("drf/", ChargeAPIView.as_view()),
     path("drf-guarded/", GuardedAPIView.as_view()),
     path("drf-function/", drf_function_charge),
+    path("upload/", upload),
+    path("upload-exempt/", csrf_exempt(upload)),
+    path("upload-stream/", upload_stream),
     path("nested/", csrf_exempt(NestedChargeView.as_view())),
     path("nested-outside/", csrf_exempt(idempotent(PlainChargeView.as_view()))),
     path("viewset/", ChargeViewSet.as_view({"post": "create"})),
