@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -274,6 +275,22 @@ def upload_stream(request: HttpRequest) -> HttpResponse:
     )
 
 
+# A held request: charges, sets ENTERED, then answers only once a test sets RELEASE (or 60 s).
+ENTERED = threading.Event()
+RELEASE = threading.Event()
+
+
+def _held(request: HttpRequest) -> HttpResponse:
+    made = _charge(request)
+    ENTERED.set()
+    RELEASE.wait(60)
+    return _answer(made)
+
+
+charge_held = csrf_exempt(idempotent(_held))
+charge_held_wait = csrf_exempt(idempotent(on_conflict="wait", wait_timeout=0.5)(_held))
+
+
 urlpatterns = [
     path("charge/", charge),
     path("required/", charge_required),
@@ -289,6 +306,8 @@ urlpatterns = [
     path("drf/", ChargeAPIView.as_view()),
     path("drf-guarded/", GuardedAPIView.as_view()),
     path("drf-function/", drf_function_charge),
+    path("held/", charge_held),
+    path("held-wait/", charge_held_wait),
     path("upload/", upload),
     path("upload-exempt/", csrf_exempt(upload)),
     path("upload-stream/", upload_stream),
