@@ -109,3 +109,47 @@ def test_a_bounded_claim_leaves_the_transaction_usable_and_its_lock_timeout_as_i
         assert IdempotencyKey.objects.count() == 0  # the transaction still answers
     holder.release()
     assert IdempotencyKey.objects.count() == 1
+
+
+FAILURES = views_idempotency.FAILURES
+committed = views_idempotency.COMMITTED  # a list the callbacks append to
+
+
+@pytest.fixture(params=[False, True], ids=["autocommit", "atomic_requests"])
+def on_commit_client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Client:
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", request.param)
+    committed.clear()
+    FAILURES.update(dict.fromkeys(FAILURES, 0))
+    client = Client()
+    client.force_login(UserFactory())
+    return client
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_commit_callbacks_run_once_after_the_key_and_effects_commit(
+    on_commit_client: Client,
+) -> None:
+    first = post(on_commit_client, "/idem/flaky/", "k-commit")
+    assert first.status_code == 201
+    assert committed == [(int(first["X-Charge"]), 1)]  # the stored key was visible to it
+    replay = post(on_commit_client, "/idem/flaky/", "k-commit")
+    assert replay["Idempotent-Replayed"] == "true"
+    assert len(committed) == 1  # a replay runs nothing, so registers nothing
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("failure", ["status", "raise", "refuse"])
+def test_on_commit_callbacks_of_an_aborted_attempt_never_run(
+    on_commit_client: Client, failure: str
+) -> None:
+    """A view that raises, answers 5xx or answers a refusal that is not stored (429) is rolled
+    back; its callbacks go with it, and only the retry's run."""
+    FAILURES[failure] = 1
+    if failure == "raise":
+        with pytest.raises(RuntimeError):
+            post(on_commit_client, "/idem/flaky/", "k-abort")
+    else:
+        assert post(on_commit_client, "/idem/flaky/", "k-abort").status_code in (429, 503)
+    assert committed == [] and Charge.objects.count() == 0
+    retry = post(on_commit_client, "/idem/flaky/", "k-abort")
+    assert retry.status_code == 201 and committed == [(int(retry["X-Charge"]), 1)]

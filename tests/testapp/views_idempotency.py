@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.urls import path
 from django.utils.decorators import method_decorator
@@ -33,6 +34,7 @@ from rest_framework.throttling import BaseThrottle
 from rest_framework.views import APIView
 
 from idempotency import IdempotentMixin, idempotent
+from idempotency.models import IdempotencyKey
 from tests.testapp.models_idempotency import Charge
 
 # Failures the flaky views still have to produce, by kind: "status" -> 503, "raise" -> exception,
@@ -92,10 +94,20 @@ def charge_wait(request: HttpRequest) -> HttpResponse:
     return _answer(_charge(request))
 
 
+# What the flaky view's on_commit callbacks saw: (charge pk, completed keys visible) per run.
+COMMITTED: list[tuple[int, int]] = []
+
+
+def _on_commit(charge: Charge) -> None:
+    completed = IdempotencyKey.objects.filter(state="completed").count()
+    COMMITTED.append((charge.pk, completed))
+
+
 @csrf_exempt
 @idempotent
 def charge_flaky(request: HttpRequest) -> HttpResponse:
     made = _charge(request)
+    transaction.on_commit(lambda: _on_commit(made))
     if _fail("status"):
         return HttpResponse("upstream unavailable", status=503)
     if _fail("raise"):
