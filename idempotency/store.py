@@ -194,7 +194,8 @@ def begin(
     wait: float = 0.0,
     using: str = "default",
 ) -> Begun:
-    """Claim ``(scope, key)`` or report what holds it; one round trip unless waiting.
+    """Claim ``(scope, key)`` or report what holds it; one round trip in autocommit unless
+    waiting.
 
     With ``wait`` > 0 an in-progress key is polled (backing off, on the database clock for the
     lock) until it completes, is taken over, or ``wait`` seconds pass. Inside an open
