@@ -8,6 +8,7 @@ Nothing here touches the database; :mod:`idempotency.store` never sees a request
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
@@ -154,5 +155,6 @@ def problem(error: IdempotencyError) -> HttpResponse:
         json.dumps(body), status=error.http_status, content_type=PROBLEM_CONTENT_TYPE
     )
     if isinstance(error, IdempotencyKeyInProgress):
-        response["Retry-After"] = "1"
+        # When the first request's claim lapses at the latest (whole seconds, at least 1).
+        response["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
     return response

@@ -30,6 +30,8 @@ from typing import Any
 
 from django.db import OperationalError, connections, transaction
 
+from leases.retry import Backoff
+
 from .errors import IdempotencyKeyInProgress, IdempotencyKeyLost, IdempotencyKeyMismatch
 
 __all__ = ["Attempt", "Begun", "Claim", "Outcome", "Status", "begin", "finish", "release"]
@@ -211,7 +213,7 @@ def begin(
         "ttl": max(ttl, lock_timeout),
     }
     deadline = time.monotonic() + wait
-    delay = 0.01
+    backoff = Backoff(base=0.01, cap=0.25, deadline=deadline)  # the package's one backoff
     misses = 0
     while True:
         begun = _begin_once(params, using, deadline - time.monotonic())
@@ -220,11 +222,12 @@ def begin(
             if misses < _BEGIN_ATTEMPTS:
                 continue
             begun = Begun(Status.IN_PROGRESS, retry_after=1.0)
-        left = deadline - time.monotonic()
-        if begun.status is not Status.IN_PROGRESS or left <= 0:
+        if begun.status is not Status.IN_PROGRESS:
             return begun
-        time.sleep(min(delay, left, max(begun.retry_after, 0.001)))
-        delay = min(delay * 2, 0.25)
+        delay = backoff.next_delay()
+        if delay is None:  # the wait's deadline has passed
+            return begun
+        time.sleep(min(delay, max(begun.retry_after, 0.001)))
 
 
 def finish(claim: Claim, outcome: Outcome, *, ttl: float) -> None:

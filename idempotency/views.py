@@ -29,7 +29,7 @@ from .errors import IdempotencyError, IdempotencyImproperlyConfigured, Idempoten
 
 __all__ = ["IdempotentMixin", "idempotent"]
 
-logger = logging.getLogger("idempotency")
+logger = logging.getLogger(__name__)
 
 View = TypeVar("View", bound=Callable[..., Any])
 Fingerprint = Callable[[Any], str]
