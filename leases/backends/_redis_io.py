@@ -22,12 +22,12 @@ from ..errors import BackendUnavailable, LeasesImproperlyConfigured
 
 __all__ = [
     "BLPOP_SLACK",
+    "Edge",
     "blpop",
     "blpop_command",
     "check_options",
     "check_prefix",
     "connect",
-    "edge",
     "eviction_problems",
     "expires",
     "ms",
@@ -188,7 +188,7 @@ def blpop(client: Any, key: str, wait: float) -> Any:
         return None  # the deadline; ``receive`` dropped the connection and its BLPOP
 
 
-class edge:
+class Edge:
     """Translate redis-py's errors into :class:`BackendUnavailable` at the backend's edge.
 
     A class, not ``@contextmanager``: it wraps every round trip, and a generator-based context
@@ -216,7 +216,7 @@ class edge:
 
 def eviction_problems(alias: str, client: Any) -> list[str]:
     """Why ``client``'s server could lose lease keys to eviction, if it can (deploy check)."""
-    with edge(alias, "deploy check"):
+    with Edge(alias, "deploy check"):
         client.ping()
         try:
             policy = text(client.config_get("maxmemory-policy").get("maxmemory-policy", ""))

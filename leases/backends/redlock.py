@@ -69,8 +69,8 @@ from ._redis_io import (
     send,
     text,
 )
+from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
-from .redis import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 
 __all__ = ["REVOKE_LUA", "Backend", "node_value"]
 
@@ -100,7 +100,7 @@ return LOST
 def node_value(holder: str, secret: str) -> str:
     """What a grant sets on the nodes: ``sha1(secret):holder``. Unique per grant, and only the
     secret's owner can prove it is theirs (the scripts hash what renew and release present,
-    as :data:`~leases.backends.redis.RENEW_LUA` does): the nodes never hold the secret."""
+    as :data:`~leases.backends._redis_scripts.RENEW_LUA` does): the nodes never hold the secret."""
     return f"{hashlib.sha1(secret.encode(), usedforsecurity=False).hexdigest()}:{holder}"
 
 
@@ -157,8 +157,10 @@ class _Drain:
         with self._lock:
             if self._pid != os.getpid():
                 self._queue, self._pid = queue.SimpleQueue(), os.getpid()
-                threading.Thread(target=self._run, args=(self._queue,), name=self._name,
-                                 daemon=True).start()  # fmt: skip
+                reader = threading.Thread(
+                    target=self._run, args=(self._queue,), name=self._name, daemon=True
+                )
+                reader.start()
             self._queue.put(pending)
 
     @staticmethod
@@ -371,7 +373,7 @@ class Backend(LeaseBackend):
 
     def inspect_all(self) -> list[LeaseInfo]:
         """Names with a lock key on any live node, by ``SCAN`` (never ``KEYS``)."""
-        pattern = f"{self.prefix}{{*}}:lock"
+        pattern = LeaseKeys.pattern(self.prefix, "lock")
         names: set[str] = set()
         for node in self.nodes:
             try:
@@ -379,7 +381,7 @@ class Backend(LeaseBackend):
             except redis.RedisError:
                 continue
             for key in found:
-                names.add(LeaseKeys.name_of(self.prefix, text(key)[: -len("lock")] + "fence"))
+                names.add(LeaseKeys.name_of(self.prefix, text(key), "lock"))
         infos = (self.inspect(name) for name in sorted(names))
         return [info for info in infos if info is not None]
 
