@@ -128,8 +128,6 @@ FROM leases_lease ORDER BY name
 
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
 
-_KNOWN_OPTIONS = frozenset({"DATABASE", "WAITING_ROOM"})
-
 
 def _owner(grant: Grant) -> dict[str, Any]:
     """What renew and release present: the grant's holder, token and secret."""
@@ -165,17 +163,28 @@ class Backend(LeaseBackend):
             Capability.WAIT_WITHOUT_POLLING,
             Capability.FORCE_RELEASE,
             Capability.DURABLE,
+            Capability.LEASE_ROWS,
         }
     )
+    known_options = frozenset({"DATABASE", "WAITING_ROOM"})
+
+    @classmethod
+    def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
+        """Option types only: that ``DATABASE`` exists and is PostgreSQL is what
+        :meth:`databases` reports to the system checks (``leases.E002``)."""
+        problems = super().check_options(alias, options)
+        if not isinstance(options.get("DATABASE", "default"), str):
+            problems.append(f'LEASES["BACKENDS"][{alias!r}]["DATABASE"] must be a database alias')
+        if not isinstance(options.get("WAITING_ROOM", True), bool):
+            problems.append(f'LEASES["BACKENDS"][{alias!r}]["WAITING_ROOM"] must be True or False')
+        return problems
+
+    @classmethod
+    def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:
+        return frozenset({str(options.get("DATABASE", "default"))})
 
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
         super().__init__(alias, options)
-        unknown = set(self.options) - _KNOWN_OPTIONS
-        if unknown:
-            raise LeasesImproperlyConfigured(
-                f'LEASES["BACKENDS"][{alias!r}] has unknown options {sorted(unknown)} '
-                f"(known: {sorted(_KNOWN_OPTIONS)})"
-            )
         self.db_alias: str = self.options.get("DATABASE", "default")
         if self.db_alias not in connections.settings:
             raise LeasesImproperlyConfigured(

@@ -45,13 +45,15 @@ from ._counter import DurableCounter
 from ._redis_io import (
     Edge,
     blpop,
-    check_options,
-    check_prefix,
+    cache_problems,
     connect,
     eviction_problems,
     expires,
     ms,
+    positive_problems,
+    prefix_problems,
     text,
+    url_problems,
 )
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
@@ -71,7 +73,6 @@ __all__ = [
 COUNTER_BITS = 32
 MAX_COUNTER = 2**COUNTER_BITS - 1
 MAX_EPOCH = 2**31 - 1
-OPTIONS = frozenset({"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT"})
 
 
 #: KEYS[1] lock, KEYS[2] fence. ARGV[1] holder, ARGV[2] ttl ms, ARGV[3] offered epoch (0: none
@@ -156,18 +157,43 @@ class Backend(LeaseBackend):
         {Capability.NATIVE_FENCING, Capability.WAIT_WITHOUT_POLLING, Capability.FORCE_RELEASE}
     )
 
+    known_options = frozenset(
+        {"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT"}
+    )
+
+    @classmethod
+    def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
+        """Also: exactly one of ``CACHE`` (a django-redis alias in ``CACHES``) and ``URL``
+        (well formed), a usable ``PREFIX`` and a positive ``SOCKET_TIMEOUT``."""
+        problems = super().check_options(alias, options)
+        cache, url = options.get("CACHE"), options.get("URL")
+        if (cache is None) == (url is None):
+            problems.append(
+                f'LEASES["BACKENDS"][{alias!r}] needs exactly one of "CACHE" (a django-redis '
+                'cache alias) or "URL"'
+            )
+        elif cache is not None:
+            problems += cache_problems(alias, "CACHE", cache)
+        else:
+            problems += url_problems(alias, "URL", str(url))
+        problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
+        problems += positive_problems(alias, "SOCKET_TIMEOUT", options.get("SOCKET_TIMEOUT", 5.0))
+        return problems
+
+    @classmethod
+    def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:
+        """Where the epochs come from (see the module's docstring)."""
+        return frozenset({str(options.get("EPOCH_DATABASE", "default"))})
+
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
         super().__init__(alias, options)
-        check_options(alias, options, OPTIONS)
-        self.prefix = check_prefix(alias, options.get("PREFIX", "leases:"))
-        self.epochs = DurableCounter(alias, str(options.get("EPOCH_DATABASE", "default")))
+        self.prefix: str = options.get("PREFIX", "leases:")
+        (epochs,) = self.databases(options)
+        self.epochs = DurableCounter(alias, epochs)
         self.epoch_resource = f"leases.redis-epoch:{self.prefix}"
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
-        connect_args = (options.get("CACHE"), options.get("URL"))
-        if (connect_args[0] is None) == (connect_args[1] is None):
-            connect(alias, *connect_args, 1.0)  # raises the configuration error now
 
     @property
     def client(self) -> Any:
