@@ -26,18 +26,25 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 
 from . import conf, operations
-from .backends import get_backend
+from .backends import Capability, backend_class, get_backend
 from .errors import LeaseError
 from .models import AdvisoryLock, BackendLease, ForceRelease, Lease
 
-DATABASE_ENGINE = "leases.backends.database"
 VIEW_PERMISSION = "leases.view_lease"
 
 
 def database_backend_alias() -> str:
-    """The alias whose engine stores leases in the ``leases_lease`` table shown here."""
-    for alias, config in conf.get().backends.items():
-        if config.engine == DATABASE_ENGINE:
+    """The alias whose backend keeps its leases as the ``leases_lease`` rows shown here.
+
+    Asked of each backend's class (:attr:`Capability.LEASE_ROWS`), not of its engine's name,
+    so a backend added later, or one named differently, is found the same way.
+    """
+    for alias in conf.get().backends:
+        try:
+            lease_rows = Capability.LEASE_ROWS in backend_class(alias).capabilities
+        except LeaseError:
+            continue  # an engine that cannot be loaded is reported by manage.py check
+        if lease_rows:
             return alias
     return "default"
 

@@ -1,4 +1,8 @@
-"""System checks: misconfiguration is reported by ``manage.py check``, not at first use."""
+"""System checks: misconfiguration is reported by ``manage.py check``, not at first use.
+
+The plain checks ask each backend's *class* about itself (its options, the databases it needs);
+nothing here names an engine or connects to a store except the ``--deploy`` check.
+"""
 
 from __future__ import annotations
 
@@ -9,33 +13,73 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.connection import ConnectionDoesNotExist
 
 from . import conf
+from .backends import LeaseBackend, backend_class
 from .errors import LeaseError
+
+SETTINGS_HINT = "See the settings section of the guide."
 
 
 @register(Tags.compatibility)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """leases.E001: the LEASES setting is invalid."""
-    return [
-        Error(message, hint="See the settings section of the guide.", id="leases.E001")
-        for message in conf.problems()
+    return [Error(message, hint=SETTINGS_HINT, id="leases.E001") for message in conf.problems()]
+
+
+def _classes() -> tuple[dict[str, type[LeaseBackend]], dict[str, str]]:
+    """Each configured alias's backend class, and why the others have none (their ENGINE)."""
+    classes: dict[str, type[LeaseBackend]] = {}
+    broken: dict[str, str] = {}
+    for alias in sorted(conf.get().backends):
+        try:
+            classes[alias] = backend_class(alias)
+        except LeaseError as exc:
+            broken[alias] = str(exc)
+    return classes, broken
+
+
+@register(Tags.compatibility)
+def check_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """leases.E004: a backend's ``ENGINE`` cannot be loaded; leases.E005: its options are wrong
+    (unknown or misspelt, a missing cache alias, malformed Redlock nodes...).
+
+    Answered by each backend's class without connecting, so it runs on every ``manage.py``
+    command; a backend would refuse the same options when first used.
+    """
+    if conf.problems():
+        return []
+    classes, broken = _classes()
+    found: list[CheckMessage] = [
+        Error(
+            message,
+            hint='ENGINE is the module path of a lease backend, e.g. "leases.backends.database"; '
+            "a backend of an optional extra needs that extra installed.",
+            id="leases.E004",
+        )
+        for message in broken.values()
     ]
+    for alias, cls in classes.items():
+        options = conf.get().backend(alias).options
+        found += [
+            Error(problem, hint=SETTINGS_HINT, id="leases.E005")
+            for problem in cls.check_options(alias, options)
+        ]
+    return found
 
 
 @register(Tags.compatibility, Tags.database)
 def check_advisory_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """leases.E002: advisory locks or the database backend point at a non-PostgreSQL database.
+    """leases.E002: advisory locks or a lease backend need a database that is not PostgreSQL.
 
     Checked: the ``default`` alias (what ``leases.advisory`` uses unless told otherwise) and
-    every alias a ``leases.backends.database`` backend names. Projects that never use either on
-    a non-PostgreSQL default database silence it with ``SILENCED_SYSTEM_CHECKS``.
+    every alias a configured backend says it uses (:meth:`LeaseBackend.databases`: its lease
+    table, or where its tokens come from). Projects that use neither advisory locks nor such a
+    backend on a non-PostgreSQL default database silence it with ``SILENCED_SYSTEM_CHECKS``.
     """
     if conf.problems():
         return []
-    aliases = {DEFAULT_DB_ALIAS} | {
-        str(backend.options.get("DATABASE", DEFAULT_DB_ALIAS))
-        for backend in conf.get().backends.values()
-        if backend.engine == "leases.backends.database"
-    }
+    aliases = {DEFAULT_DB_ALIAS}
+    for alias, cls in _classes()[0].items():
+        aliases |= cls.databases(conf.get().backend(alias).options)
     errors: list[CheckMessage] = []
     for alias in sorted(aliases):
         try:
@@ -45,10 +89,10 @@ def check_advisory_database(app_configs: Any = None, **kwargs: Any) -> list[Chec
         if vendor != "postgresql":
             errors.append(
                 Error(
-                    f"database {alias!r} is {vendor}, but advisory locks and the database "
-                    "lease backend need PostgreSQL",
+                    f"database {alias!r} is {vendor}, but advisory locks and the lease "
+                    "backends that use it need PostgreSQL",
                     hint="Point it at PostgreSQL (psycopg 3), or silence leases.E002 if you "
-                    "use neither advisory locks nor the database backend on it.",
+                    "use neither advisory locks nor a lease backend on it.",
                     id="leases.E002",
                 )
             )
@@ -61,18 +105,23 @@ def check_backend_stores(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
 
     Only with ``manage.py check --deploy``: it talks to every configured store (a Redis whose
     ``maxmemory-policy`` may evict lease keys, a Redlock with too few nodes), which must never
-    happen at import or on every ``manage.py`` command.
+    happen at import or on every ``manage.py`` command. Backends the plain checks already
+    found misconfigured are skipped, and no error of a store's driver escapes: a deploy check
+    reports, it never crashes ``check``.
     """
     if conf.problems():
         return []
     from .backends import get_backend
 
     found: list[CheckMessage] = []
-    for alias in sorted(conf.get().backends):
+    for alias, cls in _classes()[0].items():
+        if cls.check_options(alias, conf.get().backend(alias).options):
+            continue  # leases.E005 says why
         try:
             problems = get_backend(alias).deploy_checks()
-        except LeaseError as exc:
-            found.append(Error(f"lease backend {alias!r}: {exc}", id="leases.E003"))
+        except Exception as exc:  # a driver's error, a cache that is not what it claims...
+            detail = str(exc) if isinstance(exc, LeaseError) else f"{type(exc).__name__}: {exc}"
+            found.append(Error(f"lease backend {alias!r}: {detail}", id="leases.E003"))
             continue
         found += [Warning(f"lease backend {alias!r}: {p}", id="leases.W003") for p in problems]
     return found

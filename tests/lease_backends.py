@@ -12,6 +12,7 @@ Tests skip by declared capability (:func:`require`), never by backend name.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 
@@ -19,7 +20,14 @@ import pytest
 
 from leases.backends import Capability, LeaseBackend, get_backend
 
-__all__ = ["LEASE_BACKENDS", "SETUP", "lease_backend", "lease_name", "require"]
+__all__ = [
+    "LEASE_BACKENDS",
+    "SETUP",
+    "lease_backend",
+    "lease_name",
+    "require",
+    "wait_overshoots",
+]
 
 #: Aliases the conformance suite runs on; backends append theirs.
 LEASE_BACKENDS: list[str] = ["default", "redis", "redlock"]
@@ -57,3 +65,20 @@ def require(alias: str, *capabilities: Capability) -> LeaseBackend:
     if missing:
         pytest.skip(f"backend {alias!r} lacks {', '.join(missing)}")
     return backend
+
+
+def wait_overshoots(
+    backend: LeaseBackend, name: str, wait: float = 0.21, tries: int = 7
+) -> list[float]:
+    """How late ``wait_for_release`` returns when nothing is released, sorted (seconds).
+
+    Back-to-back waits of 0.21 s on an idle server each start just after the timer tick that
+    ended the one before, so a timeout left to that tick (every 100 ms) is ~90 ms late every
+    time, not just sometimes: the test cannot pass by a lucky phase.
+    """
+    late = []
+    for _ in range(tries):
+        started = time.monotonic()
+        assert backend.wait_for_release(name, wait) is False
+        late.append(time.monotonic() - started - wait)
+    return sorted(late)

@@ -256,6 +256,33 @@ def test_release_wakes_a_waiter(lease_backend: str, lease_name: str) -> None:
     got[0].release()
 
 
+def test_wait_for_release_is_woken_by_the_release(lease_backend: str, lease_name: str) -> None:
+    """Backends that wait without polling are woken by the release itself: a 30 s grant and a
+    5 s wait, so only the release's wake-up can make the wait return ``True``. Four rounds,
+    since a Redlock waiter watches a node picked at random."""
+    store = require(lease_backend, Capability.WAIT_WITHOUT_POLLING)
+    store.wait_for_release(lease_name, 0.3)  # sets up what a wait listens on (LISTEN, pools)
+
+    def wait(name: str, woken: list[bool]) -> None:
+        woken.append(store.wait_for_release(name, 5))
+
+    for round_ in range(4):
+        name = f"{lease_name}-{round_}"
+        grant = store.try_acquire(name, "a", 30)
+        assert grant is not None
+        woken: list[bool] = []
+        waiter = threading.Thread(target=wait, args=(name, woken))
+        waiter.start()
+        time.sleep(0.2)
+        assert woken == []
+        store.release(grant)
+        waiter.join(10)
+        assert woken == [True]
+    again = store.try_acquire(name, "b", 5)
+    assert again is not None
+    store.release(again)
+
+
 def test_a_failing_wait_does_not_fail_the_acquisition(
     lease_backend: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

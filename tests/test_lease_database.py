@@ -9,7 +9,8 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -18,8 +19,7 @@ from django.db import connection, connections
 from django.test import override_settings
 
 from leases import LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured, acquire
-from leases.backends import database, get_backend
-from leases.backends._pgconn import connect as _connect
+from leases.backends import _waiting_room, get_backend
 from leases.backends.database import (
     ACQUIRE_SQL,
     RELEASE_SQL,
@@ -44,6 +44,18 @@ NAIVE_ACQUIRE_SQL = ACQUIRE_SQL.replace(
 """,
     "",
 )
+
+
+@contextmanager
+def own_connection() -> Iterator[psycopg.Connection[Any]]:
+    """A psycopg connection of its own, in autocommit: what it writes is committed at once,
+    outside the test's transaction, as the backend's own connection needs to see it."""
+    wrapper = connections.create_connection("default")
+    wrapper.ensure_connection()
+    try:
+        yield wrapper.connection
+    finally:
+        wrapper.close()
 
 
 def database_backend() -> Backend:
@@ -90,16 +102,13 @@ def test_failed_try_assigns_no_transaction_id(lease_name: str) -> None:
     """
     held = acquire(lease_name, ttl=5, keepalive=False)
     params = {"name": lease_name, "holder": "contender", "ttl": 5.0, "secret": "s"}
-    probe = _connect("default")
-    try:
+    with own_connection() as probe:
         probe.autocommit = False
         for sql, assigned in ((ACQUIRE_SQL, False), (NAIVE_ACQUIRE_SQL, True)):
             assert probe.execute(sql, params).fetchall() == []
             (xid,) = probe.execute("SELECT pg_current_xact_id_if_assigned()").fetchone() or (0,)
             probe.rollback()
             assert (xid is not None) is assigned, sql
-    finally:
-        probe.close()
     held.release()
 
 
@@ -200,15 +209,15 @@ def test_lease_connection_ignores_django_pool_and_binding_options() -> None:
         "options": "-c search_path=public",
     }
     connections.settings["pooled"] = settings
+    backend = Backend("pooled-leases", {"DATABASE": "pooled"})
     try:
-        conn = _connect("pooled")
-        try:
-            assert conn.autocommit
-            assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-            assert conn.execute("SHOW search_path").fetchone() == ("public",)
-        finally:
-            conn.close()
+        backend.inspect("warm-up")  # opens the connection
+        conn = backend.connection()
+        assert conn is not None and conn.autocommit
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        assert conn.execute("SHOW search_path").fetchone() == ("public",)
     finally:
+        backend.close()
         del connections.settings["pooled"]
 
 
@@ -257,7 +266,7 @@ def queue_behind(
 @pytest.fixture
 def patient_room(monkeypatch: pytest.MonkeyPatch) -> None:
     """Waiters queue for the room long enough to be observed on a loaded machine."""
-    monkeypatch.setattr(database, "ROOM_TIMEOUT", 10.0)
+    monkeypatch.setattr(_waiting_room, "ROOM_TIMEOUT", 10.0)
 
 
 def test_waiters_sleep_in_the_room_so_a_release_wakes_one(
@@ -282,8 +291,7 @@ def test_room_connections_per_process_are_capped(lease_name: str, patient_room: 
 
 def test_a_stuck_waiting_room_does_not_block_takeover(lease_name: str) -> None:
     """A waiter paused inside the room holds its lock; others stop queueing after a while."""
-    paused_waiter = _connect("default")
-    try:
+    with own_connection() as paused_waiter:
         paused_waiter.execute("SELECT pg_advisory_lock(%s)", [room_key(lease_name)])
         first = acquire(lease_name, ttl=0.5, keepalive=False)
         started = time.monotonic()
@@ -291,14 +299,12 @@ def test_a_stuck_waiting_room_does_not_block_takeover(lease_name: str) -> None:
         assert second.token > first.token
         assert time.monotonic() - started < 0.5 + ROOM_TIMEOUT + 1.5
         second.release()
-    finally:
-        paused_waiter.close()
 
 
 def test_a_row_expiring_in_year_33715_breaks_no_read(lease_name: str) -> None:
     """Python's ``datetime`` ends at year 9999; PostgreSQL's does not. Such a row (written
     before TTLs were bounded) must not fail every ``inspect_all`` or its own revocation."""
-    with _connect("default") as own:  # committed: the backend reads on a connection of its own
+    with own_connection() as own:  # committed: the backend reads on a connection of its own
         own.execute(
             "INSERT INTO leases_lease (name, holder, token, acquired_at, expires_at, meta) "
             "VALUES (%s, 'far-future', 7, now(), '33715-01-01 00:00:00+00', '{}')",
@@ -314,11 +320,11 @@ def test_a_row_expiring_in_year_33715_breaks_no_read(lease_name: str) -> None:
 
 def test_the_table_keeps_a_hash_of_the_secret_never_the_secret(lease_name: str) -> None:
     held = acquire(lease_name, ttl=5, keepalive=False)
-    with _connect("default") as own:
+    with own_connection() as own:
         row = own.execute("SELECT * FROM leases_lease WHERE name = %s", [lease_name]).fetchone()
         (stored,) = own.execute(
             "SELECT secret_hash FROM leases_lease WHERE name = %s", [lease_name]
         ).fetchone() or (None,)
     assert row is not None and not [v for v in row if held.grant.secret in str(v)]
-    assert bytes(stored) == hashlib.sha256(held.grant.secret.encode()).digest()
+    assert bytes(stored or b"") == hashlib.sha256(held.grant.secret.encode()).digest()
     held.release()

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import redis
 from redis.crc import key_slot
 
 from devservers import RedisServer
-from leases.backends.base import Capability, Grant
+from leases.backends.base import Grant
 from leases.backends.redis import (
     ACQUIRE_LUA,
     COUNTER_BITS,
@@ -31,6 +29,7 @@ from leases.backends.redis import (
 )
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
+from tests.lease_backends import wait_overshoots
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -126,23 +125,6 @@ def test_renew_extends_on_the_servers_clock(make_backend: MakeBackend) -> None:
     time.sleep(1.1)
     with pytest.raises(LeaseLost):
         backend.renew(grant, 1)
-
-
-def test_waiter_is_woken_by_the_release(make_backend: MakeBackend) -> None:
-    backend, name = make_backend(), unique()
-    assert Capability.WAIT_WITHOUT_POLLING in backend.capabilities
-    grant = backend.try_acquire(name, "a", 30)
-    assert grant is not None
-    woken: list[bool] = []
-    waiter = threading.Thread(target=lambda: woken.append(backend.wait_for_release(name, 5)))
-    waiter.start()
-    time.sleep(0.2)
-    assert woken == []
-    backend.release(grant)
-    waiter.join(10)
-    # A 30 s lease and a 5 s wait: only the release's wake-up can make it return True.
-    assert woken == [True]
-    assert backend.try_acquire(name, "b", 5) is not None
 
 
 def test_wait_returns_false_on_timeout(make_backend: MakeBackend) -> None:
@@ -341,21 +323,6 @@ def test_a_forked_child_never_ends_the_parents_database_session(make_backend: Ma
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert backend.try_acquire(unique(), "parent", 5) is not None  # its session still works
-
-
-def wait_overshoots(backend: Any, name: str, wait: float = 0.21, tries: int = 7) -> list[float]:
-    """How late ``wait_for_release`` returns when nothing is released, sorted (seconds).
-
-    Back-to-back waits of 0.21 s on an idle server each start just after the timer tick that
-    ended the one before, so a timeout left to that tick (every 100 ms) is ~90 ms late every
-    time, not just sometimes: the test cannot pass by a lucky phase.
-    """
-    late = []
-    for _ in range(tries):
-        started = time.monotonic()
-        assert backend.wait_for_release(name, wait) is False
-        late.append(time.monotonic() - started - wait)
-    return sorted(late)
 
 
 @pytest.mark.fault

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,7 +14,7 @@ from leases.backends.redis import LeaseKeys
 from leases.backends.redlock import Backend, node_value
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
-from tests.test_redis_backend import wait_overshoots
+from tests.lease_backends import wait_overshoots
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -217,25 +216,6 @@ def test_bad_nodes_are_configuration_errors() -> None:
         Backend("x", {"NODES": []})
     with pytest.raises(LeasesImproperlyConfigured):
         Backend("x", {"NODES": ["redis://127.0.0.1:1/0"], "URL": "x"})
-
-
-def test_waiter_is_woken_by_the_release_on_whichever_node_it_watches(
-    redis_servers: Servers, make_backend: Callable[..., Backend]
-) -> None:
-    servers = redis_servers(3)
-    backend = make_backend(servers)
-    for _ in range(4):  # each wait watches a random node
-        name = unique()
-        grant = backend.try_acquire(name, "a", 30)
-        assert grant is not None
-        woken: list[bool] = []
-        waiter = threading.Thread(target=lambda: woken.append(backend.wait_for_release(name, 5)))
-        waiter.start()
-        time.sleep(0.1)
-        assert woken == []
-        backend.release(grant)
-        waiter.join(10)
-        assert woken == [True]  # a 30 s lease and 5 s wait: only the release's wake-up
 
 
 def test_nodes_may_be_django_redis_cache_aliases(

@@ -10,11 +10,42 @@ from .. import conf
 from ..errors import LeasesImproperlyConfigured
 from .base import Capability, Grant, LeaseBackend, LeaseInfo
 
-__all__ = ["Capability", "Grant", "LeaseBackend", "LeaseInfo", "get_backend", "reset"]
+__all__ = [
+    "Capability",
+    "Grant",
+    "LeaseBackend",
+    "LeaseInfo",
+    "backend_class",
+    "get_backend",
+    "reset",
+]
 
 _lock = threading.Lock()
 _instances: dict[str, LeaseBackend] = {}
 _pid = os.getpid()
+
+
+def backend_class(alias: str) -> type[LeaseBackend]:
+    """The class of the backend configured as ``alias``, imported but not instantiated.
+
+    What system checks and the admin ask about a backend (its options, databases and
+    capabilities) is answered by the class, so asking connects nowhere.
+    """
+    engine = conf.get().backend(alias).engine
+    try:
+        module = importlib.import_module(engine)
+    except (ImportError, ValueError, TypeError) as exc:  # also "" and "..x" (relative names)
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}]["ENGINE"] = {engine!r} cannot be imported ({exc}); '
+            "is the matching extra installed?"
+        ) from exc
+    cls = getattr(module, "Backend", None)
+    if not (isinstance(cls, type) and issubclass(cls, LeaseBackend)):
+        raise LeasesImproperlyConfigured(
+            f'LEASES["BACKENDS"][{alias!r}]["ENGINE"] = {engine!r} has no Backend class '
+            "implementing LeaseBackend"
+        )
+    return cls
 
 
 def get_backend(alias: str = "default") -> LeaseBackend:
@@ -30,20 +61,8 @@ def get_backend(alias: str = "default") -> LeaseBackend:
             _pid = os.getpid()
         backend = _instances.get(alias)
         if backend is None:
-            config = conf.get().backend(alias)
-            try:
-                module = importlib.import_module(config.engine)
-            except ImportError as exc:
-                raise LeasesImproperlyConfigured(
-                    f'LEASES["BACKENDS"][{alias!r}]["ENGINE"] = {config.engine!r} cannot be '
-                    f"imported ({exc}); is the matching extra installed?"
-                ) from exc
-            cls = getattr(module, "Backend", None)
-            if not (isinstance(cls, type) and issubclass(cls, LeaseBackend)):
-                raise LeasesImproperlyConfigured(
-                    f"{config.engine} has no Backend class implementing LeaseBackend"
-                )
-            backend = _instances[alias] = cls(alias, config.options)
+            cls = backend_class(alias)
+            backend = _instances[alias] = cls(alias, conf.get().backend(alias).options)
         return backend
 
 

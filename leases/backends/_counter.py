@@ -9,17 +9,12 @@ of its own, so a caller's ``transaction.atomic()`` rolling back can never un-iss
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-import weakref
 from typing import Any
 
 import psycopg
-from django.db.backends.signals import connection_created
 
 from ..errors import BackendUnavailable, FencingUnavailable
-from .database import _connect  # one recipe for the package's private connections
+from ._pgconn import PrivateConnection
 
 __all__ = ["DurableCounter"]
 
@@ -54,43 +49,34 @@ SELECT NULL, (SELECT token FROM leases_lease WHERE name = %s)
 WHERE NOT EXISTS (SELECT 1 FROM revoked)
 """
 
-_counters: weakref.WeakSet[DurableCounter] = weakref.WeakSet()
-#: Connections inherited over fork, kept referenced and never closed: closing (or collecting)
-#: one would send a Terminate message on the parent's socket and end the parent's session.
-_inherited: list[object] = []
-
 
 class DurableCounter:
-    """Counters on a private autocommit connection to database ``alias``, shared by threads."""
+    """Counters on a private autocommit connection to database ``alias``, shared by threads.
+
+    The connection is the package's one recipe (:func:`~leases.backends._pgconn.connect`):
+    ``synchronous_commit`` on, because a bump lost in a crash could be handed out again, and
+    TCP keepalives and timeouts, so a dead server cannot hang a grant forever.
+    """
 
     def __init__(self, backend: str, alias: str) -> None:
         self.backend = backend
         self.alias = alias
-        self._lock = threading.Lock()
-        self._connection: Any = None
-        _counters.add(self)
+        self._connection = PrivateConnection(alias)
 
     def _execute(self, sql: str, params: tuple[object, ...]) -> int | None:
         row = self._fetch(sql, params)
         return None if row is None else int(row[0])
 
     def _fetch(self, sql: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
-        with self._lock:
-            try:
-                if self._connection is None:
-                    # The database backend's connection recipe: autocommit, synchronous_commit
-                    # on (a bump lost in a crash could be handed out again), TCP keepalives and
-                    # timeouts so a dead server cannot hang a grant forever.
-                    self._connection = _connect(self.alias)
-                row: tuple[Any, ...] | None = self._connection.execute(sql, params).fetchone()
-            except (psycopg.Error, BackendUnavailable) as exc:
-                self._close_locked()
-                raise FencingUnavailable(
-                    self.backend,
-                    f"cannot take a durable counter from database {self.alias!r} ({exc}); "
-                    "without it a token could repeat one already handed out",
-                ) from exc
-        return row
+        try:
+            rows = self._connection.run(sql, params)
+        except (psycopg.Error, BackendUnavailable) as exc:
+            raise FencingUnavailable(
+                self.backend,
+                f"cannot take a durable counter from database {self.alias!r} ({exc}); "
+                "without it a token could repeat one already handed out",
+            ) from exc
+        return rows[0] if rows else None
 
     def bump_fence(self, resource: str, floor: int = 1) -> int:
         """The next value of counter ``resource``: higher than every earlier one, >= ``floor``."""
@@ -116,34 +102,5 @@ class DurableCounter:
         """The last token handed out for ``name``, or ``None`` if none ever was."""
         return self._execute(CURRENT_LEASE_SQL, (name,))
 
-    def _close_locked(self) -> None:
-        if self._connection is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._connection.close()
-            self._connection = None
-
     def close(self) -> None:
-        with self._lock:
-            self._close_locked()
-
-
-def _forget_after_fork() -> None:
-    for counter in list(_counters):
-        counter._lock = threading.Lock()
-        if counter._connection is not None:
-            _inherited.append(counter._connection)
-            counter._connection = None
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _close_before_database_ddl(sender: Any, connection: Any, **kwargs: Any) -> None:
-    """Close counters when Django opens a no-database connection (to create or drop a
-    database, as test runs do): an open counter connection would make ``DROP DATABASE`` fail."""
-    if getattr(connection, "alias", None) == "__no_db__":
-        for counter in list(_counters):
-            counter.close()
-
-
-connection_created.connect(_close_before_database_ddl, dispatch_uid="leases.backends._counter")
+        self._connection.close()

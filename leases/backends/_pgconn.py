@@ -1,29 +1,50 @@
-"""The database backend's own PostgreSQL connections, apart from Django's.
+"""The package's own PostgreSQL connections, apart from Django's.
 
 Lease state must not ride on the caller's connection (its transaction could hide or roll back
-a grant), so the backend opens plain psycopg connections from the Django alias's settings,
-read at connect time (a test database's name is used), in autocommit, with
-``synchronous_commit`` forced on. :class:`Listener` keeps one more connection in ``LISTEN`` so
-waiters wake when a release is announced on :data:`CHANNEL`.
+a grant), so the database backend, the waiting room and the durable counters open plain psycopg
+connections from the Django alias's settings, read at connect time (a test database's name is
+used), built the way Django builds its own (:func:`connect`: the same parameters, the same
+``assume_role``), in autocommit, with ``synchronous_commit`` forced on. :class:`Listener` keeps
+one more connection in ``LISTEN`` so waiters wake when a release is announced on
+:data:`CHANNEL`.
+
+Every object that keeps such connections registers here (:func:`track`), so one place handles
+the two moments they must be let go: a fork (the child drops the parent's connections without
+closing them) and Django opening a no-database connection (to create or drop a database).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
 import threading
 import time
+import weakref
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import psycopg
 from django.db import connections
+from django.db.backends.signals import connection_created
 from django.utils.connection import ConnectionDoesNotExist
+from psycopg import sql
 
 from ..errors import BackendUnavailable, LeasesImproperlyConfigured
 
-__all__ = ["CHANNEL", "LISTEN_SQL", "Listener", "close_quietly", "connect", "stale"]
+__all__ = [
+    "CHANNEL",
+    "LISTEN_SQL",
+    "Listener",
+    "PrivateConnection",
+    "close_quietly",
+    "connect",
+    "inherit",
+    "stale",
+    "track",
+]
 
 logger = logging.getLogger("leases")
 
@@ -44,10 +65,19 @@ _CONNECT_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: Django's ``OPTIONS["assume_role"]``, applied as Django's own connections apply it: a login
+#: role that does not inherit its privileges reaches the lease tables only through this role.
+SET_ROLE_SQL = "SET ROLE {role}"
+
+
 def connect(db_alias: str) -> psycopg.Connection[Any]:
     """A new autocommit connection to the database Django's ``db_alias`` points at *now*.
 
-    Read at connect time, not at start-up, so a test database's name is used.
+    Read at connect time, not at start-up, so a test database's name is used. The parameters
+    are Django's own (``get_connection_params()``: user, ``options`` such as a ``search_path``,
+    ``sslmode``, a service file...), and ``assume_role`` is set as Django sets it, so these
+    connections act with the identity Django's would; only Django's pool and cursor classes
+    are left out, since these connections are used by psycopg directly.
     """
     try:
         wrapper = connections.create_connection(db_alias)
@@ -58,10 +88,16 @@ def connect(db_alias: str) -> psycopg.Connection[Any]:
     for key, value in _CONNECT_DEFAULTS.items():
         params.setdefault(key, value)
     params["options"] = f"{params.get('options', '')} -c synchronous_commit=on".strip()
+    role = wrapper.settings_dict["OPTIONS"].get("assume_role")
+    conn = None
     try:
-        return psycopg.connect(autocommit=True, **params)
+        conn = psycopg.connect(autocommit=True, **params)
+        if role:
+            conn.execute(sql.SQL(SET_ROLE_SQL).format(role=sql.Literal(role)))
     except psycopg.Error as exc:
+        close_quietly(conn)
         raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
+    return conn
 
 
 def close_quietly(conn: psycopg.Connection[Any] | None) -> None:
@@ -85,6 +121,107 @@ def stale(conn: psycopg.Connection[Any]) -> bool:
     except (OSError, ValueError):
         return True
     return bool(readable)
+
+
+class Owner(Protocol):
+    """What keeps private connections: it can close them, and drop them after a fork."""
+
+    def close(self) -> None: ...
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: hand the parent's connections to :func:`inherit`, never close
+        them, and make fresh locks (a parent thread may have held one at the fork)."""
+
+
+_owners: weakref.WeakSet[Owner] = weakref.WeakSet()
+#: Connections inherited over fork: kept referenced, never closed, because closing (or
+#: collecting) one would send a Terminate message on the parent's socket and end its session.
+_inherited: list[object] = []
+
+
+def track(owner: Owner) -> None:
+    """Have ``owner`` let its connections go at a fork and before database DDL."""
+    _owners.add(owner)
+
+
+def inherit(*conns: object) -> None:
+    """Keep a forked child's copies of the parent's connections alive and unused."""
+    _inherited.extend(conn for conn in conns if conn is not None)
+
+
+def _after_fork_in_child() -> None:
+    for owner in list(_owners):
+        owner.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _close_before_database_ddl(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """Close private connections when Django opens a no-database connection.
+
+    Django does that only to create or drop databases (test runs, ``flush``-like tooling), and
+    an open private connection would make ``DROP DATABASE`` fail; owners reconnect lazily.
+    """
+    if getattr(connection, "alias", None) == "__no_db__":
+        for owner in list(_owners):
+            owner.close()
+
+
+connection_created.connect(_close_before_database_ddl, dispatch_uid="leases.backends._pgconn")
+
+
+class PrivateConnection:
+    """One private connection to ``db_alias``, shared by threads, opened on first use.
+
+    A dead one (server restart, ``pg_terminate_backend``) is replaced at the next call: what
+    it serves (lease rows, counters) lives in tables, not in the session.
+    """
+
+    def __init__(self, db_alias: str) -> None:
+        self.db_alias = db_alias
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        track(self)
+
+    @property
+    def conn(self) -> psycopg.Connection[Any] | None:
+        """The connection, if open (for diagnostics and round-trip tests)."""
+        return self._conn
+
+    def run(
+        self, statement: str, params: Mapping[str, Any] | Sequence[Any]
+    ) -> list[tuple[Any, ...]]:
+        """Run one statement and fetch its rows: one round trip on an open connection.
+
+        Raises the driver's error (a broken connection is dropped first) or, when no
+        connection can be made, :class:`BackendUnavailable`; callers translate both.
+        """
+        with self._lock:
+            conn = self._conn
+            if conn is None or stale(conn):
+                self._discard()
+                conn = self._conn = connect(self.db_alias)
+            try:
+                cursor = conn.execute(statement, params)
+                return cursor.fetchall() if cursor.description else []
+            except psycopg.Error:
+                if conn.broken or conn.closed:
+                    self._discard()
+                raise
+
+    def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        close_quietly(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            self._discard()
+
+    def forget_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        inherit(self._conn)
+        self._conn = None
 
 
 class Listener:

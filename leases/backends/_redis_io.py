@@ -2,18 +2,20 @@
 
 Connections (a django-redis cache alias or a URL, never retried), commands sent without waiting
 and read later (so Redlock talks to all its nodes at once, and a ``BLPOP`` ends on the caller's
-deadline, not the server's timer), option checks, the eviction-policy deploy check, and the one
-place where redis-py's errors become :class:`~leases.errors.BackendUnavailable`.
+deadline, not the server's timer), the option checks both backends make without connecting, the
+eviction-policy deploy check, and the one place where redis-py's errors become
+:class:`~leases.errors.BackendUnavailable`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
+from django.conf import settings
 from django.utils import timezone
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -22,18 +24,20 @@ from ..errors import BackendUnavailable, LeasesImproperlyConfigured
 
 __all__ = [
     "BLPOP_SLACK",
+    "Edge",
     "blpop",
     "blpop_command",
-    "check_options",
-    "check_prefix",
+    "cache_problems",
     "connect",
-    "edge",
     "eviction_problems",
     "expires",
     "ms",
+    "positive_problems",
+    "prefix_problems",
     "receive",
     "send",
     "text",
+    "url_problems",
 ]
 
 MAX_PREFIX_LENGTH = 64
@@ -62,26 +66,53 @@ def expires(seconds: float) -> datetime:
         return latest
 
 
-def check_prefix(alias: str, prefix: object) -> str:
+def prefix_problems(alias: str, prefix: object) -> list[str]:
+    """Why ``PREFIX`` cannot prefix lease keys: it must not move the hash tag or match more
+    than its own keys in a ``SCAN`` pattern."""
+    where = f'LEASES["BACKENDS"][{alias!r}]["PREFIX"]'
     if not isinstance(prefix, str) or not 0 < len(prefix) <= MAX_PREFIX_LENGTH:
-        raise LeasesImproperlyConfigured(
-            f'LEASES["BACKENDS"][{alias!r}]["PREFIX"] must be a string of 1 to '
-            f"{MAX_PREFIX_LENGTH} characters, not {prefix!r}"
-        )
+        return [f"{where} must be a string of 1 to {MAX_PREFIX_LENGTH} characters, not {prefix!r}"]
     if any(c in prefix for c in "{}*?[]\\"):
-        raise LeasesImproperlyConfigured(
-            f'LEASES["BACKENDS"][{alias!r}]["PREFIX"] must not contain braces or glob characters'
-        )
-    return prefix
+        return [f"{where} must not contain braces or glob characters"]
+    return []
 
 
-def check_options(alias: str, options: Mapping[str, Any], known: frozenset[str]) -> None:
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise LeasesImproperlyConfigured(
-            f'LEASES["BACKENDS"][{alias!r}] has unknown options {unknown} '
-            f"(known: {', '.join(sorted(known))})"
-        )
+def positive_problems(alias: str, option: str, value: object) -> list[str]:
+    """Why ``value`` is not a positive number of seconds, if it is not."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        return [
+            f'LEASES["BACKENDS"][{alias!r}]["{option}"] must be a positive number, not {value!r}'
+        ]
+    return []
+
+
+def cache_problems(alias: str, option: str, cache: object) -> list[str]:
+    """Why ``cache`` is not the alias of a django-redis cache (only those give a redis-py
+    client), read from ``CACHES`` without connecting."""
+    where = f'LEASES["BACKENDS"][{alias!r}]["{option}"] = {cache!r}'
+    caches: dict[str, Any] = getattr(settings, "CACHES", {})
+    if not isinstance(cache, str) or cache not in caches:
+        return [f"{where} is not an alias of CACHES ({', '.join(sorted(caches)) or 'none'})"]
+    backend = str(caches[cache].get("BACKEND", ""))
+    if not backend.startswith("django_redis."):
+        return [f"{where} is a {backend} cache, not a django-redis one"]
+    return []
+
+
+def url_problems(alias: str, option: str, url: str) -> list[str]:
+    """Why ``url`` is not a Redis URL redis-py can connect to (``redis://``, ``rediss://`` with
+    a host, or ``unix://`` with a path)."""
+    where = f'LEASES["BACKENDS"][{alias!r}]["{option}"]: {url!r}'
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as exc:
+        return [f"{where} is not a URL ({exc})"]
+    if parts.scheme in ("redis", "rediss") and parts.hostname:
+        return []
+    if parts.scheme == "unix" and parts.path:
+        return []
+    return [f"{where} is not a redis://host:port/db, rediss://... or unix://path URL"]
 
 
 def connect(
@@ -188,7 +219,7 @@ def blpop(client: Any, key: str, wait: float) -> Any:
         return None  # the deadline; ``receive`` dropped the connection and its BLPOP
 
 
-class edge:
+class Edge:
     """Translate redis-py's errors into :class:`BackendUnavailable` at the backend's edge.
 
     A class, not ``@contextmanager``: it wraps every round trip, and a generator-based context
@@ -216,7 +247,7 @@ class edge:
 
 def eviction_problems(alias: str, client: Any) -> list[str]:
     """Why ``client``'s server could lose lease keys to eviction, if it can (deploy check)."""
-    with edge(alias, "deploy check"):
+    with Edge(alias, "deploy check"):
         client.ping()
         try:
             policy = text(client.config_get("maxmemory-policy").get("maxmemory-policy", ""))

@@ -7,7 +7,10 @@ name strictly increase across grants, releases, restarts and failovers, or the b
 to grant (:class:`~leases.errors.FencingUnavailable`).
 
 Nothing outside ``leases/backends/`` knows which backend it talks to: :class:`~leases.lease.Lease`
-only sees :class:`Grant` values and the errors of :mod:`leases.errors`. A backend translates its
+only sees :class:`Grant` values and the errors of :mod:`leases.errors`, and the system checks and
+the admin ask the backend *class* to describe itself (:attr:`LeaseBackend.known_options`,
+:meth:`LeaseBackend.check_options`, :meth:`LeaseBackend.databases`, its capabilities) without
+instantiating it, so ``manage.py check`` connects nowhere. A backend translates its
 driver's errors at this edge (``BackendUnavailable`` for an unreachable store, ``LeaseLost`` for a
 renewal or release the store refused, ``LeaseNotHeld`` for one without the grant's secret).
 """
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
 
-from ..errors import BackendNotSupported
+from ..errors import BackendNotSupported, LeasesImproperlyConfigured
 
 __all__ = [
     "FORGED",
@@ -48,6 +51,8 @@ class Capability(enum.StrEnum):
     FORCE_RELEASE = "force release"
     #: The store keeps grants across its own restart (a durable database).
     DURABLE = "durable"
+    #: Its leases are the rows of :class:`leases.models.Lease` (the admin's changelist).
+    LEASE_ROWS = "lease rows"
 
 
 @dataclass(frozen=True)
@@ -101,10 +106,38 @@ class LeaseBackend(abc.ABC):
     """
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    #: The options of ``LEASES["BACKENDS"][alias]`` (besides ``ENGINE``) this backend reads;
+    #: any other is a mistake (a misspelt option would otherwise be silently ignored).
+    known_options: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
+        problems = self.check_options(alias, options)
+        if problems:
+            raise LeasesImproperlyConfigured("; ".join(problems))
         self.alias = alias
         self.options = dict(options)
+
+    @classmethod
+    def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
+        """Problems with ``options``, found without I/O: run by ``manage.py check`` and again
+        when the backend is made, so a misconfiguration never waits for first use.
+
+        Reports unknown options; a backend extends it (calling this first) with its own
+        checks of values that need no connection (a cache alias exists, URLs parse).
+        """
+        unknown = sorted(set(options) - cls.known_options)
+        if not unknown:
+            return []
+        return [
+            f'LEASES["BACKENDS"][{alias!r}] has unknown options {unknown} '
+            f"(known: {', '.join(sorted(cls.known_options)) or 'none'})"
+        ]
+
+    @classmethod
+    def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:
+        """The Django database aliases this backend uses, each of which must be PostgreSQL
+        (its lease table, or the durable counter its tokens come from)."""
+        return frozenset()
 
     @abc.abstractmethod
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:

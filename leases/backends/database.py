@@ -21,31 +21,23 @@ or queued past :data:`ROOM_TIMEOUT`) sleep on the process's shared ``LISTEN`` co
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
-import os
 import threading
 import time
-import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
 import psycopg
 from django.db import connections
-from django.db.backends.signals import connection_created
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
-from ..keys import advisory_key
-from ._pgconn import CHANNEL, Listener, close_quietly, connect, stale
+from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
+from ._waiting_room import ROOM_CONNECTIONS, ROOM_TIMEOUT, WaitingRoom
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
-__all__ = ["CHANNEL", "Backend"]
-
-_connect = connect  # the old private name, still imported by leases.backends._counter
-
-logger = logging.getLogger("leases")
+__all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_TIMEOUT", "Backend"]
 
 #: Take ``name`` if it is free or expired, bumping its token; nothing is written when it is held.
 #: The row keeps only the SHA-256 of the grant's secret, computed here on the server, so the
@@ -134,31 +126,7 @@ SELECT name, holder, token, acquired_at, LEAST(expires_at, '9999-12-30 00:00:00+
 FROM leases_lease ORDER BY name
 """
 
-#: The waiting room: one session advisory lock per name, taken by a waiter after its first
-#: failed try, so other waiters sleep in the server's lock queue instead of all retrying on
-#: every release. ``lock_timeout`` bounds the queueing (see :data:`ROOM_TIMEOUT`).
-#: The waiter inside also listens on its room connection (only it needs waking, so the others
-#: and idle processes are not woken by every release). Both are one simple-protocol round trip
-#: (two statements, integers formatted in: no parameters allowed there).
-ROOM_ENTER_SQL = (
-    "LISTEN leases_released; "
-    "SELECT set_config('lock_timeout', '{timeout_ms}ms', false), pg_advisory_lock({key})"
-)
-ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
-#: Longest a waiter queues for the room before it waits on its own (a paused waiter in the
-#: room must not hold the others back for longer).
-ROOM_TIMEOUT = 1.0
-#: Room connections a process may have open (in use or idle) per backend.
-ROOM_CONNECTIONS = 8
-_IDLE_ROOM_CONNECTIONS = 4
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
-
-_KNOWN_OPTIONS = frozenset({"DATABASE", "WAITING_ROOM"})
-
-_instances: weakref.WeakSet[Backend] = weakref.WeakSet()
-#: Connections inherited over fork: kept referenced, never closed, because closing them would
-#: send a Terminate message on the parent's socket and end the parent's session.
-_inherited: list[object] = []
 
 
 def _owner(grant: Grant) -> dict[str, Any]:
@@ -195,17 +163,28 @@ class Backend(LeaseBackend):
             Capability.WAIT_WITHOUT_POLLING,
             Capability.FORCE_RELEASE,
             Capability.DURABLE,
+            Capability.LEASE_ROWS,
         }
     )
+    known_options = frozenset({"DATABASE", "WAITING_ROOM"})
+
+    @classmethod
+    def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
+        """Option types only: that ``DATABASE`` exists and is PostgreSQL is what
+        :meth:`databases` reports to the system checks (``leases.E002``)."""
+        problems = super().check_options(alias, options)
+        if not isinstance(options.get("DATABASE", "default"), str):
+            problems.append(f'LEASES["BACKENDS"][{alias!r}]["DATABASE"] must be a database alias')
+        if not isinstance(options.get("WAITING_ROOM", True), bool):
+            problems.append(f'LEASES["BACKENDS"][{alias!r}]["WAITING_ROOM"] must be True or False')
+        return problems
+
+    @classmethod
+    def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:
+        return frozenset({str(options.get("DATABASE", "default"))})
 
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
         super().__init__(alias, options)
-        unknown = set(self.options) - _KNOWN_OPTIONS
-        if unknown:
-            raise LeasesImproperlyConfigured(
-                f'LEASES["BACKENDS"][{alias!r}] has unknown options {sorted(unknown)} '
-                f"(known: {sorted(_KNOWN_OPTIONS)})"
-            )
         self.db_alias: str = self.options.get("DATABASE", "default")
         if self.db_alias not in connections.settings:
             raise LeasesImproperlyConfigured(
@@ -217,13 +196,12 @@ class Backend(LeaseBackend):
                 f"the database lease backend needs PostgreSQL; {self.db_alias!r} uses {engine}"
             )
         self._lock = threading.Lock()
-        self._conn: psycopg.Connection[Any] | None = None
+        self._conn = PrivateConnection(self.db_alias)
         self._listener: Listener | None = None
         self._local = threading.local()
-        self._room_enabled = bool(self.options.get("WAITING_ROOM", True))
-        self._rooms: list[psycopg.Connection[Any]] = []  # idle room connections
-        self._room_slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
-        _instances.add(self)
+        enabled = bool(self.options.get("WAITING_ROOM", True))
+        self._room = WaitingRoom(self.db_alias, alias, enabled=enabled)
+        track(self)
 
     # -- the connection -------------------------------------------------------------------
 
@@ -233,26 +211,14 @@ class Backend(LeaseBackend):
         Driver errors become :class:`BackendUnavailable`; a broken connection is dropped and
         the next call reconnects (lease state lives in the table, not in the session).
         """
-        with self._lock:
-            conn = self._conn
-            if conn is None or stale(conn):
-                self._discard()
-                conn = self._conn = connect(self.db_alias)
-            try:
-                cursor = conn.execute(sql, params)
-                return cursor.fetchall() if cursor.description else []
-            except psycopg.Error as exc:
-                if conn.broken or conn.closed:
-                    self._discard()
-                raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
-
-    def _discard(self) -> None:
-        conn, self._conn = self._conn, None
-        close_quietly(conn)
+        try:
+            return self._conn.run(sql, params)
+        except psycopg.Error as exc:
+            raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
 
     def connection(self) -> psycopg.Connection[Any] | None:
         """The backend's own connection, if open (for diagnostics and round-trip tests)."""
-        return self._conn
+        return self._conn.conn
 
     # -- the interface --------------------------------------------------------------------
 
@@ -284,97 +250,19 @@ class Backend(LeaseBackend):
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())
-        room: psycopg.Connection[Any] | None = getattr(self._local, "room", None)
-        if room is not None:
-            return self._wait_in_room(room, name, timeout)
+        woken = self._room.wait(name, timeout)
+        if woken is not None:
+            return woken
         with self._lock:
             if self._listener is None:
                 self._listener = Listener(self.db_alias, self.alias)
             listener = self._listener
         return listener.wait(name, since, max(0.0, timeout))
 
-    @contextlib.contextmanager
-    def waiting_room(self, name: str, timeout: float | None) -> Iterator[None]:
-        """Queue on the name's room lock (at most :data:`ROOM_TIMEOUT`), then wait inside it.
-
-        Each waiter in the room holds a connection of its own, since its session sleeps in the
-        lock queue; at most :data:`ROOM_CONNECTIONS` per process, so many waiting threads
-        cannot exhaust the server's connections (the rest wait without a room). Any failure
-        just means waiting without a room.
-        """
-        if not self._room_enabled or not self._room_slots.acquire(blocking=False):
-            yield
-            return
-        try:
-            key = advisory_key(f"leases:room:{name}")
-            assert isinstance(key, int)  # a name always maps to one 64-bit key
-            conn, entered = self._enter_room(name, key, timeout)
-            self._local.room = conn if entered else None
-            try:
-                yield
-            finally:
-                self._local.room = None
-                if conn is not None:
-                    self._leave_room(conn, key, entered)
-        finally:
-            self._room_slots.release()
-
-    def _wait_in_room(self, room: psycopg.Connection[Any], name: str, timeout: float) -> bool:
-        """Wait for ``name``'s release on the room connection, which listens since entering.
-
-        Notifications that arrived since then are buffered on the connection, so a release
-        between the failed try and this wait is not missed.
-        """
-        try:
-            for note in room.notifies(timeout=max(0.0, timeout)):
-                if note.payload == name:
-                    return True
-        except psycopg.Error:
-            self._local.room = None  # the session is gone (and its room lock with it)
-        return False
-
-    def _enter_room(
-        self, name: str, key: int, timeout: float | None
-    ) -> tuple[psycopg.Connection[Any] | None, bool]:
-        queue_for = ROOM_TIMEOUT if timeout is None else min(timeout, ROOM_TIMEOUT)
-        enter = ROOM_ENTER_SQL.format(timeout_ms=max(1, int(queue_for * 1000)), key=int(key))
-        conn = None
-        try:
-            conn = self._room_connection()
-            conn.execute(enter.encode())
-            return conn, True
-        except psycopg.errors.LockNotAvailable:
-            return conn, False  # queued long enough: wait on our own
-        except (psycopg.Error, BackendUnavailable) as exc:
-            logger.debug("leases: waiting without a room for %r: %s", name, exc)
-            close_quietly(conn)
-            return None, False
-
-    def _room_connection(self) -> psycopg.Connection[Any]:
-        with self._lock:
-            while self._rooms:
-                conn = self._rooms.pop()
-                if not stale(conn):
-                    return conn
-                close_quietly(conn)
-        return connect(self.db_alias)
-
-    def _leave_room(self, conn: psycopg.Connection[Any], key: int, entered: bool) -> None:
-        try:
-            leave = ROOM_LEAVE_SQL.format(key=int(key)).encode()
-            if entered and conn.execute(leave).fetchone() != (True,):
-                # The unlock ran on another server session (a transaction-pooling proxy):
-                # the room cannot work here, so stop using it rather than leak locks.
-                self._room_enabled = False
-                logger.warning("leases: waiting room disabled on %r: unlock failed", self.alias)
-        except psycopg.Error:
-            close_quietly(conn)  # closing the session releases its advisory lock
-            return
-        with self._lock:
-            if len(self._rooms) < _IDLE_ROOM_CONNECTIONS:
-                self._rooms.append(conn)
-                return
-        close_quietly(conn)
+    def waiting_room(self, name: str, timeout: float | None) -> AbstractContextManager[None]:
+        """The name's room (see :mod:`~leases.backends._waiting_room`): a release wakes the
+        one waiter inside, the others sleep in the server's lock queue."""
+        return self._room.enter(name, timeout)
 
     def inspect(self, name: str) -> LeaseInfo | None:
         rows = self._run(INSPECT_SQL, {"name": name})
@@ -403,12 +291,11 @@ class Backend(LeaseBackend):
 
     def close(self) -> None:
         with self._lock:
-            conns, self._conn, self._rooms = [self._conn, *self._rooms], None, []
             listener, self._listener = self._listener, None
         if listener is not None:
             listener.stop()
-        for conn in conns:
-            close_quietly(conn)
+        self._conn.close()
+        self._room.close()
 
     # -- internals ------------------------------------------------------------------------
 
@@ -419,32 +306,11 @@ class Backend(LeaseBackend):
             failed = self._local.failed = {}
         return failed
 
-    def _forget_after_fork(self) -> None:
-        """In a forked child: drop (never close) the parent's connections; reconnect lazily."""
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop (never close) the parent's listener; its thread is gone.
+
+        The backend's own connection and room connections are dropped by their own owners.
+        """
         self._lock = threading.Lock()
-        self._room_slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
         listener, self._listener = self._listener, None
-        _inherited.extend([self._conn, listener.conn if listener else None, *self._rooms])
-        self._conn, self._rooms = None, []
-
-
-def _after_fork_in_child() -> None:
-    for backend in list(_instances):
-        backend._forget_after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _close_before_database_ddl(sender: Any, connection: Any, **kwargs: Any) -> None:
-    """Close lease connections when Django opens a no-database connection.
-
-    Django does that only to create or drop databases (test runs, ``flush``-like tooling), and
-    an open lease connection would make ``DROP DATABASE`` fail; leases reconnect lazily.
-    """
-    if getattr(connection, "alias", None) == "__no_db__":
-        for backend in list(_instances):
-            backend.close()
-
-
-connection_created.connect(_close_before_database_ddl, dispatch_uid="leases.backends.database")
+        inherit(listener.conn if listener else None)

@@ -13,8 +13,9 @@ give it a socket timeout, and mind that redis-py retries failed commands by defa
 client here never retries, so a timed-out release is not retried into a false "lost").
 
 Keys of one name share a Redis Cluster hash tag, ``<prefix>{<name>}``: ``:lock`` (the grant,
-value ``epoch:counter:holder``, expiring by Redis's clock), ``:fence`` (the name's counter, no
-TTL) and ``:wake`` (a list a release pushes to, so a waiter's ``BLPOP`` wakes without polling).
+value ``epoch:counter:sha1(secret):holder``, expiring by Redis's clock), ``:fence`` (the name's
+counter, no TTL) and ``:wake`` (a list a release pushes to, so a waiter's ``BLPOP`` wakes
+without polling).
 Renew and release compare the whole value before they touch the key, so a holder whose grant
 expired can never extend or delete its successor's.
 
@@ -33,28 +34,28 @@ refused with :class:`~leases.errors.FencingUnavailable` instead of risking a rep
 
 from __future__ import annotations
 
-import enum
-import functools
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ..errors import FencingUnavailable, LeaseLost, LeaseNotHeld
-from ..keys import validate_name
 from ._counter import DurableCounter
 from ._redis_io import (
+    Edge,
     blpop,
-    check_options,
-    check_prefix,
+    cache_problems,
     connect,
-    edge,
     eviction_problems,
     expires,
     ms,
+    positive_problems,
+    prefix_problems,
     text,
+    url_problems,
 )
+from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = [
@@ -72,29 +73,10 @@ __all__ = [
 COUNTER_BITS = 32
 MAX_COUNTER = 2**COUNTER_BITS - 1
 MAX_EPOCH = 2**31 - 1
-#: How long a release's wake-up waits in the list for a waiter that is about to ``BLPOP``.
-WAKE_TTL_MS = 5000
-OPTIONS = frozenset({"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT"})
 
 
-class Reply(enum.IntEnum):
-    """Return codes of the Lua scripts (injected into them as Lua constants by :func:`lua`)."""
-
-    LOST = 0
-    OK = 1
-    BUSY = 2
-    NEED_EPOCH = 3
-    #: Holder and token are the current grant's, the secret is not: a grant forged from public
-    #: data (``inspect()``), refused without touching the key.
-    NOT_OWNER = 4
-
-
-def lua(body: str) -> str:
-    """A script with :class:`Reply`'s names defined, so Python and Lua share one set of codes."""
-    return "".join(f"local {r.name} = {r.value}\n" for r in Reply) + body
-
-
-#: KEYS: lock, fence. ARGV: holder, ttl ms, offered epoch ("0": none), counter limit, secret.
+#: KEYS[1] lock, KEYS[2] fence. ARGV[1] holder, ARGV[2] ttl ms, ARGV[3] offered epoch (0: none
+#: yet), ARGV[4] counter limit (a counter there needs a new epoch), ARGV[5] the grant's secret.
 #: The value is ``epoch:counter:sha1(secret):holder``: Redis never holds the secret itself.
 #: Returns {OK, value} | {BUSY, value} | {NEED_EPOCH, stored epoch}.
 ACQUIRE_LUA = lua("""
@@ -122,51 +104,6 @@ redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
 return {OK, value}
 """)
 
-#: The owner's proof, shared by renew and release (and Redlock's nodes, whose values have no
-#: token prefix). ARGV: the value's token prefix (``epoch:counter:``, or "" on Redlock), holder,
-#: secret. ``owned`` is the value only the secret's owner can name; ``refused()`` tells a
-#: forged grant (token prefix and holder match, hash does not: :attr:`Reply.NOT_OWNER`) from
-#: a grant that expired or was taken over (:attr:`Reply.LOST`).
-_OWNER_LUA = """
-local owned = ARGV[1] .. redis.sha1hex(ARGV[3]) .. ':' .. ARGV[2]
-local function refused()
-  local current = redis.call('GET', KEYS[1]) or ''
-  if string.sub(current, 1, #ARGV[1]) == ARGV[1]
-      and string.sub(current, #ARGV[1] + 41) == ':' .. ARGV[2] then
-    return NOT_OWNER
-  end
-  return LOST
-end
-"""
-
-#: KEYS: lock. ARGV: token prefix, holder, secret, ttl ms. Compare-and-PEXPIRE.
-RENEW_LUA = lua(
-    _OWNER_LUA
-    + """
-if redis.call('GET', KEYS[1]) == owned then
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  return OK
-end
-return refused()
-"""
-)
-
-#: KEYS: lock, wake. ARGV: token prefix, holder, secret, wake ttl ms.
-#: Compare-and-delete, then wake one waiter; the counter in ``fence`` is never deleted.
-RELEASE_LUA = lua(
-    _OWNER_LUA
-    + """
-if redis.call('GET', KEYS[1]) == owned then
-  redis.call('DEL', KEYS[1])
-  redis.call('RPUSH', KEYS[2], '1')
-  redis.call('LTRIM', KEYS[2], 0, 0)
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
-  return OK
-end
-return refused()
-"""
-)
-
 #: KEYS: lock, wake, fence. ARGV: epoch, counter (the token to revoke), wake ttl ms, the lock
 #: value's prefix for that token (``epoch:counter:``).
 #: Compare-and-revoke: only while the stored token is still the one given, free the name (if
@@ -186,34 +123,6 @@ redis.call('LTRIM', KEYS[2], 0, 0)
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return {OK, state[1], counter}
 """)
-
-
-@dataclass(frozen=True)
-class LeaseKeys:
-    """The keys of one name; ``{...}`` is the Redis Cluster hash tag, so they share a slot."""
-
-    lock: str
-    fence: str
-    wake: str
-
-    @classmethod
-    def of(cls, prefix: str, name: str) -> LeaseKeys:
-        return _lease_keys(prefix, validate_name(name))
-
-    @staticmethod
-    def name_of(prefix: str, fence_key: str) -> str:
-        escaped = fence_key[len(prefix) + 1 : -len("}:fence")]
-        return escaped.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
-
-
-@functools.lru_cache(maxsize=1024)
-def _lease_keys(prefix: str, name: str) -> LeaseKeys:
-    """Cached: every acquire, renew and release needs the keys, and escaping the name costs
-    more than the rest of building the call."""
-    # Braces inside the name would move the hash tag; escaping keeps the mapping one-to-one.
-    escaped = name.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-    base = f"{prefix}{{{escaped}}}"
-    return LeaseKeys(lock=f"{base}:lock", fence=f"{base}:fence", wake=f"{base}:wake")
 
 
 def token_of(value: str) -> tuple[int, str]:
@@ -248,18 +157,43 @@ class Backend(LeaseBackend):
         {Capability.NATIVE_FENCING, Capability.WAIT_WITHOUT_POLLING, Capability.FORCE_RELEASE}
     )
 
+    known_options = frozenset(
+        {"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT"}
+    )
+
+    @classmethod
+    def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
+        """Also: exactly one of ``CACHE`` (a django-redis alias in ``CACHES``) and ``URL``
+        (well formed), a usable ``PREFIX`` and a positive ``SOCKET_TIMEOUT``."""
+        problems = super().check_options(alias, options)
+        cache, url = options.get("CACHE"), options.get("URL")
+        if (cache is None) == (url is None):
+            problems.append(
+                f'LEASES["BACKENDS"][{alias!r}] needs exactly one of "CACHE" (a django-redis '
+                'cache alias) or "URL"'
+            )
+        elif cache is not None:
+            problems += cache_problems(alias, "CACHE", cache)
+        else:
+            problems += url_problems(alias, "URL", str(url))
+        problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
+        problems += positive_problems(alias, "SOCKET_TIMEOUT", options.get("SOCKET_TIMEOUT", 5.0))
+        return problems
+
+    @classmethod
+    def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:
+        """Where the epochs come from (see the module's docstring)."""
+        return frozenset({str(options.get("EPOCH_DATABASE", "default"))})
+
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
         super().__init__(alias, options)
-        check_options(alias, options, OPTIONS)
-        self.prefix = check_prefix(alias, options.get("PREFIX", "leases:"))
-        self.epochs = DurableCounter(alias, str(options.get("EPOCH_DATABASE", "default")))
+        self.prefix: str = options.get("PREFIX", "leases:")
+        (epochs,) = self.databases(options)
+        self.epochs = DurableCounter(alias, epochs)
         self.epoch_resource = f"leases.redis-epoch:{self.prefix}"
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
-        connect_args = (options.get("CACHE"), options.get("URL"))
-        if (connect_args[0] is None) == (connect_args[1] is None):
-            connect(alias, *connect_args, 1.0)  # raises the configuration error now
 
     @property
     def client(self) -> Any:
@@ -286,7 +220,7 @@ class Backend(LeaseBackend):
 
     def _run(self, script: str, keys: list[str], args: list[object]) -> Any:
         client = self.client
-        with edge(self.alias, script):
+        with Edge(self.alias, script):
             return self._scripts[script](keys=keys, args=args, client=client)
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
@@ -329,14 +263,14 @@ class Backend(LeaseBackend):
         """
         if timeout < 0.001:  # nothing to wait for
             return False
-        with edge(self.alias, "wait"):
+        with Edge(self.alias, "wait"):
             return blpop(self.client, LeaseKeys.of(self.prefix, name).wake, timeout) is not None
 
     def inspect(self, name: str) -> LeaseInfo | None:
         keys = LeaseKeys.of(self.prefix, name)
         pipe = self.client.pipeline(transaction=False)
         pipe.get(keys.lock).pttl(keys.lock).hmget(keys.fence, "epoch", "counter")
-        with edge(self.alias, "inspect"):
+        with Edge(self.alias, "inspect"):
             value, pttl, (epoch, counter) = pipe.execute()
         if value is not None:
             token, holder = token_of(text(value))
@@ -348,10 +282,12 @@ class Backend(LeaseBackend):
 
     def inspect_all(self) -> list[LeaseInfo]:
         """Every name with a counter, by ``SCAN`` (never ``KEYS``): operators' views only."""
-        with edge(self.alias, "inspect_all"):
+        with Edge(self.alias, "inspect_all"):
             found = {
-                LeaseKeys.name_of(self.prefix, text(key))
-                for key in self.client.scan_iter(match=f"{self.prefix}{{*}}:fence", count=1000)
+                LeaseKeys.name_of(self.prefix, text(key), "fence")
+                for key in self.client.scan_iter(
+                    match=LeaseKeys.pattern(self.prefix, "fence"), count=1000
+                )
             }
         infos = (self.inspect(name) for name in sorted(found))
         return [info for info in infos if info is not None]

@@ -41,11 +41,7 @@ is unavailable, the quorum is given back and the grant refused with
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
-import queue
 import random
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -55,32 +51,25 @@ import redis
 from django.utils.module_loading import import_string
 
 from .. import conf
-from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
+from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._counter import DurableCounter
 from ._redis_io import (
     blpop_command,
-    check_options,
-    check_prefix,
-    connect,
+    cache_problems,
     eviction_problems,
     expires,
     ms,
-    receive,
-    send,
+    positive_problems,
+    prefix_problems,
     text,
+    url_problems,
 )
+from ._redis_nodes import FAILED, Node, Pending, ReplyDrain
+from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
-from .redis import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 
 __all__ = ["REVOKE_LUA", "Backend", "node_value"]
 
-logger = logging.getLogger("leases")
-
-OPTIONS = frozenset({"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_DATABASE"})
-
-
-#: What :meth:`Backend._fan_out` records for a node that failed or timed out.
-FAILED = object()
 
 #: KEYS: lock, wake. ARGV: the exact value a quorum holds, wake ttl ms. An operator's
 #: revocation (:meth:`Backend.force_release`), after the token moved on: compare-and-delete the
@@ -100,86 +89,8 @@ return LOST
 def node_value(holder: str, secret: str) -> str:
     """What a grant sets on the nodes: ``sha1(secret):holder``. Unique per grant, and only the
     secret's owner can prove it is theirs (the scripts hash what renew and release present,
-    as :data:`~leases.backends.redis.RENEW_LUA` does): the nodes never hold the secret."""
+    as :data:`~leases.backends._redis_scripts.RENEW_LUA` does): the nodes never hold the secret."""
     return f"{hashlib.sha1(secret.encode(), usedforsecurity=False).hexdigest()}:{holder}"
-
-
-class _Node:
-    """One Redis server's client (no retries, the short node timeout, no connect handshake)."""
-
-    def __init__(self, alias: str, location: str, timeout: float) -> None:
-        url = location if "://" in location else None
-        self.location = location
-        self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
-
-    def send(self, command: tuple[object, ...]) -> Any:
-        """Send ``command`` without waiting; ``None`` if the node could not be reached."""
-        try:
-            return send(self.client, command)
-        except (redis.RedisError, OSError):
-            return None
-
-    def answer(self, connection: Any, command: tuple[object, ...], deadline: float) -> Any:
-        """The reply to ``command`` sent on ``connection`` by ``deadline``, or :data:`FAILED`.
-
-        A reply that arrived while an earlier node was awaited is read at once (the last
-        millisecond is granted even past the deadline, for one already in the socket)."""
-        if connection is None:
-            return FAILED
-        try:
-            return receive(
-                self.client, connection, command, max(0.001, deadline - time.monotonic())
-            )
-        except (redis.RedisError, OSError):
-            return FAILED
-
-    def close(self) -> None:
-        if "://" in self.location:
-            self.client.close()
-
-
-class _Drain:
-    """One thread per backend and process that reads the replies no caller waits for.
-
-    A try that failed gives its key back on every node, but must not wait another node
-    timeout for hung nodes to confirm: it sends the unlock and hands the connections here,
-    where the replies are read (bounded by the same deadline) and the connections returned to
-    their pools. Persistent, never a thread per call; made again in a forked child.
-    """
-
-    def __init__(self, alias: str) -> None:
-        self._name = f"leases-redlock-{alias}"
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._pid = 0
-
-    def put(self, pending: _Pending) -> None:
-        with self._lock:
-            if self._pid != os.getpid():
-                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
-                threading.Thread(target=self._run, args=(self._queue,), name=self._name,
-                                 daemon=True).start()  # fmt: skip
-            self._queue.put(pending)
-
-    @staticmethod
-    def _run(jobs: queue.SimpleQueue[_Pending | None]) -> None:
-        while (job := jobs.get()) is not None:
-            sent, command, deadline = job
-            for node, connection in sent:
-                try:
-                    node.answer(connection, command, deadline)
-                except Exception as exc:  # e.g. its client was closed meanwhile: never die
-                    logger.debug("leases: unlock reply from %s lost: %r", node.location, exc)
-
-    def stop(self) -> None:
-        with self._lock:
-            if self._pid == os.getpid():
-                self._queue.put(None)
-            self._pid = 0
-
-
-#: Commands in flight: (node, connection) pairs, the command, and the deadline for replies.
-_Pending = tuple[list[tuple[_Node, Any]], tuple[object, ...], float]
 
 
 class Backend(LeaseBackend):
@@ -189,36 +100,59 @@ class Backend(LeaseBackend):
     #: the wait (bounded by the Lease layer's backoff) instead of being woken.
     capabilities = frozenset({Capability.WAIT_WITHOUT_POLLING, Capability.FORCE_RELEASE})
 
-    def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
-        super().__init__(alias, options)
-        check_options(alias, options, OPTIONS)
+    known_options = frozenset({"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_DATABASE"})
+
+    @classmethod
+    def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
+        """Also: ``NODES`` is a non-empty list of well-formed Redis URLs or django-redis cache
+        aliases, ``NODE_TIMEOUT`` is positive, ``PREFIX`` is usable. (Fewer than 3 nodes is a
+        deploy warning: it works, but one node's failure stops every grant.)"""
+        problems = super().check_options(alias, options)
         nodes = options.get("NODES")
         if not isinstance(nodes, list | tuple) or not nodes:
-            raise LeasesImproperlyConfigured(
+            problems.append(
                 f'LEASES["BACKENDS"][{alias!r}]["NODES"] must be a non-empty list of Redis URLs '
                 "or cache aliases (3 or 5 independent servers)"
             )
-        self.locations = [str(node) for node in nodes]
+            nodes = []
+        for node in nodes:
+            if isinstance(node, str) and "://" in node:
+                problems += url_problems(alias, "NODES", node)
+            else:
+                problems += cache_problems(alias, "NODES", node)
+        problems += positive_problems(alias, "NODE_TIMEOUT", options.get("NODE_TIMEOUT", 0.05))
+        problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
+        return problems
+
+    @classmethod
+    def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:
+        """The token source's database (also read by :meth:`inspect` with a custom source)."""
+        return frozenset({str(options.get("TOKEN_DATABASE", "default"))})
+
+    def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
+        super().__init__(alias, options)
+        self.locations = [str(node) for node in options["NODES"]]
         self.quorum = len(self.locations) // 2 + 1
-        self.prefix = check_prefix(alias, options.get("PREFIX", "leases:"))
+        self.prefix: str = options.get("PREFIX", "leases:")
         self.node_timeout = float(options.get("NODE_TIMEOUT", 0.05))
-        self.counter = DurableCounter(alias, str(options.get("TOKEN_DATABASE", "default")))
+        (tokens,) = self.databases(options)
+        self.counter = DurableCounter(alias, tokens)
         source = options.get("TOKEN_SOURCE", "database")
         self._source_is_database = source == "database"
         self.next_token: Callable[[str], int] = (
             self.counter.bump_lease if self._source_is_database else import_string(str(source))
         )
-        self._nodes: list[_Node] | None = None
-        self._drain = _Drain(alias)
+        self._nodes: list[Node] | None = None
+        self._drain = ReplyDrain(alias)
 
     @property
-    def nodes(self) -> list[_Node]:
+    def nodes(self) -> list[Node]:
         """Clients made on first use (never at import); a race makes spare clients, no harm."""
         if self._nodes is None:
-            self._nodes = [_Node(self.alias, loc, self.node_timeout) for loc in self.locations]
+            self._nodes = [Node(self.alias, loc, self.node_timeout) for loc in self.locations]
         return self._nodes
 
-    def _send_all(self, command: tuple[object, ...]) -> _Pending:
+    def _send_all(self, command: tuple[object, ...]) -> Pending:
         """Send ``command`` to every node at once; replies are due one node timeout from now.
 
         Sending never waits on a node (connections make no handshake), so the nodes work in
@@ -371,7 +305,7 @@ class Backend(LeaseBackend):
 
     def inspect_all(self) -> list[LeaseInfo]:
         """Names with a lock key on any live node, by ``SCAN`` (never ``KEYS``)."""
-        pattern = f"{self.prefix}{{*}}:lock"
+        pattern = LeaseKeys.pattern(self.prefix, "lock")
         names: set[str] = set()
         for node in self.nodes:
             try:
@@ -379,7 +313,7 @@ class Backend(LeaseBackend):
             except redis.RedisError:
                 continue
             for key in found:
-                names.add(LeaseKeys.name_of(self.prefix, text(key)[: -len("lock")] + "fence"))
+                names.add(LeaseKeys.name_of(self.prefix, text(key), "lock"))
         infos = (self.inspect(name) for name in sorted(names))
         return [info for info in infos if info is not None]
 

@@ -1,0 +1,106 @@
+"""Redlock's nodes: a request sent to every Redis server at once, replies read by one deadline.
+
+Sending never waits on a node (connections make no handshake), so the nodes work in parallel
+and a hung one costs no more than a live one until the replies are read; replies nobody waits
+for (a failed try's unlock) are read by one persistent thread, never a thread per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import redis
+
+from ._redis_io import connect, receive, send
+
+__all__ = ["FAILED", "Node", "Pending", "ReplyDrain"]
+
+logger = logging.getLogger("leases")
+
+#: What :meth:`Node.answer` returns for a node that failed or did not answer in time.
+FAILED = object()
+
+
+class Node:
+    """One Redis server's client (no retries, the short node timeout, no connect handshake)."""
+
+    def __init__(self, alias: str, location: str, timeout: float) -> None:
+        url = location if "://" in location else None
+        self.location = location
+        self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
+
+    def send(self, command: tuple[object, ...]) -> Any:
+        """Send ``command`` without waiting; ``None`` if the node could not be reached."""
+        try:
+            return send(self.client, command)
+        except (redis.RedisError, OSError):
+            return None
+
+    def answer(self, connection: Any, command: tuple[object, ...], deadline: float) -> Any:
+        """The reply to ``command`` sent on ``connection`` by ``deadline``, or :data:`FAILED`.
+
+        A reply that arrived while an earlier node was awaited is read at once (the last
+        millisecond is granted even past the deadline, for one already in the socket)."""
+        if connection is None:
+            return FAILED
+        try:
+            return receive(
+                self.client, connection, command, max(0.001, deadline - time.monotonic())
+            )
+        except (redis.RedisError, OSError):
+            return FAILED
+
+    def close(self) -> None:
+        if "://" in self.location:
+            self.client.close()
+
+
+class ReplyDrain:
+    """One thread per backend and process that reads the replies no caller waits for.
+
+    A try that failed gives its key back on every node, but must not wait another node
+    timeout for hung nodes to confirm: it sends the unlock and hands the connections here,
+    where the replies are read (bounded by the same deadline) and the connections returned to
+    their pools. Persistent, never a thread per call; made again in a forked child.
+    """
+
+    def __init__(self, alias: str) -> None:
+        self._name = f"leases-redlock-{alias}"
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
+        self._pid = 0
+
+    def put(self, pending: Pending) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
+                reader = threading.Thread(
+                    target=self._run, args=(self._queue,), name=self._name, daemon=True
+                )
+                reader.start()
+            self._queue.put(pending)
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[Pending | None]) -> None:
+        while (job := jobs.get()) is not None:
+            sent, command, deadline = job
+            for node, connection in sent:
+                try:
+                    node.answer(connection, command, deadline)
+                except Exception as exc:  # e.g. its client was closed meanwhile: never die
+                    logger.debug("leases: unlock reply from %s lost: %r", node.location, exc)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                self._queue.put(None)
+            self._pid = 0
+
+
+#: Commands in flight: (node, connection) pairs, the command, and the deadline for replies.
+Pending = tuple[list[tuple[Node, Any]], tuple[object, ...], float]

@@ -1,0 +1,130 @@
+"""Plain ``manage.py check`` catches a misconfigured backend, asking its class, never a store;
+``check --deploy`` reports instead of crashing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.core.checks import CheckMessage, run_checks
+from django.db import connections
+from django.test import override_settings
+
+from leases.admin import database_backend_alias
+from leases.checks import check_advisory_database, check_backends
+
+pytestmark = pytest.mark.django_db
+
+DATABASE = {"ENGINE": "leases.backends.database"}
+LOCMEM = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+
+
+def leases_checks(backends: dict[str, Any], *, deploy: bool = False) -> list[CheckMessage]:
+    with override_settings(LEASES={"BACKENDS": {"default": DATABASE, **backends}}):
+        messages = run_checks(include_deployment_checks=deploy)
+    return [m for m in messages if str(m.id).startswith("leases.")]
+
+
+def ids(messages: list[CheckMessage]) -> list[str]:
+    return sorted(str(m.id) for m in messages)
+
+
+@pytest.mark.parametrize("engine", ["leases.backends.nowhere", "leases.keys", "", "..x"])
+def test_an_engine_that_is_no_backend_is_an_error(engine: str) -> None:
+    messages = leases_checks({"broken": {"ENGINE": engine}})
+    assert ids(messages) == ["leases.E004"]
+    assert "'broken'" in messages[0].msg and messages[0].hint
+
+
+def test_a_misspelt_option_is_an_error() -> None:
+    messages = leases_checks({"db": {**DATABASE, "DATABSE": "default"}})
+    assert ids(messages) == ["leases.E005"]
+    assert "'DATABSE'" in messages[0].msg and "DATABASE" in messages[0].msg
+
+
+def test_redis_needs_an_existing_django_redis_cache() -> None:
+    with override_settings(CACHES={"default": LOCMEM}):
+        missing = leases_checks({"redis": {"ENGINE": "leases.backends.redis", "CACHE": "nope"}})
+        locmem = leases_checks({"redis": {"ENGINE": "leases.backends.redis", "CACHE": "default"}})
+    assert ids(missing) == ids(locmem) == ["leases.E005"]
+    assert "not an alias of CACHES" in missing[0].msg
+    assert "not a django-redis one" in locmem[0].msg
+
+
+def test_redis_needs_one_of_cache_and_url() -> None:
+    messages = leases_checks({"redis": {"ENGINE": "leases.backends.redis"}})
+    assert ids(messages) == ["leases.E005"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"NODES": []},
+        {"NODES": "redis://a:6379/0"},
+        {"NODES": ["redis//a:6379/0", "redis://b:6379/0", "redis://c:6379/0"]},
+        {"NODES": ["http://a:6379/0", "redis://b:6379/0", "redis://c:6379/0"]},
+        {"NODES": ["redis://a:port/0", "redis://b:6379/0", "redis://c:6379/0"]},
+        {"NODES": ["redis://a:6379/0", "redis://b:6379/0", "redis://c:6379/0"], "NODE_TIMEOUT": 0},
+    ],
+)
+def test_malformed_redlock_nodes_are_an_error(options: dict[str, Any]) -> None:
+    messages = leases_checks({"redlock": {"ENGINE": "leases.backends.redlock", **options}})
+    assert ids(messages) == ["leases.E005"]
+
+
+def test_well_formed_backends_pass_without_connecting() -> None:
+    nodes = ["redis://127.0.0.1:1/0", "rediss://127.0.0.1:2/0", "unix:///tmp/none.sock"]
+    messages = leases_checks(
+        {
+            "redis": {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0"},
+            "redlock": {"ENGINE": "leases.backends.redlock", "NODES": nodes},
+        }
+    )
+    assert messages == []
+
+
+def test_check_deploy_reports_a_missing_cache_instead_of_crashing() -> None:
+    backends = {
+        "redis": {"ENGINE": "leases.backends.redis", "CACHE": "nope"},
+        "broken": {"ENGINE": "leases.backends.nowhere"},
+    }
+    messages = leases_checks(backends, deploy=True)
+    assert ids(messages) == ["leases.E004", "leases.E005"]
+
+
+@pytest.fixture
+def lite() -> Iterator[str]:
+    """A SQLite alias that is configured but never connected to: only its vendor is read."""
+    connections.settings["lite"] = {
+        **connections["default"].settings_dict,
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": ":memory:",
+    }
+    try:
+        yield "lite"
+    finally:
+        del connections["lite"]
+        connections.settings.pop("lite", None)
+
+
+def test_every_database_a_backend_uses_must_be_postgresql(lite: str) -> None:
+    backends = {
+        "default": DATABASE,
+        "redis": {"ENGINE": "leases.backends.redis", "CACHE": "default", "EPOCH_DATABASE": lite},
+    }
+    with override_settings(LEASES={"BACKENDS": backends}):
+        errors = check_advisory_database()
+        assert check_backends() == []
+    assert [e.id for e in errors] == ["leases.E002"]
+    assert "'lite' is sqlite" in errors[0].msg
+
+
+def test_the_admin_finds_the_lease_rows_by_capability() -> None:
+    backends = {
+        "default": {"ENGINE": "leases.backends.redis", "CACHE": "default"},
+        "broken": {"ENGINE": "leases.backends.nowhere"},
+        "rows": DATABASE,
+    }
+    with override_settings(LEASES={"BACKENDS": backends}):
+        assert database_backend_alias() == "rows"
