@@ -23,7 +23,9 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils import timezone
+from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
+from django.utils.timesince import timesince
 
 from . import conf, operations
 from .backends import Capability, backend_class, get_backend
@@ -55,6 +57,17 @@ def humanize_delta(delta: timedelta | None) -> str:
         return "—"
     seconds = delta.total_seconds()
     return f"{seconds:.1f}s" if seconds > 0 else f"expired {-seconds:.1f}s ago"
+
+
+def holder_cell(raw: str) -> str:
+    """A holder identity as two short lines: ``host · pid`` over ``thread · label``."""
+    if not raw:
+        return "—"
+    parts = operations.parse_holder(raw)
+    if parts.pid is None:
+        return format_html("{}", raw)
+    second = " · ".join(p for p in (f"thread {parts.thread}", parts.label) if p)
+    return format_html("{} · pid {}<br><small>{}</small>", parts.host, parts.pid, second)
 
 
 def see_also_links() -> list[tuple[str, str]]:
@@ -123,19 +136,7 @@ class _ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 @admin.register(Lease)
 class LeaseAdmin(_ReadOnlyAdmin):
-    list_display = [
-        "name",
-        "state",
-        "holder_host",
-        "holder_pid",
-        "holder_thread",
-        "holder_label",
-        "token",
-        "acquired_at",
-        "expires_in",
-        "renewed_at",
-        "backend",
-    ]
+    list_display = ["name", "state", "holder_parts", "token", "held_for", "expires_in", "backend"]
     list_filter = [LeaseStateFilter]
     search_fields = ["name"]
     actions = ["force_release"]
@@ -151,21 +152,16 @@ class LeaseAdmin(_ReadOnlyAdmin):
         """The same three states as the filter, on the web server's clock (a hint)."""
         return operations.row_state(obj)
 
-    @admin.display(description="host")
-    def holder_host(self, obj: Lease) -> str:
-        return operations.parse_holder(obj.holder).host or obj.holder
+    @admin.display(description="holder", ordering="holder")
+    def holder_parts(self, obj: Lease) -> str:
+        """Host and pid on the first line, thread and label on a second (fits 1400 px)."""
+        return holder_cell(obj.holder)
 
-    @admin.display(description="pid")
-    def holder_pid(self, obj: Lease) -> int | None:
-        return operations.parse_holder(obj.holder).pid
-
-    @admin.display(description="thread")
-    def holder_thread(self, obj: Lease) -> str:
-        return operations.parse_holder(obj.holder).thread
-
-    @admin.display(description="label")
-    def holder_label(self, obj: Lease) -> str:
-        return operations.parse_holder(obj.holder).label
+    @admin.display(description="held for", ordering="acquired_at")
+    def held_for(self, obj: Lease) -> str:
+        if operations.row_state(obj) != "held" or obj.acquired_at is None:
+            return "—"
+        return timesince(obj.acquired_at)
 
     @admin.display(description="expires in", ordering="expires_at")
     def expires_in(self, obj: Lease) -> str:
@@ -281,16 +277,21 @@ class BackendLeaseAdmin(_ReadOnlyAdmin):
             raise PermissionDenied
         infos, errors = operations.all_leases()
         now = timezone.now()
-        rows = [
-            (info, operations.parse_holder(info.holder), operations.expires_in(info, now))
-            for info in infos
-        ]
+        rows = []
+        for info in infos:
+            state = operations.lease_state(info)
+            since = info.acquired_at if state == "held" else None
+            held_for = timesince(since, now) if since is not None else "—"
+            left = humanize_delta(operations.expires_in(info, now))
+            rows.append((info, state, holder_cell(info.holder), held_for, left))
+        try:
+            waiters = operations.lease_waiters()
+        except PermissionDenied:  # no database has the leases tables: nobody waits in one
+            waiters = []
         context = self.section_context(
             request,
-            rows=[
-                (info, operations.lease_state(info), holder, humanize_delta(left))
-                for info, holder, left in rows
-            ],
+            rows=rows,
+            waiters=waiters,
             errors=errors,
             can_release=request.user.has_perm(operations.FORCE_RELEASE_PERMISSION),
         )

@@ -39,6 +39,7 @@ __all__ = [
     "all_leases",
     "force_release",
     "lease_state",
+    "lease_waiters",
     "parse_holder",
     "remember_advisory_names",
     "row_state",
@@ -59,7 +60,8 @@ ADVISORY_LOCKS_SQL = """
 SELECT l.pid, l.mode, l.granted, l.objsubid, l.classid::bigint, l.objid::bigint,
        n.name, a.application_name, host(a.client_addr), a.usename, a.state,
        COALESCE(l.waitstart, a.xact_start, a.state_change, a.backend_start) AS since,
-       a.query, a.wait_event_type
+       a.query, a.wait_event_type,
+       CASE WHEN l.granted THEN '{}'::int[] ELSE pg_blocking_pids(l.pid) END
 FROM pg_locks l
 JOIN pg_stat_activity a ON a.pid = l.pid
 LEFT JOIN leases_advisory_name n
@@ -96,10 +98,23 @@ class AdvisoryLockRow:
     since: datetime | None
     query: str
     wait_event_type: str
+    #: For a waiting row: the sessions it waits for (``pg_blocking_pids``).
+    blocked_by: tuple[int, ...] = ()
+    #: When a lease backend took this lock itself: the lease whose waiting room it is.
+    room_of: str = ""
+    #: The signed 64-bit key of a one-argument lock (``None`` for the two-int4 form).
+    key64: int | None = None
 
     @property
     def status(self) -> str:
         return "held" if self.granted else "WAITING"
+
+    @property
+    def label(self) -> str:
+        """What an operator should read: the name, the waiting room's lease, or the key."""
+        if self.room_of:
+            return f"waiting room of lease {self.room_of!r}"
+        return self.name or self.key
 
     @property
     def shared(self) -> bool:
@@ -109,8 +124,7 @@ class AdvisoryLockRow:
 def _key_text(objsubid: int, classid: int, objid: int) -> str:
     if objsubid == 2:  # the two-int4 form: both halves are signed 32-bit keys
         return f"({_signed32(classid)}, {_signed32(objid)})"
-    unsigned = (classid << 32) | objid
-    signed = unsigned - (1 << 64) if unsigned >= 1 << 63 else unsigned
+    signed = _signed64(classid, objid)
     assert split_key(signed) == (classid, objid)
     return str(signed)
 
@@ -161,12 +175,22 @@ def advisory_locks(using: str | None = None) -> list[AdvisoryLockRow]:
     using = advisory_database(using)
     with connections[using].cursor() as cursor:
         cursor.execute(ADVISORY_LOCKS_SQL)
-        return [_advisory_row(row) for row in cursor.fetchall()]
+        found = cursor.fetchall()
+    rooms = _waiting_rooms() if found else {}
+    return [_advisory_row(row, rooms) for row in found]
 
 
-def _advisory_row(row: tuple[Any, ...]) -> AdvisoryLockRow:
+def lease_waiters(using: str | None = None) -> list[AdvisoryLockRow]:
+    """Who waits for which lease, from the waiting rooms: the one inside the room (granted)
+    is next in line, the others queue behind it. Waiters a backend does not queue in a room
+    (Redis's, or overflow past the room's limits) are not visible here."""
+    return [row for row in advisory_locks(using) if row.room_of]
+
+
+def _advisory_row(row: tuple[Any, ...], rooms: dict[int, str]) -> AdvisoryLockRow:
     (pid, mode, granted, objsubid, classid, objid, name, application, client, user) = row[:10]
-    state, since, query, wait_event_type = row[10:]
+    state, since, query, wait_event_type, blocked_by = row[10:]
+    key64 = _signed64(classid, objid) if objsubid == 1 else None
     return AdvisoryLockRow(
         pid=pid,
         mode=mode,
@@ -180,7 +204,29 @@ def _advisory_row(row: tuple[Any, ...]) -> AdvisoryLockRow:
         since=since,
         query=query or "",
         wait_event_type=wait_event_type or "",
+        blocked_by=tuple(blocked_by or ()),
+        room_of=rooms.get(key64, "") if key64 is not None else "",
+        key64=key64,
     )
+
+
+def _signed64(classid: int, objid: int) -> int:
+    unsigned = (classid << 32) | objid
+    return unsigned - (1 << 64) if unsigned >= 1 << 63 else unsigned
+
+
+def _waiting_rooms() -> dict[int, str]:
+    """Every backend's internal advisory keys (waiting rooms) -> the lease they are for.
+
+    A backend that is down only loses its labels: the page must still show the locks.
+    """
+    rooms: dict[int, str] = {}
+    for alias in conf.get().backends:
+        try:
+            rooms.update(get_backend(alias).internal_advisory_locks())
+        except (LeaseError, NotImplementedError):
+            continue
+    return rooms
 
 
 def all_leases() -> tuple[list[LeaseInfo], dict[str, str]]:

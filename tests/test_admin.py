@@ -259,3 +259,54 @@ def test_no_page_shows_the_grant_secret_or_its_hash(client: Client, lock_scene: 
         content = client.get(page).content.decode()
         assert "secret" not in content.lower()  # ... no page shows it
         assert bytes(row.secret_hash).hex() not in content
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lease_waiters_are_listed_and_their_rooms_labelled(client: Client) -> None:
+    """Two waiters for a held lease: the one in the waiting room is next in line, the other
+    queues behind it; the advisory page names the room instead of showing a bare key."""
+    import threading
+    import uuid
+
+    from leases.lease import acquire
+    from leases.operations import lease_waiters
+    from tests.waiting import wait_until
+
+    name = f"waited-{uuid.uuid4().hex[:8]}"
+    held = acquire(name, ttl=30)
+    got: list[Any] = []
+
+    def wait_for_it() -> None:
+        from django.db import connection
+
+        try:
+            lease = acquire(name, ttl=30, timeout=20, holder=f"waiter-{threading.get_ident()}")
+            got.append(lease)
+            lease.release()
+        finally:
+            connection.close()
+
+    waiters = [threading.Thread(target=wait_for_it) for _ in range(2)]
+    try:
+        for thread in waiters:
+            thread.start()
+        wait_until(lambda: len(lease_waiters()) == 2, 10, "two waiters in the room's queue")
+        rows = lease_waiters()
+        assert {row.room_of for row in rows} == {name}
+        inside = [row for row in rows if row.granted]
+        queued = [row for row in rows if not row.granted]
+        assert len(inside) == 1 and len(queued) == 1
+        assert inside[0].pid in queued[0].blocked_by
+
+        login(client, "view_lease")
+        page = client.get(EVERY_BACKEND).content.decode()
+        assert f'<tr class="lease-waiter" data-name="{name}">' in page
+        assert "next in line" in page and f"queued behind pid {inside[0].pid}" in page
+        assert f'data-name="{name}">\n<td>{name}</td><td class="state">held</td>' in page
+        advisory = client.get(ADVISORY).content.decode()
+        assert f"waiting room of lease &#x27;{name}&#x27;" in advisory
+    finally:
+        held.release()
+        for thread in waiters:
+            thread.join(30)
+    assert len(got) == 2

@@ -210,6 +210,15 @@ class LeaseBackend(abc.ABC):
         """
         raise BackendNotSupported(self.alias, Capability.FORCE_RELEASE.value)
 
+    def internal_advisory_locks(self) -> dict[int, str]:
+        """PostgreSQL advisory keys this backend locks for its own purposes, and for which lease.
+
+        Operators' views use it to show such a lock as, say, the waiting room of lease ``x``
+        (and its waiters as the lease's waiters) instead of an anonymous 64-bit key. Backends
+        that take no advisory locks return nothing.
+        """
+        return {}
+
     def deploy_checks(self) -> list[str]:
         """Problems found by talking to the store (reachability, eviction policy).
 

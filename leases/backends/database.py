@@ -34,7 +34,7 @@ from django.db import connections
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
-from ._waiting_room import ROOM_CONNECTIONS, ROOM_TIMEOUT, WaitingRoom
+from ._waiting_room import ROOM_CONNECTIONS, ROOM_TIMEOUT, WaitingRoom, room_key
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_TIMEOUT", "Backend"]
@@ -119,6 +119,10 @@ INSPECT_SQL = """
 SELECT name, holder, token, acquired_at, LEAST(expires_at, '9999-12-30 00:00:00+00'),
        renewed_at, meta, holder <> '' AND expires_at > clock_timestamp()
 FROM leases_lease WHERE name = %(name)s::text
+"""
+#: Names someone holds now: only these can have waiters in their waiting rooms.
+HELD_NAMES_SQL = """
+SELECT name FROM leases_lease WHERE holder <> '' AND expires_at > clock_timestamp()
 """
 INSPECT_ALL_SQL = """
 SELECT name, holder, token, acquired_at, LEAST(expires_at, '9999-12-30 00:00:00+00'),
@@ -270,6 +274,10 @@ class Backend(LeaseBackend):
 
     def inspect_all(self) -> list[LeaseInfo]:
         return [_info(row, self.alias) for row in self._run(INSPECT_ALL_SQL, {})]
+
+    def internal_advisory_locks(self) -> dict[int, str]:
+        """The waiting rooms of the names held now (a waiter only waits for a held name)."""
+        return {room_key(name): name for (name,) in self._run(HELD_NAMES_SQL, {})}
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
         row = self._run(FORCE_RELEASE_SQL, {"name": name, "token": token})[0]
