@@ -46,6 +46,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.transaction import TransactionManagementError
 from psycopg.pq import TransactionStatus
 
+from . import _advisory_names, conf
 from ._arguments import valid_timeout
 from .errors import (
     BackendNotSupported,
@@ -282,7 +283,15 @@ def _lock(name: LockKey, shared: bool, using: str) -> AdvisoryLock:
 
 @functools.lru_cache(maxsize=1024)
 def _cached_lock(name: str, shared: bool, using: str) -> AdvisoryLock:
-    return AdvisoryLock(name=name, key=advisory_key(name), shared=shared, using=using)
+    """Built once per name (per process, while cached): also where a name gets recorded."""
+    lock = AdvisoryLock(name=name, key=advisory_key(name), shared=shared, using=using)
+    try:
+        record = conf.get().record_advisory_names
+    except LeaseError:  # a broken LEASES setting is manage.py check's to report, not a lock's
+        record = False
+    if record:
+        _advisory_names.note(name, using)
+    return lock
 
 
 class _LockBlock(ContextDecorator):

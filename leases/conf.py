@@ -40,6 +40,9 @@ DEFAULTS: dict[str, Any] = {
     "DRIFT_MIN": 0.002,
     # Label added to every holder identity (e.g. a deployment or service name).
     "HOLDER_LABEL": "",
+    # Record each advisory lock name on first use (from a background thread with a connection
+    # of its own), so operators' views show names instead of 64-bit keys.
+    "RECORD_ADVISORY_NAMES": True,
 }
 
 
@@ -61,6 +64,7 @@ class LeasesSettings:
     drift_factor: float
     drift_min: float
     holder_label: str
+    record_advisory_names: bool = True
 
     def retry_window(self, ttl: float) -> float:
         """Time between a renewal falling due and the holder's validity running out.
@@ -133,6 +137,8 @@ def problems() -> list[str]:
     label = raw.get("HOLDER_LABEL", "")
     if not isinstance(label, str) or not label.isprintable():
         found.append(f'{SETTING_NAME}["HOLDER_LABEL"] must be a string of printable characters')
+    if not isinstance(raw.get("RECORD_ADVISORY_NAMES", True), bool):
+        found.append(f'{SETTING_NAME}["RECORD_ADVISORY_NAMES"] must be True or False')
     return found
 
 
@@ -159,6 +165,7 @@ def get() -> LeasesSettings:
         drift_factor=float(raw["DRIFT_FACTOR"]),
         drift_min=float(raw["DRIFT_MIN"]),
         holder_label=str(raw["HOLDER_LABEL"]),
+        record_advisory_names=bool(raw["RECORD_ADVISORY_NAMES"]),
     )
 
 

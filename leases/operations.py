@@ -395,17 +395,19 @@ def _audit(user: Any, via: str, message: str, **fields: Any) -> Any:
     return record
 
 
-def remember_advisory_names(*names: str) -> None:
+def remember_advisory_names(*names: str, using: str | None = None) -> None:
     """Record ``name -> key`` so the admin and ``manage.py leases`` show advisory locks by name.
 
-    ``pg_locks`` only knows the 64-bit key. Call this once (an ``AppConfig.ready()``, a data
-    migration) with the names your code locks; it runs in autocommit outside any caller's
-    transaction and ignores names already recorded.
+    ``pg_locks`` only knows the 64-bit key. ``advisory.xact_lock``/``session_lock`` record each
+    name the first time a process locks it (in the background, ``RECORD_ADVISORY_NAMES``);
+    call this to record names ahead of time, e.g. in a data migration. It ignores names
+    already recorded. (Not from ``AppConfig.ready()``: no queries there.)
     """
     from .models import AdvisoryLockName
 
     rows = [AdvisoryLockName(key=_name_key(name), name=name) for name in names]
-    AdvisoryLockName.objects.bulk_create(rows, ignore_conflicts=True)
+    manager = AdvisoryLockName.objects if using is None else AdvisoryLockName.objects.using(using)
+    manager.bulk_create(rows, ignore_conflicts=True)
 
 
 def _name_key(name: str) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -347,3 +348,26 @@ def test_entered_or_decorating_locks_are_not_reported(recwarn: pytest.WarningsRe
 
     del never_called
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_names_are_recorded_in_the_background_on_first_use(
+    other: psycopg.Connection[Any],
+) -> None:
+    """No remember_advisory_names() call: the admin still shows the name, and the caller's
+    transaction carried no extra statement (a rollback does not lose the record either)."""
+    from django.test.utils import CaptureQueriesContext
+
+    from leases.models import AdvisoryLockName
+
+    name = f"recorded-{uuid.uuid4().hex[:8]}"
+    with CaptureQueriesContext(connection) as queries, transaction.atomic():
+        with advisory.xact_lock(name):
+            pass
+        transaction.set_rollback(True)
+    assert not [q for q in queries if "leases_advisory_name" in q["sql"]]
+    key = advisory_key(name)
+    wait_until(
+        lambda: AdvisoryLockName.objects.filter(key=key, name=name).exists(),
+        10,
+        "the name to be recorded by the background writer",
+    )
