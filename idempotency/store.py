@@ -31,7 +31,9 @@ from typing import Any
 from django.db import OperationalError, connections, transaction
 
 from leases.retry import Backoff
+from leases.signals import send
 
+from . import signals
 from .errors import IdempotencyKeyInProgress, IdempotencyKeyLost, IdempotencyKeyMismatch
 
 __all__ = ["Attempt", "Begun", "Claim", "Outcome", "Status", "begin", "finish", "release"]
@@ -222,12 +224,21 @@ def begin(
             if misses < _BEGIN_ATTEMPTS:
                 continue
             begun = Begun(Status.IN_PROGRESS, retry_after=1.0)
-        if begun.status is not Status.IN_PROGRESS:
-            return begun
-        delay = backoff.next_delay()
-        if delay is None:  # the wait's deadline has passed
+        # Done unless in progress with time left to wait (next_delay: None past the deadline).
+        if begun.status is not Status.IN_PROGRESS or (delay := backoff.next_delay()) is None:
+            _announce(begun, scope, key, using)
             return begun
         time.sleep(min(delay, max(begun.retry_after, 0.001)))
+
+
+def _announce(begun: Begun, scope: str, key: str, using: str) -> None:
+    """Tell receivers about a duplicate: a replay or a conflict (a new claim is not news)."""
+    if begun.status is Status.COMPLETED:
+        send(signals.replayed, using, scope=scope, key=key)
+    elif begun.status is Status.MISMATCH:
+        send(signals.conflict, using, scope=scope, key=key, reason="mismatch")
+    elif begun.status is Status.IN_PROGRESS:
+        send(signals.conflict, using, scope=scope, key=key, reason="in_progress")
 
 
 def finish(claim: Claim, outcome: Outcome, *, ttl: float) -> None:
@@ -244,6 +255,7 @@ def finish(claim: Claim, outcome: Outcome, *, ttl: float) -> None:
         cursor.execute(FINISH_SQL, params)
         stored = cursor.rowcount == 1
     if not stored:
+        send(signals.conflict, claim.using, scope=claim.scope, key=claim.key, reason="lost")
         raise IdempotencyKeyLost(claim.scope, claim.key)
 
 

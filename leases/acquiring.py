@@ -2,13 +2,17 @@
 
 Every argument is checked before the first round trip; the wait is bounded by ``timeout`` on
 every backend; a won grant becomes a held lease through :meth:`~leases.handle.Lease.start`.
+How long it took, and how much of that was waiting, goes out with ``lease_acquired`` (or
+``lease_acquire_failed``) and in the ``leases.acquire`` and ``leases.wait`` spans, so metrics
+and traces see the same numbers.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
-from . import conf
+from . import conf, signals, tracing
 from ._arguments import valid_timeout, valid_ttl, warn_if_too_short
 from .backends import Grant, LeaseBackend, get_backend
 from .errors import BackendUnavailable, LeaseAlreadyHeld, LeaseUnavailable
@@ -22,25 +26,48 @@ __all__ = ["acquire"]
 logger = logging.getLogger(__name__)
 
 
-def _grant(store: LeaseBackend, name: str, holder: str, ttl: float, timeout: float | None) -> Grant:
+@dataclass
+class _Timing:
+    """When an acquisition started, and how long it has spent waiting (monotonic seconds)."""
+
+    started: float = field(default_factory=SYSTEM_CLOCK.monotonic)
+    waited: float = 0.0
+
+    def elapsed(self) -> float:
+        return SYSTEM_CLOCK.monotonic() - self.started
+
+
+def _grant(
+    store: LeaseBackend,
+    name: str,
+    holder: str,
+    ttl: float,
+    timeout: float | None,
+    timing: _Timing,
+) -> Grant:
     """Try; then, in the name's waiting room, wait for a release (or a backoff delay) and
     try again, until the deadline."""
-    deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
+    deadline = None if timeout is None else timing.started + timeout
     grant = store.try_acquire(name, holder, ttl)
     if grant is not None:
         return grant
     if timeout == 0:
         raise LeaseUnavailable(name, timeout)
     backoff = Backoff(deadline=deadline)
-    with store.waiting_room(name, timeout):
-        while True:
-            grant = store.try_acquire(name, holder, ttl)
-            if grant is not None:
-                return grant
-            delay = backoff.next_delay()
-            if delay is None:
-                raise LeaseUnavailable(name, timeout)
-            _wait(store, name, delay)
+    waiting_since = SYSTEM_CLOCK.monotonic()
+    attributes = {"leases.name": name, "leases.backend": store.alias}
+    try:
+        with tracing.span("leases.wait", attributes), store.waiting_room(name, timeout):
+            while True:
+                grant = store.try_acquire(name, holder, ttl)
+                if grant is not None:
+                    return grant
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise LeaseUnavailable(name, timeout)
+                _wait(store, name, delay)
+    finally:
+        timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
 
 
 def _wait(store: LeaseBackend, name: str, delay: float) -> None:
@@ -85,6 +112,42 @@ def acquire(
         raise LeaseAlreadyHeld(name, held.holder)
     if keepalive:
         warn_if_too_short(ttl, settings)
-    grant = _grant(store, name, holder, ttl, timeout)
-    fraction = settings.renew_fraction if keepalive else None
-    return Lease.start(store, grant, on_lost=on_lost, renew_fraction=fraction, key=key)
+    attributes: tracing.Attributes = {
+        "leases.name": name,
+        "leases.backend": store.alias,
+        "leases.ttl": ttl,
+    }
+    with tracing.span("leases.acquire", attributes) as span:
+        grant, timing = _timed_grant(store, name, holder, ttl, timeout)
+        if span is not None:
+            span.set_attributes({"leases.token": grant.token, "leases.outcome": "acquired"})
+        fraction = settings.renew_fraction if keepalive else None
+        return Lease.start(
+            store,
+            grant,
+            on_lost=on_lost,
+            renew_fraction=fraction,
+            key=key,
+            elapsed=timing.elapsed(),
+            waited=timing.waited,
+        )
+
+
+def _timed_grant(
+    store: LeaseBackend, name: str, holder: str, ttl: float, timeout: float | None
+) -> tuple[Grant, _Timing]:
+    """:func:`_grant`, timed; giving up is announced with what it cost (``lease_acquired``
+    announces success, from :meth:`Lease.start`)."""
+    timing = _Timing()
+    try:
+        return _grant(store, name, holder, ttl, timeout, timing), timing
+    except Exception as exc:
+        signals.send(
+            signals.lease_acquire_failed,
+            store.alias,
+            name=name,
+            error=exc,
+            elapsed=timing.elapsed(),
+            waited=timing.waited,
+        )
+        raise

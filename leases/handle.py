@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import conf, keepalive, signals
+from . import conf, keepalive, signals, tracing
 from ._arguments import valid_ttl
 from .backends import Grant, LeaseBackend
 from .errors import LeaseLost, LeaseNotHeld
@@ -78,6 +78,8 @@ class Lease:
         on_lost: OnLost | None = None,
         renew_fraction: float | None = None,
         key: tuple[str, str, str] | None = None,
+        elapsed: float | None = None,
+        waited: float | None = None,
     ) -> Lease:
         """The one door from a grant to a held lease: handle, registry, signal, watchdog.
 
@@ -85,10 +87,14 @@ class Lease:
         its sender took) goes through here, so each held lease is registered against reentry
         (under ``key``, default: its holder), announced with ``lease_acquired``, watched until
         its validity runs out, and, with ``renew_fraction``, renewed in the background.
+        ``elapsed`` and ``waited`` are what the acquisition cost, for the signal (``None``
+        for an adopted grant, which this process did not wait for).
         """
         held = cls(store, grant, on_lost=on_lost)
         _register(held, key or (store.alias, grant.name, grant.holder))
-        signals.send(signals.lease_acquired, held.backend, lease=held)
+        signals.send(
+            signals.lease_acquired, held.backend, lease=held, elapsed=elapsed, waited=waited
+        )
         keepalive.watch(held)
         if renew_fraction is not None:
             keepalive.keep_alive(held, renew_fraction)
@@ -159,6 +165,9 @@ class Lease:
         except LeaseNotHeld as exc:  # our own secret refused: another grant holds the name now
             self._mark_lost(f"renewal refused: {exc}")
             raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc
+        except Exception as exc:  # no verdict (store unreachable): still held, for now
+            signals.send(signals.lease_renew_failed, self.backend, lease=self, error=exc)
+            raise
         with self._state:
             if not self.done:
                 self.grant = grant
@@ -180,8 +189,10 @@ class Lease:
             self._released = True
             lost_before = self._lost
         _unregister(self)
+        attributes = {"leases.name": self.name, "leases.backend": self.backend}
         try:
-            self._store.release(self.grant)
+            with tracing.span("leases.release", {**attributes, "leases.token": self.token}):
+                self._store.release(self.grant)
         except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
             if not lost_before:
                 self._report_lost(f"release refused: {exc}")
@@ -215,13 +226,36 @@ class Lease:
     def _report_lost(self, reason: str) -> None:
         with self._state:
             self._flag_lost(reason)
-        logger.warning("leases: lost %r (token %s): %s", self.name, self.token, reason)
+        cause = _LOSS_CAUSES.get(reason.partition(":")[0], "other")
+        logger.warning(
+            "leases: lost %r (token %s): %s",
+            self.name,
+            self.token,
+            reason,
+            extra={
+                "event": "lease_lost",
+                "lease": self.name,
+                "token": self.token,
+                "backend": self.backend,
+                "holder": self.holder,
+                "reason": reason,
+                "cause": cause,
+            },
+        )
         if self._on_lost is not None:
             try:
                 self._on_lost(self)
             except Exception:
                 logger.exception("leases: on_lost callback for %r raised", self.name)
-        signals.send(signals.lease_lost, self.backend, lease=self, reason=reason)
+        signals.send(signals.lease_lost, self.backend, lease=self, reason=reason, cause=cause)
+
+
+#: How a loss reason begins (every one is "<how>: <detail>") -> ``lease_lost``'s ``cause``.
+_LOSS_CAUSES = {
+    "expired": "expired",
+    "renewal refused": "renewal_refused",
+    "release refused": "release_refused",
+}
 
 
 def held_by(key: tuple[str, str, str]) -> Lease | None:

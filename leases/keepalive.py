@@ -240,6 +240,14 @@ class _Renewal:
             exc,
             delay,
             left,
-            extra={"event": "renew_failed", "lease": lease.name, "token": lease.token},
+            extra={
+                "event": "renew_failed",
+                "lease": lease.name,
+                "token": lease.token,
+                "backend": lease.backend,
+                "reason": str(exc),
+                "retry_in": delay,
+                "remaining": left,
+            },
         )
         return lease.clock.monotonic() + delay

@@ -99,19 +99,58 @@ def revoked(sender: Any, resource: str, offer: Offer, through: int) -> FencingTo
         resource,
         offer.token,
         lease,
+        extra=_rejection(resource, offer.token, None, "revoked", offer.backend, offer.name),
     )
     signals.send(
-        signals.fence_rejected, sender, resource=resource, offered=offer.token, stored=None
+        signals.fence_rejected,
+        sender,
+        resource=resource,
+        offered=offer.token,
+        stored=None,
+        reason="revoked",
+        backend=offer.backend,
     )
     return FencingTokenRevoked(resource, offer.token, lease, through)
 
 
 def reject(sender: Any, resource: str, offered: int, stored: int | None) -> StaleFencingToken:
     logger.warning(
-        "fenced write to %s rejected: offered token %s, stored %s", resource, offered, stored
+        "fenced write to %s rejected: offered token %s, stored %s",
+        resource,
+        offered,
+        stored,
+        extra=_rejection(resource, offered, stored, "stale", None, None),
     )
-    signals.send(signals.fence_rejected, sender, resource=resource, offered=offered, stored=stored)
+    signals.send(
+        signals.fence_rejected,
+        sender,
+        resource=resource,
+        offered=offered,
+        stored=stored,
+        reason="stale",
+        backend=None,
+    )
     return StaleFencingToken(resource, offered, stored)
+
+
+def _rejection(
+    resource: str,
+    offered: int,
+    stored: int | None,
+    reason: str,
+    backend: str | None,
+    lease: str | None,
+) -> dict[str, Any]:
+    """A rejection's structured log fields, the same for stale and revoked tokens."""
+    return {
+        "event": "fence_rejected",
+        "resource": resource,
+        "offered": offered,
+        "stored": stored,
+        "reason": reason,
+        "backend": backend,
+        "lease": lease,
+    }
 
 
 def has_fence_column(model: type[models.Model]) -> bool:

@@ -1,0 +1,73 @@
+"""A django-health-check check for a lease backend (the ``health`` extra).
+
+A lease store can fail in two ways a load balancer or an on-call engineer should hear about
+before a lease does: it stops answering (every acquire fails), or it answers but is configured
+so that it may break the lease contract (a Redis that evicts keys under memory pressure, a
+PostgreSQL without durable commits, a Redlock with fewer than three nodes): those are what
+each backend's ``deploy_checks()`` reports, the same list ``manage.py check --deploy`` prints.
+
+Reachability is one cheap read, ``inspect()`` of a probe name nobody holds, so a check costs a
+round trip and writes nothing. Wire it into django-health-check's view, once per alias::
+
+    path("ht/", HealthCheckView.as_view(checks=[
+        "health_check.checks.Database",
+        ("leases.health.LeaseBackendHealth", {"alias": "default"}),
+        ("leases.health.LeaseBackendHealth", {"alias": "redis"}),
+    ])),
+
+The messages name the alias and the problem, never a URL (which may carry a password);
+the exception behind an unreachable store is logged under ``leases.health`` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from health_check.base import HealthCheck
+from health_check.exceptions import ServiceUnavailable
+
+from .backends import get_backend
+
+__all__ = ["PROBE_NAME", "LeaseBackendHealth"]
+
+logger = logging.getLogger(__name__)
+
+#: The name whose state the check reads: any valid name works, nobody needs to hold it.
+PROBE_NAME = "leases-health-probe"
+
+
+@dataclasses.dataclass
+class LeaseBackendHealth(HealthCheck):  # type: ignore[misc]  # health_check ships no types
+    """Unavailable when the ``alias`` backend does not answer or reports deploy problems."""
+
+    alias: str = "default"
+
+    def run(self) -> None:
+        """Synchronous on purpose: django-health-check runs it on a worker thread, and every
+        backend client is blocking."""
+        try:
+            backend = get_backend(self.alias)
+            backend.inspect(PROBE_NAME)
+            problems = backend.deploy_checks()
+        except Exception as exc:
+            logger.warning(
+                "lease backend %r failed its health check: %s",
+                self.alias,
+                exc,
+                extra={"event": "health_check_failed", "backend": self.alias},
+            )
+            raise ServiceUnavailable(
+                f"lease backend {self.alias!r} is unreachable or misconfigured"
+            ) from exc
+        if problems:
+            raise ServiceUnavailable(
+                f"lease backend {self.alias!r} is unsafe: {'; '.join(map(_without_urls, problems))}"
+            )
+
+
+def _without_urls(problem: str) -> str:
+    """A deploy problem with any ``scheme://...`` location cut down to its scheme."""
+    return " ".join(
+        word.split("://", 1)[0] + "://…" if "://" in word else word for word in problem.split(" ")
+    )

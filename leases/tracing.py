@@ -1,0 +1,77 @@
+"""OpenTelemetry spans around acquire, wait and release, when ``opentelemetry-api`` is installed.
+
+A library depends on the OpenTelemetry API only and never configures it: without an SDK the
+API's tracer is a no-op, and with one (set up by the application) the spans land wherever the
+application exports them. Without the API installed at all, :func:`span` is a ``nullcontext``,
+so the package has no dependency to carry and the lease path pays one attribute check.
+
+The tracer is looked up once, on first use rather than at import (importing the API costs
+milliseconds that a process which never acquires should not pay); the API's proxy tracer
+forwards to a provider set up later, so an early lookup is not a stale one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .errors import LeaseUnavailable
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer
+
+__all__ = ["INSTRUMENTATION_NAME", "Attributes", "span"]
+
+#: The instrumentation scope of every span this package starts.
+INSTRUMENTATION_NAME = "django-leases"
+
+Attributes = Mapping[str, str | int | float | bool]
+
+_UNSET: Any = object()
+_tracer: Tracer | None = _UNSET
+_lock = threading.Lock()
+
+
+def _get_tracer() -> Tracer | None:
+    global _tracer
+    if _tracer is _UNSET:
+        with _lock:
+            if _tracer is _UNSET:
+                try:
+                    from opentelemetry import trace
+                except ImportError:
+                    _tracer = None
+                else:
+                    _tracer = trace.get_tracer(INSTRUMENTATION_NAME)
+    return _tracer
+
+
+@contextlib.contextmanager
+def span(name: str, attributes: Attributes) -> Iterator[Span | None]:
+    """A span named ``name`` around the block, or nothing without the OpenTelemetry API.
+
+    A lease that was not available in time is an answer, not a failure: the span says so in
+    ``leases.outcome`` and keeps an unset status, so a dashboard of failed spans shows only
+    stores that failed. Any other exception is recorded and marks the span as an error.
+    """
+    tracer = _get_tracer()
+    if tracer is None:
+        yield None
+        return
+    from opentelemetry.trace import Status, StatusCode
+
+    with tracer.start_as_current_span(
+        name, attributes=attributes, record_exception=False, set_status_on_exception=False
+    ) as current:
+        try:
+            yield current
+        except LeaseUnavailable:
+            current.set_attribute("leases.outcome", "unavailable")
+            raise
+        except BaseException as exc:
+            current.set_attribute("leases.outcome", "error")
+            current.record_exception(exc)
+            current.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise

@@ -1,0 +1,68 @@
+"""The django-health-check check: healthy on the harness's servers, unhealthy when a backend is
+down or configured so that it may break the lease contract. Run through django-health-check's
+own view, as a load balancer would see it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from asgiref.sync import async_to_sync
+from django.test import RequestFactory
+from health_check.views import HealthCheckView
+
+from leases.health import LeaseBackendHealth
+from tests.extra_backends import added_backend, closed_port_backend
+from tests.lease_backends import lease_backend
+
+__all__ = ["closed_port_backend", "lease_backend"]  # fixtures, for pytest
+
+
+def health(*aliases: str) -> tuple[int, dict[str, str]]:
+    """The status and JSON report of django-health-check's view checking ``aliases``."""
+    checks = [("leases.health.LeaseBackendHealth", {"alias": alias}) for alias in aliases]
+    view: Any = HealthCheckView.as_view(checks=checks)
+    response = async_to_sync(view)(RequestFactory().get("/ht/", {"format": "json"}))
+    return response.status_code, json.loads(response.content)
+
+
+def test_every_configured_backend_is_healthy(lease_backend: str) -> None:
+    status, report = health(lease_backend)
+    assert status == 200, report
+    assert report == {f"LeaseBackendHealth(alias={lease_backend!r})": "OK"}
+
+
+def test_a_backend_at_a_closed_port_is_unavailable(closed_port_backend: str) -> None:
+    status, report = health("default", closed_port_backend)
+    assert status == 500
+    assert report["LeaseBackendHealth(alias='default')"] == "OK"
+    failed = report[f"LeaseBackendHealth(alias={closed_port_backend!r})"]
+    assert failed.startswith("Unavailable:") and "unreachable" in failed
+    assert "redis://" not in failed and "127.0.0.1" not in failed  # never the server's URL
+
+
+@pytest.fixture
+def evicting_backend(redis_server: Any) -> Iterator[str]:
+    """A Redis backend whose server may evict any key under memory pressure."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    client.close()
+    config = {"ENGINE": "leases.backends.redis", "URL": redis_server.url}
+    with added_backend("evicting", config) as alias:
+        yield alias
+
+
+@pytest.mark.django_db
+def test_a_backend_that_may_evict_leases_is_unsafe(evicting_backend: str) -> None:
+    status, report = health(evicting_backend)
+    assert status == 500
+    failed = report[f"LeaseBackendHealth(alias={evicting_backend!r})"]
+    assert "unsafe" in failed and "allkeys-lru" in failed
+
+
+def test_an_unknown_alias_is_unavailable() -> None:
+    with pytest.raises(Exception, match="unreachable or misconfigured"):
+        LeaseBackendHealth(alias="no-such-backend").run()
