@@ -1,7 +1,12 @@
-"""Read-only admin for idempotency keys: for looking up what a client's key did, not editing it.
+"""Read-only admin for idempotency keys: for looking up what a client's key did, not changing it.
 
-Editing a key would change what a retry replays, so every field is read-only and keys can only be
-removed (which makes the key usable again, as after expiry).
+Nothing can be added, edited or deleted here. Editing a key would change what a retry replays;
+deleting one would make the key usable again, so the client's next retry would run the effect a
+second time. Keys go when they expire (``purge_idempotency_keys``).
+
+A stored response is what one client was told, so its headers and body are shown only to users
+with the ``idempotency.view_response_body`` permission (superusers have every permission); the
+view permission alone shows the key, its state and status.
 """
 
 from __future__ import annotations
@@ -13,6 +18,21 @@ from django.http import HttpRequest
 
 from .models import IdempotencyKey
 
+RESPONSE_PERMISSION = "idempotency.view_response_body"
+RESPONSE_FIELDS = ("response_headers", "response_preview")
+FIELDS: tuple[str, ...] = (
+    "scope",
+    "key",
+    "fingerprint",
+    "state",
+    "owner",
+    "locked_until",
+    "response_status",
+    *RESPONSE_FIELDS,
+    "created_at",
+    "expires_at",
+)
+
 
 @admin.register(IdempotencyKey)
 class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
@@ -21,20 +41,8 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     search_fields = ("key", "scope")
     ordering = ("-created_at",)
     date_hierarchy = "created_at"
-    exclude = ("response_body",)
-    readonly_fields = (
-        "scope",
-        "key",
-        "fingerprint",
-        "state",
-        "owner",
-        "locked_until",
-        "response_status",
-        "response_headers",
-        "response_preview",
-        "created_at",
-        "expires_at",
-    )
+    fields = FIELDS
+    readonly_fields = FIELDS
 
     @admin.display(description="response body")
     def response_preview(self, obj: IdempotencyKey) -> str:
@@ -42,8 +50,17 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         text = body[:2000].decode("utf-8", errors="replace")
         return text + (" ..." if len(body) > 2000 else "")
 
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        """The stored response only for users allowed to read it."""
+        if request.user.has_perm(RESPONSE_PERMISSION):
+            return FIELDS
+        return tuple(name for name in FIELDS if name not in RESPONSE_FIELDS)
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

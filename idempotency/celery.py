@@ -32,7 +32,7 @@ from .operations import idempotency_key
 
 __all__ = ["IdempotentTask", "idempotent_task"]
 
-logger = logging.getLogger("idempotency.celery")
+logger = logging.getLogger(__name__)
 
 
 class IdempotentTask(Task):  # type: ignore[type-arg]
@@ -69,8 +69,8 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
 
     def fingerprint(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """Hook: a digest of the arguments; the same key with other arguments is an error."""
-        raw = json.dumps([self.name, list(args), dict(kwargs)], cls=DjangoJSONEncoder,
-                         sort_keys=True)  # fmt: skip
+        call = [self.name, list(args), dict(kwargs)]
+        raw = json.dumps(call, cls=DjangoJSONEncoder, sort_keys=True)
         return hashlib.sha256(raw.encode()).hexdigest()
 
     def in_flight(self, key: str, exc: IdempotencyKeyInProgress) -> Any:
@@ -79,8 +79,13 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
             raise exc
         delay = backoff(self.request.retries, self.in_flight_backoff, 30.0)
         countdown = min(exc.retry_after, delay) if exc.retry_after > 0 else delay
-        logger.info("task %s[%s]: key %r is in flight elsewhere; retry in %.2fs",
-                    self.name, self.request.id, key, countdown)  # fmt: skip
+        logger.info(
+            "task %s[%s]: key %r is in flight elsewhere; retry in %.2fs",
+            self.name,
+            self.request.id,
+            key,
+            countdown,
+        )
         raise self.retry(countdown=countdown, max_retries=self.in_flight_max_retries, exc=exc)
 
     # -- machinery ---------------------------------------------------------------------------
@@ -90,15 +95,23 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
             return super().__call__(*args, **kwargs)  # called directly: no delivery to dedupe
         key = self.idempotency_key_for(args, kwargs)
         once = idempotency_key(
-            key, scope=self.idempotency_scope(), fingerprint=self.fingerprint(args, kwargs),
-            ttl=self.idempotency_ttl, lock_timeout=self.idempotency_lock,
-            wait=self.idempotency_wait, atomic=True,
-        )  # fmt: skip
+            key,
+            scope=self.idempotency_scope(),
+            fingerprint=self.fingerprint(args, kwargs),
+            ttl=self.idempotency_ttl,
+            lock_timeout=self.idempotency_lock,
+            wait=self.idempotency_wait,
+            atomic=True,
+        )
         try:
             with once as operation:
                 if operation.replayed:
-                    logger.info("task %s[%s]: key %r is done; returning its recorded result",
-                                self.name, self.request.id, key)  # fmt: skip
+                    logger.info(
+                        "task %s[%s]: key %r is done; returning its recorded result",
+                        self.name,
+                        self.request.id,
+                        key,
+                    )
                 else:
                     operation.result = super().__call__(*args, **kwargs)
         except IdempotencyKeyInProgress as exc:  # at the start, or taken over (Lost) at commit
@@ -136,6 +149,11 @@ def idempotent_task(
     ``options`` go to Celery's ``task()`` (``bind``, ``acks_late``, ``app``, ``base``, ...);
     ``base=LockedTask`` adds a lease around it.
     """
-    attrs = {"idempotency_key": key, "idempotency_ttl": ttl, "idempotency_lock": lock,
-             "idempotency_wait": wait, "on_in_flight": on_in_flight}  # fmt: skip
+    attrs = {
+        "idempotency_key": key,
+        "idempotency_ttl": ttl,
+        "idempotency_lock": lock,
+        "idempotency_wait": wait,
+        "on_in_flight": on_in_flight,
+    }
     return task_decorator(IdempotentTask, fun, attrs, options)

@@ -50,6 +50,11 @@ DEFAULTS: dict[str, Any] = {
     # worker killed in between leaves a started key whose retry, after LOCK_TIMEOUT, applies the
     # effects again (as does a retry after the view raised or answered 5xx). idempotency.W002.
     "ATOMIC": True,
+    # Answers never stored, besides every status >= 500: refusals of a request that never ran or
+    # failed for a passing reason (unauthenticated, forbidden, timed out, too early, throttled).
+    # Stored, they would refuse the key's retries for the whole TTL; in atomic mode the view's
+    # effects roll back with them, as for a 5xx.
+    "NOT_STORED_STATUSES": [401, 403, 408, 425, 429],
     # Larger responses are refused (and rolled back) instead of being stored in part.
     "MAX_RESPONSE_BYTES": 1024 * 1024,
     # The database alias holding the keys (and, in atomic mode, the view's transaction).
@@ -80,6 +85,13 @@ class IdempotencySettings:
     atomic: bool
     max_response_bytes: int
     database: str
+    not_stored_statuses: frozenset[int]
+
+    def stores(self, status: int) -> bool:
+        """Whether a response with this status is kept for replay: not a 5xx (a failure the
+        retry should not inherit) and not one of ``NOT_STORED_STATUSES`` (the request never
+        ran)."""
+        return status < 500 and status not in self.not_stored_statuses
 
 
 def _raw() -> dict[str, Any]:
@@ -112,6 +124,20 @@ def _number_problems(raw: dict[str, Any]) -> list[str]:
     return found
 
 
+def _statuses_problems(raw: dict[str, Any]) -> list[str]:
+    value = raw.get("NOT_STORED_STATUSES", DEFAULTS["NOT_STORED_STATUSES"])
+    valid = isinstance(value, list | tuple | set | frozenset) and all(
+        isinstance(status, int) and not isinstance(status, bool) and 100 <= status <= 599
+        for status in value
+    )
+    if valid:
+        return []
+    return [
+        f'{SETTING_NAME}["NOT_STORED_STATUSES"] must be a list of HTTP statuses (100-599), '
+        f"not {value!r}"
+    ]
+
+
 def problems() -> list[str]:
     """Every problem with the current setting, as messages (empty when it is valid)."""
     try:
@@ -124,6 +150,7 @@ def problems() -> list[str]:
         if key not in DEFAULTS
     ]
     found += _number_problems(raw)
+    found += _statuses_problems(raw)
     found += [
         f'{SETTING_NAME}["{key}"] must be True or False'
         for key in _BOOLEANS
@@ -169,6 +196,7 @@ def get() -> IdempotencySettings:
         atomic=raw["ATOMIC"],
         max_response_bytes=int(raw["MAX_RESPONSE_BYTES"]),
         database=raw["DATABASE"],
+        not_stored_statuses=frozenset(raw["NOT_STORED_STATUSES"]),
     )
 
 

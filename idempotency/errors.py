@@ -44,7 +44,8 @@ class IdempotencyError(LeaseError):
 
 
 class IdempotencyImproperlyConfigured(IdempotencyError, ImproperlyConfigured):
-    """The ``IDEMPOTENCY`` setting or a decorator argument is wrong (``manage.py check`` too)."""
+    """The ``IDEMPOTENCY`` setting or a decorator argument is wrong (``manage.py check`` too),
+    or ``@idempotent`` wraps a DRF view from outside, where it cannot see DRF's user."""
 
 
 class IdempotencyKeyMissing(IdempotencyError, ValueError):

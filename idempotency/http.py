@@ -1,17 +1,17 @@
-"""The HTTP edge: the Idempotency-Key header, request fingerprints, response capture and replay.
+"""The HTTP edge: the Idempotency-Key header, response capture and replay.
+
+Request fingerprints live in :mod:`idempotency.fingerprint` (re-exported here).
 
 Nothing here touches the database; :mod:`idempotency.store` never sees a request or response.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Iterable
+import math
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
-from django.http.request import RawPostDataException
 
 from . import sfv
 from .errors import (
@@ -22,6 +22,7 @@ from .errors import (
     IdempotencyKeyMultiple,
     ResponseNotStorable,
 )
+from .fingerprint import default_fingerprint, digest
 from .store import Outcome
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "REPLAYED_HEADER",
     "capture",
     "default_fingerprint",
+    "digest",
     "parse_key",
     "problem",
     "problem_type",
@@ -105,34 +107,6 @@ def header_value(request: HttpRequest) -> str | None:
     return None if value is None else str(value)
 
 
-def digest(parts: Iterable[bytes]) -> str:
-    """A 64-character hex digest, the form every fingerprint is stored in."""
-    hasher = hashlib.sha256()
-    for part in parts:
-        hasher.update(len(part).to_bytes(8, "big"))
-        hasher.update(part)
-    return hasher.hexdigest()
-
-
-def _body(request: HttpRequest) -> bytes:
-    try:
-        return request.body
-    except RawPostDataException:
-        # A multipart body already parsed into POST and FILES (e.g. by CSRF middleware).
-        fields = sorted((k, v) for k, values in request.POST.lists() for v in values)
-        files = sorted(
-            (k, f.name or "", f.size or 0) for k, fs in request.FILES.lists() for f in fs
-        )
-        return json.dumps([fields, files]).encode()
-
-
-def default_fingerprint(request: HttpRequest) -> str:
-    """Method, path with query string and body digest: what makes two requests "the same"."""
-    return digest(
-        [(request.method or "").encode(), request.get_full_path().encode(), _body(request)]
-    )
-
-
 def _materialize(response: HttpResponseBase) -> HttpResponseBase:
     render = getattr(response, "render", None)
     if callable(render) and not getattr(response, "is_rendered", True):
@@ -189,5 +163,6 @@ def problem(error: IdempotencyError) -> HttpResponse:
         json.dumps(body), status=error.http_status, content_type=PROBLEM_CONTENT_TYPE
     )
     if isinstance(error, IdempotencyKeyInProgress):
-        response["Retry-After"] = "1"
+        # When the first request's claim lapses at the latest (whole seconds, at least 1).
+        response["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
     return response

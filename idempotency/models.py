@@ -5,6 +5,10 @@ database clock, so app servers' clocks never matter); a retry may take it over a
 how a crashed request's key becomes usable again. ``owner`` names the attempt holding the lock, so
 a late finish of an attempt that was taken over changes nothing. A ``completed`` row replays its
 response until ``expires_at``.
+
+A stored response is what one client was told (a payment's details, a created credential), so
+reading it takes a permission of its own, ``view_response_body``, beyond the admin's view
+permission on keys.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class IdempotencyKey(models.Model):
     class Meta:
         db_table = "idempotency_key"
         verbose_name = "idempotency key"
+        permissions = [
+            ("view_response_body", "Can view the stored responses (headers and body) of keys")
+        ]
         constraints = [
             models.UniqueConstraint(fields=["scope", "key"], name="idempotency_key_scope_key")
         ]

@@ -6,6 +6,13 @@ there. ``xmax = 0`` on the returned row tells a fresh insert from a take-over. T
 committed on its own (autocommit) before the work runs, so a duplicate sees "in progress" at once
 instead of queueing behind an uncommitted insert.
 
+Inside a transaction that is already open (``ATOMIC_REQUESTS``, or a caller's ``atomic`` block)
+the started row cannot be committed first: it stays uncommitted while the view runs, and a
+duplicate's insert would queue behind it for as long as the first request runs, however long
+that is. There the claim runs in a savepoint under a ``lock_timeout`` of the time the caller may
+wait (a millisecond for ``on_conflict="409"``); when it fires the savepoint is rolled back, the
+transaction stays usable, and the duplicate is told "in progress".
+
 ``finish`` is conditional on the attempt's ``owner``: an attempt whose lock lapsed and was taken
 over stores nothing, and in atomic mode its effects roll back with it (only one attempt commits).
 Every time is the database's ``clock_timestamp()``; app servers' clocks are never compared.
@@ -15,12 +22,15 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
+
+from leases.retry import Backoff
 
 from .errors import IdempotencyKeyInProgress, IdempotencyKeyLost, IdempotencyKeyMismatch
 
@@ -62,6 +72,16 @@ WHERE id = %(id)s AND owner = %(owner)s AND state = 'started'
 RELEASE_SQL = """
 DELETE FROM idempotency_key WHERE id = %(id)s AND owner = %(owner)s AND state = 'started'
 """
+
+# Around BEGIN_SQL inside an open transaction: bound the wait on an uncommitted key row, and put
+# the caller's own lock_timeout back (SET LOCAL in a released savepoint lasts until the end of
+# the transaction). A timeout rolls the savepoint back, which undoes the setting by itself.
+BOUND_LOCK_WAIT_SQL = (
+    "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %(timeout)s, true)"
+)
+RESTORE_LOCK_TIMEOUT_SQL = "SELECT set_config('lock_timeout', %(previous)s, true)"
+LOCK_NOT_AVAILABLE = "55P03"
+_MAX_LOCK_TIMEOUT_MS = 2**31 - 1
 
 # A key committed between the statement's snapshot and its conflict check shows up in neither
 # half of BEGIN_SQL; running it again sees it.
@@ -120,10 +140,38 @@ def _outcome(status: int | None, headers: Any, body: Any) -> Outcome:
     return Outcome(status=status, headers=pairs, body=bytes(body or b""))
 
 
-def _begin_once(params: dict[str, Any], using: str) -> Begun | None:
-    with connections[using].cursor() as cursor:
-        cursor.execute(BEGIN_SQL, params)
-        row = cursor.fetchone()
+class _Busy(enum.Enum):
+    """The claim timed out waiting on a key row another open transaction inserted or changed."""
+
+    BUSY = "busy"
+
+
+def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> Any:
+    """BEGIN_SQL's row, in a savepoint that waits at most ``wait`` seconds on a locked row."""
+    timeout_ms = min(max(math.ceil(wait * 1000), 1), _MAX_LOCK_TIMEOUT_MS)
+    try:
+        with transaction.atomic(using=using), connections[using].cursor() as cursor:
+            cursor.execute(BOUND_LOCK_WAIT_SQL, {"timeout": f"{timeout_ms}ms"})
+            previous = cursor.fetchone()[0]
+            cursor.execute(BEGIN_SQL, params)
+            row = cursor.fetchone()
+            cursor.execute(RESTORE_LOCK_TIMEOUT_SQL, {"previous": previous})
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+            raise
+        return _Busy.BUSY
+    return row
+
+
+def _begin_once(params: dict[str, Any], using: str, wait: float) -> Begun | None:
+    if connections[using].in_atomic_block:
+        row = _claim_in_transaction(params, using, wait)
+        if row is _Busy.BUSY:
+            return Begun(Status.IN_PROGRESS, retry_after=1.0)
+    else:
+        with connections[using].cursor() as cursor:
+            cursor.execute(BEGIN_SQL, params)
+            row = cursor.fetchone()
     if row is None:
         return None
     row_id, kind, state, fingerprint, status, headers, body, remaining = row
@@ -148,10 +196,13 @@ def begin(
     wait: float = 0.0,
     using: str = "default",
 ) -> Begun:
-    """Claim ``(scope, key)`` or report what holds it; one round trip unless waiting.
+    """Claim ``(scope, key)`` or report what holds it; one round trip in autocommit unless
+    waiting.
 
     With ``wait`` > 0 an in-progress key is polled (backing off, on the database clock for the
-    lock) until it completes, is taken over, or ``wait`` seconds pass.
+    lock) until it completes, is taken over, or ``wait`` seconds pass. Inside an open
+    transaction a row another transaction has not committed is waited on for at most the time
+    left, then reported in progress (see the module's docstring).
     """
     params = {
         "scope": scope,
@@ -162,20 +213,21 @@ def begin(
         "ttl": max(ttl, lock_timeout),
     }
     deadline = time.monotonic() + wait
-    delay = 0.01
+    backoff = Backoff(base=0.01, cap=0.25, deadline=deadline)  # the package's one backoff
     misses = 0
     while True:
-        begun = _begin_once(params, using)
+        begun = _begin_once(params, using, deadline - time.monotonic())
         if begun is None:
             misses += 1
             if misses < _BEGIN_ATTEMPTS:
                 continue
             begun = Begun(Status.IN_PROGRESS, retry_after=1.0)
-        left = deadline - time.monotonic()
-        if begun.status is not Status.IN_PROGRESS or left <= 0:
+        if begun.status is not Status.IN_PROGRESS:
             return begun
-        time.sleep(min(delay, left, max(begun.retry_after, 0.001)))
-        delay = min(delay * 2, 0.25)
+        delay = backoff.next_delay()
+        if delay is None:  # the wait's deadline has passed
+            return begun
+        time.sleep(min(delay, max(begun.retry_after, 0.001)))
 
 
 def finish(claim: Claim, outcome: Outcome, *, ttl: float) -> None:

@@ -5,25 +5,31 @@ refuses duplicates, and otherwise runs the view inside an :class:`~idempotency.s
 in atomic mode the view's database effects and the stored response commit together. The guard
 holds only options; a request's live state is local to the call, so one decorated view serves
 every thread at once.
+
+Guards nest: ``IdempotentMixin`` on a view and ``@idempotent`` on its handler (or around its
+``as_view()``) would both claim the key, and the inner one would find it claimed by the outer and
+answer 409. So the outermost guard that claims marks the request, and guards inside it step
+aside: the outer guard's options are the ones that count.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast, overload
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.http import HttpRequest, HttpResponseBase
 
-from . import conf, http, store
+from . import conf, drf, http, store
 from .errors import IdempotencyError, IdempotencyImproperlyConfigured, IdempotencyKeyMissing
 
 __all__ = ["IdempotentMixin", "idempotent"]
 
-logger = logging.getLogger("idempotency")
+logger = logging.getLogger(__name__)
 
 View = TypeVar("View", bound=Callable[..., Any])
 Fingerprint = Callable[[Any], str]
@@ -52,6 +58,26 @@ class Options:
             raise IdempotencyImproperlyConfigured("methods must be a list, e.g. ['POST']")
         if self.scope is not None:
             conf.resolve_scope(self.scope)
+
+
+# Set on Django's request (under DRF's, if any) while a guard's attempt runs the view.
+_GUARDED_ATTR = "_idempotency_guarded"
+
+
+def _nested(request: Any) -> bool:
+    """Whether an outer guard already runs this request's attempt."""
+    return bool(getattr(drf.http_request(request), _GUARDED_ATTR, False))
+
+
+@contextmanager
+def _guarding(request: Any) -> Iterator[None]:
+    """Mark the request as guarded while the view runs, so a nested guard steps aside."""
+    inner = drf.http_request(request)
+    setattr(inner, _GUARDED_ATTR, True)
+    try:
+        yield
+    finally:
+        delattr(inner, _GUARDED_ATTR)
 
 
 @dataclass(frozen=True)
@@ -128,13 +154,18 @@ class _Guard:
         attempt.start()
         return attempt
 
-    def close(self, attempt: store.Attempt, response: HttpResponseBase) -> HttpResponseBase:
-        """Store a response under 500 with the effects; undo everything for 5xx or failures."""
-        if response.status_code >= 500:
+    def close(
+        self, attempt: store.Attempt, response: HttpResponseBase, request: Any
+    ) -> HttpResponseBase:
+        """Store the response with the effects, or undo both: for a 5xx, a failure, and a
+        refusal of a request that never ran (``NOT_STORED_STATUSES``), so the retry runs."""
+        settings = self._settings()
+        if not settings.stores(response.status_code):
             attempt.abort()
             return response
         try:
-            response, outcome = http.capture(response, self._settings().max_response_bytes)
+            response = drf.finalize(request, response)
+            response, outcome = http.capture(response, settings.max_response_bytes)
         except BaseException:
             attempt.abort()
             raise
@@ -151,17 +182,20 @@ class _Guard:
         call: Callable[[], HttpResponseBase],
         scope_source: Callable[[], Any] | None = None,
     ) -> HttpResponseBase:
+        if _nested(request):
+            return call()
         opened = self.open(request, scope_source)
         if opened is None:
             return call()
         if isinstance(opened, HttpResponseBase):
             return opened
         try:
-            response = call()
+            with _guarding(request):
+                response = call()
         except BaseException:
             opened.abort()
             raise
-        return self.close(opened, response)
+        return self.close(opened, response, request)
 
     async def arun(
         self,
@@ -171,20 +205,24 @@ class _Guard:
     ) -> HttpResponseBase:
         """The async form: database steps run in the request's thread-sensitive sync thread,
         where the async ORM's queries also run, so they share the attempt's transaction."""
+        if _nested(request):
+            return await call()
         opened = await sync_to_async(self.open)(request, scope_source)
         if opened is None:
             return await call()
         if isinstance(opened, HttpResponseBase):
             return opened
         try:
-            response = await call()
+            with _guarding(request):
+                response = await call()
         except BaseException:
             await sync_to_async(opened.abort)()
             raise
-        return await sync_to_async(self.close)(opened, response)
+        return await sync_to_async(self.close)(opened, response, request)
 
 
 def _decorate(view: View, options: Options) -> View:
+    drf.refuse_outer_guard(view)
     guard = _Guard(options)
     # asgiref's test, not inspect's: before Python 3.12 only it sees the mark Django puts on an
     # async class-based view's ``as_view()``, which is a plain function returning a coroutine.
@@ -223,6 +261,8 @@ def idempotent(view: Any = None, /, **options: Any) -> Any:
 
     Unset options come from the ``IDEMPOTENCY`` setting at request time. ``on_conflict="wait"``
     waits up to ``wait_timeout`` seconds for a running duplicate and then replays its response.
+    On a DRF function view it goes under ``@api_view``; around a DRF view it is refused here
+    (:func:`idempotency.drf.refuse_outer_guard` says why).
     """
     opts = Options(**options)
     if view is None:

@@ -7,27 +7,26 @@ A bad TTL, timeout or holder raises :class:`~leases.errors.InvalidLeaseOption` (
 from __future__ import annotations
 
 import math
-import os
-import secrets
-import socket
-import threading
 import warnings
 
 from . import conf
 from .errors import InvalidLeaseOption
-from .keepalive import MIN_RETRY_WINDOW, retry_window
-from .keys import MAX_NAME_LENGTH
 
-__all__ = ["holder_identity", "valid_timeout", "valid_ttl", "warn_if_too_short"]
+__all__ = ["valid_timeout", "valid_ttl", "warn_if_too_short"]
 
 
 def valid_ttl(ttl: object) -> float:
-    """A TTL in seconds; one within the drift allowance would be invalid the moment granted."""
+    """A TTL in seconds; one within the drift allowance would be invalid the moment granted,
+    and one above ``LEASES["MAX_TTL"]`` is a unit mistake or an expiry nothing can read back."""
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
         raise InvalidLeaseOption("ttl", ttl, "must be a finite number of seconds greater than 0")
     settings = conf.get()
     if ttl * (1 - settings.drift_factor) <= settings.drift_min:
         raise InvalidLeaseOption("ttl", ttl, "must exceed the clock drift allowance")
+    if ttl > settings.max_ttl:
+        raise InvalidLeaseOption(
+            "ttl", ttl, f'must be at most LEASES["MAX_TTL"] = {settings.max_ttl:g} seconds'
+        )
     return float(ttl)
 
 
@@ -42,8 +41,8 @@ def valid_timeout(timeout: object) -> float | None:
 
 def warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:
     """Warn (at the caller's line) when a kept-alive TTL leaves no time to retry a renewal."""
-    window = retry_window(ttl, settings.renew_fraction, settings.drift_factor, settings.drift_min)
-    if window < MIN_RETRY_WINDOW:
+    window = settings.retry_window(ttl)
+    if window < conf.MIN_RETRY_WINDOW:
         warnings.warn(
             f"ttl={ttl:g}s leaves {window:.3f}s to retry a failed renewal (RENEW_FRACTION "
             f"{settings.renew_fraction:.2f}, drift {settings.drift_min}s + "
@@ -51,28 +50,3 @@ def warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-_this_process = ""
-
-
-def _read_process_identity() -> None:
-    """``host:pid``, read once per process (and again in a forked child, which has a new pid):
-    ``gethostname`` is a system call that every acquire would otherwise pay for."""
-    global _this_process
-    _this_process = f"{socket.gethostname()[:100]}:{os.getpid()}"
-
-
-_read_process_identity()
-os.register_at_fork(after_in_child=_read_process_identity)
-
-
-def holder_identity(holder: str | None) -> str:
-    """Who holds a grant: label, host, pid, thread and a random part unique to this grant."""
-    if holder is None:
-        label = conf.get().holder_label
-        ident = f"{_this_process}:{threading.get_ident()}:{secrets.token_hex(4)}"
-        holder = f"{label[:100]}@{ident}" if label else ident
-    if not isinstance(holder, str) or not 0 < len(holder) <= MAX_NAME_LENGTH:
-        raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")
-    return holder

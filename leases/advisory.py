@@ -46,9 +46,11 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.transaction import TransactionManagementError
 from psycopg.pq import TransactionStatus
 
+from ._arguments import valid_timeout
 from .errors import (
     BackendNotSupported,
     BackendUnavailable,
+    InvalidLeaseOption,
     LeaseDeadlock,
     LeaseError,
     LeaseLost,
@@ -165,17 +167,17 @@ def _timeout_ms(timeout: float | None) -> int | None:
     """Validate ``timeout`` (seconds); milliseconds for ``lock_timeout``, ``None`` = forever.
 
     A positive timeout never rounds to 0 ms, because ``lock_timeout = 0`` means wait forever.
+    Checked like ``lease()``'s timeout (:func:`~leases._arguments.valid_timeout`), plus the
+    bound PostgreSQL's ``lock_timeout`` can hold.
     """
-    if timeout is None:
+    seconds = valid_timeout(timeout)
+    if seconds is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
-    if not timeout >= 0 or not math.isfinite(timeout):
-        raise ValueError(f"timeout must be a finite number of seconds >= 0, not {timeout!r}")
-    milliseconds = math.ceil(timeout * 1000)
-    if milliseconds > _MAX_TIMEOUT_MS:
-        raise ValueError(f"timeout must be at most {_MAX_TIMEOUT_MS / 1000:g} seconds")
-    return milliseconds
+    if not math.isfinite(seconds) or math.ceil(seconds * 1000) > _MAX_TIMEOUT_MS:
+        raise InvalidLeaseOption(
+            "timeout", timeout, f"must be at most {_MAX_TIMEOUT_MS / 1000:g} seconds, or None"
+        )
+    return math.ceil(seconds * 1000)
 
 
 def _execute(connection: BaseDatabaseWrapper, sql: str, *, raw: bool = False) -> Any:

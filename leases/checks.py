@@ -83,13 +83,9 @@ def check_default_ttl(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
     """leases.W001: ``DEFAULT_TTL`` leaves no time to retry a renewal before the lease ends."""
     if conf.problems():
         return []
-    from .keepalive import MIN_RETRY_WINDOW, retry_window
-
     settings = conf.get()
-    window = retry_window(
-        settings.default_ttl, settings.renew_fraction, settings.drift_factor, settings.drift_min
-    )
-    if window >= MIN_RETRY_WINDOW:
+    window = settings.retry_window(settings.default_ttl)
+    if window >= conf.MIN_RETRY_WINDOW:
         return []
     return [
         Warning(

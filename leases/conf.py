@@ -18,14 +18,21 @@ from django.dispatch import receiver
 
 from .errors import LeasesImproperlyConfigured
 
-__all__ = ["BackendConfig", "LeasesSettings", "get", "problems"]
+__all__ = ["MIN_RETRY_WINDOW", "BackendConfig", "LeasesSettings", "get", "problems"]
 
 SETTING_NAME = "LEASES"
+#: Seconds a due renewal must have to be retried before the validity ends (below: W001).
+MIN_RETRY_WINDOW = 0.1
+#: The highest ``MAX_TTL`` accepted: ten years.
+MAX_TTL_LIMIT = 10 * 365 * 86400.0
 
 DEFAULTS: dict[str, Any] = {
     "BACKENDS": {"default": {"ENGINE": "leases.backends.database"}},
     # Seconds a lease lasts unless renewed.
     "DEFAULT_TTL": 30.0,
+    # The longest TTL accepted (a day): a longer one is almost surely a unit mistake (ms for
+    # s), and an unbounded one writes expiries no datetime can read back (ttl=1e12: year 33715).
+    "MAX_TTL": 86400.0,
     # Keepalive renews once this fraction of the TTL has passed (1/3 leaves two more tries).
     "RENEW_FRACTION": 1 / 3,
     # Clock drift allowance subtracted from every validity: TTL * factor + minimum (Redlock's).
@@ -49,10 +56,20 @@ class BackendConfig:
 class LeasesSettings:
     backends: dict[str, BackendConfig]
     default_ttl: float
+    max_ttl: float
     renew_fraction: float
     drift_factor: float
     drift_min: float
     holder_label: str
+
+    def retry_window(self, ttl: float) -> float:
+        """Time between a renewal falling due and the holder's validity running out.
+
+        This is all the time a failed renewal has to be retried; a TTL that leaves (almost)
+        none loses its lease to the first slow round trip. It follows from the settings alone,
+        so the checks, ``lease()``'s warning and keepalive all read it here.
+        """
+        return ttl * (1 - self.renew_fraction) - (ttl * self.drift_factor + self.drift_min)
 
     def backend(self, alias: str) -> BackendConfig:
         try:
@@ -92,18 +109,30 @@ def problems() -> list[str]:
                     f'{SETTING_NAME}["BACKENDS"][{alias!r}] needs an "ENGINE" module path, '
                     'e.g. "leases.backends.database"'
                 )
-    for key in ("DEFAULT_TTL", "RENEW_FRACTION", "DRIFT_FACTOR", "DRIFT_MIN"):
+    for key in ("DEFAULT_TTL", "MAX_TTL", "RENEW_FRACTION", "DRIFT_FACTOR", "DRIFT_MIN"):
         value = raw.get(key, DEFAULTS[key])
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             found.append(f'{SETTING_NAME}["{key}"] must be a non-negative number, not {value!r}')
     if not found:
         ttl, fraction = float(raw.get("DEFAULT_TTL", 30)), float(raw.get("RENEW_FRACTION", 1 / 3))
+        max_ttl = float(raw.get("MAX_TTL", DEFAULTS["MAX_TTL"]))
         if ttl <= 0:
             found.append(f'{SETTING_NAME}["DEFAULT_TTL"] must be greater than 0')
+        if not 0 < max_ttl <= MAX_TTL_LIMIT:
+            found.append(
+                f'{SETTING_NAME}["MAX_TTL"] must be greater than 0 and at most {MAX_TTL_LIMIT:g} '
+                "seconds (ten years), so every expiry is a date every store and Python can hold"
+            )
+        elif ttl > max_ttl:
+            found.append(
+                f'{SETTING_NAME}["DEFAULT_TTL"] = {ttl:g} exceeds {SETTING_NAME}["MAX_TTL"] = '
+                f"{max_ttl:g}"
+            )
         if not 0 < fraction < 1:
             found.append(f'{SETTING_NAME}["RENEW_FRACTION"] must be between 0 and 1 (exclusive)')
-    if not isinstance(raw.get("HOLDER_LABEL", ""), str):
-        found.append(f'{SETTING_NAME}["HOLDER_LABEL"] must be a string')
+    label = raw.get("HOLDER_LABEL", "")
+    if not isinstance(label, str) or not label.isprintable():
+        found.append(f'{SETTING_NAME}["HOLDER_LABEL"] must be a string of printable characters')
     return found
 
 
@@ -125,6 +154,7 @@ def get() -> LeasesSettings:
     return LeasesSettings(
         backends=backends,
         default_ttl=float(raw["DEFAULT_TTL"]),
+        max_ttl=float(raw["MAX_TTL"]),
         renew_fraction=float(raw["RENEW_FRACTION"]),
         drift_factor=float(raw["DRIFT_FACTOR"]),
         drift_min=float(raw["DRIFT_MIN"]),

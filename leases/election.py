@@ -19,14 +19,14 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import signals
+from .acquiring import acquire
 from .backends import get_backend
 from .errors import BackendUnavailable, LeaseLost, LeaseNotHeld
+from .holders import parse_holder
 from .keys import validate_name
-from .lease import acquire
-from .operations import parse_holder
 
 if TYPE_CHECKING:
-    from .lease import Lease
+    from .handle import Lease
 
 __all__ = ["ELECTION_PREFIX", "Leader", "Leadership", "elect", "election_lease_name", "leader_of"]
 

@@ -22,29 +22,39 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from .backends import Grant
 from .errors import LeaseLost
 from .retry import SYSTEM_CLOCK, Backoff, Clock
 
-if TYPE_CHECKING:
-    from .lease import Lease
+__all__ = ["Job", "Kept", "Scheduler", "keep_alive", "watch"]
 
-__all__ = ["MIN_RETRY_WINDOW", "Job", "Scheduler", "keep_alive", "retry_window", "watch"]
-
-logger = logging.getLogger("leases")
-
-#: Seconds a due renewal must have to be retried before the validity ends (below: W001).
-MIN_RETRY_WINDOW = 0.1
+logger = logging.getLogger(__name__)
 
 
-def retry_window(ttl: float, fraction: float, drift_factor: float, drift_min: float) -> float:
-    """Time between a renewal falling due and the holder's validity running out.
+class Kept(Protocol):
+    """What keepalive needs of a held lease (:class:`leases.handle.Lease` is one).
 
-    This is all the time a failed renewal has to be retried; a TTL that leaves (almost) none
-    loses its lease to the first slow round trip.
+    A protocol rather than an import, so the handle can start its own keepalive without the
+    two modules importing each other.
     """
-    return ttl * (1 - fraction) - (ttl * drift_factor + drift_min)
+
+    name: str
+    token: int
+    backend: str
+    grant: Grant
+    valid_until: float
+    clock: Clock
+
+    @property
+    def done(self) -> bool: ...
+
+    def remaining(self) -> float: ...
+
+    def renew(self, ttl: float | None = None) -> Grant: ...
+
+    def _mark_lost(self, reason: str) -> None: ...
 
 
 class Job(Protocol):
@@ -62,7 +72,7 @@ class _LeaseJob:
 
     __slots__ = ("lease", "step")
 
-    def __init__(self, lease: Lease, step: Callable[[], float | None]) -> None:
+    def __init__(self, lease: Kept, step: Callable[[], float | None]) -> None:
         self.lease, self.step = lease, step
 
     def __call__(self) -> float | None:
@@ -165,7 +175,7 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def watch(lease: Lease) -> None:
+def watch(lease: Kept) -> None:
     """Declare ``lease`` lost when its validity runs out without a renewal."""
 
     def check() -> float | None:
@@ -178,48 +188,58 @@ def watch(lease: Lease) -> None:
     _scheduler(None).schedule(lease.valid_until, _LeaseJob(lease, check))
 
 
-def keep_alive(lease: Lease, fraction: float) -> None:
+def keep_alive(lease: Kept, fraction: float) -> None:
     """Renew ``lease`` every ``fraction`` of its TTL until it is released or lost."""
-    retry: list[Backoff] = []  # the backoff of the current run of failures, if any
+    renewal = _Renewal(lease, fraction)
+    due = lease.grant.sent_at + lease.grant.ttl * fraction
+    _scheduler(lease.backend).schedule(due, _LeaseJob(lease, renewal.step))
 
-    def renew() -> float | None:
+
+class _Renewal:
+    """One lease's renewals, and the backoff of its current run of failures (if any).
+
+    A failed renewal is retried with full jitter, and only while the lease is still valid: past
+    the validity there is nothing left to save, and the watchdog reports the loss.
+    """
+
+    __slots__ = ("failures", "fraction", "lease")
+
+    def __init__(self, lease: Kept, fraction: float) -> None:
+        self.lease = lease
+        self.fraction = fraction
+        self.failures: Backoff | None = None
+
+    def step(self) -> float | None:
+        """Renew once; when the next step is due (``None``: stop)."""
         try:
-            grant = lease.renew()
+            grant = self.lease.renew()
         except LeaseLost:
             return None  # renew() already reported the loss
         except Exception as exc:
-            return _retry_after_failure(lease, retry, exc)
-        retry.clear()
-        return grant.sent_at + grant.ttl * fraction
+            return self._retry_after(exc)
+        self.failures = None
+        return grant.sent_at + grant.ttl * self.fraction
 
-    due = lease.grant.sent_at + lease.grant.ttl * fraction
-    _scheduler(lease.backend).schedule(due, _LeaseJob(lease, renew))
-
-
-def _retry_after_failure(lease: Lease, retry: list[Backoff], exc: Exception) -> float | None:
-    """When to try again after a failed renewal: jittered, and only while the lease is valid.
-
-    Past the validity there is nothing left to save; the watchdog reports the loss.
-    """
-    left = lease.remaining()
-    if not retry:
-        retry.append(
-            Backoff(
+    def _retry_after(self, exc: Exception) -> float | None:
+        lease = self.lease
+        left = lease.remaining()
+        if self.failures is None:
+            self.failures = Backoff(
                 base=max(0.005, left / 20),
                 cap=max(0.01, left / 4),
                 deadline=lease.valid_until,
                 clock=lease.clock,
             )
+        delay = self.failures.next_delay()
+        if delay is None:
+            return None
+        logger.warning(
+            "leases: renewing %r (token %s) failed: %s; retrying in %.3fs, %.3fs of validity left",
+            lease.name,
+            lease.token,
+            exc,
+            delay,
+            left,
+            extra={"event": "renew_failed", "lease": lease.name, "token": lease.token},
         )
-    delay = retry[0].next_delay()
-    if delay is None:
-        return None
-    logger.warning(
-        "leases: renewing %r (token %s) failed: %s; retrying in %.3fs, %.3fs of validity left",
-        lease.name,
-        lease.token,
-        exc,
-        delay,
-        left,
-    )
-    return lease.clock.monotonic() + delay
+        return lease.clock.monotonic() + delay

@@ -11,7 +11,6 @@ lease away safe at all.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -25,6 +24,7 @@ from . import conf, revocation
 from .backends import get_backend
 from .backends.base import LeaseInfo
 from .errors import InvalidFencingToken, LeaseError, LeaseNotHeld
+from .holders import Holder, parse_holder
 from .keys import split_key
 
 __all__ = [
@@ -78,39 +78,6 @@ WHERE l.locktype = 'advisory' AND l.pid = %s AND l.pid <> pg_backend_pid()
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 LIMIT 1
 """
-
-
-@dataclass(frozen=True)
-class Holder:
-    """A holder identity split into the parts an operator looks for."""
-
-    raw: str
-    host: str = ""
-    pid: int | None = None
-    thread: str = ""
-    label: str = ""
-
-
-_HOLDER_RE = re.compile(
-    r"^(?:(?P<label>[^@]*)@)?(?P<host>[^:@]+):(?P<pid>\d+):(?P<thread>[^:/]+)(?:[:/].*)?$"
-)
-
-
-def parse_holder(holder: str) -> Holder:
-    """Split ``[label@]host:pid:thread[:unique]`` (what ``acquire()`` makes) into its parts.
-
-    Holders given explicitly that have another shape are shown raw.
-    """
-    match = _HOLDER_RE.match(holder or "")
-    if match is None:
-        return Holder(raw=holder or "")
-    return Holder(
-        raw=holder,
-        host=match["host"],
-        pid=int(match["pid"]),
-        thread=match["thread"],
-        label=match["label"] or "",
-    )
 
 
 @dataclass(frozen=True)

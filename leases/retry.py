@@ -11,13 +11,10 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
 
-__all__ = ["SYSTEM_CLOCK", "Backoff", "Clock", "FakeClock", "SystemClock", "retry_call"]
-
-T = TypeVar("T")
+__all__ = ["SYSTEM_CLOCK", "Backoff", "Clock", "FakeClock", "SystemClock"]
 
 
 class Clock(Protocol):
@@ -86,10 +83,6 @@ class Backoff:
             return None
         return max(0.0, self.deadline - self.clock.monotonic())
 
-    def expired(self) -> bool:
-        left = self.remaining()
-        return left is not None and left <= 0
-
     def next_delay(self) -> float | None:
         """The next jittered delay, clipped to the time left; ``None`` when none is left."""
         left = self.remaining()
@@ -99,24 +92,3 @@ class Backoff:
         self.attempt += 1
         delay = (self.rng or random).uniform(0.0, ceiling)
         return delay if left is None else min(delay, left)
-
-
-def retry_call(
-    fn: Callable[[], T],
-    *,
-    retry_on: tuple[type[BaseException], ...],
-    backoff: Backoff,
-) -> T:
-    """Call ``fn`` until it returns, retrying ``retry_on`` errors until the deadline.
-
-    The last error is re-raised once the backoff's deadline has passed, so a caller always
-    learns why it gave up.
-    """
-    while True:
-        try:
-            return fn()
-        except retry_on:
-            delay = backoff.next_delay()
-            if delay is None:
-                raise
-            backoff.clock.sleep(delay)

@@ -215,15 +215,26 @@ def _singleton_hold(self: Any, name: str, hold: float) -> None:
 
 
 SINGLETON_HOLD = {
-    alias: singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL, backend=alias, bind=True,
-                          name=f"tests.singleton_hold.{alias}")(_singleton_hold)
+    alias: singleton_task(
+        key="celery-test:{name}",
+        ttl=_LEASE_TTL,
+        backend=alias,
+        bind=True,
+        name=f"tests.singleton_hold.{alias}",
+    )(_singleton_hold)
     for alias in BACKENDS
-}  # fmt: skip
+}
 singleton_hold = SINGLETON_HOLD["default"]
 
 
 @singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL, on_duplicate="raise")
 def singleton_strict(name: str) -> None:
+    _run(name, "", None, 0)
+
+
+@singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL, on_duplicate="raise")
+def singleton_strict_twin(name: str) -> None:
+    """Another task with the very same key as :func:`singleton_strict`: guarded apart."""
     _run(name, "", None, 0)
 
 

@@ -245,3 +245,17 @@ def test_advisory_pages_follow_the_database_the_leases_tables_live_in(
         )
         assert client.get(terminate, {"database": "replica"}).status_code == 403
     assert user is not None
+
+
+def test_no_page_shows_the_grant_secret_or_its_hash(client: Client, lock_scene: LockScene) -> None:
+    """Renew and release need the grant's secret; operators never need it or its hash."""
+    from leases.models import Lease
+
+    row = Lease.objects.get(name=lock_scene.held)
+    assert row.secret_hash  # the store has it ...
+    login(client, "view_lease", "force_release_lease")
+    detail = reverse("admin:leases_lease_change", args=[lock_scene.held])
+    for page in (LEASES, EVERY_BACKEND, detail):
+        content = client.get(page).content.decode()
+        assert "secret" not in content.lower()  # ... no page shows it
+        assert bytes(row.secret_hash).hex() not in content

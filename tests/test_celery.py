@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Task
+from celery import Task, group
 from celery.result import AsyncResult
 from django.conf import settings
 
@@ -44,6 +44,7 @@ from tests.celery_app import (
     partitioned_touch,
     singleton_hold,
     singleton_strict,
+    singleton_strict_twin,
 )
 from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # noqa: F401
 from tests.checker import check_history, history, new_register
@@ -301,6 +302,26 @@ def test_singleton_duplicate_raises_when_configured_to() -> None:
         broker().delete(queue)
 
 
+def test_two_singleton_tasks_with_the_same_key_are_guarded_apart() -> None:
+    queue, name = new_queue(), new_register("twins")
+    try:
+        first = singleton_strict.apply_async((name,), queue=queue)
+        twin = singleton_strict_twin.apply_async((name,), queue=queue)
+        assert first.id != twin.id and broker().llen(queue) == 2
+    finally:
+        broker().delete(queue)
+
+
+def test_a_duplicate_singleton_inside_a_group_is_refused_not_left_hanging() -> None:
+    """A group freezes each call's task id; another task's result cannot stand in for it."""
+    queue, name = new_queue(), new_register("canvas")
+    try:
+        with pytest.raises(LeaseUnavailable, match="inside a group or chord"):
+            group(singleton_hold.s(name, 0), singleton_hold.s(name, 0)).apply_async(queue=queue)
+    finally:
+        broker().delete(queue)
+
+
 def test_singleton_guard_frees_within_its_ttl_after_worker_sigkill(
     celery_workers: Callable[..., Worker],
 ) -> None:
@@ -399,6 +420,26 @@ def test_leader_only_worker_skips_a_message_from_a_deposed_leader(
 
 
 @pytest.mark.fault
+def test_leader_only_worker_skips_messages_without_a_valid_leader_token(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    """send_task, a beat sending by name, a header of 0: none shows it came from the leader."""
+    queue, label = new_queue(), new_register("untokened")
+    celery_workers([queue]).wait_ready()
+    try:
+        unstamped = [
+            Task.apply_async(leader_tick, (label,), queue=queue),
+            Task.apply_async(leader_tick, (label,), queue=queue, headers={LEADER_HEADER: 0}),
+            Task.apply_async(leader_tick, (label,), queue=queue, headers={LEADER_HEADER: "x"}),
+            app.send_task(leader_tick.name, (label,), queue=queue),
+        ]
+        assert wait_states(unstamped) == [SKIPPED] * len(unstamped)
+        assert all("without a leadership token" in r.info["reason"] for r in unstamped)
+        assert not TaskRun.objects.filter(label=label).exists()
+    finally:
+        resign_leaderships()
+
+
 def test_two_beats_send_each_tick_once_and_the_survivor_leads_after_a_sigkill(
     celery_workers: Callable[..., Worker],
 ) -> None:

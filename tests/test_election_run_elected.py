@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,8 @@ with open(out + ".tmp", "w") as f:
 os.rename(out + ".tmp", out)
 if mode == "exit":
     sys.exit(7)
+if mode == "kill-self":
+    os.kill(os.getpid(), signal.SIGKILL)
 for _ in range(6000):
     time.sleep(0.01)
 """
@@ -155,3 +158,38 @@ def test_verbosity_0_silences_progress(child_env: dict[str, str]) -> None:
     quiet = manage(child_env, "run_elected", name, "-v", "0", "--", "true")
     assert loud.returncode == quiet.returncode == 0
     assert "elected leader" in loud.stderr and quiet.stderr == ""
+
+
+@pytest.mark.fault
+def test_a_child_killed_by_a_signal_exits_with_128_plus_the_signal(run_elected: object) -> None:
+    _, proc, _, _, _ = run_elected("kill-self")  # type: ignore[operator]
+    assert proc.wait(20) == 128 + signal.SIGKILL
+
+
+@pytest.mark.fault
+def test_a_second_signal_during_the_grace_period_cannot_skip_sigkill(run_elected: object) -> None:
+    """The child ignores SIGTERM; the operator sends SIGTERM twice. SIGKILL must still come,
+    and the leadership must outlive the child (no successor's job beside it)."""
+    name, proc, pid, _, out = run_elected("ignore-term")  # type: ignore[operator]
+    proc.send_signal(signal.SIGTERM)
+    wait_until(Path(f"{out}.term").exists, 10, "the child to get SIGTERM")
+    proc.send_signal(signal.SIGTERM)  # during the grace period
+    released_while_alive = []
+    deadline = time.monotonic() + GRACE + SLACK + 5
+    while proc.poll() is None and time.monotonic() < deadline:
+        if alive(pid) and leader_of(name) is None:
+            released_while_alive.append(time.monotonic())
+        time.sleep(0.01)
+    assert proc.wait(10) == 128 + signal.SIGTERM
+    assert not alive(pid), "the child outlived its supervisor's escalation"
+    assert not released_while_alive, "leadership was released while the child still ran"
+    assert leader_of(name) is None
+
+
+@pytest.mark.fault
+def test_a_child_that_ignores_sigterm_dies_with_a_sigkilled_supervisor(
+    run_elected: object,
+) -> None:
+    _, proc, pid, _, _ = run_elected("ignore-term")  # type: ignore[operator]
+    proc.kill()
+    wait_until(lambda: not alive(pid), 5, "the child of a SIGKILLed run_elected to end")

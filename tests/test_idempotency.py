@@ -70,9 +70,10 @@ def problem_type(response: Any) -> str:
 
 @pytest.fixture(autouse=True)
 def _no_failures() -> Any:
-    views_idempotency.FAILURES.update({"status": 0, "raise": 0})
+    failures = views_idempotency.FAILURES
+    failures.update(dict.fromkeys(failures, 0))
     yield
-    views_idempotency.FAILURES.update({"status": 0, "raise": 0})
+    failures.update(dict.fromkeys(failures, 0))
 
 
 def test_replay_returns_the_stored_response_byte_for_byte(client: Client) -> None:
@@ -163,7 +164,8 @@ def test_same_key_while_the_first_runs_is_409_with_retry_after(client: Client) -
     response = post(client, "/idem/charge/", "k-3")
     assert response.status_code == 409
     assert problem_type(response) == "idempotency-key-in-progress"
-    assert int(response["Retry-After"]) >= 1
+    # the first request's claim lapses in about 60 s: that, not a fixed 1, is when to retry
+    assert 50 <= int(response["Retry-After"]) <= 60
     assert Charge.objects.count() == 0
 
 

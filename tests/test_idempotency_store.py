@@ -40,7 +40,10 @@ def sql(statement: str, params: Any = None) -> None:
         cursor.execute(statement, params)
 
 
+@pytest.mark.django_db(transaction=True)
 def test_begin_claims_reports_and_replays_in_one_round_trip_each() -> None:
+    """In autocommit, the hot path. Inside an open transaction the claim also bounds its lock
+    wait (savepoint, set and restore ``lock_timeout``): see ``test_idempotency_transactions``."""
     with CaptureQueriesContext(connection) as first:
         claimed = begin("s", "k", FP, ttl=60, lock_timeout=60)
     assert claimed.status is Status.NEW and claimed.claim and not claimed.claim.taken_over

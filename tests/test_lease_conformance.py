@@ -19,21 +19,14 @@ from django.test import override_settings
 import leases
 from leases import LeaseAlreadyHeld, LeaseLost, LeaseNotHeld, LeaseUnavailable, acquire, lease
 from leases.backends import Capability, Grant, get_backend
+from leases.backends.base import new_secret
 from leases.errors import BackendUnavailable, InvalidLeaseName, InvalidLeaseOption
 from leases.signals import lease_acquired, lease_lost, lease_released, lease_renewed
 from tests.checker import check_history, new_register, record_write
 from tests.lease_backends import lease_backend, lease_name, require
+from tests.waiting import wait_until
 
 __all__ = ["lease_backend", "lease_name"]  # fixtures, re-exported for pytest
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
 
 
 def test_public_lease_is_the_function() -> None:
@@ -68,6 +61,25 @@ def test_held_lease_cannot_be_taken(lease_backend: str, lease_name: str) -> None
             acquire(lease_name, ttl=1, backend=lease_backend, timeout=0.2, holder="other")
         assert info.value.name == lease_name
         assert 0.15 <= time.monotonic() - started < 2.0
+
+
+def test_a_failed_wait_gives_up_at_its_deadline(lease_backend: str, lease_name: str) -> None:
+    """``timeout`` is a deadline, not a hint: redis-py's own blocking test allows 50 ms over.
+
+    One sample can be late for reasons that are not ours (a loaded 2-core machine deschedules
+    the thread), so the median of five decides; a wait that overshoots by design (a server
+    timer firing on its ``hz`` tick, 55-90 ms late) is late every time and fails it.
+    """
+    timeout, overshoots = 0.4, []
+    with lease(lease_name, ttl=30, backend=lease_backend, keepalive=False):
+        for _ in range(5):
+            started = time.monotonic()
+            with pytest.raises(LeaseUnavailable):
+                acquire(lease_name, ttl=1, backend=lease_backend, timeout=timeout, holder="w")
+            overshoots.append(time.monotonic() - started - timeout)
+    overshoots.sort()
+    assert overshoots[0] > -0.005, overshoots  # never gives up early either
+    assert overshoots[2] <= 0.05, overshoots
 
 
 def test_expired_lease_is_taken_over_with_a_higher_token(
@@ -116,6 +128,61 @@ def test_non_owner_release_and_renew_are_refused(lease_backend: str, lease_name:
         assert info is not None and info.held and info.holder == held.holder
 
 
+def test_public_holder_and_token_neither_release_nor_renew(
+    lease_backend: str, lease_name: str
+) -> None:
+    """Holder and token are public (``inspect()``, the admin); a grant built from them without
+    the secret is refused as not held, and the real holder's lease is left untouched."""
+    store = get_backend(lease_backend)
+    with lease(lease_name, ttl=2, backend=lease_backend, keepalive=False) as held:
+        info = store.inspect(lease_name)
+        assert info is not None and (info.holder, info.token) == (held.holder, held.token)
+        for secret in ("", "0" * 32, new_secret()):
+            forged = Grant(
+                lease_name, info.holder, info.token, 2.0, time.monotonic(), secret=secret
+            )
+            with pytest.raises(LeaseNotHeld, match="secret"):
+                store.release(forged)
+            with pytest.raises(LeaseNotHeld, match="secret"):
+                store.renew(forged, 30.0)
+        after = store.inspect(lease_name)
+        assert after is not None and after.held
+        assert (after.holder, after.token) == (held.holder, held.token)
+        held.renew()
+        held.ensure_held()
+
+
+def test_the_grant_secret_never_shows(
+    lease_backend: str, lease_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = get_backend(lease_backend)
+    shown: list[str] = []
+
+    def record(sender: str, **kwargs: Any) -> None:
+        shown.append(repr(kwargs))
+
+    for signal in (lease_acquired, lease_renewed, lease_released):
+        signal.connect(record)
+    try:
+        with (
+            caplog.at_level("DEBUG"),
+            lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as held,
+        ):
+            secret = held.grant.secret
+            held.renew()
+            assert held.grant.secret == secret  # a renewed grant keeps its secret
+            shown += [repr(held), repr(held.grant), repr(store.inspect(lease_name))]
+            shown.append(repr([i for i in store.inspect_all() if i.name == lease_name]))
+    finally:
+        for signal in (lease_acquired, lease_renewed, lease_released):
+            signal.disconnect(record)
+    assert len(secret) == 32 and int(secret, 16) >= 0
+    assert len(shown) == 7 and caplog.text is not None
+    assert not [text for text in [*shown, caplog.text] if secret in text]
+    with lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as again:
+        assert again.grant.secret != secret
+
+
 def test_keepalive_holds_the_lease_past_its_ttl(lease_backend: str, lease_name: str) -> None:
     lost = threading.Event()
     with lease(lease_name, ttl=1, backend=lease_backend, on_lost=lambda _: lost.set()) as held:
@@ -145,8 +212,8 @@ def test_without_keepalive_loss_is_reported_at_expiry(lease_backend: str, lease_
             keepalive=False,
             on_lost=lambda lost: reasons.append(lost.lost_reason),
         )
-        assert wait_until(held.lost.is_set, timeout=3)
-        assert wait_until(lambda: received, timeout=1)
+        wait_until(held.lost.is_set, 3, "the lease to be reported lost")
+        wait_until(lambda: received, 1, "lease_lost to be received")
     finally:
         lease_lost.disconnect(on_lost_signal)
     assert len(reasons) == 1 and "expired" in reasons[0]
@@ -323,15 +390,40 @@ def test_caller_rollback_neither_unacquires_nor_unreleases(
         ({"timeout": float("nan")}, InvalidLeaseOption),
         ({"holder": ""}, InvalidLeaseOption),
         ({"holder": "h" * 256}, InvalidLeaseOption),
+        ({"ttl": 1e12}, InvalidLeaseOption),
+        ({"ttl": 86400.5}, InvalidLeaseOption),
+        ({"holder": "h\x00x"}, InvalidLeaseOption),
+        ({"holder": "h\nx"}, InvalidLeaseOption),
+        ({"holder": "\x7f"}, InvalidLeaseOption),
     ],
 )
 def test_bad_input_is_refused_before_any_round_trip(
-    lease_backend: str, kwargs: dict[str, Any], error: type[Exception]
+    lease_backend: str, lease_name: str, kwargs: dict[str, Any], error: type[Exception]
 ) -> None:
-    arguments: dict[str, Any] = {"name": "valid", "ttl": 1, "backend": lease_backend, **kwargs}
+    arguments: dict[str, Any] = {"name": lease_name, "ttl": 1, "backend": lease_backend, **kwargs}
+    name = arguments.pop("name")
     with pytest.raises(error) as info:
-        acquire(arguments.pop("name"), **arguments)
+        acquire(name, **arguments)
     assert isinstance(info.value, ValueError)
+    if isinstance(name, str) and name and "\x00" not in name and len(name) <= 255:
+        assert get_backend(lease_backend).inspect(name) is None  # nothing reached the store
+
+
+def test_renewal_beyond_the_max_ttl_is_refused_before_any_round_trip(
+    lease_backend: str, lease_name: str
+) -> None:
+    with lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as held:
+        before = held.grant
+        with pytest.raises(InvalidLeaseOption, match="MAX_TTL"):
+            held.renew(ttl=1e12)
+        assert held.grant is before
+        info = get_backend(lease_backend).inspect(lease_name)
+        assert info is not None and (info.expires_at is None or info.expires_at.year < 3000)
+    with override_settings(LEASES={"BACKENDS": _backends(), "MAX_TTL": 2, "DEFAULT_TTL": 1}):
+        with pytest.raises(InvalidLeaseOption, match="MAX_TTL"):
+            acquire(lease_name, ttl=3, backend=lease_backend)
+        assert get_backend(lease_backend).inspect(lease_name) is not None  # the earlier grant
+        acquire(lease_name, ttl=2, backend=lease_backend, keepalive=False).release()
 
 
 def test_force_release_revokes_the_holder(lease_backend: str, lease_name: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import tempfile
@@ -88,7 +89,7 @@ def test_failed_try_assigns_no_transaction_id(lease_name: str) -> None:
     is false, which assigns a transaction id (and so writes WAL and flushes at commit).
     """
     held = acquire(lease_name, ttl=5, keepalive=False)
-    params = {"name": lease_name, "holder": "contender", "ttl": 5.0}
+    params = {"name": lease_name, "holder": "contender", "ttl": 5.0, "secret": "s"}
     probe = _connect("default")
     try:
         probe.autocommit = False
@@ -309,3 +310,15 @@ def test_a_row_expiring_in_year_33715_breaks_no_read(lease_name: str) -> None:
     assert far.expires_at.year == 9999
     revoked = backend.force_release(lease_name, 7)
     assert revoked.token == 8 and not revoked.held
+
+
+def test_the_table_keeps_a_hash_of_the_secret_never_the_secret(lease_name: str) -> None:
+    held = acquire(lease_name, ttl=5, keepalive=False)
+    with _connect("default") as own:
+        row = own.execute("SELECT * FROM leases_lease WHERE name = %s", [lease_name]).fetchone()
+        (stored,) = own.execute(
+            "SELECT secret_hash FROM leases_lease WHERE name = %s", [lease_name]
+        ).fetchone() or (None,)
+    assert row is not None and not [v for v in row if held.grant.secret in str(v)]
+    assert bytes(stored) == hashlib.sha256(held.grant.secret.encode()).digest()
+    held.release()

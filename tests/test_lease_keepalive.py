@@ -15,7 +15,7 @@ from leases import LeaseLost, acquire
 from leases.backends import Capability
 from leases.checks import check_default_ttl
 from leases.keepalive import Scheduler
-from leases.retry import Backoff, FakeClock, retry_call
+from leases.retry import Backoff, FakeClock
 from tests.lease_backends import lease_backend, lease_name, require
 
 __all__ = ["lease_backend", "lease_name"]
@@ -38,28 +38,7 @@ def test_backoff_is_full_jitter_capped_and_bounded_by_the_deadline() -> None:
 def test_backoff_without_deadline_never_gives_up() -> None:
     backoff = Backoff(base=1.0, cap=2.0, clock=FakeClock())
     assert all((backoff.next_delay() or -1) >= 0 for _ in range(100))
-    assert backoff.remaining() is None and not backoff.expired()
-
-
-def test_retry_call_retries_until_the_deadline_then_reraises() -> None:
-    clock = FakeClock()
-    calls = []
-
-    def flaky() -> str:
-        calls.append(clock.monotonic())
-        if len(calls) < 3:
-            raise ConnectionError("transient")
-        return "done"
-
-    backoff = Backoff(deadline=clock.monotonic() + 5, clock=clock)
-    assert retry_call(flaky, retry_on=(ConnectionError,), backoff=backoff) == "done"
-    assert len(calls) == 3
-
-    def broken() -> None:
-        raise ConnectionError("down")
-
-    with pytest.raises(ConnectionError):
-        retry_call(broken, retry_on=(ConnectionError,), backoff=Backoff(deadline=0, clock=clock))
+    assert backoff.remaining() is None
 
 
 class Step:

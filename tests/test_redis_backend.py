@@ -6,18 +6,20 @@ Tests that kill, pause or fail over a server use servers of their own (``redis_s
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
 from redis.crc import key_slot
 
 from devservers import RedisServer
-from leases.backends.base import Capability
+from leases.backends.base import Capability, Grant
 from leases.backends.redis import (
     ACQUIRE_LUA,
     COUNTER_BITS,
@@ -25,7 +27,7 @@ from leases.backends.redis import (
     Backend,
     LeaseKeys,
     Reply,
-    value_of,
+    owner_args,
 )
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
@@ -54,6 +56,25 @@ def make_backend() -> Iterator[MakeBackend]:
     yield make
     for backend in made:
         backend.close()
+
+
+def stored_value(grant: Grant) -> str:
+    """The lock value of ``grant``: its epoch, counter, the SHA-1 of its secret, its holder."""
+    digest = hashlib.sha1(grant.secret.encode(), usedforsecurity=False).hexdigest()
+    epoch, counter = grant.token >> COUNTER_BITS, grant.token & (2**COUNTER_BITS - 1)
+    return f"{epoch}:{counter}:{digest}:{grant.holder}"
+
+
+def test_redis_keeps_a_hash_of_the_secret_never_the_secret(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(), unique()
+    grant = backend.try_acquire(name, "a", 5)
+    assert grant is not None and len(grant.secret) == 32
+    keys = LeaseKeys.of(backend.prefix, name)
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    stored = (client.get(keys.lock) or b"") + b"".join(client.hgetall(keys.fence).values())
+    assert grant.secret.encode() not in stored
+    assert client.get(keys.lock) == stored_value(grant).encode()
+    backend.release(grant)
 
 
 def test_tokens_increase_and_a_held_name_is_busy(make_backend: MakeBackend) -> None:
@@ -87,8 +108,8 @@ def test_release_after_expiry_keeps_successor(make_backend: MakeBackend) -> None
     client = redis.Redis.from_url(os.environ["REDIS_URL"])
     # The compare-and-delete itself answers "not yours" and leaves the key alone.
     script = client.register_script(RELEASE_LUA)
-    assert script(keys=[keys.lock, keys.wake, keys.fence], args=[value_of(old), 1, 0]) == 0
-    assert client.get(keys.lock) == value_of(new).encode()
+    assert script(keys=[keys.lock, keys.wake], args=[*owner_args(old), 1]) == Reply.LOST
+    assert client.get(keys.lock) == stored_value(new).encode()
     info = backend.inspect(name)
     assert info is not None and info.held and info.holder == "new" and info.token == new.token
     backend.release(new)
@@ -320,3 +341,30 @@ def test_a_forked_child_never_ends_the_parents_database_session(make_backend: Ma
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert backend.try_acquire(unique(), "parent", 5) is not None  # its session still works
+
+
+def wait_overshoots(backend: Any, name: str, wait: float = 0.21, tries: int = 7) -> list[float]:
+    """How late ``wait_for_release`` returns when nothing is released, sorted (seconds).
+
+    Back-to-back waits of 0.21 s on an idle server each start just after the timer tick that
+    ended the one before, so a timeout left to that tick (every 100 ms) is ~90 ms late every
+    time, not just sometimes: the test cannot pass by a lucky phase.
+    """
+    late = []
+    for _ in range(tries):
+        started = time.monotonic()
+        assert backend.wait_for_release(name, wait) is False
+        late.append(time.monotonic() - started - wait)
+    return sorted(late)
+
+
+@pytest.mark.fault
+def test_a_wait_ends_at_its_deadline_on_an_idle_server(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    """An idle Redis fires a ``BLPOP`` timeout only at its next timer tick (up to 100 ms
+    late); the wait must end on the caller's deadline instead. Median of seven, so one
+    descheduled sample on a loaded machine does not decide; the tick's lateness would."""
+    backend, name = make_backend(redis_server.url), unique()
+    late = wait_overshoots(backend, name)
+    assert late[0] > -0.005 and late[3] <= 0.05, late

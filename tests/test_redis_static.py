@@ -1,7 +1,8 @@
 """Static proof that no Redis command path deletes or expires a lease key without comparing.
 
 Every Lua constant of the Redis backends is scanned: a command that deletes, overwrites or
-re-times a key must sit inside an ``if redis.call('GET', <that key>) == ARGV[n]`` block (or one
+re-times a key must sit inside an ``if redis.call('GET', <that key>) == ARGV[n]`` block (or
+``== owned``, the value built by hashing the secret presented, or one
 comparing the value's token prefix, ``string.sub(... or '', 1, #ARGV[n]) == ARGV[n]``), or be a
 ``SET ... NX`` (which cannot overwrite). The only exception is the wake-up list (a key the script
 ``RPUSH``es to), which holds no grant. The Python sources are scanned too: the only direct
@@ -29,7 +30,7 @@ DESTRUCTIVE = {
 }  # fmt: skip
 CALL = re.compile(r"redis\.call\(\s*'(\w+)'\s*(?:,\s*(KEYS\[\d+\]))?([^)]*)\)")
 GUARD = re.compile(
-    r"redis\.call\(\s*'GET'\s*,\s*(KEYS\[\d+\])\s*\)\s*==\s*ARGV\[\d+\]"
+    r"redis\.call\(\s*'GET'\s*,\s*(KEYS\[\d+\])\s*\)\s*==\s*(?:ARGV\[\d+\]|owned\b)"
     r"|string\.sub\(redis\.call\(\s*'GET'\s*,\s*(KEYS\[\d+\])\s*\)\s*or\s*''\s*,\s*1\s*,"
     r"\s*#ARGV\[(\d+)\]\s*\)\s*==\s*ARGV\[\3\]"
 )
@@ -49,8 +50,14 @@ def scripts() -> list[tuple[str, str]]:
     ]
 
 
+#: ``owned`` may stand for ``ARGV[n]`` only as the value built from the secret presented.
+OWNED = re.compile(r"local owned = ARGV\[\d+\] \.\. redis\.sha1hex\(ARGV\[\d+\]\) \.\. ")
+
+
 def unguarded(script: str) -> list[str]:
     """Destructive commands in ``script`` not protected by a compare on the same key."""
+    if "== owned" in script and not OWNED.search(script):
+        return ["compares with `owned` without building it from the presented secret"]
     wake_lists = {key for cmd, key, _ in CALL.findall(script) if cmd.upper() == "RPUSH"}
     guards: list[str | None] = []  # the key each open block compared, or None
     problems = []
@@ -96,6 +103,10 @@ def test_the_scan_catches_bare_deletes_and_expires() -> None:
     assert not unguarded(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then\n  redis.call('DEL', KEYS[1])\nend"
     )
+    owned = "local owned = ARGV[1] .. redis.sha1hex(ARGV[3]) .. ':' .. ARGV[2]\n"
+    guarded = "if redis.call('GET', KEYS[1]) == owned then\n  redis.call('DEL', KEYS[1])\nend"
+    assert not unguarded(owned + guarded)
+    assert unguarded(guarded)  # `owned` must come from the secret presented
     prefix = "if string.sub(redis.call('GET', KEYS[1]) or '', 1, #ARGV[4]) == ARGV[{}] then"
     assert not unguarded(f"{prefix.format(4)}\n  redis.call('DEL', KEYS[1])\nend")
     assert unguarded(f"{prefix.format(3)}\n  redis.call('DEL', KEYS[1])\nend")

@@ -12,9 +12,10 @@ import redis
 
 from devservers import RedisServer
 from leases.backends.redis import LeaseKeys
-from leases.backends.redlock import Backend
+from leases.backends.redlock import Backend, node_value
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
+from tests.test_redis_backend import wait_overshoots
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -102,6 +103,34 @@ def test_three_of_five_hung_fails_without_hanging(
     assert elapsed < 5, elapsed
 
 
+@pytest.mark.parametrize("hung", [3, 5])
+def test_a_try_with_hung_nodes_takes_about_one_node_timeout(
+    five: list[RedisServer], make_backend: Callable[..., Backend], hung: int
+) -> None:
+    """Replies are awaited together, and a failed try's unlock does not wait for hung nodes:
+    however many hang, a try costs one NODE_TIMEOUT (read node by node, 5 hung nodes cost 10).
+    Twice: the first try reuses open connections, the second must open new ones to hung nodes.
+    """
+    timeout = 0.2
+    backend, name = make_backend(five, NODE_TIMEOUT=timeout), unique()
+    assert backend.inspect(name) is None  # a connection to every node is open now
+    elapsed = []
+    for server in five[:hung]:
+        server.pause()
+    try:
+        for _ in range(2):
+            started = time.monotonic()
+            try:
+                assert backend.try_acquire(name, "a", 5) is None
+            except BackendUnavailable:
+                assert hung == 5  # no node answered
+            elapsed.append(time.monotonic() - started)
+    finally:
+        for server in five[:hung]:
+            server.resume()
+    assert max(elapsed) < 1.5 * timeout + 0.05, elapsed
+
+
 def test_failed_attempt_unlocks_on_every_node_but_never_others_keys(
     five: list[RedisServer], make_backend: Callable[..., Backend]
 ) -> None:
@@ -132,12 +161,13 @@ def test_node_restarted_empty_after_a_grant_cannot_let_a_stale_write_in(
     """Kleppmann's scenario: A holds nodes 0-2; node 2 restarts empty; B wins nodes 2-4."""
     backend, name, register = make_backend(five), unique(), checker.new_register()
     for server in five[3:]:
-        server.pause()
+        # Down, not hung: a SET sent to a hung node would still land once it resumes.
+        server.stop("kill")
     try:
         a = backend.try_acquire(name, "A", 10)
     finally:
         for server in five[3:]:
-            server.resume()
+            server.start()
     assert a is not None
     assert checker.record_write(register, a.token, "A")
     five[2].restart("kill")
@@ -165,7 +195,7 @@ def test_release_after_expiry_keeps_successor(
         backend.release(old)
     with pytest.raises(LeaseLost):
         backend.renew(old, 5)
-    assert holders(servers, name) == [new.extra["value"].encode()] * 3
+    assert holders(servers, name) == [node_value(new.holder, new.secret).encode()] * 3
     info = backend.inspect(name)
     assert info is not None and info.held and (info.holder, info.token) == ("new", new.token)
     assert [i.name for i in backend.inspect_all()] == [name]
@@ -227,8 +257,17 @@ def test_nodes_may_be_django_redis_cache_aliases(
             name = unique()
             grant = backend.try_acquire(name, "a", 5)
             assert grant is not None
-            assert holders(servers, name) == [grant.extra["value"].encode()] * 3
+            assert holders(servers, name) == [node_value(grant.holder, grant.secret).encode()] * 3
             backend.release(backend.renew(grant, 5))
             assert holders(servers, name) == [None] * 3
         finally:
             backend.close()
+
+
+def test_a_wait_ends_at_its_deadline_on_idle_nodes(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    """Like the Redis backend's: the node's timer tick must not decide when a wait ends."""
+    backend = make_backend(redis_servers(3))
+    late = wait_overshoots(backend, unique())
+    assert late[0] > -0.005 and late[3] <= 0.05, late

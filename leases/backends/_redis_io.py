@@ -1,9 +1,9 @@
 """redis-py plumbing shared by the Redis and Redlock backends.
 
 Connections (a django-redis cache alias or a URL, never retried), commands sent without waiting
-and read later (so Redlock talks to all its nodes at once, and a ``BLPOP`` can outwait the
-socket timeout), option checks, the eviction-policy deploy check, and the one place where
-redis-py's errors become :class:`~leases.errors.BackendUnavailable`.
+and read later (so Redlock talks to all its nodes at once, and a ``BLPOP`` ends on the caller's
+deadline, not the server's timer), option checks, the eviction-policy deploy check, and the one
+place where redis-py's errors become :class:`~leases.errors.BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from redis.retry import Retry
 from ..errors import BackendUnavailable, LeasesImproperlyConfigured
 
 __all__ = [
+    "BLPOP_SLACK",
     "blpop",
+    "blpop_command",
     "check_options",
     "check_prefix",
     "connect",
@@ -83,13 +85,22 @@ def check_options(alias: str, options: Mapping[str, Any], known: frozenset[str])
 
 
 def connect(
-    alias: str, cache: object, url: object, socket_timeout: float, *, cluster: bool = False
+    alias: str,
+    cache: object,
+    url: object,
+    socket_timeout: float,
+    *,
+    cluster: bool = False,
+    handshake: bool = True,
 ) -> Any:
     """A redis-py client for a django-redis cache alias or a URL (never both).
 
     A URL client never retries: a retried acquire could leave a grant nobody knows it holds
     until it expires, and a retried release would report a loss that did not happen.
-    ``cluster`` makes a Redis Cluster client from the URL of any of its nodes.
+    ``cluster`` makes a Redis Cluster client from the URL of any of its nodes. Without
+    ``handshake`` a new connection sends nothing before its first command (no ``CLIENT
+    SETINFO``), so connecting to a hung server cannot block: the first read is bounded by the
+    caller's deadline instead (Redlock talks to all its nodes at once).
     """
     if (cache is None) == (url is None):
         raise LeasesImproperlyConfigured(
@@ -105,7 +116,8 @@ def connect(
         from redis.cluster import RedisCluster
 
         return RedisCluster.from_url(str(url), **timeouts)
-    return redis.Redis.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts)
+    quiet: dict[str, Any] = {} if handshake else {"driver_info": None, "protocol": 2}
+    return redis.Redis.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts, **quiet)
 
 
 def send(client: Any, command: tuple[object, ...]) -> Any:
@@ -125,30 +137,55 @@ def send(client: Any, command: tuple[object, ...]) -> Any:
     return connection
 
 
-def receive(client: Any, connection: Any, command: tuple[object, ...], timeout: object) -> Any:
+def receive(
+    client: Any, connection: Any, command: tuple[object, ...], timeout: float | None = None
+) -> Any:
     """The reply to ``command`` sent on ``connection``, which then goes back to the pool.
 
-    ``timeout`` (seconds) replaces the socket timeout for this one read; ``None`` keeps it and
-    parses the reply as redis-py's method for the command would.
+    ``timeout`` (seconds) replaces the socket timeout for this one read (``None`` keeps it);
+    the reply is parsed as redis-py's method for the command would (``SET`` gives ``True``).
     """
     try:
         if timeout is None:
-            return client.parse_response(connection, str(command[0]))
-        return connection.read_response(timeout=timeout)
+            response = connection.read_response()
+        else:
+            response = connection.read_response(timeout=timeout)
     except BaseException:
         connection.disconnect()
         raise
     finally:
         client.connection_pool.release(connection)
+    parse = client.response_callbacks.get(str(command[0]).upper())
+    return response if parse is None else parse(response)
+
+
+#: How much longer than the caller's wait a ``BLPOP`` is told to block. Redis fires a blocked
+#: client's timeout on its event loop's next turn, which an idle server takes only at its next
+#: timer tick (``hz`` 10: up to 100 ms late), so the server's timeout must never be what ends a
+#: wait: the socket's read timeout ends it, on time, and drops the connection with its pending
+#: ``BLPOP``.
+BLPOP_SLACK = 0.25
+
+
+def blpop_command(key: str, wait: float) -> tuple[str, str, str]:
+    """``BLPOP key`` with a server timeout :data:`BLPOP_SLACK` past the caller's deadline."""
+    return ("BLPOP", key, f"{wait + BLPOP_SLACK:.3f}")
 
 
 def blpop(client: Any, key: str, wait: float) -> Any:
-    """``BLPOP key wait``, read with a timeout that covers the wait (and Redis's 100 ms timer
-    granularity), so a short socket timeout does not turn every long wait into an error."""
+    """``BLPOP key`` for at most ``wait`` seconds: ``None`` when nothing was pushed by then.
+
+    The deadline is the socket read's (see :data:`BLPOP_SLACK`), so a short client socket
+    timeout does not turn a long wait into an error either. A wake-up the server pops just as
+    the dropped connection closes is lost, which costs the waiter one retry delay.
+    """
     if not hasattr(client, "connection_pool"):  # a RedisCluster client routes by key itself
         return client.blpop([key], timeout=wait)
-    command = ("BLPOP", key, f"{wait:.3f}")
-    return receive(client, send(client, command), command, wait + 1.0)
+    command = blpop_command(key, wait)
+    try:
+        return receive(client, send(client, command), command, wait)
+    except redis.TimeoutError:
+        return None  # the deadline; ``receive`` dropped the connection and its BLPOP
 
 
 class edge:

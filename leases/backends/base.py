@@ -1,15 +1,15 @@
 """What a lease backend must do, and the values it returns.
 
 A backend is a thin, correct client of one lock store. It does exactly one round trip per
-acquire, renew and release; every state change is conditional on the holder and token it was
-given (never a bare DEL/DELETE); expiry is decided by the store's clock; and tokens of one name
-strictly increase across grants, releases, restarts and failovers, or the backend refuses to
-grant (:class:`~leases.errors.FencingUnavailable`).
+acquire, renew and release; every state change is conditional on the holder, token and secret
+it was given (never a bare DEL/DELETE); expiry is decided by the store's clock; and tokens of one
+name strictly increase across grants, releases, restarts and failovers, or the backend refuses
+to grant (:class:`~leases.errors.FencingUnavailable`).
 
 Nothing outside ``leases/backends/`` knows which backend it talks to: :class:`~leases.lease.Lease`
 only sees :class:`Grant` values and the errors of :mod:`leases.errors`. A backend translates its
 driver's errors at this edge (``BackendUnavailable`` for an unreachable store, ``LeaseLost`` for a
-renewal or release the store refused).
+renewal or release the store refused, ``LeaseNotHeld`` for one without the grant's secret).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import secrets
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -25,7 +26,15 @@ from typing import Any, ClassVar
 
 from ..errors import BackendNotSupported
 
-__all__ = ["Capability", "Grant", "LeaseBackend", "LeaseInfo", "not_revoked"]
+__all__ = [
+    "FORGED",
+    "Capability",
+    "Grant",
+    "LeaseBackend",
+    "LeaseInfo",
+    "new_secret",
+    "not_revoked",
+]
 
 
 class Capability(enum.StrEnum):
@@ -58,6 +67,11 @@ class Grant:
     expires_at: datetime | None = None
     #: Backend-private data needed to renew or release (e.g. a Redis value, an epoch).
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: The grant's credential (:func:`new_secret`): renew and release must present it, because
+    #: holder and token are public (``inspect()``, the admin) and would let anyone release
+    #: someone else's lease. Kept out of ``repr`` so it never reaches a log line; stores keep
+    #: only a hash of it.
+    secret: str = field(default="", repr=False)
 
     def valid_until(self, drift_factor: float, drift_min: float) -> float:
         """Monotonic deadline after which the holder must assume the lease is gone."""
@@ -97,24 +111,29 @@ class LeaseBackend(abc.ABC):
         """Take ``name`` for ``holder`` for ``ttl`` seconds if it is free or expired.
 
         One round trip. Returns the grant with a token higher than any earlier grant of the
-        name, or ``None`` when someone else holds it. A failed try should not write.
+        name, carrying a fresh :func:`new_secret` (the store keeps only its hash), or ``None``
+        when someone else holds it. A failed try should not write.
         """
 
     @abc.abstractmethod
     def renew(self, grant: Grant, ttl: float) -> Grant:
         """Extend ``grant`` to ``ttl`` seconds from now, keeping its token.
 
-        One round trip, conditional on name, holder and token and on the grant not having
-        expired on the store's clock. Raises :class:`~leases.errors.LeaseLost` otherwise.
+        One round trip, conditional on name, holder, token and the grant's secret, and on the
+        grant not having expired on the store's clock. Raises
+        :class:`~leases.errors.LeaseNotHeld` when holder and token are the current grant's but
+        the secret is not (someone built the grant from public data: nothing is touched), and
+        :class:`~leases.errors.LeaseLost` when the grant expired or was taken over.
         """
 
     @abc.abstractmethod
     def release(self, grant: Grant) -> None:
         """Free ``grant`` early so the next holder need not wait for expiry.
 
-        One round trip, conditional like :meth:`renew`; keeps the name's token counter, and
-        wakes waiters. Raises :class:`~leases.errors.LeaseLost` when the grant had already
-        expired or been taken over, leaving the new holder untouched.
+        One round trip, conditional like :meth:`renew` (a wrong secret raises
+        :class:`~leases.errors.LeaseNotHeld`); keeps the name's token counter, and wakes
+        waiters. Raises :class:`~leases.errors.LeaseLost` when the grant had already expired
+        or been taken over, leaving the new holder untouched.
         """
 
     @abc.abstractmethod
@@ -167,6 +186,18 @@ class LeaseBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends need nothing
         """Release connections; called when settings change and at interpreter exit."""
+
+
+#: Why a renewal or release that named the current holder and token was refused.
+FORGED = (
+    "holder and token match the current grant, but not its secret: only the process that "
+    "acquired it can renew or release it (nothing was changed)"
+)
+
+
+def new_secret() -> str:
+    """A fresh grant secret: 128 random bits, generated by the backend at every acquire."""
+    return secrets.token_hex(16)
 
 
 def not_revoked(offered: int, current: int | None) -> str:

@@ -39,7 +39,7 @@ from django.db.backends.signals import connection_created
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ..keys import advisory_key
 from ._pgconn import CHANNEL, Listener, close_quietly, connect, stale
-from .base import Capability, Grant, LeaseBackend, LeaseInfo, not_revoked
+from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = ["CHANNEL", "Backend"]
 
@@ -48,40 +48,57 @@ _connect = connect  # the old private name, still imported by leases.backends._c
 logger = logging.getLogger("leases")
 
 #: Take ``name`` if it is free or expired, bumping its token; nothing is written when it is held.
+#: The row keeps only the SHA-256 of the grant's secret, computed here on the server, so the
+#: table (backups, replicas, anyone with SELECT) never holds the credential itself.
 ACQUIRE_SQL = """
-INSERT INTO leases_lease AS l (name, holder, token, acquired_at, expires_at, renewed_at, meta)
+INSERT INTO leases_lease AS l
+    (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
 SELECT %(name)s::text, %(holder)s::text, 1, clock_timestamp(),
-       clock_timestamp() + make_interval(secs => %(ttl)s), NULL, '{}'
+       clock_timestamp() + make_interval(secs => %(ttl)s), NULL, '{}', sha256(%(secret)s::bytea)
 WHERE NOT EXISTS (
     SELECT 1 FROM leases_lease
     WHERE name = %(name)s::text AND holder <> '' AND expires_at > clock_timestamp()
 )
 ON CONFLICT (name) DO UPDATE
 SET holder = EXCLUDED.holder, token = l.token + 1, acquired_at = EXCLUDED.acquired_at,
-    expires_at = EXCLUDED.expires_at, renewed_at = NULL
+    expires_at = EXCLUDED.expires_at, renewed_at = NULL, secret_hash = EXCLUDED.secret_hash
 WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
 """
 
-#: Extend a grant that is still ours and still valid on the server's clock.
+#: Extend a grant that is still ours (holder, token and secret) and still valid on the server's
+#: clock. One row back: the new expiry, or NULL when holder and token are the current grant's
+#: but the secret is not (a forged grant: nothing was written). No row: expired or taken over.
 RENEW_SQL = """
-UPDATE leases_lease
-SET expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
-    renewed_at = clock_timestamp()
+WITH renewed AS (
+    UPDATE leases_lease
+    SET expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
+        renewed_at = clock_timestamp()
+    WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
+      AND secret_hash = sha256(%(secret)s::bytea) AND expires_at > clock_timestamp()
+    RETURNING expires_at
+)
+SELECT expires_at FROM renewed
+UNION ALL
+SELECT NULL FROM leases_lease
 WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
-  AND expires_at > clock_timestamp()
-RETURNING expires_at
+  AND secret_hash IS DISTINCT FROM sha256(%(secret)s::bytea) AND NOT EXISTS (SELECT FROM renewed)
 """
 
 #: Free a grant that is still ours, keeping the token counter, and wake waiters (same trip).
+#: One row back: ``true`` when freed, ``false`` for a forged grant (as in :data:`RENEW_SQL`).
 RELEASE_SQL = """
 WITH freed AS (
-    UPDATE leases_lease SET holder = '', expires_at = clock_timestamp()
+    UPDATE leases_lease SET holder = '', expires_at = clock_timestamp(), secret_hash = NULL
     WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
-      AND expires_at > clock_timestamp()
+      AND secret_hash = sha256(%(secret)s::bytea) AND expires_at > clock_timestamp()
     RETURNING name
 )
-SELECT pg_notify('leases_released', name) FROM freed
+SELECT pg_notify('leases_released', name)::text IS NOT NULL FROM freed
+UNION ALL
+SELECT false FROM leases_lease
+WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
+  AND secret_hash IS DISTINCT FROM sha256(%(secret)s::bytea) AND NOT EXISTS (SELECT FROM freed)
 """
 
 #: Compare-and-revoke: only if ``name``'s stored token is still ``token``, advance it (so the
@@ -90,7 +107,8 @@ SELECT pg_notify('leases_released', name) FROM freed
 #: an operator's click on a stale page must not evict whoever holds the name by then.
 FORCE_RELEASE_SQL = """
 WITH revoked AS (
-    UPDATE leases_lease SET token = token + 1, holder = '', expires_at = clock_timestamp()
+    UPDATE leases_lease
+    SET token = token + 1, holder = '', expires_at = clock_timestamp(), secret_hash = NULL
     WHERE name = %(name)s::text AND token = %(token)s
     RETURNING name, holder, token, acquired_at, expires_at, renewed_at, meta
 )
@@ -141,6 +159,16 @@ _instances: weakref.WeakSet[Backend] = weakref.WeakSet()
 #: Connections inherited over fork: kept referenced, never closed, because closing them would
 #: send a Terminate message on the parent's socket and end the parent's session.
 _inherited: list[object] = []
+
+
+def _owner(grant: Grant) -> dict[str, Any]:
+    """What renew and release present: the grant's holder, token and secret."""
+    return {
+        "name": grant.name,
+        "holder": grant.holder,
+        "token": grant.token,
+        "secret": grant.secret,
+    }
 
 
 def _info(row: tuple[Any, ...], backend: str) -> LeaseInfo:
@@ -229,26 +257,30 @@ class Backend(LeaseBackend):
     # -- the interface --------------------------------------------------------------------
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
-        sent_at = time.monotonic()
-        rows = self._run(ACQUIRE_SQL, {"name": name, "holder": holder, "ttl": ttl})
+        sent_at, secret = time.monotonic(), new_secret()
+        params = {"name": name, "holder": holder, "ttl": ttl, "secret": secret}
+        rows = self._run(ACQUIRE_SQL, params)
         if not rows:
             self._failed_at()[name] = sent_at
             return None
         token, expires_at = rows[0]
-        return Grant(name, holder, int(token), ttl, sent_at, expires_at)
+        return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
-        params = {"name": grant.name, "holder": grant.holder, "token": grant.token, "ttl": ttl}
-        rows = self._run(RENEW_SQL, params)
+        rows = self._run(RENEW_SQL, {**_owner(grant), "ttl": ttl})
         if not rows:
             raise LeaseLost(grant.name, grant.token, "expired or taken over before renewal")
+        if rows[0][0] is None:
+            raise LeaseNotHeld(grant.name, FORGED)
         return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=rows[0][0])
 
     def release(self, grant: Grant) -> None:
-        params = {"name": grant.name, "holder": grant.holder, "token": grant.token}
-        if not self._run(RELEASE_SQL, params):
+        rows = self._run(RELEASE_SQL, _owner(grant))
+        if not rows:
             raise LeaseLost(grant.name, grant.token, "expired or taken over before release")
+        if not rows[0][0]:
+            raise LeaseNotHeld(grant.name, FORGED)
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())

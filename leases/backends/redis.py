@@ -55,7 +55,7 @@ from ._redis_io import (
     ms,
     text,
 )
-from .base import Capability, Grant, LeaseBackend, LeaseInfo, not_revoked
+from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = [
     "ACQUIRE_LUA",
@@ -84,6 +84,9 @@ class Reply(enum.IntEnum):
     OK = 1
     BUSY = 2
     NEED_EPOCH = 3
+    #: Holder and token are the current grant's, the secret is not: a grant forged from public
+    #: data (``inspect()``), refused without touching the key.
+    NOT_OWNER = 4
 
 
 def lua(body: str) -> str:
@@ -91,7 +94,8 @@ def lua(body: str) -> str:
     return "".join(f"local {r.name} = {r.value}\n" for r in Reply) + body
 
 
-#: KEYS: lock, fence. ARGV: holder, ttl ms, offered epoch ("0": none).
+#: KEYS: lock, fence. ARGV: holder, ttl ms, offered epoch ("0": none), counter limit, secret.
+#: The value is ``epoch:counter:sha1(secret):holder``: Redis never holds the secret itself.
 #: Returns {OK, value} | {BUSY, value} | {NEED_EPOCH, stored epoch}.
 ACQUIRE_LUA = lua("""
 if redis.replicate_commands then
@@ -113,33 +117,55 @@ if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV
 end
 counter = counter + 1
 redis.call('HSET', KEYS[2], 'epoch', epoch, 'counter', counter, 'run', run)
-local value = string.format('%d:%d:%s', epoch, counter, ARGV[1])
+local value = string.format('%d:%d:%s:%s', epoch, counter, redis.sha1hex(ARGV[5]), ARGV[1])
 redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
 return {OK, value}
 """)
 
-#: KEYS: lock. ARGV: value, ttl ms. Compare-and-PEXPIRE.
-RENEW_LUA = lua("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+#: The owner's proof, shared by renew and release (and Redlock's nodes, whose values have no
+#: token prefix). ARGV: the value's token prefix (``epoch:counter:``, or "" on Redlock), holder,
+#: secret. ``owned`` is the value only the secret's owner can name; ``refused()`` tells a
+#: forged grant (token prefix and holder match, hash does not: :attr:`Reply.NOT_OWNER`) from
+#: a grant that expired or was taken over (:attr:`Reply.LOST`).
+_OWNER_LUA = """
+local owned = ARGV[1] .. redis.sha1hex(ARGV[3]) .. ':' .. ARGV[2]
+local function refused()
+  local current = redis.call('GET', KEYS[1]) or ''
+  if string.sub(current, 1, #ARGV[1]) == ARGV[1]
+      and string.sub(current, #ARGV[1] + 41) == ':' .. ARGV[2] then
+    return NOT_OWNER
+  end
+  return LOST
+end
+"""
+
+#: KEYS: lock. ARGV: token prefix, holder, secret, ttl ms. Compare-and-PEXPIRE.
+RENEW_LUA = lua(
+    _OWNER_LUA
+    + """
+if redis.call('GET', KEYS[1]) == owned then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return OK
 end
-return LOST
-""")
+return refused()
+"""
+)
 
-#: KEYS: lock, wake, fence. ARGV: value, wake ttl ms.
+#: KEYS: lock, wake. ARGV: token prefix, holder, secret, wake ttl ms.
 #: Compare-and-delete, then wake one waiter; the counter in ``fence`` is never deleted.
-RELEASE_LUA = lua("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+RELEASE_LUA = lua(
+    _OWNER_LUA
+    + """
+if redis.call('GET', KEYS[1]) == owned then
   redis.call('DEL', KEYS[1])
   redis.call('RPUSH', KEYS[2], '1')
   redis.call('LTRIM', KEYS[2], 0, 0)
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
   return OK
 end
-return LOST
-""")
-
+return refused()
+"""
+)
 
 #: KEYS: lock, wake, fence. ARGV: epoch, counter (the token to revoke), wake ttl ms, the lock
 #: value's prefix for that token (``epoch:counter:``).
@@ -191,8 +217,8 @@ def _lease_keys(prefix: str, name: str) -> LeaseKeys:
 
 
 def token_of(value: str) -> tuple[int, str]:
-    """``(token, holder)`` from a lock value ``epoch:counter:holder``."""
-    epoch, counter, holder = value.split(":", 2)
+    """``(token, holder)`` from a lock value ``epoch:counter:secret hash:holder``."""
+    epoch, counter, _, holder = value.split(":", 3)
     return int(epoch) << COUNTER_BITS | int(counter), holder
 
 
@@ -200,10 +226,19 @@ def _token(epoch: bytes | str | int, counter: bytes | str | int) -> int:
     return int(epoch) << COUNTER_BITS | int(counter)
 
 
-def value_of(grant: Grant) -> str:
-    """The lock value ``grant`` owns: its epoch, counter and holder, so a forged or stale grant
-    (same holder, other token, or the reverse) never matches the key."""
-    return f"{grant.token >> COUNTER_BITS}:{grant.token & MAX_COUNTER}:{grant.holder}"
+def owner_args(grant: Grant) -> list[object]:
+    """What renew and release present (see :data:`_OWNER_LUA`): the grant's token prefix,
+    holder and secret, so a stale grant (other token) or a forged one (no secret) never
+    matches the key."""
+    prefix = f"{grant.token >> COUNTER_BITS}:{grant.token & MAX_COUNTER}:"
+    return [prefix, grant.holder, grant.secret]
+
+
+def refusal(grant: Grant, code: object, what: str) -> LeaseLost | LeaseNotHeld:
+    """The error for a renewal or release the store refused with ``code``."""
+    if code == Reply.NOT_OWNER:
+        return LeaseNotHeld(grant.name, FORGED)
+    return LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
 
 
 class Backend(LeaseBackend):
@@ -256,15 +291,14 @@ class Backend(LeaseBackend):
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         keys = LeaseKeys.of(self.prefix, name)
-        offered = 0
+        offered, secret = 0, new_secret()
         for _ in range(3):
             sent_at = time.monotonic()
-            code, value = self._run(
-                "acquire", [keys.lock, keys.fence], [holder, ms(ttl), offered, MAX_COUNTER]
-            )
+            args = [holder, ms(ttl), offered, MAX_COUNTER, secret]
+            code, value = self._run("acquire", [keys.lock, keys.fence], args)
             if code == Reply.OK:
                 token = token_of(text(value))[0]
-                return Grant(name, holder, token, ttl, sent_at, expires(ttl))
+                return Grant(name, holder, token, ttl, sent_at, expires(ttl), secret=secret)
             if code == Reply.BUSY:
                 return None
             offered = self.epochs.bump_fence(self.epoch_resource, int(value) + 1)
@@ -275,15 +309,16 @@ class Backend(LeaseBackend):
     def renew(self, grant: Grant, ttl: float) -> Grant:
         keys = LeaseKeys.of(self.prefix, grant.name)
         sent_at = time.monotonic()
-        if self._run("renew", [keys.lock], [value_of(grant), ms(ttl)]) != Reply.OK:
-            raise LeaseLost(grant.name, grant.token, "expired or taken over before the renewal")
+        code = self._run("renew", [keys.lock], [*owner_args(grant), ms(ttl)])
+        if code != Reply.OK:
+            raise refusal(grant, code, "renewal")
         return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
 
     def release(self, grant: Grant) -> None:
         keys = LeaseKeys.of(self.prefix, grant.name)
-        args = [value_of(grant), WAKE_TTL_MS]
-        if self._run("release", [keys.lock, keys.wake, keys.fence], args) != Reply.OK:
-            raise LeaseLost(grant.name, grant.token, "expired or taken over before the release")
+        code = self._run("release", [keys.lock, keys.wake], [*owner_args(grant), WAKE_TTL_MS])
+        if code != Reply.OK:
+            raise refusal(grant, code, "release")
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` the name's wake-up list: one blocked request, no polling.
@@ -292,7 +327,7 @@ class Backend(LeaseBackend):
         waits in the list. A holder that dies without releasing wakes nobody; the caller's
         backoff (capped, a fraction of a second) bounds how long its expiry goes unnoticed.
         """
-        if timeout < 0.001:  # BLPOP's timeout 0 would mean "forever"
+        if timeout < 0.001:  # nothing to wait for
             return False
         with edge(self.alias, "wait"):
             return blpop(self.client, LeaseKeys.of(self.prefix, name).wake, timeout) is not None

@@ -7,14 +7,15 @@ Configuration (``LEASES["BACKENDS"][alias]``)::
      "NODE_TIMEOUT": 0.05}
 
 Options: ``NODES`` (URLs, or django-redis cache aliases, which keep their own timeouts),
-``NODE_TIMEOUT`` (seconds per node and request, default 0.05), ``PREFIX`` (default
+``NODE_TIMEOUT`` (seconds all nodes have to answer a request, default 0.05), ``PREFIX`` (default
 ``"leases:"``), ``TOKEN_SOURCE`` (``"database"``, or the dotted path of a callable
 ``(name) -> int`` whose results strictly increase per name), ``TOKEN_DATABASE`` (default
 ``"default"``).
 
 One try of :meth:`Backend.try_acquire` follows the Redlock algorithm: ``SET NX PX`` sent to
-every node at once, then every reply read, each bounded by the short node timeout, so a try
-costs about one round trip and a dead or hung node little more (no thread per call); the
+every node at once, then every reply read by one shared deadline (the node timeout), so a try
+costs about one round trip and hung nodes at most one node timeout, however many (no thread per
+call; a failed try's unlock leaves its replies to one persistent drain thread); the
 lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity = TTL - elapsed -
 drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
 ``sent_at``). A failed try that any node accepted (or did not answer) unlocks on *every*
@@ -39,8 +40,12 @@ is unavailable, the quorum is given back and the grant refused with
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import queue
 import random
-import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -53,6 +58,7 @@ from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._counter import DurableCounter
 from ._redis_io import (
+    blpop_command,
     check_options,
     check_prefix,
     connect,
@@ -63,10 +69,12 @@ from ._redis_io import (
     send,
     text,
 )
-from .base import Capability, Grant, LeaseBackend, LeaseInfo, not_revoked
-from .redis import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply
+from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
+from .redis import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 
-__all__ = ["Backend"]
+__all__ = ["REVOKE_LUA", "Backend", "node_value"]
+
+logger = logging.getLogger("leases")
 
 OPTIONS = frozenset({"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_DATABASE"})
 
@@ -74,14 +82,35 @@ OPTIONS = frozenset({"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_D
 #: What :meth:`Backend._fan_out` records for a node that failed or timed out.
 FAILED = object()
 
+#: KEYS: lock, wake. ARGV: the exact value a quorum holds, wake ttl ms. An operator's
+#: revocation (:meth:`Backend.force_release`), after the token moved on: compare-and-delete the
+#: value read, never whatever a node holds by now, then wake one waiter.
+REVOKE_LUA = lua("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('RPUSH', KEYS[2], '1')
+  redis.call('LTRIM', KEYS[2], 0, 0)
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return OK
+end
+return LOST
+""")
+
+
+def node_value(holder: str, secret: str) -> str:
+    """What a grant sets on the nodes: ``sha1(secret):holder``. Unique per grant, and only the
+    secret's owner can prove it is theirs (the scripts hash what renew and release present,
+    as :data:`~leases.backends.redis.RENEW_LUA` does): the nodes never hold the secret."""
+    return f"{hashlib.sha1(secret.encode(), usedforsecurity=False).hexdigest()}:{holder}"
+
 
 class _Node:
-    """One Redis server's client (no retries, the short node timeout)."""
+    """One Redis server's client (no retries, the short node timeout, no connect handshake)."""
 
     def __init__(self, alias: str, location: str, timeout: float) -> None:
         url = location if "://" in location else None
         self.location = location
-        self.client: Any = connect(alias, None if url else location, url, timeout)
+        self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
 
     def send(self, command: tuple[object, ...]) -> Any:
         """Send ``command`` without waiting; ``None`` if the node could not be reached."""
@@ -90,18 +119,67 @@ class _Node:
         except (redis.RedisError, OSError):
             return None
 
-    def answer(self, connection: Any, command: tuple[object, ...], timeout: object = None) -> Any:
-        """The reply to ``command`` sent on ``connection``, or :data:`FAILED`."""
+    def answer(self, connection: Any, command: tuple[object, ...], deadline: float) -> Any:
+        """The reply to ``command`` sent on ``connection`` by ``deadline``, or :data:`FAILED`.
+
+        A reply that arrived while an earlier node was awaited is read at once (the last
+        millisecond is granted even past the deadline, for one already in the socket)."""
         if connection is None:
             return FAILED
         try:
-            return receive(self.client, connection, command, timeout)
+            return receive(
+                self.client, connection, command, max(0.001, deadline - time.monotonic())
+            )
         except (redis.RedisError, OSError):
             return FAILED
 
     def close(self) -> None:
         if "://" in self.location:
             self.client.close()
+
+
+class _Drain:
+    """One thread per backend and process that reads the replies no caller waits for.
+
+    A try that failed gives its key back on every node, but must not wait another node
+    timeout for hung nodes to confirm: it sends the unlock and hands the connections here,
+    where the replies are read (bounded by the same deadline) and the connections returned to
+    their pools. Persistent, never a thread per call; made again in a forked child.
+    """
+
+    def __init__(self, alias: str) -> None:
+        self._name = f"leases-redlock-{alias}"
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._pid = 0
+
+    def put(self, pending: _Pending) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
+                threading.Thread(target=self._run, args=(self._queue,), name=self._name,
+                                 daemon=True).start()  # fmt: skip
+            self._queue.put(pending)
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[_Pending | None]) -> None:
+        while (job := jobs.get()) is not None:
+            sent, command, deadline = job
+            for node, connection in sent:
+                try:
+                    node.answer(connection, command, deadline)
+                except Exception as exc:  # e.g. its client was closed meanwhile: never die
+                    logger.debug("leases: unlock reply from %s lost: %r", node.location, exc)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                self._queue.put(None)
+            self._pid = 0
+
+
+#: Commands in flight: (node, connection) pairs, the command, and the deadline for replies.
+_Pending = tuple[list[tuple[_Node, Any]], tuple[object, ...], float]
 
 
 class Backend(LeaseBackend):
@@ -131,6 +209,7 @@ class Backend(LeaseBackend):
             self.counter.bump_lease if self._source_is_database else import_string(str(source))
         )
         self._nodes: list[_Node] | None = None
+        self._drain = _Drain(alias)
 
     @property
     def nodes(self) -> list[_Node]:
@@ -139,30 +218,52 @@ class Backend(LeaseBackend):
             self._nodes = [_Node(self.alias, loc, self.node_timeout) for loc in self.locations]
         return self._nodes
 
+    def _send_all(self, command: tuple[object, ...]) -> _Pending:
+        """Send ``command`` to every node at once; replies are due one node timeout from now.
+
+        Sending never waits on a node (connections make no handshake), so the nodes work in
+        parallel and a hung one costs no more than a live one until the replies are read."""
+        deadline = time.monotonic() + self.node_timeout
+        return [(node, node.send(command)) for node in self.nodes], command, deadline
+
     def _fan_out(self, *command: object) -> list[Any]:
-        """Send ``command`` to every node, then read every reply.
+        """Send ``command`` to every node, then read every reply by one shared deadline.
 
-        The nodes work in parallel, so a try costs about one round trip, not N, without a
-        thread per call; each reply is bounded by the node timeout. A node that fails or times
-        out answers :data:`FAILED`.
+        A try costs about one round trip, and at most one node timeout however many nodes
+        hang (each read gets what is left of the deadline, not a timeout of its own), without
+        a thread per call. A node that fails or does not answer in time answers :data:`FAILED`.
         """
-        sent = [(node, node.send(command)) for node in self.nodes]
-        return [node.answer(connection, command) for node, connection in sent]
+        sent, _, deadline = self._send_all(command)
+        return [node.answer(connection, command, deadline) for node, connection in sent]
 
-    def _unlock_everywhere(self, keys: LeaseKeys, value: str) -> int:
-        """Compare-and-delete on every node (a timed-out ``SET`` may still have landed)."""
-        answers = self._fan_out(
-            "EVAL", RELEASE_LUA, 3, keys.lock, keys.wake, keys.fence, value, WAKE_TTL_MS, "0"
-        )
-        return sum(answer == Reply.OK for answer in answers)
+    def _unlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> list[Any]:
+        """Compare-and-delete on every node (a timed-out ``SET`` may still have landed).
 
-    @staticmethod
-    def _value(grant: Grant) -> str:
-        """The random value this grant set on the nodes; a forged grant has none."""
-        value = grant.extra.get("value")
-        if not isinstance(value, str) or not value.endswith(f":{grant.holder}"):
-            raise LeaseLost(grant.name, grant.token, "not a grant of this Redlock backend")
-        return value
+        Without ``confirm`` (giving up a failed try or renewal) the replies are left to the
+        drain thread, so hung nodes cost the caller nothing more."""
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        owner = ("", grant.holder, grant.secret)
+        command = ("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
+        if confirm:
+            return self._fan_out(*command)
+        self._drain.put(self._send_all(command))
+        return []
+
+    def _refusal(self, grant: Grant, answers: list[Any], what: str) -> LeaseLost | LeaseNotHeld:
+        """Why a quorum refused. The nodes know holders but no tokens, so "holder matches,
+        secret does not" is a forged grant only if ``grant`` is still valid by its own clock and
+        its token is the name's current one (one more statement, on this failure path only);
+        otherwise another grant, perhaps of the same holder name, took over: the lease was lost.
+        """
+        if sum(answer == Reply.NOT_OWNER for answer in answers) >= self.quorum and (
+            self._valid(grant)
+            and (
+                not self._source_is_database
+                or self.counter.current_lease(grant.name) == grant.token
+            )
+        ):
+            return LeaseNotHeld(grant.name, FORGED)
+        return LeaseLost(grant.name, grant.token, f"a quorum of nodes refused the {what}")
 
     def _valid(self, grant: Grant) -> bool:
         settings = conf.get()
@@ -170,21 +271,22 @@ class Backend(LeaseBackend):
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         keys = LeaseKeys.of(self.prefix, name)
-        value = f"{secrets.token_hex(12)}:{holder}"
+        secret = new_secret()
         sent_at = time.monotonic()
-        answers = self._fan_out("SET", keys.lock, value, "NX", "PX", ms(ttl))
+        answers = self._fan_out("SET", keys.lock, node_value(holder, secret), "NX", "PX", ms(ttl))
+        attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
         if sum(answer is True for answer in answers) >= self.quorum:
             try:
                 token = self.next_token(name)
             except BaseException:
-                self._unlock_everywhere(keys, value)
+                self._unlock_everywhere(attempt, confirm=False)
                 raise
-            grant = Grant(name, holder, token, ttl, sent_at, expires(ttl), {"value": value})
+            grant = replace(attempt, token=token, expires_at=expires(ttl))
             if self._valid(grant):
                 return grant
         # A node that said no has nothing to undo; one that said yes or timed out might.
         if any(answer is True or answer is FAILED for answer in answers):
-            self._unlock_everywhere(keys, value)
+            self._unlock_everywhere(attempt, confirm=False)
         if all(answer is FAILED for answer in answers):
             raise BackendUnavailable(self.alias, "no Redlock node answered")
         return None
@@ -193,32 +295,36 @@ class Backend(LeaseBackend):
         """Extend on a quorum within the new validity, or give the lease up everywhere."""
         keys = LeaseKeys.of(self.prefix, grant.name)
         sent_at = time.monotonic()
-        answers = self._fan_out("EVAL", RENEW_LUA, 1, keys.lock, self._value(grant), ms(ttl))
+        owner = ("", grant.holder, grant.secret)
+        answers = self._fan_out("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
             return renewed
-        self._unlock_everywhere(keys, self._value(grant))
-        raise LeaseLost(grant.name, grant.token, "could not extend it on a quorum of nodes")
+        refusal = self._refusal(grant, answers, "renewal")
+        if isinstance(refusal, LeaseLost):
+            self._unlock_everywhere(grant, confirm=False)
+        raise refusal
 
     def release(self, grant: Grant) -> None:
-        keys = LeaseKeys.of(self.prefix, grant.name)
-        if self._unlock_everywhere(keys, self._value(grant)) < self.quorum:
-            raise LeaseLost(grant.name, grant.token, "a quorum of nodes no longer had it")
+        answers = self._unlock_everywhere(grant)
+        if sum(answer == Reply.OK for answer in answers) < self.quorum:
+            raise self._refusal(grant, answers, "release")
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` on one node, picked at random, for the wake-up every release pushes.
 
-        A dead or hung node only costs this one wait (bounded by ``timeout`` plus the node
-        timeout), after which the Lease layer tries again; so a release usually wakes the
+        The wait ends on the socket's read timeout at ``timeout``, not on the server's timer
+        (see :data:`~leases.backends._redis_io.BLPOP_SLACK`). A dead or hung node only costs
+        this one wait, after which the Lease layer tries again; so a release usually wakes the
         waiter at once, and a lost wake-up costs at most one retry delay.
         """
-        if timeout < 0.001:  # BLPOP's timeout 0 would mean "forever"
+        if timeout < 0.001:
             return False
         started = time.monotonic()
         node = random.choice(self.nodes)
-        command = ("BLPOP", LeaseKeys.of(self.prefix, name).wake, f"{timeout:.3f}")
-        reply = node.answer(node.send(command), command, timeout + self.node_timeout)
-        if reply is FAILED:  # a dead node: fall back to a pause instead of a busy retry
+        command = blpop_command(LeaseKeys.of(self.prefix, name).wake, timeout)
+        reply = node.answer(node.send(command), command, started + timeout)
+        if reply is FAILED:  # the deadline, or a dead node: never a busy retry
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
         return reply is not None
@@ -238,7 +344,8 @@ class Backend(LeaseBackend):
         if new is None:
             raise LeaseNotHeld(name, not_revoked(token, current))
         if held:
-            self._unlock_everywhere(keys, held.pop())
+            revoke = ("EVAL", REVOKE_LUA, 2, keys.lock, keys.wake, held.pop(), WAKE_TTL_MS)
+            self._fan_out(*revoke)
         return LeaseInfo(name, "", new, False, self.alias)
 
     def _revoke_token(self, name: str, token: int) -> tuple[int | None, int | None]:
@@ -293,6 +400,7 @@ class Backend(LeaseBackend):
         return problems
 
     def close(self) -> None:
+        self._drain.stop()
         nodes, self._nodes = self._nodes, None
         for node in nodes or ():
             node.close()

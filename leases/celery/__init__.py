@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from ..lease import Lease
+from ..handle import Lease
 from ._base import SKIPPED, Key, format_key, task_decorator
 from .leader import LeaderOnlyTask, resign_leaderships
 from .locked import LockedTask, OnBusy
@@ -86,8 +86,14 @@ def locked_task(
     """A task whose body runs under the lease ``key`` (a template); see :class:`LockedTask`."""
     if on_busy not in ("retry", "skip", "raise"):
         raise ValueError(f'on_busy must be "retry", "skip" or "raise", not {on_busy!r}')
-    attrs = {"lease_key": key, "lease_ttl": ttl, "on_busy": on_busy, "lease_backend": backend,
-             "lease_timeout": timeout, "on_lease_lost": on_lost}  # fmt: skip
+    attrs = {
+        "lease_key": key,
+        "lease_ttl": ttl,
+        "on_busy": on_busy,
+        "lease_backend": backend,
+        "lease_timeout": timeout,
+        "on_lease_lost": on_lost,
+    }
     return task_decorator(LockedTask, fun, attrs, options)
 
 
@@ -117,8 +123,12 @@ def singleton_task(
     """A task deduplicated on enqueue by ``key``; see :class:`SingletonTask`."""
     if on_duplicate not in ("return", "raise"):
         raise ValueError(f'on_duplicate must be "return" or "raise", not {on_duplicate!r}')
-    attrs = {"singleton_key": key, "singleton_ttl": ttl, "on_duplicate": on_duplicate,
-             "singleton_backend": backend}  # fmt: skip
+    attrs = {
+        "singleton_key": key,
+        "singleton_ttl": ttl,
+        "on_duplicate": on_duplicate,
+        "singleton_backend": backend,
+    }
     return task_decorator(SingletonTask, fun, attrs, options)
 
 

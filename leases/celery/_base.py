@@ -10,7 +10,6 @@ import contextvars
 import functools
 import inspect
 import logging
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +17,9 @@ from typing import Any
 from celery import Task, shared_task
 from celery.exceptions import Ignore
 
+from ..handle import Lease
 from ..keys import validate_name
-from ..lease import Lease
+from ..retry import Backoff
 
 __all__ = [
     "SKIPPED",
@@ -85,10 +85,13 @@ def format_key(template: Key, task: Task[..., Any], *args: Any, **kwargs: Any) -
 def backoff(retries: int, base: float, cap: float) -> float:
     """The countdown of retry number ``retries``: exponential, with full jitter.
 
-    Uniform in ``[0, min(cap, base * 2**retries)]``, like :class:`leases.retry.Backoff`: tasks
-    that found the same lease busy spread out instead of colliding again together.
+    Uniform in ``[0, min(cap, base * 2**retries)]``: the package's one backoff
+    (:class:`leases.retry.Backoff`) at attempt ``retries``, so tasks that found the same lease
+    busy spread out instead of colliding again together.
     """
-    return random.uniform(0, min(cap, base * 2 ** min(retries, 32)))
+    delay = Backoff(base=base, cap=cap, attempt=retries).next_delay()
+    assert delay is not None  # no deadline: a backoff without one always has a next delay
+    return delay
 
 
 def skip(task: Task[..., Any], reason: str, **meta: Any) -> None:

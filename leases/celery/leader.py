@@ -35,7 +35,8 @@ class LeaderOnlyTask(Task):  # type: ignore[type-arg]
     (:func:`leases.leader_of`), so a beat that was paused past its lease and wakes up cannot get
     a stale tick through. A call from a non-leader sends nothing and returns a result in state
     :data:`~leases.celery.SKIPPED`. Beat must import the task (it does when the task is
-    registered in its app), or it sends by name and only the worker-side check applies.
+    registered in its app); a message without the leader's token (sent by name, by
+    ``send_task``, or run with ``apply()``) is skipped on the worker, never run unchecked.
     """
 
     leader_name: ClassVar[str | None] = None
@@ -70,14 +71,39 @@ class LeaderOnlyTask(Task):  # type: ignore[type-arg]
 
     @property
     def sent_by(self) -> int | None:
-        """The leadership token the current run's message was sent under (fence with it)."""
+        """The leadership token the current run's message was sent under (fence with it);
+        ``None`` when the message carries none, or something that is not a token (0, text)."""
         request = self.request
-        token = (request.headers or {}).get(LEADER_HEADER) or getattr(request, LEADER_HEADER, None)
-        return None if token is None else int(token)
+        headers = request.headers or {}
+        raw = headers.get(LEADER_HEADER)
+        if raw is None:
+            raw = getattr(request, LEADER_HEADER, None)
+        if isinstance(raw, bool):
+            return None
+        try:
+            token = int(raw) if isinstance(raw, int | str) else None
+        except ValueError:
+            return None
+        return token if token is not None and token >= 1 else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body only for a message the current leader sent.
+
+        A message without a valid token (``send_task``, a beat that sends by name without
+        importing the task, ``apply()``) cannot show it came from the leader, so it is skipped
+        like a former leader's, not run unchecked. Calling the task object directly
+        (``task(...)``, plain Python in this process) is not a message and runs.
+        """
+        if self.request.called_directly:
+            return super().__call__(*args, **kwargs)
         token = self.sent_by
-        if token is not None and not self.still_leads(token):
+        if token is None:
+            skip(
+                self,
+                f"sent without a leadership token of {self.election()!r} (send_task, a beat "
+                "sending by name, or apply()); only the leader's apply_async stamps one",
+            )
+        elif not self.still_leads(token):
             skip(self, f"sent by a former leader of {self.election()!r} (token {token})")
         return super().__call__(*args, **kwargs)
 

@@ -10,9 +10,10 @@ from typing import Any, ClassVar, Literal
 from celery import Task
 
 from .. import conf
+from ..acquiring import acquire
 from ..errors import BackendUnavailable, LeaseLost, LeaseUnavailable
+from ..handle import Lease
 from ..keys import validate_name
-from ..lease import Lease, acquire
 from ._base import Call, Key, backoff, current_call, format_key, skip
 
 __all__ = ["LockedTask", "OnBusy"]
@@ -88,8 +89,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
         logger.warning(
             "task %s lost lease %r (token %s) while running: %s; its fenced writes are "
             "rejected from now on",
-            self.name, lease.name, lease.token, lease.lost_reason,
-        )  # fmt: skip
+            self.name,
+            lease.name,
+            lease.token,
+            lease.lost_reason,
+        )
         callback = type(self).on_lease_lost
         if callback is not None:
             callback(lease)
@@ -144,8 +148,13 @@ class LockedTask(Task):  # type: ignore[type-arg]
         except (LeaseLost, BackendUnavailable) as exc:
             if not quiet and (isinstance(exc, LeaseLost) or not protected):
                 raise
-            logger.warning("task %s[%s]: lease %r not released: %s",
-                           self.name, self.request.id, call.lease.name, exc)  # fmt: skip
+            logger.warning(
+                "task %s[%s]: lease %r not released: %s",
+                self.name,
+                self.request.id,
+                call.lease.name,
+                exc,
+            )
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Release this run's lease, then retry: a retry must not wait for its own attempt."""

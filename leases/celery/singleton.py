@@ -11,18 +11,19 @@ from typing import Any, ClassVar, Literal
 from celery import Task
 from celery.result import AsyncResult
 
-from .. import conf, keepalive
+from .. import conf
 from ..backends import Grant, get_backend
 from ..errors import LeaseError, LeaseUnavailable
+from ..handle import Lease
 from ..keys import validate_name
-from ..lease import Lease
 from ._base import Key, format_key
 
 __all__ = ["GUARD_HEADER", "SingletonTask"]
 
 logger = logging.getLogger(__name__)
 
-#: Message header carrying the guard (name, holder, token) from the sender to the worker.
+#: Message header carrying the guard (name, holder, token, and the grant's secret, which the
+#: worker needs to renew and release it) from the sender to the worker.
 GUARD_HEADER = "leases_singleton"
 _HOLDER_PREFIX = "celery-task:"
 _LOOKS = 5
@@ -47,16 +48,35 @@ class SingletonTask(Task):  # type: ignore[type-arg]
     on_duplicate: ClassVar[Literal["return", "raise"]] = "return"
 
     def singleton_name(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        """Hook: the guard's lease name for a call (``singleton:`` + the formatted key)."""
-        key = str(self.name) if self.singleton_key is None else format_key(
-            self.singleton_key, self, *args, **kwargs
-        )  # fmt: skip
-        return validate_name(f"singleton:{key}")
+        """Hook: the guard's lease name for a call: ``singleton:<task name>[:<key>]``.
 
-    def duplicate(self, name: str, task_id: str) -> AsyncResult[Any]:
-        """Hook: what a call gets when task ``task_id`` already holds the guard ``name``."""
+        The task's name is always part of it, so two tasks with the same key (say
+        ``"{customer}"``) guard separately instead of one silently swallowing the other.
+        """
+        if self.singleton_key is None:
+            return validate_name(f"singleton:{self.name}")
+        key = format_key(self.singleton_key, self, *args, **kwargs)
+        return validate_name(f"singleton:{self.name}:{key}")
+
+    def duplicate(
+        self, name: str, task_id: str, options: Mapping[str, Any] | None = None
+    ) -> AsyncResult[Any]:
+        """Hook: what a call gets when task ``task_id`` already holds the guard ``name``.
+
+        Inside a group or chord the canvas has already frozen this call's own task id into its
+        result set, so returning another task's result would leave ``GroupResult.get()``
+        waiting forever and a chord body never firing: a duplicate there is refused.
+        """
         if self.on_duplicate == "raise":
             raise LeaseUnavailable(name, 0, f"task {task_id} is already queued or running")
+        canvas = [key for key in ("group_id", "chord") if (options or {}).get(key)]
+        if canvas:
+            raise LeaseUnavailable(
+                name,
+                0,
+                f"task {task_id} is already queued or running, and a singleton inside a group "
+                "or chord cannot stand in for it (the canvas waits for its own task id)",
+            )
         return self.AsyncResult(task_id)
 
     def _guard_ttl(self) -> float:
@@ -67,8 +87,8 @@ class SingletonTask(Task):  # type: ignore[type-arg]
     ) -> Any:
         task_id = options.pop("task_id", None) or str(uuid.uuid4())
         if task_id == self.request.id:  # retry() of the running task: not a second copy
-            headers = {k: v for k, v in (options.pop("headers", None) or {}).items()
-                       if k != GUARD_HEADER}  # fmt: skip
+            headers = dict(options.pop("headers", None) or {})
+            headers.pop(GUARD_HEADER, None)
             return super().apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
         name = self.singleton_name(tuple(args or ()), dict(kwargs or {}))
         store = get_backend(self.singleton_backend)
@@ -79,11 +99,11 @@ class SingletonTask(Task):  # type: ignore[type-arg]
             if guard is None:
                 info = store.inspect(name)
                 if info is not None and info.held:
-                    return self.duplicate(name, info.holder.removeprefix(_HOLDER_PREFIX))
+                    holder = info.holder.removeprefix(_HOLDER_PREFIX)
+                    return self.duplicate(name, holder, options)
                 continue
             headers = dict(options.pop("headers", None) or {})
-            headers[GUARD_HEADER] = {"name": name, "holder": guard.holder, "token": guard.token,
-                                     "extra": dict(guard.extra)}  # fmt: skip
+            headers[GUARD_HEADER] = _guard_header(guard)
             try:
                 return super().apply_async(
                     args, kwargs, task_id=task_id, headers=headers, **options
@@ -111,24 +131,49 @@ class SingletonTask(Task):  # type: ignore[type-arg]
         try:
             return _adopt(data, self._guard_ttl(), self.singleton_backend)
         except LeaseError as exc:  # expired while queued: a duplicate may have been sent
-            logger.warning("task %s[%s]: singleton guard %r expired before the run: %s",
-                           self.name, request.id, data.get("name"), exc)  # fmt: skip
+            logger.warning(
+                "task %s[%s]: singleton guard %r expired before the run: %s",
+                self.name,
+                request.id,
+                data.get("name"),
+                exc,
+            )
             return None
 
 
-def _adopt(data: Mapping[str, Any], ttl: float, alias: str) -> Lease:
-    """Take over the sender's grant in this process: renew it, then keep it alive.
+def _guard_header(guard: Grant) -> dict[str, Any]:
+    """The sender's grant, as the worker needs it to renew and release the guard.
 
-    The renewal is conditional on name, holder and token like any other, so a guard that
-    expired while the task was queued (and may be someone else's now) is never adopted.
+    The grant's secret travels with it (through the broker): the worker can only prove it owns
+    the guard with it. Anyone who can read the broker's messages could release the guard early;
+    they could also run the task, so this adds no exposure the broker did not already have.
+    """
+    return {
+        "name": guard.name,
+        "holder": guard.holder,
+        "token": guard.token,
+        "extra": dict(guard.extra),
+        "secret": guard.secret,
+    }
+
+
+def _adopt(data: Mapping[str, Any], ttl: float, alias: str) -> Lease:
+    """Take over the sender's grant in this process: renew it, then hold it like any lease.
+
+    The renewal is conditional on name, holder, token and secret like any other, so a guard
+    that expired while the task was queued (and may be someone else's now) is never adopted.
     """
     store = get_backend(alias)
-    sent = Grant(str(data["name"]), str(data["holder"]), int(data["token"]), ttl,
-                 time.monotonic(), extra=dict(data.get("extra") or {}))  # fmt: skip
-    held = Lease(store, store.renew(sent, ttl))
-    keepalive.watch(held)
-    keepalive.keep_alive(held, conf.get().renew_fraction)
-    return held
+    sent = Grant(
+        name=str(data["name"]),
+        holder=str(data["holder"]),
+        token=int(data["token"]),
+        ttl=ttl,
+        sent_at=time.monotonic(),
+        extra=dict(data.get("extra") or {}),
+        secret=str(data.get("secret") or ""),
+    )
+    return Lease.start(store, store.renew(sent, ttl), renew_fraction=conf.get().renew_fraction)
 
 
 def _release_quietly(guard: Lease) -> None:

@@ -6,27 +6,50 @@ view's effects really committed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.urls import path
+from django.utils.decorators import method_decorator
 from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import viewsets
-from rest_framework.authentication import BasicAuthentication
+from rest_framework.authentication import (
+    BasicAuthentication,
+    SessionAuthentication,
+    TokenAuthentication,
+)
+from rest_framework.decorators import api_view, authentication_classes
+from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.throttling import BaseThrottle
 from rest_framework.views import APIView
 
 from idempotency import IdempotentMixin, idempotent
+from idempotency.models import IdempotencyKey
 from tests.testapp.models_idempotency import Charge
 
-# Failures the flaky view still has to produce, by kind ("status" -> 503, "raise" -> exception).
-FAILURES: dict[str, int] = {"status": 0, "raise": 0}
+# Failures the flaky views still have to produce, by kind: "status" -> 503, "raise" -> exception,
+# "refuse" -> 429 from the view, "throttle" -> DRF's 429, "forbid" -> DRF's permission 403.
+FAILURES: dict[str, int] = {"status": 0, "raise": 0, "refuse": 0, "throttle": 0, "forbid": 0}
+
+
+def _fail(kind: str) -> bool:
+    """Whether a failure of ``kind`` is still due (and count it as produced)."""
+    if FAILURES[kind] > 0:
+        FAILURES[kind] -= 1
+        return True
+    return False
+
+
 CRASH_MARKER_ENV = "IDEMPOTENCY_TEST_CRASH_MARKER"
 
 
@@ -71,16 +94,26 @@ def charge_wait(request: HttpRequest) -> HttpResponse:
     return _answer(_charge(request))
 
 
+# What the flaky view's on_commit callbacks saw: (charge pk, completed keys visible) per run.
+COMMITTED: list[tuple[int, int]] = []
+
+
+def _on_commit(charge: Charge) -> None:
+    completed = IdempotencyKey.objects.filter(state="completed").count()
+    COMMITTED.append((charge.pk, completed))
+
+
 @csrf_exempt
 @idempotent
 def charge_flaky(request: HttpRequest) -> HttpResponse:
     made = _charge(request)
-    if FAILURES["status"] > 0:
-        FAILURES["status"] -= 1
+    transaction.on_commit(lambda: _on_commit(made))
+    if _fail("status"):
         return HttpResponse("upstream unavailable", status=503)
-    if FAILURES["raise"] > 0:
-        FAILURES["raise"] -= 1
+    if _fail("raise"):
         raise RuntimeError("the view failed after writing")
+    if _fail("refuse"):
+        return HttpResponse("slow down", status=429, headers={"Retry-After": "30"})
     return _answer(made)
 
 
@@ -171,6 +204,105 @@ class ChargeViewSet(IdempotentMixin, viewsets.ViewSet):
         return Response({"charge": made.pk, "owner": made.owner}, status=201)
 
 
+class FlakyThrottle(BaseThrottle):
+    """Refuses while ``FAILURES["throttle"]`` says so, asking the client to wait 30 s."""
+
+    def allow_request(self, request: Request, view: APIView) -> bool:
+        return not _fail("throttle")
+
+    def wait(self) -> float:
+        return 30.0
+
+
+class FlakyPermission(BasePermission):
+    """Denies while ``FAILURES["forbid"]`` says so (DRF answers an authenticated user 403)."""
+
+    def has_permission(self, request: Request, view: APIView) -> bool:
+        return not _fail("forbid")
+
+
+class GuardedAPIView(IdempotentMixin, APIView):
+    """A DRF view whose throttle and permission refuse before the handler ran."""
+
+    authentication_classes = [BasicAuthentication]
+    throttle_classes = [FlakyThrottle]
+    permission_classes = [FlakyPermission]
+
+    def post(self, request: Request) -> Response:
+        made = _charge(request)
+        return Response({"charge": made.pk, "owner": made.owner}, status=201)
+
+
+@api_view(["POST"])
+@authentication_classes([TokenAuthentication, SessionAuthentication])
+@idempotent
+def drf_function_charge(request: Request) -> Response:
+    """The order the guide shows: ``@idempotent`` next to the function, under ``@api_view``."""
+    made = _charge(request)
+    return Response({"charge": made.pk, "owner": made.owner}, status=201)
+
+
+class NestedChargeView(IdempotentMixin, View):
+    """Two guards on one request: the mixin on the view and ``@idempotent`` on its handler."""
+
+    @method_decorator(idempotent)
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return _answer(_charge(request))
+
+
+class PlainChargeView(IdempotentMixin, View):
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return _answer(_charge(request))
+
+
+def _buffered(request: HttpRequest) -> bool:
+    """Whether the whole body was read into memory (Django keeps it as ``request._body``)."""
+    return hasattr(request, "_body")
+
+
+@idempotent
+def upload(request: HttpRequest) -> HttpResponse:
+    """A multipart upload; not CSRF-exempt, so an enforcing client has the middleware parse it
+    before the guard runs."""
+    files = {name: hashlib.sha256(f.read()).hexdigest() for name, f in request.FILES.items()}
+    size = sum(f.size or 0 for f in request.FILES.values())
+    made = Charge.objects.create(key="upload", amount=size)
+    return JsonResponse(
+        {"charge": made.pk, "files": files, "buffered": _buffered(request)}, status=201
+    )
+
+
+@csrf_exempt
+@idempotent
+def upload_stream(request: HttpRequest) -> HttpResponse:
+    """Reads its (non-form) body as a stream, as a view taking large raw uploads does."""
+    hasher, size = hashlib.sha256(), 0
+    for chunk in iter(lambda: request.read(64 * 1024), b""):
+        hasher.update(chunk)
+        size += len(chunk)
+    made = Charge.objects.create(key="stream", amount=size)
+    return JsonResponse(
+        {"charge": made.pk, "sha256": hasher.hexdigest(), "buffered": _buffered(request)},
+        status=201,
+    )
+
+
+# A held request: charges, sets ENTERED, then answers only once a test sets RELEASE (or 60 s).
+ENTERED = threading.Event()
+RELEASE = threading.Event()
+
+
+def _held(request: HttpRequest) -> HttpResponse:
+    made = _charge(request)
+    ENTERED.set()
+    RELEASE.wait(60)
+    return _answer(made)
+
+
+charge_held = csrf_exempt(idempotent(_held))
+charge_held_wait = csrf_exempt(idempotent(on_conflict="wait", wait_timeout=0.5)(_held))
+
+
 urlpatterns = [
     path("charge/", charge),
     path("required/", charge_required),
@@ -184,5 +316,14 @@ urlpatterns = [
     path("async-cbv/", csrf_exempt(AsyncChargeView.as_view())),
     path("async-cbv-decorated/", csrf_exempt(idempotent(AsyncPlainView.as_view()))),
     path("drf/", ChargeAPIView.as_view()),
+    path("drf-guarded/", GuardedAPIView.as_view()),
+    path("drf-function/", drf_function_charge),
+    path("held/", charge_held),
+    path("held-wait/", charge_held_wait),
+    path("upload/", upload),
+    path("upload-exempt/", csrf_exempt(upload)),
+    path("upload-stream/", upload_stream),
+    path("nested/", csrf_exempt(NestedChargeView.as_view())),
+    path("nested-outside/", csrf_exempt(idempotent(PlainChargeView.as_view()))),
     path("viewset/", ChargeViewSet.as_view({"post": "create"})),
 ]

@@ -6,11 +6,16 @@ job does not keep running beside its successor's. It cannot stop a job while thi
 itself paused, so the child gets the leadership's fencing token in ``LEASES_LEADER_TOKEN`` to
 fence its writes with: that is what makes a late write of a deposed leader harmless.
 
-Exit status: the command's own when it ends while leading; 75 (EX_TEMPFAIL) when leadership
+Exit status: the command's own when it ends while leading (128 + N when a signal N killed it,
+as a shell reports it); 75 (EX_TEMPFAIL) when leadership
 was lost and the command had to be stopped, so a supervisor restarts the campaign; 127 when the
 program does not exist and 126 when it cannot be executed (the shell's convention, so a
 supervisor tells a typo from a job that failed); 1 with one ``CommandError`` line on bad input.
 ``-v 0`` silences the progress lines.
+
+Once stopping has begun (leadership lost, or a first SIGTERM/SIGINT/SIGHUP), further signals
+cannot cut the SIGTERM -> grace -> SIGKILL escalation short, and the leadership is resigned only
+after the child is gone. If this process itself dies (even by SIGKILL), the child is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -38,13 +43,31 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """``preexec_fn``: the child gets SIGTERM if this process dies (SIGKILL included)."""
+    """``preexec_fn``: the child is SIGKILLed if this process dies (SIGKILL included).
+
+    SIGKILL, not SIGTERM: a supervisor that died uncleanly can no longer escalate, its lease
+    will lapse within the TTL and a successor will start its own job, so a child that ignores
+    SIGTERM must not be left running beside it.
+    """
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def stop_process_group(child: subprocess.Popen[bytes], grace: float) -> int:
-    """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds; the exit code."""
+def exit_status(returncode: int) -> int:
+    """A child's exit code as a shell reports it: ``128 + N`` for a child killed by signal N
+    (``Popen`` says ``-N``, which ``SystemExit`` would turn into ``256 - N``)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def stop_process_group(
+    child: subprocess.Popen[bytes], grace: float, stopping: _Stopping | None = None
+) -> int:
+    """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds; the exit code.
+
+    Marks ``stopping`` first, so no signal can interrupt the escalation once it has begun.
+    """
+    if stopping is not None:
+        stopping.begun = True
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
         if child.poll() is not None:
             break
@@ -57,12 +80,29 @@ def stop_process_group(child: subprocess.Popen[bytes], grace: float) -> int:
     return child.wait()
 
 
-@contextlib.contextmanager
-def _terminate_on(signals_: tuple[int, ...]) -> Iterator[None]:
-    """Turn SIGTERM/SIGINT/SIGHUP into SystemExit so ``finally`` stops the child and resigns."""
+class _Stopping:
+    """Whether stopping has begun: from then on, signals can no longer cut it short.
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+    The first SIGTERM/SIGINT/SIGHUP becomes a ``SystemExit`` so ``finally`` stops the child and
+    then resigns; a second one arriving during the grace period (an impatient operator, a
+    supervisor's own escalation) must not interrupt that wait, or SIGKILL would never be sent
+    and the leadership would be released with the child still running.
+    """
+
+    def __init__(self) -> None:
+        self.begun = False
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.begun:
+            return
+        self.begun = True
         raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _terminate_on(signals_: tuple[int, ...], stopping: _Stopping) -> Iterator[None]:
+    """Route SIGTERM/SIGINT/SIGHUP to ``stopping`` for the duration of the block."""
+    handler = stopping.handler
 
     previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
     for sig in signals_:
@@ -81,6 +121,7 @@ class Command(BaseCommand):
     )
     #: The part of argv after ``--`` (argparse would try to parse the command's own options).
     command: tuple[str, ...] = ()
+    stopping: _Stopping
     talk = True
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -112,7 +153,8 @@ class Command(BaseCommand):
             if options[option] is not None:
                 at_least(f"--{option}", options[option], minimum, inclusive=inclusive)
         self.talk = options["verbosity"] > 0
-        with _terminate_on((signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
+        self.stopping = _Stopping()
+        with _terminate_on((signal.SIGTERM, signal.SIGINT, signal.SIGHUP), self.stopping):
             try:
                 leadership = elect(
                     options["name"],
@@ -158,10 +200,10 @@ class Command(BaseCommand):
             while child.poll() is None:
                 if not leadership.is_leader:
                     self.say(f"leadership of {leadership.name!r} lost; stopping pid {child.pid}")
-                    stop_process_group(child, grace)
+                    stop_process_group(child, grace, self.stopping)
                     return LOST_EXIT_CODE
                 leadership.lost.wait(poll)
-            return child.returncode
+            return exit_status(child.returncode)
         finally:
             if child.poll() is None:
-                stop_process_group(child, grace)
+                stop_process_group(child, grace, self.stopping)

@@ -1,0 +1,257 @@
+"""The lease handle: what a process holds, and the one door through which it comes to hold it.
+
+A :class:`Lease` knows nothing about SQL or Lua: it holds the :class:`~leases.backends.Grant` its
+backend returned and keeps the client's side of the contract. It believes it holds the lease only
+until ``sent_at + ttl - drift`` on the monotonic clock (the request's travel time counts against
+it), so it can never think it holds what the store has already expired. Loss is reported once,
+loudly (``lost``, ``on_lost``, ``lease_lost``, a log line), and a forked child can neither renew
+nor release its parent's grant.
+
+:meth:`Lease.start` is the only way a grant becomes a held lease (registered, announced,
+watched, kept alive); the registry of held leases is what makes leases non-reentrant.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from . import conf, keepalive, signals
+from ._arguments import valid_ttl
+from .backends import Grant, LeaseBackend
+from .errors import LeaseLost, LeaseNotHeld
+from .retry import SYSTEM_CLOCK, Clock
+
+__all__ = ["Lease", "OnLost", "held_by", "holder_key"]
+
+logger = logging.getLogger(__name__)
+
+OnLost = Callable[["Lease"], object]
+
+#: Leases this process holds, by (backend alias, name, holder or thread): reentrancy guard.
+_held: dict[tuple[str, str, str], Lease] = {}
+_held_lock = threading.Lock()
+
+
+class Lease:
+    """A grant held by this process: ``name``, ``token``, ``holder``, ``expires_at``.
+
+    ``int(lease)`` is its fencing token, so a lease can be passed wherever a token is expected.
+    """
+
+    def __init__(
+        self,
+        backend: LeaseBackend,
+        grant: Grant,
+        *,
+        on_lost: OnLost | None = None,
+    ) -> None:
+        settings = conf.get()
+        self.name = grant.name
+        self.token = grant.token
+        self.holder = grant.holder
+        #: The alias of the backend in ``LEASES["BACKENDS"]``.
+        self.backend = backend.alias
+        self.lost_reason: str | None = None
+        self._lost = False
+        self._lost_event: threading.Event | None = None
+        self.clock: Clock = SYSTEM_CLOCK
+        self._store = backend
+        self._on_lost = on_lost
+        self._drift = (settings.drift_factor, settings.drift_min)
+        self._pid = os.getpid()
+        self._key: tuple[str, str, str] = (self.backend, self.name, "")
+        self._state = threading.Lock()
+        self._released = False
+        self.grant = grant
+        self.valid_until = grant.valid_until(*self._drift)
+
+    @classmethod
+    def start(
+        cls,
+        store: LeaseBackend,
+        grant: Grant,
+        *,
+        on_lost: OnLost | None = None,
+        renew_fraction: float | None = None,
+        key: tuple[str, str, str] | None = None,
+    ) -> Lease:
+        """The one door from a grant to a held lease: handle, registry, signal, watchdog.
+
+        Every way of coming to hold a grant (``acquire()``, a Celery worker adopting the guard
+        its sender took) goes through here, so each held lease is registered against reentry
+        (under ``key``, default: its holder), announced with ``lease_acquired``, watched until
+        its validity runs out, and, with ``renew_fraction``, renewed in the background.
+        """
+        held = cls(store, grant, on_lost=on_lost)
+        _register(held, key or (store.alias, grant.name, grant.holder))
+        signals.send(signals.lease_acquired, held.backend, lease=held)
+        keepalive.watch(held)
+        if renew_fraction is not None:
+            keepalive.keep_alive(held, renew_fraction)
+        return held
+
+    def __repr__(self) -> str:
+        state = "lost" if self._lost else "released" if self._released else "held"
+        return f"<Lease {self.name!r} token={self.token} {state} holder={self.holder!r}>"
+
+    def __int__(self) -> int:
+        return self.token
+
+    @property
+    def expires_at(self) -> Any:
+        """When the store expires the grant, on the store's clock (``None`` if it cannot say)."""
+        return self.grant.expires_at
+
+    @property
+    def lost(self) -> threading.Event:
+        """Set once the lease is lost (never cleared).
+
+        Made on first use: most leases are never waited on, and a ``threading.Event`` costs
+        more to build than the rest of the lease.
+        """
+        with self._state:
+            if self._lost_event is None:
+                self._lost_event = threading.Event()
+                if self._lost:
+                    self._lost_event.set()
+            return self._lost_event
+
+    @property
+    def done(self) -> bool:
+        """Released or lost: nothing more to renew or watch."""
+        return self._released or self._lost
+
+    def remaining(self) -> float:
+        """Seconds this holder may still rely on the lease; pessimistic, never negative."""
+        if self.done or os.getpid() != self._pid:
+            return 0.0
+        return max(0.0, self.valid_until - self.clock.monotonic())
+
+    def ensure_held(self) -> None:
+        """Raise :class:`LeaseLost` unless the lease is still held by this process.
+
+        Checks this process's knowledge only (no round trip): fenced writes call it to fail
+        fast, and the fence itself rejects what a paused holder could not know.
+        """
+        if os.getpid() != self._pid:
+            raise LeaseLost(self.name, self.token, f"held by process {self._pid}, not this child")
+        if self._released:
+            raise LeaseLost(self.name, self.token, "it was released")
+        if not self._lost and self.clock.monotonic() >= self.valid_until:
+            self._mark_lost("expired: its validity ran out before this check")
+        if self._lost:
+            raise LeaseLost(self.name, self.token, self.lost_reason or "lost")
+
+    def renew(self, ttl: float | None = None) -> Grant:
+        """Extend the lease to ``ttl`` seconds (default: its TTL) from now, in one round trip."""
+        self._check_owner("renew")
+        self.ensure_held()
+        ttl = self.grant.ttl if ttl is None else valid_ttl(ttl)
+        try:
+            grant = self._store.renew(self.grant, ttl)
+        except LeaseLost as exc:
+            self._mark_lost(f"renewal refused: {exc}")
+            raise
+        except LeaseNotHeld as exc:  # our own secret refused: another grant holds the name now
+            self._mark_lost(f"renewal refused: {exc}")
+            raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc
+        with self._state:
+            if not self.done:
+                self.grant = grant
+                self.valid_until = grant.valid_until(*self._drift)
+        self.ensure_held()  # lost or released while the renewal was on its way
+        signals.send(signals.lease_renewed, self.backend, lease=self)
+        return grant
+
+    def release(self) -> None:
+        """Give the lease back early, conditional on still holding it.
+
+        Raises :class:`LeaseLost` when it was lost before (the store's row, now someone else's,
+        is left untouched) and :class:`LeaseNotHeld` when released twice or from a forked child.
+        """
+        self._check_owner("release")
+        with self._state:
+            if self._released:
+                raise LeaseNotHeld(self.name, "this lease was already released")
+            self._released = True
+            lost_before = self._lost
+        _unregister(self)
+        try:
+            self._store.release(self.grant)
+        except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
+            if not lost_before:
+                self._report_lost(f"release refused: {exc}")
+            raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc
+        if lost_before:
+            raise LeaseLost(self.name, self.token, self.lost_reason or "lost before release")
+        signals.send(signals.lease_released, self.backend, lease=self)
+
+    def _check_owner(self, action: str) -> None:
+        if os.getpid() != self._pid:
+            raise LeaseNotHeld(
+                self.name, f"cannot {action} in a forked child: process {self._pid} holds it"
+            )
+
+    def _mark_lost(self, reason: str) -> None:
+        """Record the loss once and tell everyone (keepalive, watchdog and checks call this)."""
+        with self._state:
+            if self.done:
+                return
+            self._flag_lost(reason)
+        _unregister(self)
+        self._report_lost(reason)
+
+    def _flag_lost(self, reason: str) -> None:
+        """Record the loss; the caller holds ``_state``."""
+        self.lost_reason = self.lost_reason or reason
+        self._lost = True
+        if self._lost_event is not None:
+            self._lost_event.set()
+
+    def _report_lost(self, reason: str) -> None:
+        with self._state:
+            self._flag_lost(reason)
+        logger.warning("leases: lost %r (token %s): %s", self.name, self.token, reason)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self)
+            except Exception:
+                logger.exception("leases: on_lost callback for %r raised", self.name)
+        signals.send(signals.lease_lost, self.backend, lease=self, reason=reason)
+
+
+def held_by(key: tuple[str, str, str]) -> Lease | None:
+    """The lease this process holds under ``key`` (see :func:`holder_key`), if any."""
+    with _held_lock:
+        return _held.get(key)
+
+
+def holder_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
+    """Who "already holds" a name: an explicit holder identity, else the calling thread."""
+    return (store.alias, name, holder if holder is not None else f"thread:{threading.get_ident()}")
+
+
+def _register(lease: Lease, key: tuple[str, str, str]) -> None:
+    lease._key = key
+    with _held_lock:
+        _held[key] = lease
+
+
+def _unregister(lease: Lease) -> None:
+    with _held_lock:
+        if _held.get(lease._key) is lease:
+            del _held[lease._key]
+
+
+def _forget_after_fork() -> None:
+    """A forked child holds none of its parent's leases."""
+    global _held_lock
+    _held_lock = threading.Lock()
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,86 @@
+"""Holder identities: who holds a grant, made in one place and read back in one place.
+
+``acquire()`` makes ``[label@]host:pid:thread:random``; the admin, ``manage.py leases`` and
+``leader_of`` split it back into the parts an operator looks for. Keeping both directions here
+means the format can change without the readers drifting from the writer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+import threading
+from dataclasses import dataclass
+
+from . import conf
+from .errors import InvalidLeaseOption
+from .keys import MAX_NAME_LENGTH
+
+__all__ = ["Holder", "holder_identity", "parse_holder"]
+
+
+_this_process = ""
+
+
+def _read_process_identity() -> None:
+    """``host:pid``, read once per process (and again in a forked child, which has a new pid):
+    ``gethostname`` is a system call that every acquire would otherwise pay for."""
+    global _this_process
+    _this_process = f"{socket.gethostname()[:100]}:{os.getpid()}"
+
+
+_read_process_identity()
+os.register_at_fork(after_in_child=_read_process_identity)
+
+
+def holder_identity(holder: str | None) -> str:
+    """Who holds a grant: label, host, pid, thread and a random part unique to this grant.
+
+    Printable only: Redis's Lua truncates at a NUL (the stored holder would never match again,
+    leaving a lease nobody can release), PostgreSQL rejects one, and control characters would
+    corrupt the admin, the logs and ``manage.py leases``.
+    """
+    if holder is None:
+        label = conf.get().holder_label
+        ident = f"{_this_process}:{threading.get_ident()}:{secrets.token_hex(4)}"
+        holder = f"{label[:100]}@{ident}" if label else ident
+    if not isinstance(holder, str) or not 0 < len(holder) <= MAX_NAME_LENGTH:
+        raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")
+    if not holder.isprintable():
+        raise InvalidLeaseOption("holder", holder, "must be printable (no NUL, no control chars)")
+    return holder
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A holder identity split into the parts an operator looks for."""
+
+    raw: str
+    host: str = ""
+    pid: int | None = None
+    thread: str = ""
+    label: str = ""
+
+
+_HOLDER_RE = re.compile(
+    r"^(?:(?P<label>[^@]*)@)?(?P<host>[^:@]+):(?P<pid>\d+):(?P<thread>[^:/]+)(?:[:/].*)?$"
+)
+
+
+def parse_holder(holder: str) -> Holder:
+    """Split ``[label@]host:pid:thread[:unique]`` (what ``acquire()`` makes) into its parts.
+
+    Holders given explicitly that have another shape are shown raw.
+    """
+    match = _HOLDER_RE.match(holder or "")
+    if match is None:
+        return Holder(raw=holder or "")
+    return Holder(
+        raw=holder,
+        host=match["host"],
+        pid=int(match["pid"]),
+        thread=match["thread"],
+        label=match["label"] or "",
+    )

@@ -1,0 +1,155 @@
+"""Idempotent views inside a transaction that is already open (``ATOMIC_REQUESTS``), and
+``transaction.on_commit`` callbacks registered by an idempotent view."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test import Client
+
+from idempotency.models import IdempotencyKey
+from idempotency.store import Status, begin
+from tests.factories import UserFactory
+from tests.test_idempotency import post, problem_type
+from tests.testapp import views_idempotency
+from tests.testapp.models_idempotency import Charge
+
+ENTERED, RELEASE = views_idempotency.ENTERED, views_idempotency.RELEASE
+
+
+@pytest.fixture
+def atomic_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ATOMIC_REQUESTS = True`` for every thread's connection (they share the alias's dict)."""
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+
+
+class Held:
+    """``fn`` running in a thread of its own (with its own connection) until ``release``."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.result = fn()
+        finally:
+            connection.close()
+
+    def release(self) -> Any:
+        RELEASE.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+        return self.result
+
+
+@pytest.fixture
+def held() -> Iterator[Callable[[Callable[[], Any]], Held]]:
+    ENTERED.clear()
+    RELEASE.clear()
+    started: list[Held] = []
+
+    def start(fn: Callable[[], Any]) -> Held:
+        holder = Held(fn)
+        started.append(holder)
+        holder.thread.start()
+        return holder
+
+    yield start
+    RELEASE.set()
+    for holder in started:
+        holder.thread.join(60)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("atomic_requests")
+@pytest.mark.parametrize("url", ["/idem/held/", "/idem/held-wait/"])
+def test_under_atomic_requests_a_duplicate_gets_409_instead_of_queueing(
+    url: str, held: Callable[[Callable[[], Any]], Held]
+) -> None:
+    """The first request's key row is uncommitted while it runs (its transaction is the
+    request's); a duplicate must not wait on that row unboundedly, tying up a worker."""
+    user = UserFactory()
+    first_client, second_client = Client(), Client()
+    first_client.force_login(user)
+    second_client.force_login(user)
+    first = held(lambda: post(first_client, url, "k-held"))
+    assert ENTERED.wait(60)
+    duplicate = post(second_client, url, "k-held")
+    assert first.thread.is_alive(), "the duplicate must be answered while the first still runs"
+    assert duplicate.status_code == 409 and problem_type(duplicate) == "idempotency-key-in-progress"
+    assert first.release().status_code == 201
+    retry = post(second_client, url, "k-held")
+    assert retry["Idempotent-Replayed"] == "true" and retry.content == first.result.content
+    assert Charge.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_bounded_claim_leaves_the_transaction_usable_and_its_lock_timeout_as_it_was(
+    held: Callable[[Callable[[], Any]], Held],
+) -> None:
+    def hold_uncommitted() -> None:
+        with transaction.atomic():
+            begin("s", "k-row", "f", ttl=60, lock_timeout=60)
+            ENTERED.set()
+            RELEASE.wait(60)
+
+    holder = held(hold_uncommitted)
+    assert ENTERED.wait(60)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL lock_timeout = '7s'")
+        busy = begin("s", "k-row", "f", ttl=60, lock_timeout=60, wait=0.2)
+        assert busy.status is Status.IN_PROGRESS
+        cursor.execute("SHOW lock_timeout")
+        assert cursor.fetchone() == ("7s",)
+        assert IdempotencyKey.objects.count() == 0  # the transaction still answers
+    holder.release()
+    assert IdempotencyKey.objects.count() == 1
+
+
+FAILURES = views_idempotency.FAILURES
+committed = views_idempotency.COMMITTED  # a list the callbacks append to
+
+
+@pytest.fixture(params=[False, True], ids=["autocommit", "atomic_requests"])
+def on_commit_client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Client:
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", request.param)
+    committed.clear()
+    FAILURES.update(dict.fromkeys(FAILURES, 0))
+    client = Client()
+    client.force_login(UserFactory())
+    return client
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_commit_callbacks_run_once_after_the_key_and_effects_commit(
+    on_commit_client: Client,
+) -> None:
+    first = post(on_commit_client, "/idem/flaky/", "k-commit")
+    assert first.status_code == 201
+    assert committed == [(int(first["X-Charge"]), 1)]  # the stored key was visible to it
+    replay = post(on_commit_client, "/idem/flaky/", "k-commit")
+    assert replay["Idempotent-Replayed"] == "true"
+    assert len(committed) == 1  # a replay runs nothing, so registers nothing
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("failure", ["status", "raise", "refuse"])
+def test_on_commit_callbacks_of_an_aborted_attempt_never_run(
+    on_commit_client: Client, failure: str
+) -> None:
+    """A view that raises, answers 5xx or answers a refusal that is not stored (429) is rolled
+    back; its callbacks go with it, and only the retry's run."""
+    FAILURES[failure] = 1
+    if failure == "raise":
+        with pytest.raises(RuntimeError):
+            post(on_commit_client, "/idem/flaky/", "k-abort")
+    else:
+        assert post(on_commit_client, "/idem/flaky/", "k-abort").status_code in (429, 503)
+    assert committed == [] and Charge.objects.count() == 0
+    retry = post(on_commit_client, "/idem/flaky/", "k-abort")
+    assert retry.status_code == 201 and committed == [(int(retry["X-Charge"]), 1)]
