@@ -35,6 +35,7 @@ __all__ = [
     "digest",
     "parse_key",
     "problem",
+    "problem_type",
     "replay",
 ]
 
@@ -42,6 +43,7 @@ HEADER = "Idempotency-Key"
 META_KEY = "HTTP_IDEMPOTENCY_KEY"
 REPLAYED_HEADER = "Idempotent-Replayed"
 MAX_KEY_LENGTH = 255
+#: A problem's ``type`` is its guide page, ``problems/<slug>.html`` (docs/guide/problems/).
 PROBLEM_TYPE_BASE = GUIDE_URL + "problems/"
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 
@@ -143,10 +145,16 @@ def replay(outcome: Outcome) -> HttpResponse:
     return response
 
 
+def problem_type(error: IdempotencyError) -> str:
+    """The problem's ``type`` URI: a page of the published guide (RFC 9457 asks that it
+    resolve to documentation a developer can read), built from the error's stable ``slug``."""
+    return error.problem_type or f"{PROBLEM_TYPE_BASE}{error.slug}.html"
+
+
 def problem(error: IdempotencyError) -> HttpResponse:
     """An RFC 9457 problem response for an error a client caused, with a stable ``type``."""
     body: dict[str, Any] = {
-        "type": error.problem_type or PROBLEM_TYPE_BASE + error.slug,
+        "type": problem_type(error),
         "title": error.title,
         "status": error.http_status,
         "detail": str(error),

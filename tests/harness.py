@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,6 +99,17 @@ def child_env(transactional_db: None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m django ARGS`` as an operator runs it (exit status, stdout, stderr)."""
+    return subprocess.run(
+        [sys.executable, "-m", "django", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture

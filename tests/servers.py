@@ -4,20 +4,5 @@ Kept so that branches written against the old path still import; new code import
 ``devservers``.
 """
 
-from devservers import (
-    PostgresServer,
-    RedisServer,
-    configured_or_throwaway,
-    database_settings,
-    free_port,
-    reachable,
-)
-
-__all__ = [
-    "PostgresServer",
-    "RedisServer",
-    "configured_or_throwaway",
-    "database_settings",
-    "free_port",
-    "reachable",
-]
+from devservers import *  # noqa: F403
+from devservers import __all__  # noqa: F401

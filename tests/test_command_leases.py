@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 import uuid
 from datetime import datetime, timedelta
@@ -20,6 +19,7 @@ from leases.backends import get_backend
 from leases.models import ForceRelease
 from leases.operations import advisory_locks
 from tests.factories import UserFactory
+from tests.harness import manage
 from tests.locks_fixture import LockScene, lock_scene_fixture  # noqa: F401 - fixture
 
 
@@ -136,30 +136,18 @@ def test_bad_input_is_a_command_error(args: list[str], message: str) -> None:
         run(*args)
 
 
-def cli(env: dict[str, str], python: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [python, "-m", "django", "leases", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def test_bad_input_from_the_command_line_is_one_line_and_exit_1(
-    child_env: dict[str, str], python: str
-) -> None:
-    done = cli(child_env, python, "list", "--database", "nope")
+def test_bad_input_from_the_command_line_is_one_line_and_exit_1(child_env: dict[str, str]) -> None:
+    done = manage(child_env, "leases", "list", "--database", "nope")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("CommandError: unknown database 'nope' (settings.DATABASES has: default")
 
 
 def test_settings_and_verbosity_are_accepted_after_the_subcommand(
-    child_env: dict[str, str], python: str
+    child_env: dict[str, str],
 ) -> None:
     env = {k: v for k, v in child_env.items() if k != "DJANGO_SETTINGS_MODULE"}
-    done = cli(env, python, "list", "--settings", "tests.settings", "-v", "0")
+    done = manage(env, "leases", "list", "--settings", "tests.settings", "-v", "0")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[:4] == ["KIND", "BACKEND", "NAME", "STATE"]
 

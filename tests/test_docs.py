@@ -77,5 +77,74 @@ def _read(path: Path) -> str:
 
 def test_every_page_is_in_the_navigation() -> None:
     config = (GUIDE.parent / "mkdocs.yml").read_text()
-    for path in GUIDE.glob("*.md"):
-        assert f": {path.name}" in config, f"{path.name} is not in docs/mkdocs.yml's nav"
+    for path in GUIDE.rglob("*.md"):
+        name = path.relative_to(GUIDE).as_posix()
+        assert f": {name}" in config, f"{name} is not in docs/mkdocs.yml's nav"
+
+
+def _client_errors() -> list[type[idempotency.errors.IdempotencyError]]:
+    """The errors the views answer with as problem responses (a client caused them)."""
+    found = [getattr(idempotency.errors, name) for name in idempotency.errors.__all__]
+    return [error for error in found if 400 <= error.http_status < 500]
+
+
+@pytest.mark.parametrize("error", _client_errors(), ids=lambda error: error.__name__)
+def test_every_problem_type_is_a_page_of_the_guide(
+    error: type[idempotency.errors.IdempotencyError],
+) -> None:
+    """RFC 9457: a problem's ``type`` should resolve to documentation. Ours are the guide's
+    pages (``problems/<slug>.html`` from ``docs/guide/problems/<slug>.md``), which name the
+    error; the sections some errors point at instead are checked by test_idempotency_checks."""
+    from idempotency.http import problem_type
+
+    uri = problem_type(error.__new__(error))
+    assert uri.startswith(idempotency.errors.GUIDE_URL), uri
+    path = uri.removeprefix(idempotency.errors.GUIDE_URL).partition("#")[0]
+    source = GUIDE / path.replace(".html", ".md")
+    assert source.is_file(), f"{uri} has no page {source.relative_to(GUIDE)}"
+    if error.problem_type is None:
+        assert f"`{error.__name__}`" in source.read_text()
+    assert f"`{Path(path).name}`" in page("problems/index.md") or error.problem_type is not None
+
+
+def _public_names() -> list[tuple[str, str]]:
+    import idempotency
+    import leases
+    import leases.advisory
+    import leases.celery
+
+    modules = [leases, leases.advisory, leases.celery, idempotency]
+    return [(module.__name__, name) for module in modules for name in module.__all__]
+
+
+@pytest.mark.parametrize(("module", "name"), _public_names())
+def test_every_public_name_is_in_the_api_reference(module: str, name: str) -> None:
+    """Each name has a ``::: path`` directive in api.md, at its own definition or through the
+    whole module that defines it (the errors), so mkdocstrings renders its docstring."""
+    obj = getattr(importlib.import_module(module), name)
+    defined_in = getattr(obj, "__module__", module) if callable(obj) else module
+    directives = set(re.findall(r"^::: (\S+)$", page("api.md"), flags=re.MULTILINE))
+    candidates = {f"{defined_in}.{name}", defined_in, f"{module}.{name}"}
+    if not callable(obj):  # a constant: directives name the module that assigns it
+        candidates |= {d for d in directives if d.endswith(f".{name}")}
+    assert candidates & directives, f"{module}.{name} is missing from docs/guide/api.md"
+
+
+@pytest.mark.parametrize(
+    "name", ["locked_task", "singleton_task", "leader_only", "partitioned", "idempotent_task"]
+)
+def test_every_celery_decorator_has_a_section(name: str) -> None:
+    assert f"## `{name}`" in page("celery.md")
+
+
+def test_the_changelog_page_is_the_repository_changelog() -> None:
+    assert (GUIDE / "changelog.md").resolve() == GUIDE.parent.parent / "CHANGELOG.md"
+
+
+def test_the_readme_links_to_files_that_exist() -> None:
+    root = GUIDE.parent.parent
+    readme = (root / "README.md").read_text()
+    targets = re.findall(r"\]\(((?!https?:)[^)#\s]+)", readme)
+    assert targets, "no relative links found in README.md"
+    missing = [target for target in targets if not (root / target).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"

@@ -14,6 +14,7 @@ import pytest
 
 from leases.backends import get_backend
 from leases.election import elect, election_lease_name, leader_of
+from tests.harness import manage
 from tests.waiting import wait_until
 
 TTL, GRACE, SLACK = 1.5, 1.0, 3.0
@@ -124,18 +125,6 @@ def test_command_never_runs_unless_elected(
     assert not out.exists()
 
 
-def run_elected_cli(
-    env: dict[str, str], python: str, *args: str
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [python, "-m", "django", "run_elected", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -147,26 +136,26 @@ def run_elected_cli(
     ],
 )
 def test_bad_input_is_one_line_and_exit_1(
-    child_env: dict[str, str], python: str, args: list[str], message: str
+    child_env: dict[str, str], args: list[str], message: str
 ) -> None:
-    done = run_elected_cli(child_env, python, *args, "--", "true")
+    done = manage(child_env, "run_elected", *args, "--", "true")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(message), line
 
 
-def test_a_missing_program_exits_127_like_the_shell(child_env: dict[str, str], python: str) -> None:
+def test_a_missing_program_exits_127_like_the_shell(child_env: dict[str, str]) -> None:
     name = f"run-elected-{uuid.uuid4().hex[:8]}"
-    done = run_elected_cli(child_env, python, name, "-v", "0", "--", "no-such-program-here")
+    done = manage(child_env, "run_elected", name, "-v", "0", "--", "no-such-program-here")
     assert done.returncode == 127
     assert done.stderr.strip() == "run_elected: no-such-program-here: command not found"
     assert leader_of(name) is None  # resigned on the way out
 
 
-def test_verbosity_0_silences_progress(child_env: dict[str, str], python: str) -> None:
+def test_verbosity_0_silences_progress(child_env: dict[str, str]) -> None:
     name = f"run-elected-{uuid.uuid4().hex[:8]}"
-    loud = run_elected_cli(child_env, python, name, "--", "true")
-    quiet = run_elected_cli(child_env, python, name, "-v", "0", "--", "true")
+    loud = manage(child_env, "run_elected", name, "--", "true")
+    quiet = manage(child_env, "run_elected", name, "-v", "0", "--", "true")
     assert loud.returncode == quiet.returncode == 0
     assert "elected leader" in loud.stderr and quiet.stderr == ""
 

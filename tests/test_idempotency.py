@@ -65,7 +65,7 @@ def problem_type(response: Any) -> str:
     assert response["Content-Type"] == "application/problem+json"
     data = json.loads(response.content)
     assert data["status"] == response.status_code and data["detail"] and data["title"]
-    return str(data["type"]).removeprefix(PROBLEM_TYPE_BASE)
+    return str(data["type"]).removeprefix(PROBLEM_TYPE_BASE).removesuffix(".html")
 
 
 @pytest.fixture(autouse=True)

@@ -48,7 +48,9 @@ class Reply:
 
     @property
     def problem(self) -> str:
-        return str(json.loads(self.body)["type"]).removeprefix(PROBLEM_TYPE_BASE)
+        return (
+            str(json.loads(self.body)["type"]).removeprefix(PROBLEM_TYPE_BASE).removesuffix(".html")
+        )
 
 
 class Gunicorn:

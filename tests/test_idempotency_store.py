@@ -25,7 +25,7 @@ from idempotency import (
 from idempotency.management.commands import purge_idempotency_keys
 from idempotency.models import IdempotencyKey
 from idempotency.store import Attempt, Outcome, Status, begin, finish, release
-from tests.harness import ROOT
+from tests.harness import ROOT, manage
 from tests.testapp.models_idempotency import Charge
 
 pytestmark = pytest.mark.django_db
@@ -309,14 +309,8 @@ def test_purge_at_verbosity_0_prints_nothing_but_a_dry_run_count() -> None:
 
 
 def test_purge_bad_input_from_the_command_line_is_one_line_and_exit_1(
-    child_env: dict[str, str], python: str
+    child_env: dict[str, str],
 ) -> None:
-    done = subprocess.run(
-        [python, "-m", "django", "purge_idempotency_keys", "--batch-size", "0"],
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = manage(child_env, "purge_idempotency_keys", "--batch-size", "0")
     assert done.returncode == 1
     assert done.stderr.strip() == "CommandError: --batch-size must be at least 1, not 0"
