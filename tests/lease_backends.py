@@ -19,6 +19,7 @@ from collections.abc import Callable
 import pytest
 
 from leases.backends import Capability, LeaseBackend, get_backend
+from tests.zookeeper_servers import ready as zookeeper_ready
 
 __all__ = [
     "LEASE_BACKENDS",
@@ -31,10 +32,12 @@ __all__ = [
 
 #: Aliases the conformance suite runs on; backends append theirs.
 LEASE_BACKENDS: list[str] = ["default", "redis", "redlock"]
+LEASE_BACKENDS.append("zookeeper")  # the session ensemble of tests/zookeeper_servers.py
 
 
 #: Per-alias preparation run by :func:`lease_backend` before each test (nothing for "default").
 SETUP: dict[str, Callable[[pytest.FixtureRequest], None]] = {}
+SETUP["zookeeper"] = zookeeper_ready
 
 
 @pytest.fixture(params=LEASE_BACKENDS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from devservers import database_settings
 from tests.harness import bootstrap_servers, url_with_database
+from tests.zookeeper_servers import zookeeper_hosts
 
 URLS = bootstrap_servers()
 
@@ -89,6 +90,12 @@ LEASES = {
         },
     },
     "DEFAULT_TTL": 30,
+}
+LEASES["BACKENDS"]["zookeeper"] = {
+    "ENGINE": "leases.backends.zookeeper",
+    "HOSTS": zookeeper_hosts(),
+    # Within the ensemble's bounds (tick 500 ms: 1 to 10 s); short, so fault tests are quick.
+    "SESSION_TIMEOUT": 6,
 }
 
 STATIC_URL = "/static/"
