@@ -35,6 +35,7 @@ from .errors import (
 from .lease import Lease, acquire, lease
 
 if TYPE_CHECKING:  # each feature module adds its line when it lands
+    from .aio import aacquire, alease
     from .election import Leadership, elect, leader_of
     from .fencing import FencedModel, check_fence
 
@@ -59,7 +60,9 @@ __all__ = [
     "LeasesImproperlyConfigured",
     "NotInTransaction",
     "StaleFencingToken",
+    "aacquire",
     "acquire",
+    "alease",
     "check_fence",
     "elect",
     "leader_of",
@@ -67,6 +70,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "aacquire": "aio",
+    "alease": "aio",
     "Lease": "lease",
     "acquire": "lease",
     "lease": "lease",
