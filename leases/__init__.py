@@ -36,7 +36,7 @@ from .lease import Lease, acquire, lease
 
 if TYPE_CHECKING:  # each feature module adds its line when it lands
     from .aio import aacquire, alease
-    from .election import Leadership, elect, leader_of
+    from .election import Leadership, aelect, elect, leader_of
     from .fencing import FencedModel, check_fence
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "StaleFencingToken",
     "aacquire",
     "acquire",
+    "aelect",
     "alease",
     "check_fence",
     "elect",
@@ -78,6 +79,7 @@ _LAZY = {
     "FencedModel": "fencing",
     "check_fence": "fencing",
     "elect": "election",
+    "aelect": "election",
     "leader_of": "election",
     "Leadership": "election",
 }
