@@ -27,6 +27,7 @@ __all__ = [
     "BLPOP_SLACK",
     "Edge",
     "ablpop",
+    "acall",
     "aconnect",
     "blpop",
     "blpop_command",
@@ -187,6 +188,25 @@ def aconnect(
 
         return RedisCluster.from_url(str(url), **timeouts)
     return redis.asyncio.Redis.from_url(str(url), retry=AsyncRetry(NoBackoff(), 0), **timeouts)
+
+
+async def acall(client: Any, command: tuple[object, ...]) -> Any:
+    """The reply to ``command`` on a ``redis.asyncio`` client, parsed as :func:`receive` parses
+    it. Sent through a pooled connection like :func:`send`, so the command's words stay at the
+    call site where a reader (and ``tests/test_redis_static.py``) can see them; a connection
+    whose reply was never read (cancelled, timed out) is dropped, never reused."""
+    pool = client.connection_pool
+    connection = await pool.get_connection()
+    try:
+        await connection.send_command(*command)
+        response = await connection.read_response()
+    except BaseException:
+        await connection.disconnect()
+        raise
+    finally:
+        await pool.release(connection)
+    parse = client.response_callbacks.get(str(command[0]).upper())
+    return response if parse is None else parse(response)
 
 
 async def ablpop(client: Any, key: str, wait: float) -> Any:

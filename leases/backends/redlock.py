@@ -57,6 +57,7 @@ from ._aio import PerLoop
 from ._counter import DurableCounter
 from ._redis_io import (
     ablpop,
+    acall,
     aconnect,
     blpop_command,
     cache_problems,
@@ -298,7 +299,7 @@ class Backend(LeaseBackend):
         async def ask(client: Any) -> Any:
             try:
                 async with asyncio.timeout(self.node_timeout):
-                    return await client.execute_command(*command)
+                    return await acall(client, command)
             except (redis.RedisError, OSError, TimeoutError):
                 return FAILED
 
