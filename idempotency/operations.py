@@ -14,18 +14,27 @@ block cannot skip itself, so the block checks ``op.replayed``; the decorator for
     def send_invoice(invoice_id: int) -> dict: ...
 
 Results are stored as JSON (``DjangoJSONEncoder``), so a replay returns the JSON form.
+
+Async code uses ``async with idempotency_key(...) as op`` and decorates coroutine functions the
+same way. The key's statements run through ``sync_to_async`` (thread-sensitive, as Django's
+async ORM methods do), so in atomic mode the block's own ``await Model.objects.acreate(...)``
+joins the key's transaction. That thread is shared by a context: inside an ASGI request it is
+the request's own; outside one, wrap concurrent tasks in ``asgiref.sync.ThreadSensitiveContext``
+so their transactions do not interleave on one connection.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
+from asgiref.sync import sync_to_async
 from django.core.serializers.json import DjangoJSONEncoder
 
 from . import conf, http, store
@@ -96,9 +105,7 @@ class idempotency_key:
         return Operation(self.scope, key, replayed=False, _attempt=attempt)
 
     def __enter__(self) -> Operation:
-        if callable(self.key):
-            raise TypeError("a key computed from arguments needs the decorator form")
-        operation = self._open(self.key)
+        operation = self._open(self._fixed_key())
         _OPEN.set((*_OPEN.get(), operation))
         return operation
 
@@ -108,18 +115,36 @@ class idempotency_key:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        _finish(self._pop(), exc_type is not None)
+
+    async def __aenter__(self) -> Operation:
+        operation = await sync_to_async(self._open)(self._fixed_key())
+        _OPEN.set((*_OPEN.get(), operation))
+        return operation
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await sync_to_async(_finish)(self._pop(), exc_type is not None)
+
+    def _fixed_key(self) -> str:
+        if callable(self.key):
+            raise TypeError("a key computed from arguments needs the decorator form")
+        return self.key
+
+    @staticmethod
+    def _pop() -> Operation:
         *rest, operation = _OPEN.get()
         _OPEN.set(tuple(rest))
-        attempt = operation._attempt
-        if attempt is None:
-            return
-        if exc_type is not None:
-            attempt.abort()
-            return
-        body = json.dumps(operation.result, cls=DjangoJSONEncoder).encode()
-        attempt.commit(store.Outcome(status=None, headers=[], body=body))
+        return operation
 
     def __call__(self, func: F) -> F:
+        if inspect.iscoroutinefunction(func):
+            return cast(F, self._decorate_async(func))
+
         @functools.wraps(func)
         def run_once(*args: Any, **kwargs: Any) -> Any:
             key = self.key(*args, **kwargs) if callable(self.key) else self.key
@@ -129,6 +154,17 @@ class idempotency_key:
             return op.result
 
         return cast(F, run_once)
+
+    def _decorate_async(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        async def run_once(*args: Any, **kwargs: Any) -> Any:
+            key = self.key(*args, **kwargs) if callable(self.key) else self.key
+            async with self._with_key(key) as op:
+                if not op.replayed:
+                    op.result = await func(*args, **kwargs)
+            return op.result
+
+        return run_once
 
     def _with_key(self, key: str) -> idempotency_key:
         return idempotency_key(
@@ -140,3 +176,16 @@ class idempotency_key:
             wait=self.wait,
             atomic=self.atomic,
         )
+
+
+def _finish(operation: Operation, failed: bool) -> None:
+    """Record the result of a first run (or give the key up when it raised); nothing to do
+    for a replay."""
+    attempt = operation._attempt
+    if attempt is None:
+        return
+    if failed:
+        attempt.abort()
+        return
+    body = json.dumps(operation.result, cls=DjangoJSONEncoder).encode()
+    attempt.commit(store.Outcome(status=None, headers=[], body=body))

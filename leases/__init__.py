@@ -35,7 +35,8 @@ from .errors import (
 from .lease import Lease, acquire, lease
 
 if TYPE_CHECKING:  # each feature module adds its line when it lands
-    from .election import Leadership, elect, leader_of
+    from .aio import aacquire, alease
+    from .election import Leadership, aelect, elect, leader_of
     from .fencing import FencedModel, check_fence
 
 __all__ = [
@@ -59,7 +60,10 @@ __all__ = [
     "LeasesImproperlyConfigured",
     "NotInTransaction",
     "StaleFencingToken",
+    "aacquire",
     "acquire",
+    "aelect",
+    "alease",
     "check_fence",
     "elect",
     "leader_of",
@@ -67,12 +71,15 @@ __all__ = [
 ]
 
 _LAZY = {
+    "aacquire": "aio",
+    "alease": "aio",
     "Lease": "lease",
     "acquire": "lease",
     "lease": "lease",
     "FencedModel": "fencing",
     "check_fence": "fencing",
     "elect": "election",
+    "aelect": "election",
     "leader_of": "election",
     "Leadership": "election",
 }

@@ -28,7 +28,15 @@ from .keys import validate_name
 if TYPE_CHECKING:
     from .handle import Lease
 
-__all__ = ["ELECTION_PREFIX", "Leader", "Leadership", "elect", "election_lease_name", "leader_of"]
+__all__ = [
+    "ELECTION_PREFIX",
+    "Leader",
+    "Leadership",
+    "aelect",
+    "elect",
+    "election_lease_name",
+    "leader_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +140,18 @@ class Leadership:
                 logger.warning("could not resign %r, it will expire: %s", self.name, exc)
         self._end("resigned")
 
+    async def aresign(self) -> None:
+        """:meth:`resign` from async code (the release is awaited, never blocking the loop)."""
+        lease = self._lease
+        if lease is not None and not lease.done:
+            try:
+                await lease.arelease()
+            except (LeaseLost, LeaseNotHeld):
+                pass
+            except BackendUnavailable as exc:
+                logger.warning("could not resign %r, it will expire: %s", self.name, exc)
+        self._end("resigned")
+
     def _lease_lost(self, *args: Any, **kwargs: Any) -> None:
         """Keepalive's ``on_lost`` hook: the lease behind the leadership is gone."""
         self._end("lost")
@@ -175,6 +195,12 @@ class Leadership:
     def __exit__(self, *exc_info: object) -> None:
         self.resign()
 
+    async def __aenter__(self) -> Leadership:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aresign()
+
     def __repr__(self) -> str:
         state = "leading" if self.is_leader else "not leading"
         token = self._lease.token if self._lease is not None else None
@@ -206,6 +232,39 @@ def elect(
         on_lost=leadership._lease_lost,
         holder=holder,
     )
+    return _elected(leadership)
+
+
+async def aelect(
+    name: str,
+    *,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> Leadership:
+    """:func:`elect` for async code: campaigns with :func:`~leases.aio.aacquire`, so waiting
+    never blocks the event loop; ``async with`` the leadership resigns on exit (``aresign``).
+    Keepalive and loss detection are the sync leadership's (see :mod:`leases.keepalive`)."""
+    from .aio import aacquire
+
+    leadership = Leadership(validate_name(name), backend, on_lost)
+    leadership._lease = await aacquire(
+        election_lease_name(name),
+        ttl=ttl,
+        backend=backend,
+        timeout=timeout,
+        keepalive=True,
+        on_lost=leadership._lease_lost,
+        holder=holder,
+    )
+    return _elected(leadership)
+
+
+def _elected(leadership: Leadership) -> Leadership:
+    """Announce a won election (log line and ``leader_elected``)."""
+    name, backend = leadership.name, leadership.backend
     logger.info(
         "elected leader of %r with token %s",
         name,

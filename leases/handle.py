@@ -13,10 +13,11 @@ watched, kept alive); the registry of held leases is what makes leases non-reent
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import conf, keepalive, signals, tracing
@@ -154,20 +155,45 @@ class Lease:
 
     def renew(self, ttl: float | None = None) -> Grant:
         """Extend the lease to ``ttl`` seconds (default: its TTL) from now, in one round trip."""
-        self._check_owner("renew")
-        self.ensure_held()
-        ttl = self.grant.ttl if ttl is None else valid_ttl(ttl)
+        ttl = self._before_renew(ttl)
         try:
             grant = self._store.renew(self.grant, ttl)
         except LeaseLost as exc:
             self._mark_lost(f"renewal refused: {exc}")
             raise
-        except LeaseNotHeld as exc:  # our own secret refused: another grant holds the name now
-            self._mark_lost(f"renewal refused: {exc}")
-            raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc
+        except LeaseNotHeld as exc:
+            raise self._forged(exc) from exc
         except Exception as exc:  # no verdict (store unreachable): still held, for now
             signals.send(signals.lease_renew_failed, self.backend, lease=self, error=exc)
             raise
+        return self._renewed(grant)
+
+    async def arenew(self, ttl: float | None = None) -> Grant:
+        """:meth:`renew` from async code: the round trip never blocks the event loop."""
+        ttl = self._before_renew(ttl)
+        try:
+            grant = await self._store.arenew(self.grant, ttl)
+        except LeaseLost as exc:
+            self._mark_lost(f"renewal refused: {exc}")
+            raise
+        except LeaseNotHeld as exc:
+            raise self._forged(exc) from exc
+        except Exception as exc:  # no verdict (store unreachable): still held, for now
+            signals.send(signals.lease_renew_failed, self.backend, lease=self, error=exc)
+            raise
+        return self._renewed(grant)
+
+    def _before_renew(self, ttl: float | None) -> float:
+        self._check_owner("renew")
+        self.ensure_held()
+        return self.grant.ttl if ttl is None else valid_ttl(ttl)
+
+    def _forged(self, exc: LeaseNotHeld) -> LeaseLost:
+        """Our own secret refused at renewal: another grant holds the name now, so lost."""
+        self._mark_lost(f"renewal refused: {exc}")
+        return LeaseLost(self.name, self.token, self.lost_reason or str(exc))
+
+    def _renewed(self, grant: Grant) -> Grant:
         with self._state:
             if not self.done:
                 self.grant = grant
@@ -182,6 +208,31 @@ class Lease:
         Raises :class:`LeaseLost` when it was lost before (the store's row, now someone else's,
         is left untouched) and :class:`LeaseNotHeld` when released twice or from a forked child.
         """
+        lost_before = self._before_release()
+        try:
+            with tracing.span("leases.release", self._span_attributes()):
+                self._store.release(self.grant)
+        except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
+            raise self._release_refused(exc, lost_before) from exc
+        self._released_cleanly(lost_before)
+
+    async def arelease(self) -> None:
+        """:meth:`release` from async code.
+
+        The round trip runs to its end even if the awaiting task is cancelled meanwhile (the
+        cancellation is raised after it): a release cut off halfway would leave the name held
+        until its TTL ran out, with keepalive already stopped.
+        """
+        lost_before = self._before_release()
+        try:
+            with tracing.span("leases.release", self._span_attributes()):
+                await _uncancellable(self._store.arelease(self.grant))
+        except (LeaseLost, LeaseNotHeld) as exc:
+            raise self._release_refused(exc, lost_before) from exc
+        self._released_cleanly(lost_before)
+
+    def _before_release(self) -> bool:
+        """Mark released (once) and unregister; whether the lease was lost before."""
         self._check_owner("release")
         with self._state:
             if self._released:
@@ -189,14 +240,21 @@ class Lease:
             self._released = True
             lost_before = self._lost
         _unregister(self)
-        attributes = {"leases.name": self.name, "leases.backend": self.backend}
-        try:
-            with tracing.span("leases.release", {**attributes, "leases.token": self.token}):
-                self._store.release(self.grant)
-        except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
-            if not lost_before:
-                self._report_lost(f"release refused: {exc}")
-            raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc
+        return lost_before
+
+    def _span_attributes(self) -> dict[str, Any]:
+        return {
+            "leases.name": self.name,
+            "leases.backend": self.backend,
+            "leases.token": self.token,
+        }
+
+    def _release_refused(self, exc: LeaseLost | LeaseNotHeld, lost_before: bool) -> LeaseLost:
+        if not lost_before:
+            self._report_lost(f"release refused: {exc}")
+        return LeaseLost(self.name, self.token, self.lost_reason or str(exc))
+
+    def _released_cleanly(self, lost_before: bool) -> None:
         if lost_before:
             raise LeaseLost(self.name, self.token, self.lost_reason or "lost before release")
         signals.send(signals.lease_released, self.backend, lease=self)
@@ -256,6 +314,20 @@ _LOSS_CAUSES = {
     "renewal refused": "renewal_refused",
     "release refused": "release_refused",
 }
+
+
+async def _uncancellable(step: Awaitable[None]) -> None:
+    """Await ``step`` to its end even if the caller is cancelled meanwhile, then re-raise.
+
+    For round trips whose effect must be known (a release): cancellation arriving mid-flight
+    must neither abandon the request nor hide that the caller was cancelled.
+    """
+    task = asyncio.ensure_future(step)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task  # the step's own outcome first: a failed release must not be swallowed
+        raise
 
 
 def held_by(key: tuple[str, str, str]) -> Lease | None:

@@ -12,6 +12,17 @@ cost more than the acquire's round trip in hot paths, the churn pottery suffers 
 So loss is never silent: either a renewal is refused (the renewer reports it) or time runs out
 (the watchdog reports it); :meth:`leases.lease.Lease._mark_lost` sets ``lost``, calls
 ``on_lost``, sends ``lease_lost`` and logs, once. Both threads catch and log everything.
+
+**Async leases use the same threads**, not an asyncio task per loop. A task renews only when
+its loop gets round to it: a loop blocked by one slow synchronous call (a ``time.sleep``, a
+sync ORM query, a CPU-bound view) would stop renewing every lease it holds and lose them all,
+and a watchdog task on that loop could not even report the loss until the loop woke. The
+renewer thread keeps renewing while the loop is blocked, and the watchdog thread sets ``lost``
+on time whatever the loop does; ``ensure_held()`` compares the monotonic clock with the
+validity itself, so the first check after a blocked stretch fails if the lease ran out
+(``tests/test_lease_async.py`` blocks a loop past the validity to prove both). The cost: the
+renewer uses the backend's blocking client, one shared thread per backend as for sync leases,
+never a thread per lease; the acquire, ``arenew`` and ``arelease`` round trips are async.
 """
 
 from __future__ import annotations

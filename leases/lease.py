@@ -53,7 +53,8 @@ class _LeaseBlock(contextlib.ContextDecorator):
                 "func",
                 func,
                 "lease() cannot decorate a coroutine or generator function: the lease would be "
-                "released when the call returns, before the body runs; use a with block inside",
+                "released when the call returns, before the body runs; decorate a coroutine "
+                "function with alease(), or use a with block inside a generator",
             )
         if self.name is None:
             return _LeaseBlock(_default_name(func), self.options)(func)
@@ -78,22 +79,33 @@ class _LeaseBlock(contextlib.ContextDecorator):
 
 
 def _finish(held: Lease, body_error: BaseException | None) -> None:
-    """Release after a ``with`` body, never hiding the body's own exception.
-
-    A body that finished while the lease was lost ran unprotected: that raises
-    :class:`LeaseLost`. A release that merely could not reach the store after the body finished
-    in time is logged: the work was protected and the grant expires by itself.
-    """
+    """Release after a ``with`` body, never hiding the body's own exception (see
+    :func:`_settle`)."""
     protected = held.remaining() > 0
     try:
         held.release()
-    except (LeaseLost, BackendUnavailable) as exc:
-        if body_error is not None:
-            body_error.add_note(f"and then the lease {held.name!r} could not be released: {exc}")
-            return
-        if isinstance(exc, LeaseLost) or not protected:
-            raise
-        logger.warning("leases: could not release %r, it will expire: %s", held.name, exc)
+    except BaseException as error:
+        _settle(held, body_error, protected, error)
+
+
+def _settle(
+    held: Lease, body_error: BaseException | None, protected: bool, error: BaseException
+) -> None:
+    """What a release that raised ``error`` after a block means (``lease()`` and ``alease()``).
+
+    A body that finished while the lease was lost ran unprotected: that raises
+    :class:`LeaseLost`. A release that merely could not reach the store after the body finished
+    in time (``protected``) is logged: the work was protected and the grant expires by itself.
+    The body's own exception always wins; the release's failure becomes a note on it.
+    """
+    if not isinstance(error, LeaseLost | BackendUnavailable):
+        raise error
+    if body_error is not None:
+        body_error.add_note(f"and then the lease {held.name!r} could not be released: {error}")
+        return
+    if isinstance(error, LeaseLost) or not protected:
+        raise error
+    logger.warning("leases: could not release %r, it will expire: %s", held.name, error)
 
 
 def _default_name(func: Callable[..., Any]) -> str:

@@ -135,6 +135,15 @@ def record_write(
     return outcome == ACCEPTED
 
 
+async def arecord_write(
+    register: str, token: FenceLike, writer: str, *, using: str = DEFAULT_DB_ALIAS
+) -> bool:
+    """:func:`record_write` from async code (Django's async ORM runs it the same way)."""
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(record_write)(register, token, writer, using=using)
+
+
 def history(register: str, *, using: str = DEFAULT_DB_ALIAS) -> list[Attempt]:
     """Every logged attempt on ``register``, in log order."""
     from tests.testapp.models_fencing import RegisterLog

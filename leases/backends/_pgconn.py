@@ -41,6 +41,7 @@ __all__ = [
     "PrivateConnection",
     "close_quietly",
     "connect",
+    "connect_params",
     "inherit",
     "stale",
     "track",
@@ -79,6 +80,21 @@ def connect(db_alias: str) -> psycopg.Connection[Any]:
     connections act with the identity Django's would; only Django's pool and cursor classes
     are left out, since these connections are used by psycopg directly.
     """
+    params, role = connect_params(db_alias)
+    conn = None
+    try:
+        conn = psycopg.connect(autocommit=True, **params)
+        if role:
+            conn.execute(sql.SQL(SET_ROLE_SQL).format(role=sql.Literal(role)))
+    except psycopg.Error as exc:
+        close_quietly(conn)
+        raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
+    return conn
+
+
+def connect_params(db_alias: str) -> tuple[dict[str, Any], str | None]:
+    """psycopg's connection parameters for ``db_alias`` now, and the role to assume (if any):
+    what :func:`connect` and its async twin both use."""
     try:
         wrapper = connections.create_connection(db_alias)
     except ConnectionDoesNotExist as exc:
@@ -89,15 +105,7 @@ def connect(db_alias: str) -> psycopg.Connection[Any]:
         params.setdefault(key, value)
     params["options"] = f"{params.get('options', '')} -c synchronous_commit=on".strip()
     role = wrapper.settings_dict["OPTIONS"].get("assume_role")
-    conn = None
-    try:
-        conn = psycopg.connect(autocommit=True, **params)
-        if role:
-            conn.execute(sql.SQL(SET_ROLE_SQL).format(role=sql.Literal(role)))
-    except psycopg.Error as exc:
-        close_quietly(conn)
-        raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
-    return conn
+    return params, role
 
 
 def close_quietly(conn: psycopg.Connection[Any] | None) -> None:

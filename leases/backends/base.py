@@ -18,6 +18,7 @@ renewal or release the store refused, ``LeaseNotHeld`` for one without the grant
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import enum
 import secrets
@@ -175,6 +176,43 @@ class LeaseBackend(abc.ABC):
 
         Returns ``True`` when woken by a release, ``False`` on timeout; may return early or
         spuriously (callers retry ``try_acquire``). Backends without notifications sleep.
+        """
+
+    # -- the async twins ------------------------------------------------------------------
+    #
+    # ``aacquire()`` and the handle's ``arenew()``/``arelease()`` call these. A backend whose
+    # driver has an async client overrides them with real async I/O (the database backend with
+    # psycopg's ``AsyncConnection``, Redis and Redlock with ``redis.asyncio``). The defaults
+    # below are for backends without one: they run the blocking method on a worker thread of
+    # the loop's default executor (``asyncio.to_thread``), so the event loop never blocks, at
+    # the cost of a thread hop per call and one busy executor thread per waiter. The contract
+    # is the blocking method's, word for word. A cancelled default call returns at once but
+    # its thread finishes the round trip; ``aacquire()`` gives back a grant won that way.
+
+    async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """:meth:`try_acquire` without blocking the event loop."""
+        return await asyncio.to_thread(self.try_acquire, name, holder, ttl)
+
+    async def arenew(self, grant: Grant, ttl: float) -> Grant:
+        """:meth:`renew` without blocking the event loop."""
+        return await asyncio.to_thread(self.renew, grant, ttl)
+
+    async def arelease(self, grant: Grant) -> None:
+        """:meth:`release` without blocking the event loop."""
+        await asyncio.to_thread(self.release, grant)
+
+    async def await_for_release(self, name: str, timeout: float) -> bool:
+        """:meth:`wait_for_release` without blocking the event loop; cancelling it stops the
+        wait (the default's worker thread still sleeps out ``timeout``, at most a backoff
+        delay)."""
+        return await asyncio.to_thread(self.wait_for_release, name, timeout)
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, like close()
+        """Close the async clients this backend opened on the running event loop.
+
+        Async connections belong to the loop that opened them: code that runs loops one after
+        another (``asyncio.run`` per job, tests) calls this before its loop ends, so no socket
+        is left to a closed loop. Nothing to do for the thread-offloading defaults.
         """
 
     def waiting_room(self, name: str, timeout: float | None) -> AbstractContextManager[None]:

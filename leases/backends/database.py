@@ -33,6 +33,8 @@ import psycopg
 from django.db import connections
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
+from ._aio import PerLoop
+from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
 from ._waiting_room import ROOM_CONNECTIONS, ROOM_TIMEOUT, WaitingRoom, room_key
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
@@ -143,6 +145,23 @@ def _owner(grant: Grant) -> dict[str, Any]:
     }
 
 
+def _renewed(grant: Grant, ttl: float, sent_at: float, rows: list[tuple[Any, ...]]) -> Grant:
+    """The renewed grant from :data:`RENEW_SQL`'s rows, or why it was refused."""
+    if not rows:
+        raise LeaseLost(grant.name, grant.token, "expired or taken over before renewal")
+    if rows[0][0] is None:
+        raise LeaseNotHeld(grant.name, FORGED)
+    return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=rows[0][0])
+
+
+def _released(grant: Grant, rows: list[tuple[Any, ...]]) -> None:
+    """Why :data:`RELEASE_SQL`'s rows refused the release, if they did."""
+    if not rows:
+        raise LeaseLost(grant.name, grant.token, "expired or taken over before release")
+    if not rows[0][0]:
+        raise LeaseNotHeld(grant.name, FORGED)
+
+
 def _info(row: tuple[Any, ...], backend: str) -> LeaseInfo:
     name, holder, token, acquired_at, expires_at, renewed_at, meta, held = row[:8]
     return LeaseInfo(
@@ -205,6 +224,9 @@ class Backend(LeaseBackend):
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
         self._room = WaitingRoom(self.db_alias, alias, enabled=enabled)
+        self._async: PerLoop[AsyncState] = PerLoop(
+            lambda: AsyncState(self.db_alias), lambda state: state.close()
+        )
         track(self)
 
     # -- the connection -------------------------------------------------------------------
@@ -238,19 +260,10 @@ class Backend(LeaseBackend):
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
-        rows = self._run(RENEW_SQL, {**_owner(grant), "ttl": ttl})
-        if not rows:
-            raise LeaseLost(grant.name, grant.token, "expired or taken over before renewal")
-        if rows[0][0] is None:
-            raise LeaseNotHeld(grant.name, FORGED)
-        return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=rows[0][0])
+        return _renewed(grant, ttl, sent_at, self._run(RENEW_SQL, {**_owner(grant), "ttl": ttl}))
 
     def release(self, grant: Grant) -> None:
-        rows = self._run(RELEASE_SQL, _owner(grant))
-        if not rows:
-            raise LeaseLost(grant.name, grant.token, "expired or taken over before release")
-        if not rows[0][0]:
-            raise LeaseNotHeld(grant.name, FORGED)
+        _released(grant, self._run(RELEASE_SQL, _owner(grant)))
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())
@@ -262,6 +275,43 @@ class Backend(LeaseBackend):
                 self._listener = Listener(self.db_alias, self.alias)
             listener = self._listener
         return listener.wait(name, since, max(0.0, timeout))
+
+    # -- async: psycopg's AsyncConnection, one set per event loop (see ``_pgaio``) ----------
+
+    async def _arun(self, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        try:
+            return await self._async.get().conn.run(sql, params)
+        except psycopg.Error as exc:
+            raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
+
+    async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        sent_at, secret = time.monotonic(), new_secret()
+        params = {"name": name, "holder": holder, "ttl": ttl, "secret": secret}
+        rows = await self._arun(ACQUIRE_SQL, params)
+        if not rows:
+            state = self._async.get()
+            state.failed_at[(state.task_id(), name)] = sent_at
+            return None
+        token, expires_at = rows[0]
+        return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
+
+    async def arenew(self, grant: Grant, ttl: float) -> Grant:
+        sent_at = time.monotonic()
+        return _renewed(
+            grant, ttl, sent_at, await self._arun(RENEW_SQL, {**_owner(grant), "ttl": ttl})
+        )
+
+    async def arelease(self, grant: Grant) -> None:
+        _released(grant, await self._arun(RELEASE_SQL, _owner(grant)))
+
+    async def await_for_release(self, name: str, timeout: float) -> bool:
+        """Woken by the release's ``NOTIFY`` on the loop's listening connection."""
+        state = self._async.get()
+        since = state.failed_at.pop((state.task_id(), name), time.monotonic())
+        return await state.listener.wait(name, since, max(0.0, timeout))
+
+    async def aclose(self) -> None:
+        await self._async.aclose()
 
     def waiting_room(self, name: str, timeout: float | None) -> AbstractContextManager[None]:
         """The name's room (see :mod:`~leases.backends._waiting_room`): a release wakes the

@@ -34,6 +34,7 @@ refused with :class:`~leases.errors.FencingUnavailable` instead of risking a rep
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Mapping
@@ -41,9 +42,12 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import FencingUnavailable, LeaseLost, LeaseNotHeld
+from ._aio import PerLoop
 from ._counter import DurableCounter
 from ._redis_io import (
     Edge,
+    ablpop,
+    aconnect,
     blpop,
     cache_problems,
     connect,
@@ -150,6 +154,38 @@ def refusal(grant: Grant, code: object, what: str) -> LeaseLost | LeaseNotHeld:
     return LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
 
 
+def _acquired(reply: Any, attempt: Grant) -> Grant | int | None:
+    """What an acquire script's reply means: the grant, ``None`` (held by someone else), or
+    the stored epoch when the script asks for a new one."""
+    code, value = reply
+    if code == Reply.OK:
+        token = token_of(text(value))[0]
+        return replace(attempt, token=token, expires_at=expires(attempt.ttl))
+    if code == Reply.BUSY:
+        return None
+    return int(value)
+
+
+def _renew_call(prefix: str, grant: Grant, ttl: float) -> tuple[list[str], list[object]]:
+    return [LeaseKeys.of(prefix, grant.name).lock], [*owner_args(grant), ms(ttl)]
+
+
+def _release_call(prefix: str, grant: Grant) -> tuple[list[str], list[object]]:
+    keys = LeaseKeys.of(prefix, grant.name)
+    return [keys.lock, keys.wake], [*owner_args(grant), WAKE_TTL_MS]
+
+
+def _renewed(grant: Grant, ttl: float, sent_at: float, code: object) -> Grant:
+    if code != Reply.OK:
+        raise refusal(grant, code, "renewal")
+    return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
+
+
+def _released(grant: Grant, code: object) -> None:
+    if code != Reply.OK:
+        raise refusal(grant, code, "release")
+
+
 class Backend(LeaseBackend):
     """Leases on one Redis server (or cluster) reached through django-redis or a URL."""
 
@@ -194,6 +230,9 @@ class Backend(LeaseBackend):
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
+        self._async: PerLoop[tuple[Any, dict[str, Any]]] = PerLoop(
+            self._aclient, lambda made: made[0].aclose()
+        )
 
     @property
     def client(self) -> Any:
@@ -229,30 +268,28 @@ class Backend(LeaseBackend):
         for _ in range(3):
             sent_at = time.monotonic()
             args = [holder, ms(ttl), offered, MAX_COUNTER, secret]
-            code, value = self._run("acquire", [keys.lock, keys.fence], args)
-            if code == Reply.OK:
-                token = token_of(text(value))[0]
-                return Grant(name, holder, token, ttl, sent_at, expires(ttl), secret=secret)
-            if code == Reply.BUSY:
-                return None
-            offered = self.epochs.bump_fence(self.epoch_resource, int(value) + 1)
-            if offered > MAX_EPOCH:
-                raise FencingUnavailable(self.alias, "the epoch counter is exhausted")
+            reply = self._run("acquire", [keys.lock, keys.fence], args)
+            outcome = _acquired(reply, Grant(name, holder, 0, ttl, sent_at, secret=secret))
+            if not isinstance(outcome, int):
+                return outcome
+            offered = self._next_epoch(outcome)
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
 
+    def _next_epoch(self, stored: int) -> int:
+        """A new epoch above ``stored``, from the database (see the module's docstring)."""
+        offered = self.epochs.bump_fence(self.epoch_resource, stored + 1)
+        if offered > MAX_EPOCH:
+            raise FencingUnavailable(self.alias, "the epoch counter is exhausted")
+        return offered
+
     def renew(self, grant: Grant, ttl: float) -> Grant:
-        keys = LeaseKeys.of(self.prefix, grant.name)
         sent_at = time.monotonic()
-        code = self._run("renew", [keys.lock], [*owner_args(grant), ms(ttl)])
-        if code != Reply.OK:
-            raise refusal(grant, code, "renewal")
-        return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
+        return _renewed(
+            grant, ttl, sent_at, self._run("renew", *_renew_call(self.prefix, grant, ttl))
+        )
 
     def release(self, grant: Grant) -> None:
-        keys = LeaseKeys.of(self.prefix, grant.name)
-        code = self._run("release", [keys.lock, keys.wake], [*owner_args(grant), WAKE_TTL_MS])
-        if code != Reply.OK:
-            raise refusal(grant, code, "release")
+        _released(grant, self._run("release", *_release_call(self.prefix, grant)))
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` the name's wake-up list: one blocked request, no polling.
@@ -265,6 +302,63 @@ class Backend(LeaseBackend):
             return False
         with Edge(self.alias, "wait"):
             return blpop(self.client, LeaseKeys.of(self.prefix, name).wake, timeout) is not None
+
+    # -- async: the same scripts through redis.asyncio, one client per event loop ---------
+
+    async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """:meth:`try_acquire` over ``redis.asyncio``; the rare new epoch (a database
+        statement, after a Redis restart or failover) is taken on a worker thread."""
+        keys = LeaseKeys.of(self.prefix, name)
+        offered, secret = 0, new_secret()
+        for _ in range(3):
+            sent_at = time.monotonic()
+            args = [holder, ms(ttl), offered, MAX_COUNTER, secret]
+            reply = await self._arun("acquire", [keys.lock, keys.fence], args)
+            outcome = _acquired(reply, Grant(name, holder, 0, ttl, sent_at, secret=secret))
+            if not isinstance(outcome, int):
+                return outcome
+            offered = await asyncio.to_thread(self._next_epoch, outcome)
+        raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
+
+    async def arenew(self, grant: Grant, ttl: float) -> Grant:
+        sent_at = time.monotonic()
+        reply = await self._arun("renew", *_renew_call(self.prefix, grant, ttl))
+        return _renewed(grant, ttl, sent_at, reply)
+
+    async def arelease(self, grant: Grant) -> None:
+        _released(grant, await self._arun("release", *_release_call(self.prefix, grant)))
+
+    async def await_for_release(self, name: str, timeout: float) -> bool:
+        if timeout < 0.001:
+            return False
+        client, _ = self._async.get()
+        with Edge(self.alias, "wait"):
+            return await ablpop(client, LeaseKeys.of(self.prefix, name).wake, timeout) is not None
+
+    async def aclose(self) -> None:
+        await self._async.aclose()
+
+    def _aclient(self) -> tuple[Any, dict[str, Any]]:
+        """A ``redis.asyncio`` client for the running loop, with its own scripts."""
+        options = self.options
+        client = aconnect(
+            self.alias,
+            options.get("CACHE"),
+            options.get("URL"),
+            float(options.get("SOCKET_TIMEOUT", 5.0)),
+            cluster=bool(options.get("CLUSTER", False)),
+        )
+        scripts = {
+            "acquire": client.register_script(ACQUIRE_LUA),
+            "renew": client.register_script(RENEW_LUA),
+            "release": client.register_script(RELEASE_LUA),
+        }
+        return client, scripts
+
+    async def _arun(self, script: str, keys: list[str], args: list[object]) -> Any:
+        client, scripts = self._async.get()
+        with Edge(self.alias, script):
+            return await scripts[script](keys=keys, args=args, client=client)
 
     def inspect(self, name: str) -> LeaseInfo | None:
         keys = LeaseKeys.of(self.prefix, name)

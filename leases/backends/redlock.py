@@ -40,6 +40,7 @@ is unavailable, the quorum is given back and the grant refused with
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 import time
@@ -52,8 +53,12 @@ from django.utils.module_loading import import_string
 
 from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
+from ._aio import PerLoop
 from ._counter import DurableCounter
 from ._redis_io import (
+    ablpop,
+    acall,
+    aconnect,
     blpop_command,
     cache_problems,
     eviction_problems,
@@ -84,6 +89,11 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return LOST
 """)
+
+
+async def _aclose_all(clients: list[Any]) -> None:
+    for client in clients:
+        await client.aclose()
 
 
 def node_value(holder: str, secret: str) -> str:
@@ -144,6 +154,8 @@ class Backend(LeaseBackend):
         )
         self._nodes: list[Node] | None = None
         self._drain = ReplyDrain(alias)
+        self._async: PerLoop[list[Any]] = PerLoop(self._aclients, _aclose_all)
+        self._unlocking: set[asyncio.Future[Any]] = set()
 
     @property
     def nodes(self) -> list[Node]:
@@ -218,12 +230,16 @@ class Backend(LeaseBackend):
             grant = replace(attempt, token=token, expires_at=expires(ttl))
             if self._valid(grant):
                 return grant
-        # A node that said no has nothing to undo; one that said yes or timed out might.
+        self._lost_try(attempt, answers, self._unlock_everywhere)
+        return None
+
+    def _lost_try(self, attempt: Grant, answers: list[Any], unlock: Callable[..., object]) -> None:
+        """Give back what a failed try may hold: a node that said no has nothing to undo, one
+        that said yes or timed out might. No node answering is an unreachable store."""
         if any(answer is True or answer is FAILED for answer in answers):
-            self._unlock_everywhere(attempt, confirm=False)
+            unlock(attempt, confirm=False)
         if all(answer is FAILED for answer in answers):
             raise BackendUnavailable(self.alias, "no Redlock node answered")
-        return None
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         """Extend on a quorum within the new validity, or give the lease up everywhere."""
@@ -262,6 +278,101 @@ class Backend(LeaseBackend):
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
         return reply is not None
+
+    # -- async: redis.asyncio clients per event loop, every node at once (asyncio.gather) ---
+
+    def _aclients(self) -> list[Any]:
+        return [
+            aconnect(
+                self.alias,
+                None if "://" in loc else loc,
+                loc if "://" in loc else None,
+                self.node_timeout,
+            )
+            for loc in self.locations
+        ]
+
+    async def _afan_out(self, *command: object) -> list[Any]:
+        """:meth:`_fan_out` on the event loop: every node asked concurrently, every answer
+        bounded by one node timeout; a node that fails or is late answers :data:`FAILED`."""
+
+        async def ask(client: Any) -> Any:
+            try:
+                async with asyncio.timeout(self.node_timeout):
+                    return await acall(client, command)
+            except (redis.RedisError, OSError, TimeoutError):
+                return FAILED
+
+        return list(await asyncio.gather(*(ask(client) for client in self._async.get())))
+
+    def _aunlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> Any:
+        """:meth:`_unlock_everywhere`, async; without ``confirm`` it runs as a task nobody
+        awaits (kept referenced until it ends), so hung nodes cost the caller nothing."""
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        owner = ("", grant.holder, grant.secret)
+        unlock = self._afan_out("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
+        if confirm:
+            return unlock
+        task = asyncio.ensure_future(unlock)
+        self._unlocking.add(task)
+        task.add_done_callback(self._unlocking.discard)
+        return None
+
+    async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """:meth:`try_acquire` with the nodes asked concurrently; the token (one database
+        statement per grant, through the blocking token source) is taken on a worker thread."""
+        keys = LeaseKeys.of(self.prefix, name)
+        secret = new_secret()
+        sent_at = time.monotonic()
+        value = node_value(holder, secret)
+        answers = await self._afan_out("SET", keys.lock, value, "NX", "PX", ms(ttl))
+        attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
+        if sum(answer is True for answer in answers) >= self.quorum:
+            try:
+                token = await asyncio.to_thread(self.next_token, name)
+            except BaseException:
+                self._aunlock_everywhere(attempt, confirm=False)
+                raise
+            grant = replace(attempt, token=token, expires_at=expires(ttl))
+            if self._valid(grant):
+                return grant
+        self._lost_try(attempt, answers, self._aunlock_everywhere)
+        return None
+
+    async def arenew(self, grant: Grant, ttl: float) -> Grant:
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        sent_at = time.monotonic()
+        owner = ("", grant.holder, grant.secret)
+        answers = await self._afan_out("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
+        renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
+        if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
+            return renewed
+        refusal = await asyncio.to_thread(self._refusal, grant, answers, "renewal")
+        if isinstance(refusal, LeaseLost):
+            self._aunlock_everywhere(grant, confirm=False)
+        raise refusal
+
+    async def arelease(self, grant: Grant) -> None:
+        answers = await self._aunlock_everywhere(grant)
+        if sum(answer == Reply.OK for answer in answers) < self.quorum:
+            raise await asyncio.to_thread(self._refusal, grant, answers, "release")
+
+    async def await_for_release(self, name: str, timeout: float) -> bool:
+        """``BLPOP`` on one node picked at random, bounded by ``timeout`` (see
+        :meth:`wait_for_release`); a dead node sleeps out the wait instead of spinning."""
+        if timeout < 0.001:
+            return False
+        started = time.monotonic()
+        client = random.choice(self._async.get())
+        try:
+            reply = await ablpop(client, LeaseKeys.of(self.prefix, name).wake, timeout)
+        except (redis.RedisError, OSError):
+            await asyncio.sleep(max(0.0, timeout - (time.monotonic() - started)))
+            return False
+        return reply is not None
+
+    async def aclose(self) -> None:
+        await self._async.aclose()
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
         """Compare-and-revoke: the token source decides, then every node gives the grant up.

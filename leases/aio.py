@@ -1,0 +1,241 @@
+"""The async twins of ``acquire()`` and ``lease()``: ``aacquire()`` and ``alease()``.
+
+Same arguments, same validation, same handle: a won grant becomes a held
+:class:`~leases.handle.Lease` through :meth:`~leases.handle.Lease.start`, so keepalive, the
+watchdog, signals and ``ensure_held()`` are the ones sync code gets (see
+:mod:`leases.keepalive` for why renewal stays on a thread). What differs is waiting:
+
+- every round trip goes through the backend's async methods
+  (:meth:`~leases.backends.LeaseBackend.atry_acquire`, ``await_for_release``...), real async I/O
+  where the driver has it, so the event loop never blocks;
+- the wait is bounded by ``timeout`` like the sync one (``asyncio.timeout`` guards the
+  backend's own bound);
+- cancelling the awaiting task stops the wait at once and leaves nothing held: a try already
+  on the wire is awaited to its end and, if it won, given back before the cancellation is
+  raised;
+- "already held" is per task, not per thread: coroutines of one event loop share its thread
+  but contend for a name like threads do (``LeaseAlreadyHeld`` only when the same task
+  re-enters). The sync waiting room is not used: the per-name queue holds a blocking
+  connection per waiter, which async code has no use for; waiters back off and are woken by
+  the release (``WAIT_WITHOUT_POLLING`` backends) instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar, overload
+
+from . import conf
+from ._arguments import valid_timeout, valid_ttl, warn_if_too_short
+from .backends import Grant, LeaseBackend, get_backend
+from .errors import BackendUnavailable, InvalidLeaseOption, LeaseAlreadyHeld, LeaseUnavailable
+from .handle import Lease, OnLost, held_by
+from .holders import holder_identity
+from .keys import validate_name
+from .lease import _default_name, _settle
+from .retry import SYSTEM_CLOCK, Backoff
+
+__all__ = ["aacquire", "alease"]
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+AsyncFunc = Callable[P, Coroutine[Any, Any, R]]
+
+#: How far past its own bound a backend's wait may run before ``asyncio.timeout`` cuts it.
+_WAIT_SLACK = 0.05
+
+
+def task_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
+    """Who "already holds" a name in async code: an explicit holder, else the current task."""
+    if holder is not None:
+        return (store.alias, name, holder)
+    task = asyncio.current_task()
+    return (store.alias, name, f"task:{id(task)}")
+
+
+async def _try(store: LeaseBackend, name: str, holder: str, ttl: float) -> Grant | None:
+    """One ``atry_acquire``, never abandoned halfway: if the caller is cancelled while it is on
+    the wire, it is awaited to its end and a grant it won is released, then the cancellation
+    is raised. Otherwise a cancelled acquire could hold the name, unseen, until its TTL."""
+    attempt = asyncio.ensure_future(store.atry_acquire(name, holder, ttl))
+    try:
+        return await asyncio.shield(attempt)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            won = await attempt
+            if won is not None:
+                await store.arelease(won)
+        raise
+
+
+async def _wait(store: LeaseBackend, name: str, delay: float) -> None:
+    """Wait up to ``delay`` for a release; as in the sync loop, a failed wait only costs the
+    wake-up (the next try decides and reports a store that is really gone)."""
+    started = SYSTEM_CLOCK.monotonic()
+    try:
+        async with asyncio.timeout(delay + _WAIT_SLACK):
+            await store.await_for_release(name, delay)
+    except (BackendUnavailable, TimeoutError) as exc:
+        logger.debug("leases: waiting for %r failed, retrying after the delay: %s", name, exc)
+        await asyncio.sleep(max(0.0, delay - (SYSTEM_CLOCK.monotonic() - started)))
+
+
+async def _agrant(
+    store: LeaseBackend, name: str, holder: str, ttl: float, timeout: float | None
+) -> Grant:
+    """Try; then wait for a release (or a backoff delay) and try again, until the deadline."""
+    deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
+    grant = await _try(store, name, holder, ttl)
+    if grant is not None:
+        return grant
+    if timeout == 0:
+        raise LeaseUnavailable(name, timeout)
+    backoff = Backoff(deadline=deadline)
+    while True:
+        delay = backoff.next_delay()
+        if delay is None:
+            raise LeaseUnavailable(name, timeout)
+        await _wait(store, name, delay)
+        grant = await _try(store, name, holder, ttl)
+        if grant is not None:
+            return grant
+
+
+async def aacquire(
+    name: str,
+    *,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    keepalive: bool = True,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> Lease:
+    """:func:`~leases.acquire` for async code; the caller must ``await lease.arelease()``.
+
+    Arguments, errors and the returned handle are those of ``acquire()``; see the module
+    docstring for what waiting and cancellation do.
+    """
+    name = validate_name(name)
+    settings = conf.get()
+    ttl = valid_ttl(settings.default_ttl if ttl is None else ttl)
+    timeout = valid_timeout(timeout)
+    store = get_backend(backend)
+    key = task_key(store, name, holder)
+    holder = holder_identity(holder)
+    held = held_by(key)
+    if held is not None:
+        raise LeaseAlreadyHeld(name, held.holder)
+    if keepalive:
+        warn_if_too_short(ttl, settings)
+    grant = await _agrant(store, name, holder, ttl, timeout)
+    fraction = settings.renew_fraction if keepalive else None
+    return Lease.start(store, grant, on_lost=on_lost, renew_fraction=fraction, key=key)
+
+
+#: The leases entered by ``async with alease(...)`` blocks in this context, innermost last.
+_entered: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
+    "leases_aentered", default=()
+)
+
+
+class _AsyncLeaseBlock:
+    """What ``alease()`` returns: an async context manager that also decorates coroutine
+    functions. Holds only its arguments (the live lease is on a context variable), so one
+    decorated coroutine function can run in many tasks at once."""
+
+    def __init__(self, name: str | None, options: dict[str, Any]) -> None:
+        self.name = name
+        self.options = options
+
+    def __call__(self, func: AsyncFunc[P, R]) -> AsyncFunc[P, R]:
+        if not inspect.iscoroutinefunction(func):
+            raise InvalidLeaseOption(
+                "func",
+                func,
+                "alease() decorates coroutine functions (async def); use lease() for others",
+            )
+        block = _AsyncLeaseBlock(self.name or _default_name(func), self.options)
+
+        @functools.wraps(func)
+        async def leased(*args: P.args, **kwargs: P.kwargs) -> R:
+            async with block:
+                return await func(*args, **kwargs)
+
+        return leased
+
+    async def __aenter__(self) -> Lease:
+        if self.name is None:
+            raise InvalidLeaseOption("name", None, "alease() needs a name in an async with")
+        entered = await aacquire(self.name, **self.options)
+        _entered.set((*_entered.get(), entered))
+        return entered
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack = _entered.get()
+        _entered.set(stack[:-1])
+        held = stack[-1]
+        protected = held.remaining() > 0
+        try:
+            await held.arelease()
+        except BaseException as error:  # settled exactly as lease() settles its release
+            _settle(held, exc, protected, error)
+
+
+@overload
+def alease(name: AsyncFunc[P, R], /) -> AsyncFunc[P, R]: ...
+@overload
+def alease(
+    name: str | None = None,
+    /,
+    *,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    keepalive: bool = True,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> _AsyncLeaseBlock: ...
+def alease(
+    name: str | Callable[..., Awaitable[Any]] | None = None,
+    /,
+    *,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    keepalive: bool = True,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> Any:
+    """Hold ``name`` for an ``async with`` block or a decorated coroutine function.
+
+    ``@alease`` bare names the lease after the function (``module.qualname``), as ``@lease``
+    does. Arguments are those of :func:`aacquire`; leaving the block releases, never hiding
+    the body's exception, and raises :class:`~leases.errors.LeaseLost` for a body that outlived
+    its lease (its work ran unprotected).
+    """
+    options: dict[str, Any] = {
+        "ttl": ttl,
+        "backend": backend,
+        "timeout": timeout,
+        "keepalive": keepalive,
+        "on_lost": on_lost,
+        "holder": holder,
+    }
+    if callable(name):
+        return _AsyncLeaseBlock(None, options)(name)  # type: ignore[arg-type]
+    return _AsyncLeaseBlock(name, options)

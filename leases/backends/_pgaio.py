@@ -1,0 +1,160 @@
+"""The database backend's async I/O: psycopg's ``AsyncConnection``, one set per event loop.
+
+The twins of :class:`~leases.backends._pgconn.PrivateConnection` and
+:class:`~leases.backends._pgconn.Listener`: the same parameters, autocommit and
+``synchronous_commit`` (:func:`~leases.backends._pgconn.connect_params`), but awaited, so a
+statement or a wait never blocks the event loop. :class:`AsyncState` gathers what one loop
+uses, made on its first use there (see :mod:`~leases.backends._aio`).
+
+A statement interrupted by cancellation may leave its connection mid-protocol, so the
+connection is dropped then and the next statement reconnects (lease state lives in the table,
+not the session). ``aacquire()`` never cancels an acquire or a release halfway anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..errors import BackendUnavailable
+from ._pgconn import LISTEN_SQL, SET_ROLE_SQL, connect_params
+
+__all__ = ["AsyncListener", "AsyncPrivateConnection", "AsyncState", "aconnect"]
+
+logger = logging.getLogger("leases")
+
+_RECENT_RELEASES = 4096
+
+
+async def aconnect(db_alias: str) -> psycopg.AsyncConnection[Any]:
+    """:func:`~leases.backends._pgconn.connect`, async."""
+    params, role = connect_params(db_alias)
+    conn = None
+    try:
+        conn = await psycopg.AsyncConnection.connect(autocommit=True, **params)
+        if role:
+            await conn.execute(sql.SQL(SET_ROLE_SQL).format(role=sql.Literal(role)))
+    except psycopg.Error as exc:
+        if conn is not None:
+            await _aclose_quietly(conn)
+        raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
+    return conn
+
+
+async def _aclose_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:
+    if conn is not None:
+        with contextlib.suppress(Exception):
+            await conn.close()
+
+
+class AsyncPrivateConnection:
+    """One private async connection for one loop; its tasks take turns on it."""
+
+    def __init__(self, db_alias: str) -> None:
+        self.db_alias = db_alias
+        self._lock = asyncio.Lock()
+        self.conn: psycopg.AsyncConnection[Any] | None = None
+
+    async def run(self, statement: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """Run one statement and fetch its rows: one round trip on an open connection.
+
+        Raises the driver's error or :class:`BackendUnavailable`, as the sync one does."""
+        async with self._lock:
+            conn = self.conn
+            if conn is None or conn.closed or conn.broken:
+                await _aclose_quietly(conn)
+                conn = self.conn = None
+                conn = self.conn = await aconnect(self.db_alias)
+            try:
+                cursor = await conn.execute(statement, params)
+                return await cursor.fetchall() if cursor.description else []
+            except psycopg.Error:
+                if conn.broken or conn.closed:
+                    await self.close()
+                raise
+            except asyncio.CancelledError:
+                await self.close()  # maybe mid-protocol: never reuse it
+                raise
+
+    async def close(self) -> None:
+        conn, self.conn = self.conn, None
+        await _aclose_quietly(conn)
+
+
+class AsyncListener:
+    """One ``LISTEN`` connection and task per loop; remembers when each name was released."""
+
+    def __init__(self, db_alias: str) -> None:
+        self._db_alias = db_alias
+        self._released: OrderedDict[str, float] = OrderedDict()
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            conn = None
+            try:
+                conn = await aconnect(self._db_alias)
+                await conn.execute(LISTEN_SQL)
+                async for note in conn.notifies():
+                    await self._record(note.payload)
+            except (psycopg.Error, BackendUnavailable, OSError) as exc:
+                logger.debug("leases: async LISTEN connection failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+            finally:
+                await _aclose_quietly(conn)
+
+    async def _record(self, name: str) -> None:
+        async with self._changed:
+            self._released[name] = time.monotonic()
+            self._released.move_to_end(name)
+            while len(self._released) > _RECENT_RELEASES:
+                self._released.popitem(last=False)
+            self._changed.notify_all()
+
+    async def wait(self, name: str, since: float, timeout: float) -> bool:
+        """Whether ``name`` was released after ``since``, waiting up to ``timeout`` for it."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"leases-alisten-{self._db_alias}")
+        try:
+            async with asyncio.timeout(timeout), self._changed:
+                await self._changed.wait_for(
+                    lambda: self._released.get(name, float("-inf")) >= since
+                )
+                return True
+        except TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class AsyncState:
+    """What the database backend uses on one event loop: a connection for statements, a
+    listener for waits, and when each task's last try of each name failed (a release after
+    that moment must wake the wait that follows)."""
+
+    def __init__(self, db_alias: str) -> None:
+        self.conn = AsyncPrivateConnection(db_alias)
+        self.listener = AsyncListener(db_alias)
+        self.failed_at: dict[tuple[int, str], float] = {}
+
+    @staticmethod
+    def task_id() -> int:
+        return id(asyncio.current_task())
+
+    async def close(self) -> None:
+        await self.listener.close()
+        await self.conn.close()

@@ -1,0 +1,83 @@
+"""The async twins beyond the lease itself: ``aelect``, fenced ``aupdate``/``asave`` after a
+blocked loop, and ``async with idempotency_key(...)``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connections
+
+from idempotency import idempotency_key
+from leases import LeaseLost, StaleFencingToken, aacquire, aelect, leader_of
+from leases.backends import get_backend
+from tests.lease_backends import lease_backend, lease_name
+from tests.testapp.models_fencing import FencedRegister
+from tests.testapp.models_idempotency import Charge
+
+__all__ = ["lease_backend", "lease_name"]  # fixtures, re-exported for pytest
+
+
+def test_aelect_leads_until_aresign(lease_backend: str, lease_name: str) -> None:
+    async def main() -> None:
+        async with await aelect(lease_name, ttl=2, backend=lease_backend) as leadership:
+            assert leadership.is_leader
+            leader = leader_of(lease_name, backend=lease_backend)
+            assert leader is not None and leader.token == leadership.token
+        assert leadership.lost.is_set() and not leadership.is_leader
+        assert leader_of(lease_name, backend=lease_backend) is None
+        await get_backend(lease_backend).aclose()
+
+    asyncio.run(main())
+
+
+def test_a_fenced_write_after_a_blocked_loop_is_rejected(
+    transactional_db: None, lease_name: str
+) -> None:
+    """The loop sleeps past the validity while a successor takes the lease and writes: the
+    paused holder's ``asave`` fails on its own clock, and a raw token write at the fence."""
+
+    async def main() -> None:
+        held = await aacquire(lease_name, ttl=0.6, keepalive=False)
+        time.sleep(1.0)  # blocked loop: the lease runs out meanwhile
+        successor = await aacquire(lease_name, ttl=5, holder="successor")
+        await FencedRegister(name=lease_name, value="new").asave(fence=successor)
+        with pytest.raises(LeaseLost):
+            await FencedRegister(name=lease_name, value="old").asave(fence=held)
+        with pytest.raises(StaleFencingToken):
+            rows = FencedRegister.objects.filter(name=lease_name)
+            await rows.fenced(held.token).aupdate(value="old")
+        assert await rows.fenced(successor).aupdate(value="newer") == 1
+        await successor.arelease()
+        await get_backend("default").aclose()
+        await sync_to_async(connections.close_all)()  # the ORM's worker thread's connection
+
+    asyncio.run(main())
+    row = FencedRegister.objects.get(name=lease_name)
+    assert row.value == "newer"
+
+
+def test_async_idempotency_key_runs_once(transactional_db: None, lease_name: str) -> None:
+    calls: list[int] = []
+
+    @idempotency_key(lambda amount: f"{lease_name}-{amount}", scope="aio-tests")
+    async def charge(amount: int) -> int:
+        calls.append(amount)
+        made = await Charge.objects.acreate(amount=amount, key=lease_name)  # type: ignore[attr-defined]
+        return int(made.pk)
+
+    async def main() -> tuple[list[object], int]:
+        async with idempotency_key(lease_name, scope="aio-tests") as op:
+            assert not op.replayed
+            op.result = {"done": True}
+        async with idempotency_key(lease_name, scope="aio-tests") as again:
+            assert again.replayed and again.result == {"done": True}
+        results = [await charge(5), await charge(5)]
+        await sync_to_async(connections.close_all)()  # the ORM's worker thread's connection
+        return results, len(calls)
+
+    results, ran = asyncio.run(main())
+    assert results[0] == results[1] and ran == 1
+    assert Charge.objects.filter(key=lease_name).count() == 1  # type: ignore[attr-defined]

@@ -1,0 +1,296 @@
+"""The async API's guarantees, run once per backend in ``LEASE_BACKENDS``.
+
+``aacquire``/``alease``/``arenew``/``arelease`` keep the sync contract (tokens increase, a held
+name cannot be taken, waits end at their deadline, a release wakes a waiter), and add their own:
+waiting never blocks the event loop, cancelling leaves nothing held, coroutines of one loop
+contend like threads, and a blocked loop cannot hide a lost lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+
+import leases
+from leases import LeaseAlreadyHeld, LeaseLost, LeaseNotHeld, LeaseUnavailable, aacquire, alease
+from leases.backends import get_backend
+from leases.errors import InvalidLeaseOption
+from tests.lease_backends import lease_backend, lease_name
+
+__all__ = ["lease_backend", "lease_name"]  # fixtures, re-exported for pytest
+
+T = TypeVar("T")
+
+
+def arun(alias: str, main: Callable[[], Awaitable[T]]) -> T:
+    """Run ``main()`` on a fresh loop, closing the backend's async clients before it ends."""
+
+    async def wrapped() -> T:
+        try:
+            return await main()
+        finally:
+            for used in {alias, "default"}:
+                await get_backend(used).aclose()
+
+    return asyncio.run(wrapped())
+
+
+class Ticker:
+    """Counts event-loop turns while a wait runs: a blocked loop counts none."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            self.ticks += 1
+
+    async def __aenter__(self) -> Ticker:
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+def test_async_names_are_exported() -> None:
+    assert leases.aacquire is aacquire and leases.alease is alease
+    assert {"aacquire", "alease"} <= set(leases.__all__)
+
+
+def test_tokens_increase_and_arelease_frees(lease_backend: str, lease_name: str) -> None:
+    async def main() -> list[int]:
+        tokens = []
+        for _ in range(3):
+            held = await aacquire(lease_name, ttl=2, backend=lease_backend, timeout=0)
+            tokens.append(held.token)
+            held.ensure_held()
+            assert held.remaining() > 0 and not held.lost.is_set()
+            await held.arelease()
+        return tokens
+
+    tokens = arun(lease_backend, main)
+    assert tokens == sorted(set(tokens)), tokens
+    info = get_backend(lease_backend).inspect(lease_name)
+    assert info is not None and not info.held
+
+
+def test_alease_block_and_both_decorator_forms(lease_backend: str, lease_name: str) -> None:
+    seen: list[str] = []
+
+    @alease
+    async def bare() -> str:
+        return "bare"
+
+    @alease(lease_name, ttl=2, backend=lease_backend, timeout=0)
+    async def called(value: str) -> str:
+        info = get_backend(lease_backend).inspect(lease_name)
+        assert info is not None and info.held
+        return value
+
+    async def main() -> None:
+        async with alease(lease_name, ttl=2, backend=lease_backend, timeout=0) as held:
+            assert get_backend(lease_backend).try_acquire(lease_name, "other", 1.0) is None
+            seen.append(held.name)
+        seen.append(await called("called"))
+        seen.append(await asyncio.wait_for(bare(), 30))
+
+    arun(lease_backend, main)
+    assert seen == [lease_name, "called", "bare"]
+    assert bare.__name__ == "bare"
+
+
+def test_alease_refuses_plain_functions_and_lease_points_to_it() -> None:
+    with pytest.raises(InvalidLeaseOption, match="coroutine functions"):
+        alease("x")(lambda: None)  # type: ignore[arg-type, return-value]
+
+    async def job() -> None: ...
+
+    with pytest.raises(InvalidLeaseOption, match="alease"):
+        leases.lease("x")(job)
+
+
+def test_arenew_extends_and_a_second_arelease_is_refused(
+    lease_backend: str, lease_name: str
+) -> None:
+    async def main() -> None:
+        held = await aacquire(lease_name, ttl=1, backend=lease_backend, keepalive=False)
+        await asyncio.sleep(0.5)
+        grant = await held.arenew(3)
+        assert grant.ttl == 3 and held.remaining() > 2
+        await asyncio.sleep(0.8)  # past the first TTL: the renewal is what holds it
+        held.ensure_held()
+        assert get_backend(lease_backend).try_acquire(lease_name, "other", 1.0) is None
+        await held.arelease()
+        with pytest.raises(LeaseNotHeld):
+            await held.arelease()
+
+    arun(lease_backend, main)
+
+
+def test_arelease_after_expiry_reports_lost_and_keeps_successor(
+    lease_backend: str, lease_name: str
+) -> None:
+    async def main() -> None:
+        held = await aacquire(lease_name, ttl=0.5, backend=lease_backend, keepalive=False)
+        await asyncio.sleep(0.8)
+        successor = await aacquire(lease_name, ttl=5, backend=lease_backend, holder="next")
+        with pytest.raises(LeaseLost):
+            await held.arenew()
+        with pytest.raises(LeaseLost):
+            await held.arelease()
+        info = get_backend(lease_backend).inspect(lease_name)
+        assert info is not None and info.held and info.holder == "next"
+        await successor.arelease()
+
+    arun(lease_backend, main)
+
+
+def test_a_task_cannot_reenter_but_another_task_waits(lease_backend: str, lease_name: str) -> None:
+    async def main() -> float:
+        async with alease(lease_name, ttl=5, backend=lease_backend):
+            with pytest.raises(LeaseAlreadyHeld):
+                await aacquire(lease_name, ttl=5, backend=lease_backend, timeout=0)
+            other = asyncio.create_task(
+                aacquire(lease_name, ttl=5, backend=lease_backend, timeout=10)
+            )
+            await asyncio.sleep(0.3)
+            assert not other.done()
+            released_at = time.monotonic()
+        second = await other
+        woken_after = time.monotonic() - released_at
+        await second.arelease()
+        return woken_after
+
+    woken_after = arun(lease_backend, main)
+    assert woken_after < 1.5, woken_after
+
+
+def test_a_failed_wait_ends_at_its_deadline_without_blocking_the_loop(
+    lease_backend: str, lease_name: str
+) -> None:
+    timeout = 0.4
+    holder = get_backend(lease_backend).try_acquire(lease_name, "holder", 30)
+    assert holder is not None
+
+    async def main() -> tuple[list[float], int]:
+        overshoots = []
+        async with Ticker() as ticker:
+            for _ in range(3):
+                started = time.monotonic()
+                with pytest.raises(LeaseUnavailable):
+                    await aacquire(lease_name, ttl=1, backend=lease_backend, timeout=timeout)
+                overshoots.append(time.monotonic() - started - timeout)
+        return sorted(overshoots), ticker.ticks
+
+    try:
+        overshoots, ticks = arun(lease_backend, main)
+    finally:
+        get_backend(lease_backend).release(holder)
+    assert -0.01 <= overshoots[1] < 0.15, overshoots
+    # 1.2 s of waiting: a loop that was free turned ~100 times; a blocked one 0 to 3 times.
+    assert ticks >= 30, ticks
+
+
+def test_cancelling_a_wait_stops_it_and_leaves_nothing_held(
+    lease_backend: str, lease_name: str
+) -> None:
+    backend = get_backend(lease_backend)
+    holder = backend.try_acquire(lease_name, "holder", 30)
+    assert holder is not None
+
+    async def main() -> float:
+        waiter = asyncio.create_task(aacquire(lease_name, ttl=5, backend=lease_backend))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return time.monotonic() - started
+
+    stopped_after = arun(lease_backend, main)
+    backend.release(holder)
+    assert stopped_after < 0.5, stopped_after
+    info = backend.inspect(lease_name)
+    assert info is not None and not info.held
+
+
+def test_cancelling_mid_try_gives_back_what_it_won(lease_backend: str, lease_name: str) -> None:
+    """Cancelled while the first try is on the wire: the try wins, then is given back."""
+
+    async def main() -> None:
+        attempt = asyncio.create_task(aacquire(lease_name, ttl=30, backend=lease_backend))
+        await asyncio.sleep(0)  # the try is sent, its answer not yet read
+        attempt.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+
+    arun(lease_backend, main)
+    info = get_backend(lease_backend).inspect(lease_name)
+    assert info is None or not info.held
+
+
+def test_cancelling_mid_hold_releases(lease_backend: str, lease_name: str) -> None:
+    async def main() -> None:
+        inside = asyncio.Event()
+
+        async def hold() -> None:
+            async with alease(lease_name, ttl=30, backend=lease_backend):
+                inside.set()
+                await asyncio.sleep(60)
+
+        task = asyncio.create_task(hold())
+        await inside.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    arun(lease_backend, main)
+    info = get_backend(lease_backend).inspect(lease_name)
+    assert info is not None and not info.held
+
+
+def test_a_blocked_loop_cannot_hide_a_lost_lease(lease_backend: str, lease_name: str) -> None:
+    """A loop blocked by ``time.sleep`` past the validity: the first check after it fails.
+
+    Without keepalive nothing renews; the watchdog thread (not the loop) declares the loss on
+    time, so ``lost`` is set while the loop is still blocked, and ``ensure_held()`` raises.
+    """
+    reports: list[str] = []
+
+    async def main() -> None:
+        held = await aacquire(
+            lease_name,
+            ttl=0.6,
+            backend=lease_backend,
+            keepalive=False,
+            on_lost=lambda lost: reports.append(lost.lost_reason or ""),
+        )
+        time.sleep(1.0)  # the loop is blocked: no task, no callback runs
+        assert held.lost.is_set() and reports, "the watchdog thread reports the loss"
+        with pytest.raises(LeaseLost):
+            held.ensure_held()
+        assert held.remaining() == 0
+        with pytest.raises(LeaseLost):
+            await held.arelease()
+
+    arun(lease_backend, main)
+
+
+def test_keepalive_renews_while_the_loop_is_blocked(lease_backend: str, lease_name: str) -> None:
+    """Renewal runs on the shared renewer thread, so a blocked loop does not lose the lease."""
+
+    async def main() -> None:
+        async with alease(lease_name, ttl=1, backend=lease_backend) as held:
+            time.sleep(1.6)
+            held.ensure_held()
+            assert held.remaining() > 0
+
+    arun(lease_backend, main)
