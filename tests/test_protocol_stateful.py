@@ -65,7 +65,7 @@ _BASE = settings(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-settings.register_profile("ci", _BASE, max_examples=25, stateful_step_count=15)
+settings.register_profile("ci", _BASE, max_examples=20, stateful_step_count=15)
 settings.register_profile("long", _BASE, max_examples=200, stateful_step_count=40)
 PROFILE = settings.get_profile(os.environ.get("LEASES_HYPOTHESIS_PROFILE", "ci"))
 
