@@ -1,4 +1,5 @@
-"""``python -m benchmarks [topic ...]``: run the benchmark modules (all by default).
+"""``python -m benchmarks [topic ...] [--rows N] [--keys N]``: run the benchmark modules (all
+by default). ``--rows``/``--keys`` size the ``scale`` topic's big tables.
 
 Servers: ``DATABASE_URL`` / ``REDIS_URL`` when reachable, else throwaway ones for this run.
 Django is set up with the demo project's settings and migrated before any module runs.
@@ -6,6 +7,7 @@ Django is set up with the demo project's settings and migrated before any module
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import pkgutil
@@ -16,6 +18,11 @@ from devservers import PostgresServer, RedisServer, configured_or_throwaway
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/bench")
+    parser.add_argument("topics", nargs="*")
+    parser.add_argument("--rows", type=int, help="scale: lease rows (default 1,000,000)")
+    parser.add_argument("--keys", type=int, help="scale: idempotency keys (default 10 x rows)")
+    args = parser.parse_args(argv)
     owned: list[PostgresServer | RedisServer] = []
     try:
         os.environ.update(configured_or_throwaway(owned))
@@ -30,8 +37,8 @@ def main(argv: list[str]) -> int:
             for info in pkgutil.iter_modules([os.path.dirname(__file__)])
             if info.name.startswith("bench_")
         )
-        chosen = [n for n in names if not argv or n in argv]
-        report = Report()
+        chosen = [n for n in names if not args.topics or n in args.topics]
+        report = Report(options={"rows": args.rows, "keys": args.keys})
         for name in chosen:
             module = importlib.import_module(f"benchmarks.bench_{name}")
             print(f"\n=== {module.TITLE}", flush=True)

@@ -81,6 +81,8 @@ class Report:
 
     out: TextIO = sys.stdout
     tables: list[tuple[str, list[tuple[str, float]]]] = field(default_factory=list)
+    #: Command-line options a module may read (``--rows``, ``--keys`` for ``scale``).
+    options: dict[str, int | None] = field(default_factory=dict)
 
     def table(self, title: str, rows: list[tuple[str, float]], unit: str = "us") -> None:
         """Print ``rows`` of (contender, seconds); the first row is the baseline (ratio 1.00)."""

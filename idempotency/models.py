@@ -44,7 +44,18 @@ class IdempotencyKey(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["scope", "key"], name="idempotency_key_scope_key")
         ]
-        indexes = [models.Index(fields=["expires_at"], name="idempotency_key_expires")]
+        #: ``expires_at`` for the purge; ``(created_at, id)`` for the admin's newest-first page,
+        #: read backwards, and the same for the few keys still ``started`` (the in-flight
+        #: requests an operator looks for), so neither sorts millions of rows for one page.
+        indexes = [
+            models.Index(fields=["expires_at"], name="idempotency_key_expires"),
+            models.Index(fields=["created_at", "id"], name="idempotency_key_created"),
+            models.Index(
+                fields=["created_at", "id"],
+                condition=models.Q(state="started"),
+                name="idempotency_key_started",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.scope} / {self.key} ({self.state})"

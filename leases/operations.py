@@ -229,21 +229,27 @@ def _waiting_rooms() -> dict[int, str]:
     return rooms
 
 
-def all_leases() -> tuple[list[LeaseInfo], dict[str, str]]:
-    """Every lease on every configured backend, and the error of each backend that failed.
+def all_leases(limit: int | None = None) -> tuple[list[LeaseInfo], dict[str, str]]:
+    """Leases on every configured backend, held first, and the error of each backend that
+    failed; at most ``limit`` of them (``None``: all).
 
     A backend that is down must not hide the others from an operator in the middle of an
-    incident, so errors are collected per alias instead of raised.
+    incident, so errors are collected per alias instead of raised. Names are never deleted,
+    so a store may know millions: with a ``limit`` each backend is asked only for its first
+    ``limit`` (:meth:`~leases.backends.base.LeaseBackend.inspect_held_first`).
     """
     found: list[LeaseInfo] = []
     errors: dict[str, str] = {}
     for alias in conf.get().backends:
         try:
-            found.extend(get_backend(alias).inspect_all())
+            backend = get_backend(alias)
+            found.extend(
+                backend.inspect_all() if limit is None else backend.inspect_held_first(limit)
+            )
         except (LeaseError, NotImplementedError) as exc:
             errors[alias] = str(exc)
-    found.sort(key=lambda info: (not info.held, info.name, info.backend))
-    return found, errors
+    found.sort(key=lambda info: (*info.rank, info.backend))
+    return found[:limit], errors
 
 
 #: The three states an operator sees, in the order the admin's filter offers them.

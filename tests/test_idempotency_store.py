@@ -171,11 +171,10 @@ def test_purge_works_in_bounded_batches_with_progress() -> None:
     out = io.StringIO()
     call_command("purge_idempotency_keys", batch_size=10, stdout=out)
     lines = out.getvalue().splitlines()
-    assert [line.split()[-1] for line in lines if line.startswith("[")] == [
-        "10/25",
-        "20/25",
-        "25/25",
-    ]
+    progress = [line.split() for line in lines if line.startswith("[")]
+    assert [words[1] for words in progress] == ["10/25", "20/25", "25/25"]
+    assert all(words[3:5] == ["keys/s", "ETA"] for words in progress)
+    assert progress[-1][-1] == "0s"
     assert IdempotencyKey.objects.count() == 0
     call_command("purge_idempotency_keys", batch_size=10, max_batches=1, stdout=io.StringIO())
 

@@ -117,20 +117,29 @@ WHERE NOT EXISTS (SELECT 1 FROM revoked)
 
 #: What observers see. ``expires_at`` is clamped into what Python's ``datetime`` can hold: a
 #: row written with an absurd TTL (year 33715) must not make every read of the table fail.
-INSPECT_SQL = """
-SELECT name, holder, token, acquired_at, LEAST(expires_at, '9999-12-30 00:00:00+00'),
-       renewed_at, meta, holder <> '' AND expires_at > clock_timestamp()
+_COLUMNS = """name, holder, token, acquired_at, LEAST(expires_at, '9999-12-30 00:00:00+00'),
+       renewed_at, meta, holder <> '' AND expires_at > clock_timestamp()"""
+INSPECT_SQL = f"""
+SELECT {_COLUMNS}
 FROM leases_lease WHERE name = %(name)s::text
-"""
+"""  # noqa: S608
 #: Names someone holds now: only these can have waiters in their waiting rooms.
 HELD_NAMES_SQL = """
 SELECT name FROM leases_lease WHERE holder <> '' AND expires_at > clock_timestamp()
 """
-INSPECT_ALL_SQL = """
-SELECT name, holder, token, acquired_at, LEAST(expires_at, '9999-12-30 00:00:00+00'),
-       renewed_at, meta, holder <> '' AND expires_at > clock_timestamp()
+INSPECT_ALL_SQL = f"""
+SELECT {_COLUMNS}
 FROM leases_lease ORDER BY name
-"""
+"""  # noqa: S608
+#: Held-first listing for operators: the rows with a holder (held, then expired) come from the
+#: partial index ``leases_lease_holder_set`` (no released row read), then the first free names
+#: by the primary key; each part is cut at ``limit``, so a million rows cost what ``limit`` do.
+INSPECT_HELD_FIRST_SQL = f"""
+(SELECT {_COLUMNS} FROM leases_lease WHERE holder <> ''
+ ORDER BY expires_at > clock_timestamp() DESC, name LIMIT %(limit)s)
+UNION ALL
+(SELECT {_COLUMNS} FROM leases_lease WHERE holder = '' ORDER BY name LIMIT %(limit)s)
+"""  # noqa: S608
 
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
 
@@ -324,6 +333,10 @@ class Backend(LeaseBackend):
 
     def inspect_all(self) -> list[LeaseInfo]:
         return [_info(row, self.alias) for row in self._run(INSPECT_ALL_SQL, {})]
+
+    def inspect_held_first(self, limit: int) -> list[LeaseInfo]:
+        rows = self._run(INSPECT_HELD_FIRST_SQL, {"limit": limit})
+        return sorted((_info(row, self.alias) for row in rows), key=lambda i: i.rank)[:limit]
 
     def internal_advisory_locks(self) -> dict[int, str]:
         """The waiting rooms of the names held now (a waiter only waits for a held name)."""

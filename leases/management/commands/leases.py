@@ -5,6 +5,10 @@ token you name (``--token``, as ``list``/``show`` print it; a lease that changed
 left alone), so the evicted holder's fenced writes are rejected; it needs a user holding
 ``leases.force_release_lease`` (``--user``), and leaves the same audit record.
 
+``list`` and ``watch`` show at most ``--limit`` leases (default 100; 0 for all), held first:
+lease rows are never deleted, so a busy shop's table has a row for every job name ever used,
+and a terminal (or a script) needs the held ones, not a million released ones.
+
 ``list --json`` prints the same rows as one JSON object for scripts (times in ISO 8601, the
 time left in seconds). Bad input (an unknown ``--database``, an empty name, a negative
 ``--interval``) ends with one ``CommandError`` line and exit status 1.
@@ -29,6 +33,8 @@ from leases.backends.base import LeaseInfo
 from leases.errors import LeaseError
 from leases.management._options import at_least, database, lease_name, share_base_options
 
+#: Leases ``list`` and ``watch`` show unless told otherwise (held first).
+DEFAULT_LIMIT = 100
 HEADERS = ("KIND", "BACKEND", "NAME", "STATE", "HOLDER", "TOKEN", "EXPIRES IN", "SINCE")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -130,6 +136,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 class Command(BaseCommand):
     help = "List, show, watch and force-release leases and advisory locks."
+    limit: int | None = DEFAULT_LIMIT
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True)
@@ -164,6 +171,13 @@ class Command(BaseCommand):
         watch.add_argument("--interval", type=float, default=2.0)
         watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
         watch.add_argument("--database")
+        for sub_parser in (listing, watch):
+            sub_parser.add_argument(
+                "--limit",
+                type=int,
+                default=DEFAULT_LIMIT,
+                help=f"show at most N leases, held first (default {DEFAULT_LIMIT}; 0: all)",
+            )
         share_base_options(parser, [listing, show, release, terminate, watch])
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -175,8 +189,10 @@ class Command(BaseCommand):
         if action == "watch":
             at_least("--interval", options["interval"], 0, inclusive=False)
             at_least("--count", options["count"], 0)
+        if action in ("list", "watch"):
+            self.limit = int(at_least("--limit", options["limit"], 0)) or None
         if action == "list" and options["json"]:
-            infos, errors = operations.all_leases()
+            infos, errors = operations.all_leases(self.limit)
             locks = operations.advisory_locks(options["database"])
             self.stdout.write(json_listing(infos, locks, options["database"], errors))
         elif action == "list":
@@ -191,9 +207,11 @@ class Command(BaseCommand):
             self.watch(options["interval"], options["count"], options["database"])
 
     def listing(self, using: str) -> str:
-        infos, errors = operations.all_leases()
+        infos, errors = operations.all_leases(self.limit)
         rows = lease_rows(infos) + advisory_rows(operations.advisory_locks(using), using)
         lines = [format_table(HEADERS, rows)]
+        if self.limit is not None and len(infos) >= self.limit:
+            lines.append(f"(the first {self.limit} leases, held first: --limit N or 0 for more)")
         lines += [f"backend {alias} unavailable: {error}" for alias, error in errors.items()]
         return "\n".join(lines)
 

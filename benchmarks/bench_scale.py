@@ -1,0 +1,326 @@
+"""Scale: the same operations on small tables and on a million lease rows / ten million keys.
+
+Two schemas hold copies of ``leases_lease`` and ``idempotency_key`` made with ``LIKE ...
+INCLUDING ALL`` after ``migrate``, so each has every index the migrations define: ``scale_small``
+(100 rows each) and ``scale_big`` (``--rows`` lease rows, default 1,000,000, and ``--keys``
+keys, default ten times as many), filled in SQL with ``generate_series`` and ``VACUUM ANALYZE``d.
+A connection's ``search_path`` decides which copy it sees; every other table stays in
+``public``. Rounds alternate small and big, so the load waves of a shared machine land on both:
+on such a machine absolute numbers are noise and the ratios big/small of one run are the result.
+
+Measured per operation (p50 and p99): acquire, renew and release on the database backend;
+``@idempotent`` first request and replay; the admin's leases and idempotency-key changelists,
+page 1 and a filtered page, through Django's test client; ``manage.py leases list``. Then, on
+the big tables only: the peak RSS of ``manage.py leases list`` in a process of its own, and a
+probe inserting a key every 20 ms while ``purge_idempotency_keys`` deletes the expired ones (half
+of the generated keys), its worst insert latency reported.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.db import close_old_connections, connection
+from django.db.backends.signals import connection_created
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.test import Client, RequestFactory, override_settings
+
+from benchmarks.common import Report
+from demo_project.payments.scopes import by_api_key
+from idempotency import idempotent
+from leases.backends import get_backend
+from leases.backends.database import Backend
+
+TITLE = "scale: 1M lease rows and 10M idempotency keys vs 100 rows, interleaved"
+
+SMALL, BIG = "scale_small", "scale_big"
+SMALL_ROWS = 100
+TABLES = ("leases_lease", "idempotency_key")
+ROUNDS = 7
+TTL = 30.0
+
+#: Lease rows: one in a thousand held (for a day), one in a thousand held by a holder that
+#: crashed (expired with its holder set), the rest released; tokens spread over 1..50.
+FILL_LEASES_SQL = """
+INSERT INTO {schema}.leases_lease
+    (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
+SELECT 'job:' || lpad(g::text, 9, '0'),
+       CASE WHEN g %% 1000 IN (0, 1) THEN 'host-' || (g %% 7) || ':' || g ELSE '' END,
+       1 + g %% 50, now() - interval '1 hour',
+       CASE WHEN g %% 1000 = 0 THEN now() + interval '1 day' ELSE now() - interval '1 hour' END,
+       NULL, '{{}}', CASE WHEN g %% 1000 IN (0, 1) THEN sha256(g::text::bytea) END
+FROM generate_series(1, %(rows)s) AS g
+"""
+#: Keys created over the last two days with a TTL of one day: half are expired (the purge's
+#: work), one in ten thousand is still ``started``; a thousand client scopes.
+FILL_KEYS_SQL = """
+INSERT INTO {schema}.idempotency_key (scope, key, fingerprint, state, owner, locked_until,
+    response_status, response_headers, response_body, created_at, expires_at)
+SELECT 'client:' || (g %% 1000), 'key-' || g, md5(g::text),
+       CASE WHEN g %% 10000 = 0 THEN 'started' ELSE 'completed' END,
+       NULL, CASE WHEN g %% 10000 = 0 THEN now() + interval '1 minute' END,
+       201, '[]'::jsonb, '{{"id": 1}}'::bytea,
+       now() - (g %% 172800) * interval '1 second',
+       now() - (g %% 172800) * interval '1 second' + interval '1 day'
+FROM generate_series(1, %(rows)s) AS g
+"""
+
+_schema = {"current": SMALL}
+
+
+def _set_search_path(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """Every new Django connection (the admin's requests close theirs) sees the chosen copy."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET search_path TO {_schema['current']}, public")
+
+
+def _fill(schema: str, leases: int, keys: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        cursor.execute(f"CREATE SCHEMA {schema}")
+        for table in TABLES:
+            cursor.execute(f"CREATE TABLE {schema}.{table} (LIKE public.{table} INCLUDING ALL)")
+        cursor.execute(FILL_LEASES_SQL.format(schema=schema), {"rows": leases})
+        cursor.execute(FILL_KEYS_SQL.format(schema=schema), {"rows": keys})
+        for table in TABLES:
+            cursor.execute(f"VACUUM ANALYZE {schema}.{table}")
+
+
+def _use(schema: str, backend: Backend) -> None:
+    _schema["current"] = schema
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET search_path TO {schema}, public")
+    own = backend.connection()
+    assert own is not None
+    own.execute(f"SET search_path TO {schema}, public")
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    cuts = statistics.quantiles(samples, n=100, method="inclusive")
+    return cuts[49], cuts[98]
+
+
+def _lease_ops(backend: Backend, rows: int) -> dict[str, Callable[[], Any]]:
+    """acquire, renew and release of a random released name (cold rows on the big table)."""
+    grants: list[Any] = []
+
+    def acquire() -> None:
+        g = random.randint(1, rows if _schema["current"] == BIG else SMALL_ROWS)
+        g += 2 if g % 1000 in (0, 1) else 0
+        grant = backend.try_acquire(f"job:{g:09d}", "bench-scale", TTL)
+        assert grant is not None
+        grants.append(grant)
+
+    def renew() -> None:
+        grants[-1] = backend.renew(grants[-1], TTL)
+
+    def release() -> None:
+        backend.release(grants.pop())
+
+    return {"acquire": acquire, "renew": renew, "release": release}
+
+
+def _idempotent_ops() -> dict[str, Callable[[], Any]]:
+    def view(request: HttpRequest) -> HttpResponse:
+        return JsonResponse({"status": "paid"}, status=201)
+
+    ours = idempotent(scope=by_api_key)(view)
+    factory = RequestFactory()
+
+    def request(key: str) -> HttpRequest:
+        return factory.post(
+            "/payments/",
+            "{}",
+            content_type="application/json",
+            HTTP_IDEMPOTENCY_KEY=key,
+            HTTP_X_API_KEY="bench",
+        )
+
+    def first() -> None:
+        assert ours(request(f"bench-scale-{uuid.uuid4().hex}")).status_code == 201
+
+    def seed() -> None:
+        ours(request(f"bench-scale-replay-{_schema['current']}"))
+
+    def replay() -> None:
+        response = ours(request(f"bench-scale-replay-{_schema['current']}"))
+        assert response.headers.get("Idempotent-Replayed") == "true"
+
+    return {"idempotent first request": first, "idempotent replay": replay, "seed replay": seed}
+
+
+def _admin_ops(client: Client) -> dict[str, Callable[[], Any]]:
+    pages = {
+        "admin leases page 1": "/admin/leases/lease/",
+        "admin leases held": "/admin/leases/lease/?state=held",
+        "admin keys page 1": "/admin/idempotency/idempotencykey/",
+        "admin keys started": "/admin/idempotency/idempotencykey/?state__exact=started",
+    }
+
+    def get(url: str) -> Callable[[], Any]:
+        def op() -> None:
+            assert client.get(url).status_code == 200
+
+        return op
+
+    return {label: get(url) for label, url in pages.items()}
+
+
+def _command_ops() -> dict[str, Callable[[], Any]]:
+    def listing() -> None:
+        call_command("leases", "list", stdout=io.StringIO())
+
+    return {"manage.py leases list": listing}
+
+
+def _measure(
+    backend: Backend, groups: list[tuple[dict[str, Callable[[], Any]], int]]
+) -> dict[tuple[str, str], list[float]]:
+    """Rounds alternate the two schemas; each op of each group runs ``ops`` times a round."""
+    samples: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(ROUNDS + 1):
+        for schema in (SMALL, BIG) if round_ % 2 else (BIG, SMALL):
+            _use(schema, backend)
+            for ops, count in groups:
+                for _ in range(count):
+                    for label, fn in ops.items():
+                        start = time.perf_counter()
+                        fn()
+                        if round_:  # round 0 warms caches and plans
+                            samples.setdefault((label, schema), []).append(
+                                time.perf_counter() - start
+                            )
+    return samples
+
+
+def _peak_rss_of_listing() -> int:
+    """KiB: ``manage.py leases list`` in a process of its own, seeing the big tables."""
+    env = {**os.environ, "PGOPTIONS": f"-c search_path={BIG},public"}
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "leases", "list"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    return int(usage.ru_maxrss)
+
+
+def _purge_probe(backend: Backend, batch: int) -> tuple[int, list[float], float]:
+    """Insert a key every 20 ms while the purge runs; returns (probes, latencies, seconds)."""
+    _use(BIG, backend)
+    from idempotency.store import begin
+
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def purge() -> None:
+        try:
+            call_command("purge_idempotency_keys", batch_size=batch, stdout=io.StringIO())
+        finally:
+            close_old_connections()
+            done.set()
+
+    worker = threading.Thread(target=purge)
+    started = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        start = time.perf_counter()
+        begin("bench-probe", uuid.uuid4().hex, "f" * 64, ttl=3600.0, lock_timeout=30.0)
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.02)
+    worker.join()
+    return len(latencies), latencies, time.perf_counter() - started
+
+
+def main(report: Report) -> None:
+    rows = int(report.options.get("rows") or 1_000_000)
+    keys = int(report.options.get("keys") or 10 * rows)
+    started = time.perf_counter()
+    _fill(SMALL, SMALL_ROWS, SMALL_ROWS)
+    _fill(BIG, rows, keys)
+    report.note(
+        f"filled {rows:,} lease rows and {keys:,} keys (vs {SMALL_ROWS} each) in "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    connection_created.connect(_set_search_path)
+    backend = get_backend("default")
+    assert isinstance(backend, Backend)
+    backend.inspect("bench:warm-up")
+    user, _ = get_user_model().objects.get_or_create(
+        username="bench-scale", defaults={"is_staff": True, "is_superuser": True}
+    )
+    client = Client()
+    client.force_login(user)
+    hosts = override_settings(ALLOWED_HOSTS=["testserver"])
+    hosts.enable()
+    idempotent_ops = _idempotent_ops()
+    for schema in (SMALL, BIG):  # the key each schema's replays replay
+        _use(schema, backend)
+        idempotent_ops["seed replay"]()
+    del idempotent_ops["seed replay"]
+    try:
+        samples = _measure(
+            backend,
+            [
+                (_lease_ops(backend, rows), 50),
+                (idempotent_ops, 30),
+                (_admin_ops(client), 2),
+                (_command_ops(), 1),
+            ],
+        )
+        _table(report, samples, rows, keys)
+        report.note(
+            f"peak RSS of manage.py leases list at {rows:,} rows: "
+            f"{_peak_rss_of_listing() / 1024:.0f} MiB"
+        )
+        probes, latencies, seconds = _purge_probe(backend, 1000)
+        p50, p99 = _percentiles(latencies) if len(latencies) > 2 else (0.0, 0.0)
+        report.note(
+            f"purge of the expired keys ({seconds:.0f} s): {probes} probe inserts every 20 ms, "
+            f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms"
+        )
+    finally:
+        hosts.disable()
+        connection_created.disconnect(_set_search_path)
+        _use("public", backend)
+        with connection.cursor() as cursor:
+            for schema in (SMALL, BIG):
+                cursor.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+def _table(
+    report: Report, samples: dict[tuple[str, str], list[float]], rows: int, keys: int
+) -> None:
+    print(
+        f"\n  p50 and p99 per operation: {SMALL_ROWS} rows vs {rows:,} lease rows / {keys:,} keys"
+        "\n  (interleaved rounds on a shared machine: read the ratios, not the absolute times)"
+    )
+    print(
+        f"  {'operation':<28} {'small p50':>10} {'big p50':>10} {'ratio':>6}"
+        f" {'small p99':>10} {'big p99':>10} {'ratio':>6}"
+    )
+    labels = dict.fromkeys(label for label, _ in samples)
+    for label in labels:
+        s50, s99 = _percentiles(samples[(label, SMALL)])
+        b50, b99 = _percentiles(samples[(label, BIG)])
+        print(
+            f"  {label:<28} {s50 * 1e3:8.2f}ms {b50 * 1e3:8.2f}ms {b50 / s50:6.2f}"
+            f" {s99 * 1e3:8.2f}ms {b99 * 1e3:8.2f}ms {b99 / s99:6.2f}"
+        )
+        report.tables.append((label, [("small p50", s50), ("big p50", b50)]))
+    sys.stdout.flush()
