@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -104,16 +105,17 @@ class Gateway:
             self._current = self._clients.index(client)
 
     def call(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> Reply:
-        """POST ``body`` to ``path`` on the first member that answers, within ``timeout``.
+        """POST ``body`` to ``path`` on the first member that answers: each member gets
+        ``REQUEST_TIMEOUT``, and all of them together at most ``timeout`` when given.
 
         Raises :class:`EtcdRefused` for an answer another member would repeat and
         :class:`~leases.errors.BackendUnavailable` when no member answered in time.
         """
-        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
         problems: list[str] = []
         replayed = False
         for client in self._order():
-            left = deadline - time.monotonic()
+            left = min(self.request_timeout, deadline - time.monotonic())
             if left <= 0:
                 break
             try:
