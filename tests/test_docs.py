@@ -36,7 +36,13 @@ def _documented_options(engine: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "engine", ["leases.backends.database", "leases.backends.redis", "leases.backends.redlock"]
+    "engine",
+    [
+        "leases.backends.database",
+        "leases.backends.redis",
+        "leases.backends.redlock",
+        "leases.backends.etcd",
+    ],
 )
 def test_every_backend_option_is_documented_and_no_other(engine: str) -> None:
     """Unknown options are configuration errors, so a documented one that is gone would
