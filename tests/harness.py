@@ -23,10 +23,12 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from devservers import PostgresServer, RedisServer, configured_or_throwaway, reachable
+from devservers.etcd import EtcdCluster, etcd_binary
 from tests.rabbitmq_server import RabbitMQServer, rabbitmq_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 _OWNED: list[PostgresServer | RedisServer] = []
+_OWNED_CLUSTERS: list[EtcdCluster] = []
 
 
 #: Independent Redis servers the ``redlock`` backend of the shared suite runs on.
@@ -39,8 +41,9 @@ def bootstrap_servers() -> dict[str, str]:
     first = not _OWNED
     urls = configured_or_throwaway(_OWNED)
     urls["LEASES_REDLOCK_URLS"] = _redlock_urls(REDLOCK_NODES)
+    urls["LEASES_ETCD_ENDPOINTS"] = _etcd_endpoints()
     os.environ.update(urls)
-    if first and _OWNED:
+    if first and (_OWNED or _OWNED_CLUSTERS):
         atexit.register(_destroy_owned)
     return urls
 
@@ -55,9 +58,24 @@ def _redlock_urls(count: int) -> str:
     return ",".join(server.url for server in servers)
 
 
+def _etcd_endpoints() -> str:
+    """The inherited etcd cluster's client URLs when all answer, else a new 3-member cluster
+    (``""`` when etcd is not installed: the ``etcd`` backend's tests then skip)."""
+    urls = [url for url in os.environ.get("LEASES_ETCD_ENDPOINTS", "").split(",") if url]
+    if urls and all(reachable(url) for url in urls):
+        return ",".join(urls)
+    if etcd_binary() is None:
+        return ""
+    cluster = EtcdCluster().start()
+    _OWNED_CLUSTERS.append(cluster)
+    return ",".join(cluster.endpoints)
+
+
 def _destroy_owned() -> None:
     while _OWNED:
         _OWNED.pop().destroy()
+    while _OWNED_CLUSTERS:
+        _OWNED_CLUSTERS.pop().destroy()
 
 
 def url_with_database(url: str, name: str) -> str:
@@ -160,6 +178,18 @@ def amqp_url() -> Iterator[str]:
         yield server.url
     finally:
         server.destroy()
+
+
+@pytest.fixture
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """A 3-member etcd cluster of this test's own, to kill, pause or restart members of."""
+    if etcd_binary() is None:
+        pytest.skip("etcd: no etcd binary installed (apt-get install etcd-server)")
+    cluster = EtcdCluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
 
 
 @pytest.fixture

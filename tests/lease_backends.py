@@ -12,6 +12,7 @@ Tests skip by declared capability (:func:`require`), never by backend name.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,16 @@ LEASE_BACKENDS.append("zookeeper")  # the session ensemble of tests/zookeeper_se
 #: Per-alias preparation run by :func:`lease_backend` before each test (nothing for "default").
 SETUP: dict[str, Callable[[pytest.FixtureRequest], None]] = {}
 SETUP["zookeeper"] = zookeeper_ready
+
+
+def _etcd_installed(request: pytest.FixtureRequest) -> None:
+    """The harness starts a session cluster when etcd is installed (``tests/harness.py``)."""
+    if not os.environ.get("LEASES_ETCD_ENDPOINTS"):
+        pytest.skip("etcd: no etcd binary installed (apt-get install etcd-server)")
+
+
+LEASE_BACKENDS.append("etcd")
+SETUP["etcd"] = _etcd_installed
 
 
 @pytest.fixture(params=LEASE_BACKENDS)

@@ -88,6 +88,14 @@ LEASES = {
             # Generous for a loaded 2-core CI machine; a production LAN would use ~0.05.
             "NODE_TIMEOUT": 0.5,
         },
+        "etcd": {
+            "ENGINE": "leases.backends.etcd",
+            # Empty without etcd installed: its tests skip (tests/lease_backends.py).
+            "ENDPOINTS": URLS["LEASES_ETCD_ENDPOINTS"].split(",")
+            if URLS["LEASES_ETCD_ENDPOINTS"]
+            else ["http://127.0.0.1:2379"],
+            "REQUEST_TIMEOUT": 2.0,
+        },
     },
     "DEFAULT_TTL": 30,
 }

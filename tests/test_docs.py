@@ -42,6 +42,7 @@ def _documented_options(engine: str) -> set[str]:
         "leases.backends.redis",
         "leases.backends.redlock",
         "leases.backends.zookeeper",
+        "leases.backends.etcd",
     ],
 )
 def test_every_backend_option_is_documented_and_no_other(engine: str) -> None:

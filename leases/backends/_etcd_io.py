@@ -1,0 +1,229 @@
+"""The etcd v3 HTTP/JSON gateway as the etcd backend talks to it: failover, deadlines, watches.
+
+etcd3gw (OpenStack's maintained, pure-Python gateway client) provides a ``requests`` session per
+member with the TLS pass-through (CA, client certificate); requests go through
+:meth:`Gateway.call` rather than its helpers so that each one carries its own timeout (a wait's
+deadline, not the client's fixed one) and fails over to the next member.
+
+**Failover.** A request that cannot reach a member (refused, reset, timed out: a crashed or
+stopped member) or that the member refuses for want of a leader is sent to the next member, at
+most once per member; the member that answered is used first next time. A request may thus
+reach the cluster twice; every mutation of the backend is a compare-and-swap transaction whose
+replay the backend recognises (:attr:`Reply.replayed`), never a blind write.
+
+**Watches** are one streaming request that ends on the caller's deadline: the socket's timeout
+is re-armed with the time left before every read, so no thread or timer is needed to stop it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+from etcd3gw.client import Etcd3Client
+
+from ..errors import BackendUnavailable
+
+__all__ = ["EtcdRefused", "Gateway", "Reply", "b64", "unb64"]
+
+#: The gateway's path prefix since etcd 3.4 (3.3 served ``/v3beta``): no discovery round trip.
+API_PATH = "/v3/"
+
+#: Answers meaning "this member cannot serve now, another may": sent on to the next member.
+_UNAVAILABLE = ("no leader", "leader changed", "timed out", "not capable", "too many requests")
+_AUTH_EXPIRED = ("invalid auth token", "user name is empty")
+
+
+def b64(data: str | bytes) -> str:
+    """The gateway's encoding of keys and values (protobuf ``bytes`` as base64 JSON strings)."""
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def unb64(data: str) -> bytes:
+    return base64.b64decode(data)
+
+
+class EtcdRefused(Exception):
+    """etcd answered with an error that another member would repeat (``lease not found``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Reply:
+    body: dict[str, Any]
+    #: The request reached a member after an earlier attempt failed in a way that leaves it
+    #: unknown whether that attempt was applied (timeout, reset): its effect may be there.
+    replayed: bool
+
+
+class Gateway:
+    """The members of one cluster, reached in turn; safe to share between threads."""
+
+    def __init__(self, alias: str, endpoints: Sequence[str], options: Mapping[str, Any]) -> None:
+        self.alias = alias
+        self.connect_timeout = float(options.get("CONNECT_TIMEOUT", 0.5))
+        self.request_timeout = float(options.get("REQUEST_TIMEOUT", 2.0))
+        self._user = options.get("USERNAME")
+        self._password = options.get("PASSWORD")
+        self._token: str | None = None
+        self._clients = [self._client(url, options) for url in endpoints]
+        self._current = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _client(url: str, options: Mapping[str, Any]) -> Etcd3Client:
+        parts = urlsplit(url)
+        return Etcd3Client(
+            host=parts.hostname or "127.0.0.1",
+            port=parts.port or 2379,
+            protocol=parts.scheme or "http",
+            ca_cert=options.get("CA_CERT"),
+            cert_key=options.get("CERT_KEY"),
+            cert_cert=options.get("CERT_CERT"),
+            api_path=API_PATH,
+        )
+
+    def _order(self) -> list[Etcd3Client]:
+        with self._lock:
+            start = self._current
+        return self._clients[start:] + self._clients[:start]
+
+    def _prefer(self, client: Etcd3Client) -> None:
+        with self._lock:
+            self._current = self._clients.index(client)
+
+    def call(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> Reply:
+        """POST ``body`` to ``path`` on the first member that answers: each member gets
+        ``REQUEST_TIMEOUT``, and all of them together at most ``timeout`` when given.
+
+        Raises :class:`EtcdRefused` for an answer another member would repeat and
+        :class:`~leases.errors.BackendUnavailable` when no member answered in time.
+        """
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        problems: list[str] = []
+        replayed = False
+        for client in self._order():
+            left = min(self.request_timeout, deadline - time.monotonic())
+            if left <= 0:
+                break
+            try:
+                response = self._post(client, path, body, left)
+            except requests.ConnectTimeout as exc:  # never sent
+                problems.append(f"{client.base_url}: {type(exc).__name__}")
+                continue
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                problems.append(f"{client.base_url}: {type(exc).__name__}")
+                # Refused at connect: never sent. A reset or a read timeout may follow its apply.
+                replayed = replayed or "Failed to establish" not in str(exc)
+                continue
+            if response.status_code == requests.codes.ok:
+                self._prefer(client)
+                return Reply(response.json(), replayed)
+            message = _message(response)
+            if any(part in message for part in _UNAVAILABLE):
+                problems.append(f"{client.base_url}: {message}")
+                replayed = True
+                continue
+            raise EtcdRefused(response.status_code, message)
+        raise BackendUnavailable(self.alias, f"{path}: " + ("; ".join(problems) or "timed out"))
+
+    def _post(
+        self, client: Etcd3Client, path: str, body: Mapping[str, Any], timeout: float
+    ) -> requests.Response:
+        """One POST, re-authenticating once if the auth token (5 minutes by default) lapsed."""
+        for _ in range(2):
+            response = client.session.post(
+                client.get_url(path),
+                json=body,
+                headers=self._auth_header(client, timeout),
+                timeout=(min(self.connect_timeout, timeout), timeout),
+            )
+            if response.status_code == requests.codes.ok or self._user is None:
+                return response
+            if not any(part in _message(response) for part in _AUTH_EXPIRED):
+                return response
+            self._token = None
+        return response
+
+    def _auth_header(self, client: Etcd3Client, timeout: float) -> dict[str, str]:
+        if self._user is None:
+            return {}
+        if self._token is None:
+            response = client.session.post(
+                client.get_url("auth/authenticate"),
+                json={"name": self._user, "password": self._password},
+                timeout=(min(self.connect_timeout, timeout), timeout),
+            )
+            if response.status_code != requests.codes.ok:
+                raise EtcdRefused(response.status_code, _message(response))
+            self._token = str(response.json()["token"])
+        return {"Authorization": self._token}
+
+    def watch_deletion(self, key: str, start_revision: int, timeout: float) -> bool:
+        """Block until ``key`` is deleted at or after ``start_revision`` (``True``), or until
+        ``timeout`` passes (``False``): one streaming request, no polling."""
+        deadline = time.monotonic() + timeout
+        client = self._order()[0]
+        body: dict[str, Any] = {
+            "create_request": {"key": key, "start_revision": start_revision, "filters": ["NOPUT"]}
+        }
+        buffer = b""
+        try:
+            with client.session.post(
+                client.get_url("watch"),
+                json=body,
+                headers=self._auth_header(client, timeout),
+                stream=True,
+                timeout=(min(self.connect_timeout, timeout), timeout),
+            ) as response:
+                if response.status_code != requests.codes.ok:
+                    raise BackendUnavailable(self.alias, f"watch: {_message(response)}")
+                sock = response.raw.connection.sock if response.raw.connection else None
+                for chunk in response.iter_content(chunk_size=None):
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    if any(_deleted(line) for line in lines):
+                        return True
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    if sock is not None:
+                        sock.settimeout(left)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            if time.monotonic() >= deadline - 0.001:
+                return False
+            raise BackendUnavailable(self.alias, f"watch: {type(exc).__name__}") from exc
+        return False
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.session.close()
+
+
+def _deleted(line: bytes) -> bool:
+    """Whether one message of the watch stream reports an event (only deletions are sent)."""
+    if not line.strip():
+        return False
+    result = json.loads(line).get("result", {})
+    if result.get("canceled"):  # compacted past our revision: let the caller try again
+        return True
+    return bool(result.get("events"))
+
+
+def _message(response: requests.Response) -> str:
+    try:
+        return str(response.json().get("error") or response.text)
+    except ValueError:
+        return response.text[:200]

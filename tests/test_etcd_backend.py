@@ -1,0 +1,209 @@
+"""The etcd backend on real 3-member clusters: round trips, TTLs, and members killed or paused.
+
+The conformance, fencing, revocation, fault and election suites already run on the session's
+cluster (alias ``"etcd"``); the fault tests here own a cluster (``etcd_cluster``) so they can
+SIGKILL its leader and SIGSTOP members, and every writer's history goes through the checker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.test import override_settings
+
+from devservers.etcd import EtcdCluster
+from leases import LeaseError, LeaseUnavailable, acquire, lease
+from leases.backends import get_backend
+from tests.checker import ACCEPTED, check_history, history, new_register, record_write
+from tests.lease_backends import lease_name
+
+__all__ = ["lease_name"]  # fixture, re-exported for pytest
+
+ALIAS = "etcd-fault"
+
+
+@pytest.fixture
+def etcd_store(db: None) -> str:
+    """The session cluster's alias, skipped without etcd."""
+    if not os.environ.get("LEASES_ETCD_ENDPOINTS"):
+        pytest.skip("etcd: no etcd binary installed (apt-get install etcd-server)")
+    return "etcd"
+
+
+@contextlib.contextmanager
+def cluster_alias(endpoints: list[str]) -> Iterator[str]:
+    """Alias ``etcd-fault`` on ``endpoints`` (the first is the member the client tries first)."""
+    backends: dict[str, Any] = {**settings.LEASES["BACKENDS"]}
+    backends[ALIAS] = {
+        "ENGINE": "leases.backends.etcd",
+        "ENDPOINTS": endpoints,
+        "REQUEST_TIMEOUT": 0.5,
+        "CONNECT_TIMEOUT": 0.2,
+    }
+    with override_settings(LEASES={**settings.LEASES, "BACKENDS": backends}):
+        yield ALIAS
+
+
+def first(cluster: EtcdCluster, index: int) -> list[str]:
+    """The cluster's endpoints, member ``index`` first."""
+    urls = cluster.endpoints
+    return [urls[index], *urls[:index], *urls[index + 1 :]]
+
+
+def counting(monkeypatch: pytest.MonkeyPatch, alias: str) -> list[str]:
+    """Every request the backend sends, by path."""
+    gateway = get_backend(alias).gateway  # type: ignore[attr-defined]
+    sent: list[str] = []
+    call: Callable[..., Any] = gateway.call
+
+    def counted(path: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(path)
+        return call(path, *args, **kwargs)
+
+    monkeypatch.setattr(gateway, "call", counted)
+    return sent
+
+
+def test_round_trips_per_operation(
+    etcd_store: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Acquire: lease grant + create transaction. Renew: proof + keepalive. Release:
+    compare-and-delete + revoke. A taken name costs a third, revoking the unused lease."""
+    sent = counting(monkeypatch, etcd_store)
+    store = get_backend(etcd_store)
+    grant = store.try_acquire(lease_name, "a", 5)
+    assert grant is not None and sent == ["lease/grant", "kv/txn"]
+    sent.clear()
+    assert store.try_acquire(lease_name, "b", 5) is None
+    assert sent == ["lease/grant", "kv/txn", "kv/lease/revoke"]
+    sent.clear()
+    grant = store.renew(grant, 5)
+    assert sent == ["kv/txn", "lease/keepalive"]
+    sent.clear()
+    store.release(grant)
+    assert sent == ["kv/txn", "kv/lease/revoke"]
+
+
+def test_a_ttl_below_the_servers_minimum_is_counted_as_asked(
+    etcd_store: str, lease_name: str
+) -> None:
+    """etcd grants whole seconds, at least its minimum: the holder counts the shorter TTL it
+    asked for (it gives up early, never late), and the server holds the name for its own."""
+    store = get_backend(etcd_store)
+    grant = store.try_acquire(lease_name, "a", 0.3)
+    assert grant is not None and grant.ttl == 0.3
+    gateway = store.gateway  # type: ignore[attr-defined]
+    granted = gateway.call("kv/lease/timetolive", {"ID": grant.extra["lease"]}).body
+    assert int(granted["grantedTTL"]) >= 1
+    renewed = store.renew(grant, 2.5)  # another TTL: moved to a new lease, same token
+    assert renewed.token == grant.token and renewed.ttl == 2.5
+    assert renewed.extra["lease"] != grant.extra["lease"]
+    store.release(renewed)
+
+
+@pytest.mark.fault
+@pytest.mark.django_db(transaction=True)
+def test_leader_killed_while_held_renewals_fail_over(
+    etcd_cluster: EtcdCluster, lease_name: str
+) -> None:
+    """SIGKILL the leader the client talks to: renewals move to the survivors and the lease
+    is kept past its TTL; nobody else gets it; after release a new grant has a higher token."""
+    register = new_register()
+    leader = etcd_cluster.wait_for_leader()
+    with cluster_alias(first(etcd_cluster, leader)) as alias:
+        held = acquire(lease_name, ttl=3, backend=alias)
+        assert record_write(register, held, "holder")
+        etcd_cluster.kill(leader)
+        etcd_cluster.wait_for_leader(15)
+        time.sleep(4)  # past the TTL: only renewals through the other members keep it
+        held.ensure_held()
+        assert record_write(register, held, "holder")
+        with pytest.raises(LeaseUnavailable):
+            acquire(lease_name, ttl=3, backend=alias, timeout=0.5, holder="other")
+        held.release()
+        successor = acquire(lease_name, ttl=3, backend=alias, timeout=5, holder="successor")
+        assert successor.token > held.token
+        assert record_write(register, successor, "successor")
+        successor.release()
+    check_history(register, grants=[held.token, successor.token])
+
+
+@pytest.mark.fault
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("role", ["leader", "follower"])
+def test_paused_member_is_skipped_and_the_lease_kept(
+    etcd_cluster: EtcdCluster, lease_name: str, role: str
+) -> None:
+    """SIGSTOP the member the client tries first (it hangs: connections open, no answers):
+    every request waits at most REQUEST_TIMEOUT there, then goes to the next member."""
+    leader = etcd_cluster.wait_for_leader()
+    paused = leader if role == "leader" else (leader + 1) % 3
+    register = new_register()
+    with cluster_alias(first(etcd_cluster, paused)) as alias:
+        held = acquire(lease_name, ttl=3, backend=alias)
+        etcd_cluster.pause(paused)
+        try:
+            time.sleep(4)
+            held.ensure_held()
+            assert record_write(register, held, "holder")
+            with pytest.raises(LeaseUnavailable):
+                acquire(lease_name, ttl=3, backend=alias, timeout=0.5, holder="other")
+        finally:
+            etcd_cluster.resume(paused)
+        held.release()
+    check_history(register, grants=[held.token])
+
+
+@pytest.mark.fault
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_contenders_through_leader_kill_and_member_pause_never_share_a_token(
+    etcd_cluster: EtcdCluster, lease_name: str
+) -> None:
+    """Three contenders take turns writing the fenced register while the leader is killed and
+    a member paused; the checker finds no two writers accepted with one token."""
+    register = new_register()
+    stop = threading.Event()
+    tokens: list[int] = []
+
+    def contend(writer: str, alias: str) -> None:
+        while not stop.is_set():
+            try:
+                with lease(lease_name, ttl=2, backend=alias, timeout=1, holder=writer) as held:
+                    tokens.append(held.token)
+                    record_write(register, held, writer)
+                    time.sleep(0.05)
+            except LeaseError:
+                time.sleep(0.05)
+        connection.close()  # the test database is dropped at the end: leave no session on it
+
+    with cluster_alias(etcd_cluster.endpoints) as alias:
+        get_backend(alias)  # made once, here, not by three threads at once
+        threads = [threading.Thread(target=contend, args=(f"w{i}", alias)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(1)
+            etcd_cluster.kill(etcd_cluster.wait_for_leader())
+            time.sleep(2)
+            pausing = next(i for i, m in enumerate(etcd_cluster.members) if m.proc is not None)
+            etcd_cluster.pause(pausing)
+            time.sleep(2)
+            etcd_cluster.resume(pausing)
+            time.sleep(1.5)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+    accepted = [a for a in history(register) if a.outcome == ACCEPTED]
+    assert len(accepted) >= 5, accepted
+    assert tokens == sorted(tokens)
+    check_history(register)
