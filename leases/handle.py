@@ -197,6 +197,12 @@ class Lease:
             if not lost_before:
                 self._report_lost(f"release refused: {exc}")
             raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc
+        except BaseException:
+            # The outcome is unknown (a timeout, a dropped reply): never claim "released", and
+            # let the caller retry, which is safe since release is compare-and-delete.
+            with self._state:
+                self._released = False
+            raise
         if lost_before:
             raise LeaseLost(self.name, self.token, self.lost_reason or "lost before release")
         signals.send(signals.lease_released, self.backend, lease=self)
