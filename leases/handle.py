@@ -214,6 +214,9 @@ class Lease:
                 self._store.release(self.grant)
         except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
             raise self._release_refused(exc, lost_before) from exc
+        except BaseException:
+            self._outcome_unknown()
+            raise
         self._released_cleanly(lost_before)
 
     async def arelease(self) -> None:
@@ -229,6 +232,11 @@ class Lease:
                 await _uncancellable(self._store.arelease(self.grant))
         except (LeaseLost, LeaseNotHeld) as exc:
             raise self._release_refused(exc, lost_before) from exc
+        except asyncio.CancelledError:
+            raise  # _uncancellable ran the release to its end: its outcome is known
+        except Exception:
+            self._outcome_unknown()
+            raise
         self._released_cleanly(lost_before)
 
     def _before_release(self) -> bool:
@@ -248,6 +256,12 @@ class Lease:
             "leases.backend": self.backend,
             "leases.token": self.token,
         }
+
+    def _outcome_unknown(self) -> None:
+        """A release whose outcome is unknown (a timeout, a dropped reply): never claim
+        "released", and let the caller retry, which is safe since release is conditional."""
+        with self._state:
+            self._released = False
 
     def _release_refused(self, exc: LeaseLost | LeaseNotHeld, lost_before: bool) -> LeaseLost:
         if not lost_before:

@@ -250,6 +250,7 @@ class Backend(LeaseBackend):
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
             return renewed
+        self._unless_refused(answers, "renewal")
         refusal = self._refusal(grant, answers, "renewal")
         if isinstance(refusal, LeaseLost):
             self._unlock_everywhere(grant, confirm=False)
@@ -258,7 +259,22 @@ class Backend(LeaseBackend):
     def release(self, grant: Grant) -> None:
         answers = self._unlock_everywhere(grant)
         if sum(answer == Reply.OK for answer in answers) < self.quorum:
+            self._unless_refused(answers, "release")
             raise self._refusal(grant, answers, "release")
+
+    def _unless_refused(self, answers: list[Any], what: str) -> None:
+        """``BackendUnavailable`` unless a quorum of nodes answered and refused.
+
+        Nodes that did not answer in time (a reset, a lost reply) said nothing about the
+        lease: calling that a loss would give up a lease a retry could keep (the keepalive
+        retries within the validity left), and would say "lost" of a release that may have
+        landed. Only refusals prove the grant is gone."""
+        refused = sum(answer is not FAILED and answer != Reply.OK for answer in answers)
+        if refused < self.quorum:
+            unanswered = sum(answer is FAILED for answer in answers)
+            raise BackendUnavailable(
+                self.alias, f"{unanswered} of {len(answers)} nodes did not answer the {what}"
+            )
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` on one node, picked at random, for the wake-up every release pushes.

@@ -1,0 +1,214 @@
+"""Network faults between the library and its store, on every backend, through the fault proxy.
+
+The holder talks to its servers through :class:`devservers.proxy.FaultProxy` (alias
+``"proxied"``); successors and inspection go straight to the same servers (``"direct"``). Every
+write goes through the shared fenced register, so "the old holder could not harm its successor"
+is checked on the history, not only on the lease objects.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from devservers.proxy import FaultProxy
+from leases import BackendUnavailable, LeaseError, LeaseLost, acquire
+from leases.backends import get_backend
+from leases.handle import Lease
+from tests import checker
+from tests.lease_backends import lease_name
+from tests.proxied_backends import Proxied, proxied
+from tests.waiting import wait_until
+
+__all__ = ["lease_name", "proxied"]
+
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
+
+
+#: Found by these tests, not yet fixed: the database backend's own psycopg connections have no
+#: client-side read timeout, and a proxy (or NAT, or load balancer) that keeps TCP alive makes
+#: libpq keepalives and ``tcp_user_timeout`` useless. A reply lost on a live connection hangs
+#: the renewal (the watchdog then reports a false loss at the TTL) and hangs ``release()`` and
+#: the backend's ``close()`` with no bound, against invariant 9.
+DATABASE_READ_TIMEOUT = "database backend: no read timeout on its connections (a lost reply hangs)"
+
+
+def no_lost_replies(proxied: Proxied) -> None:
+    if proxied.kind == "database":
+        pytest.xfail(DATABASE_READ_TIMEOUT)
+
+
+def in_thread(fn: Callable[[], Any], timeout: float = 30) -> Any:
+    """Run ``fn`` in a thread, bounded: its result, or its exception re-raised here."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # handed back to the test
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert box, f"{fn} still running after {timeout}s: a call with no bound"
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def holder_of(name: str) -> tuple[str, int] | None:
+    info = get_backend("direct").inspect(name)
+    return (info.holder, info.token) if info is not None and info.held else None
+
+
+def test_blackholed_renewal_reports_loss_within_the_ttl_and_is_fenced(
+    proxied: Proxied, lease_name: str
+) -> None:
+    """Renewals vanish (no reply, no RST): ``on_lost`` fires within the TTL, the successor's
+    write lands, the evicted holder's is refused, and the held renewal, delivered late, does
+    not bring the old grant back."""
+    ttl, register = 1.5, checker.new_register()
+    fired: list[float] = []
+    old = acquire(lease_name, ttl=ttl, backend="proxied", on_lost=lambda _: fired.append(0))
+    assert checker.record_write(register, old, "old")
+    blackholed_at = time.monotonic()
+    proxied.each(FaultProxy.blackhole)
+    assert old.lost.wait(ttl + 1.0), "on_lost never fired"
+    assert time.monotonic() - blackholed_at <= ttl + 0.5
+    wait_until(lambda: fired, 5, "on_lost to be called (lost is set just before)")
+    assert old.remaining() == 0
+    with pytest.raises(LeaseLost):
+        old.ensure_held()
+    new = acquire(lease_name, ttl=10, backend="direct", timeout=ttl + 5, holder="new")
+    assert new.token > old.token
+    assert checker.record_write(register, new, "new")
+    assert not checker.record_write(register, old, "old")  # it knows it lost
+    assert not checker.record_write(register, old.token, "old")  # the fence refuses it
+    proxied.each(FaultProxy.pass_through)  # the held renewals reach the servers now
+    time.sleep(0.3)
+    assert holder_of(lease_name) == ("new", new.token)
+    with pytest.raises((LeaseLost, BackendUnavailable)):
+        old.release()
+    assert holder_of(lease_name) == ("new", new.token)
+    new.release()
+    summary = checker.check_history(register, [old.token, new.token])
+    assert (summary.lost, summary.stale) == (1, 1)
+
+
+@pytest.mark.parametrize("fault", ["reset", "drop"])
+def test_one_reset_or_dropped_reply_keeps_the_lease(
+    proxied: Proxied, lease_name: str, fault: str
+) -> None:
+    """A single network hiccup with validity left is retried: same token, no false loss."""
+    ttl, register = 4.0, checker.new_register()
+    if fault == "drop":
+        no_lost_replies(proxied)
+    lost: list[object] = []
+    held = acquire(lease_name, ttl=ttl, backend="proxied", on_lost=lost.append)
+    faulted_at = time.monotonic()
+    if fault == "reset":
+        proxied.each(FaultProxy.reset_all)
+    else:
+        proxied.each(FaultProxy.drop_next_reply)
+    wait_until(
+        lambda: held.grant.sent_at > faulted_at + ttl / 3 or held.lost.is_set(),
+        3 * ttl,
+        "a renewal sent after the fault to succeed",
+    )
+    assert not lost and not held.lost.is_set(), f"a {fault} with validity left lost the lease"
+    held.ensure_held()
+    assert holder_of(lease_name) is not None
+    assert holder_of(lease_name) == (held.holder, held.token)
+    assert checker.record_write(register, held, "holder")
+    held.release()
+    checker.check_history(register, [held.token])
+
+
+def test_acquire_reply_held_past_the_ttl_is_not_believed(proxied: Proxied, lease_name: str) -> None:
+    """The server grants, the grant's reply arrives after the TTL: the client's validity is
+    counted from its own send time, so it must not think it holds (Kleppmann's delayed packet
+    on the way back)."""
+    ttl = 1.0
+    proxied.each(lambda p: p.blackhole(replies_only=True))
+    result: list[Lease | BaseException] = []
+
+    def try_it() -> None:
+        try:
+            result.append(acquire(lease_name, ttl=ttl, backend="proxied", timeout=0))
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=try_it, daemon=True)
+    thread.start()
+    time.sleep(1.5 * ttl)
+    proxied.each(FaultProxy.pass_through)
+    thread.join(30)
+    assert result, "acquire never returned"
+    (outcome,) = result
+    if isinstance(outcome, BaseException):
+        assert isinstance(outcome, LeaseError), outcome
+        return
+    assert outcome.remaining() == 0, f"believes it holds for {outcome.remaining():.3f}s more"
+    with pytest.raises(LeaseLost):
+        outcome.ensure_held()
+
+
+def test_dropped_release_reply_is_never_reported_released_and_retry_is_safe(
+    proxied: Proxied, lease_name: str
+) -> None:
+    no_lost_replies(proxied)
+    ttl, register = 2.0, checker.new_register()
+    held = acquire(lease_name, ttl=ttl, backend="proxied", keepalive=False)
+    proxied.each(FaultProxy.drop_next_reply)
+    outcome: list[object] = []
+
+    def release() -> None:
+        try:
+            held.release()
+            outcome.append("released")
+        except LeaseError as exc:
+            outcome.append(exc)
+
+    in_thread(release, timeout=3 * ttl)
+    (first,) = outcome
+    if first == "released":
+        # Claiming success is honest only if it is true.
+        assert holder_of(lease_name) is None
+    successor = acquire(lease_name, ttl=10, backend="direct", timeout=ttl + 5, holder="next")
+    assert checker.record_write(register, successor, "next")
+    with pytest.raises((LeaseLost, BackendUnavailable)):
+        in_thread(held.release, timeout=3 * ttl)  # a retry never deletes the successor's
+    assert holder_of(lease_name) == ("next", successor.token)
+    assert not checker.record_write(register, held.token, "old")
+    successor.release()
+    checker.check_history(register, [held.token, successor.token])
+
+
+@pytest.mark.parametrize("proxied", ["redlock"], indirect=True)
+def test_redlock_slow_nodes_fail_the_acquire_and_unlock_every_node(
+    proxied: Proxied, lease_name: str
+) -> None:
+    """300 ms added each way on all 3 nodes, 1 s TTL: no quorum in time, and the client sends
+    a compare-and-delete to every node (a timed-out ``SET`` may have landed)."""
+    proxied.each(lambda p: p.delay(300))
+    direct = [redis.Redis.from_url(server.url) for server in proxied.servers]
+    evals_before = [
+        client.info("commandstats").get("cmdstat_eval", {}).get("calls", 0) for client in direct
+    ]
+    with pytest.raises(LeaseError):
+        acquire(lease_name, ttl=1, backend="proxied", timeout=0)
+
+    def unlocked_everywhere() -> bool:
+        stats = [client.info("commandstats").get("cmdstat_eval", {}) for client in direct]
+        return all(s.get("calls", 0) > before for s, before in zip(stats, evals_before))
+
+    wait_until(unlocked_everywhere, 5, "a compare-and-delete on every node")
+    assert holder_of(lease_name) is None
+    for client in direct:
+        client.close()
