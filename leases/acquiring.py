@@ -10,6 +10,7 @@ and traces see the same numbers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import conf, signals, tracing
@@ -85,6 +86,47 @@ def _wait(store: LeaseBackend, name: str, delay: float) -> None:
         SYSTEM_CLOCK.sleep(delay - (SYSTEM_CLOCK.monotonic() - started))
 
 
+@dataclass(frozen=True)
+class Request:
+    """An acquisition's arguments, checked before any round trip (shared by ``acquire`` and
+    ``aacquire``, so the two can never check differently)."""
+
+    name: str
+    ttl: float
+    timeout: float | None
+    store: LeaseBackend
+    key: tuple[str, str, str]
+    holder: str
+    renew_fraction: float | None
+
+
+def prepare(
+    name: str,
+    ttl: float | None,
+    backend: str,
+    timeout: float | None,
+    keepalive: bool,
+    holder: str | None,
+    key_of: Callable[[LeaseBackend, str, str | None], tuple[str, str, str]],
+) -> Request:
+    """Validate every argument, refuse a name the caller already holds (under ``key_of``: per
+    thread, or per task for async code), and warn of a TTL too short to keep alive."""
+    name = validate_name(name)
+    settings = conf.get()
+    ttl = valid_ttl(settings.default_ttl if ttl is None else ttl)
+    timeout = valid_timeout(timeout)
+    store = get_backend(backend)
+    key = key_of(store, name, holder)
+    identity = holder_identity(holder)
+    held = held_by(key)
+    if held is not None:
+        raise LeaseAlreadyHeld(name, held.holder)
+    if keepalive:
+        warn_if_too_short(ttl, settings)
+    fraction = settings.renew_fraction if keepalive else None
+    return Request(name, ttl, timeout, store, key, identity, fraction)
+
+
 def acquire(
     name: str,
     *,
@@ -100,34 +142,22 @@ def acquire(
     ``timeout=None`` waits forever, ``0`` tries once; failing raises :class:`LeaseUnavailable`.
     With ``keepalive`` the lease is renewed in the background until released or lost.
     """
-    name = validate_name(name)
-    settings = conf.get()
-    ttl = valid_ttl(settings.default_ttl if ttl is None else ttl)
-    timeout = valid_timeout(timeout)
-    store = get_backend(backend)
-    key = holder_key(store, name, holder)
-    holder = holder_identity(holder)
-    held = held_by(key)
-    if held is not None:
-        raise LeaseAlreadyHeld(name, held.holder)
-    if keepalive:
-        warn_if_too_short(ttl, settings)
+    ask = prepare(name, ttl, backend, timeout, keepalive, holder, holder_key)
     attributes: tracing.Attributes = {
-        "leases.name": name,
-        "leases.backend": store.alias,
-        "leases.ttl": ttl,
+        "leases.name": ask.name,
+        "leases.backend": ask.store.alias,
+        "leases.ttl": ask.ttl,
     }
     with tracing.span("leases.acquire", attributes) as span:
-        grant, timing = _timed_grant(store, name, holder, ttl, timeout)
+        grant, timing = _timed_grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout)
         if span is not None:
             span.set_attributes({"leases.token": grant.token, "leases.outcome": "acquired"})
-        fraction = settings.renew_fraction if keepalive else None
         return Lease.start(
-            store,
+            ask.store,
             grant,
             on_lost=on_lost,
-            renew_fraction=fraction,
-            key=key,
+            renew_fraction=ask.renew_fraction,
+            key=ask.key,
             elapsed=timing.elapsed(),
             waited=timing.waited,
         )

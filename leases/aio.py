@@ -32,13 +32,10 @@ from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
-from . import conf
-from ._arguments import valid_timeout, valid_ttl, warn_if_too_short
-from .backends import Grant, LeaseBackend, get_backend
-from .errors import BackendUnavailable, InvalidLeaseOption, LeaseAlreadyHeld, LeaseUnavailable
-from .handle import Lease, OnLost, held_by
-from .holders import holder_identity
-from .keys import validate_name
+from .acquiring import prepare
+from .backends import Grant, LeaseBackend
+from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
+from .handle import Lease, OnLost
 from .lease import _default_name, _settle
 from .retry import SYSTEM_CLOCK, Backoff
 
@@ -125,21 +122,11 @@ async def aacquire(
     Arguments, errors and the returned handle are those of ``acquire()``; see the module
     docstring for what waiting and cancellation do.
     """
-    name = validate_name(name)
-    settings = conf.get()
-    ttl = valid_ttl(settings.default_ttl if ttl is None else ttl)
-    timeout = valid_timeout(timeout)
-    store = get_backend(backend)
-    key = task_key(store, name, holder)
-    holder = holder_identity(holder)
-    held = held_by(key)
-    if held is not None:
-        raise LeaseAlreadyHeld(name, held.holder)
-    if keepalive:
-        warn_if_too_short(ttl, settings)
-    grant = await _agrant(store, name, holder, ttl, timeout)
-    fraction = settings.renew_fraction if keepalive else None
-    return Lease.start(store, grant, on_lost=on_lost, renew_fraction=fraction, key=key)
+    ask = prepare(name, ttl, backend, timeout, keepalive, holder, task_key)
+    grant = await _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout)
+    return Lease.start(
+        ask.store, grant, on_lost=on_lost, renew_fraction=ask.renew_fraction, key=ask.key
+    )
 
 
 #: The leases entered by ``async with alease(...)`` blocks in this context, innermost last.
