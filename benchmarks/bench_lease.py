@@ -34,6 +34,9 @@ from leases import acquire, lease
 from leases.backends import get_backend
 from leases.backends.database import ACQUIRE_SQL, RELEASE_SQL, Backend
 
+#: The floor proves ownership like the backend does (renew/release compare the secret's hash).
+SECRET = "0" * 32
+
 TITLE = "database leases: backend vs psycopg and Django's cursor; pglock, python-redis-lock"
 
 TTL = 30.0
@@ -48,8 +51,9 @@ def _floor(run: Callable[[str, dict[str, Any]], list[Any]]) -> Callable[[], None
     holder = "bench-floor"
 
     def op() -> None:
-        ((token, _),) = run(ACQUIRE_SQL, {"name": name, "holder": holder, "ttl": TTL})
-        assert run(RELEASE_SQL, {"name": name, "holder": holder, "token": token})
+        grant = {"name": name, "holder": holder, "secret": SECRET}
+        ((token, _),) = run(ACQUIRE_SQL, {**grant, "ttl": TTL})
+        assert run(RELEASE_SQL, {**grant, "token": token})
 
     return op
 
