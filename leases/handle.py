@@ -14,10 +14,11 @@ watched, kept alive); the registry of held leases is what makes leases non-reent
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from . import conf, keepalive, signals, tracing
@@ -156,31 +157,15 @@ class Lease:
     def renew(self, ttl: float | None = None) -> Grant:
         """Extend the lease to ``ttl`` seconds (default: its TTL) from now, in one round trip."""
         ttl = self._before_renew(ttl)
-        try:
+        with self._renewal_verdict():
             grant = self._store.renew(self.grant, ttl)
-        except LeaseLost as exc:
-            self._mark_lost(f"renewal refused: {exc}")
-            raise
-        except LeaseNotHeld as exc:
-            raise self._forged(exc) from exc
-        except Exception as exc:  # no verdict (store unreachable): still held, for now
-            signals.send(signals.lease_renew_failed, self.backend, lease=self, error=exc)
-            raise
         return self._renewed(grant)
 
     async def arenew(self, ttl: float | None = None) -> Grant:
         """:meth:`renew` from async code: the round trip never blocks the event loop."""
         ttl = self._before_renew(ttl)
-        try:
+        with self._renewal_verdict():
             grant = await self._store.arenew(self.grant, ttl)
-        except LeaseLost as exc:
-            self._mark_lost(f"renewal refused: {exc}")
-            raise
-        except LeaseNotHeld as exc:
-            raise self._forged(exc) from exc
-        except Exception as exc:  # no verdict (store unreachable): still held, for now
-            signals.send(signals.lease_renew_failed, self.backend, lease=self, error=exc)
-            raise
         return self._renewed(grant)
 
     def _before_renew(self, ttl: float | None) -> float:
@@ -188,10 +173,25 @@ class Lease:
         self.ensure_held()
         return self.grant.ttl if ttl is None else valid_ttl(ttl)
 
-    def _forged(self, exc: LeaseNotHeld) -> LeaseLost:
-        """Our own secret refused at renewal: another grant holds the name now, so lost."""
-        self._mark_lost(f"renewal refused: {exc}")
-        return LeaseLost(self.name, self.token, self.lost_reason or str(exc))
+    @contextlib.contextmanager
+    def _renewal_verdict(self) -> Iterator[None]:
+        """What a failed renewal round trip means, for ``renew`` and ``arenew`` alike.
+
+        A refusal loses the lease (our own secret refused too: another grant holds the name
+        now); any other error gives no verdict (the store is unreachable): still held for now,
+        announced as ``lease_renew_failed``, and the caller retries within the validity.
+        """
+        try:
+            yield
+        except LeaseLost as exc:
+            self._mark_lost(f"renewal refused: {exc}")
+            raise
+        except LeaseNotHeld as exc:
+            self._mark_lost(f"renewal refused: {exc}")
+            raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc
+        except Exception as exc:
+            signals.send(signals.lease_renew_failed, self.backend, lease=self, error=exc)
+            raise
 
     def _renewed(self, grant: Grant) -> Grant:
         with self._state:
