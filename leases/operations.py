@@ -16,13 +16,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
-from django.db import connections, router
+from django.db import connections
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from . import conf, revocation
 from .backends import get_backend
 from .backends.base import LeaseInfo
+from .databases import migrated_databases
 from .errors import InvalidFencingToken, LeaseError, LeaseNotHeld
 from .holders import Holder, parse_holder
 from .keys import split_key
@@ -138,19 +139,7 @@ def advisory_databases() -> list[str]:
     ``leases`` app is migrated (its name table joins ``pg_locks``), one alias per database."""
     from .models import AdvisoryLockName
 
-    found: list[str] = []
-    seen: set[tuple[object, ...]] = set()
-    for alias in connections:
-        if connections[alias].vendor != "postgresql":
-            continue
-        if not router.allow_migrate_model(alias, AdvisoryLockName):
-            continue
-        settings = connections.settings[alias]
-        where = (settings.get("HOST"), settings.get("PORT"), settings.get("NAME"))
-        if where not in seen:
-            seen.add(where)
-            found.append(alias)
-    return found
+    return migrated_databases(AdvisoryLockName)
 
 
 def advisory_database(requested: str | None = None) -> str:

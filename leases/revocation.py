@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from django.db import DatabaseError, connections, router
 from django.db.models import Exists, Q
 
+from .databases import migrated_databases
+
 __all__ = [
     "NOT_REVOKED_SQL",
     "REVOKE_SQL",
@@ -96,19 +98,11 @@ def record(backend: str, name: str, token: int) -> list[str]:
     server) are written once; a read-only database (a hot standby replica) refuses the insert
     and is skipped: it takes no fenced writes, and its primary's row replicates to it.
     """
-    written: list[str] = []
-    seen: set[tuple[object, ...]] = set()
-    for alias in connections:
-        if not _migrated_on(alias):
-            continue
-        settings = connections.settings[alias]
-        where = (settings.get("HOST"), settings.get("PORT"), settings.get("NAME"))
-        if where in seen:
-            continue
-        seen.add(where)
-        if _write(alias, [backend, name, token]):
-            written.append(alias)
-    return written
+    from .models import Revocation
+
+    return [
+        alias for alias in migrated_databases(Revocation) if _write(alias, [backend, name, token])
+    ]
 
 
 def _write(alias: str, params: list[str | int]) -> bool:
