@@ -2,8 +2,9 @@
 
 Two schemas hold copies of ``leases_lease`` and ``idempotency_key`` made with ``LIKE ...
 INCLUDING ALL`` after ``migrate``, so each has every index the migrations define: ``scale_small``
-(100 rows each) and ``scale_big`` (``--rows`` lease rows, default 1,000,000, and ``--keys``
-keys, default ten times as many), filled in SQL with ``generate_series`` and ``VACUUM ANALYZE``d.
+(300 rows each, a third of them held or started, so every filtered page is full) and
+``scale_big`` (``--rows`` lease rows, default 1,000,000, and ``--keys`` keys, default ten times
+as many), filled in SQL with ``generate_series`` and ``VACUUM ANALYZE``d.
 A connection's ``search_path`` decides which copy it sees; every other table stays in
 ``public``. Rounds alternate small and big, so the load waves of a shared machine land on both:
 on such a machine absolute numbers are noise and the ratios big/small of one run are the result.
@@ -24,7 +25,6 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -32,7 +32,7 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.db import close_old_connections, connection
+from django.db import connection
 from django.db.backends.signals import connection_created
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.test import Client, RequestFactory, override_settings
@@ -43,34 +43,47 @@ from idempotency import idempotent
 from leases.backends import get_backend
 from leases.backends.database import Backend
 
-TITLE = "scale: 1M lease rows and 10M idempotency keys vs 100 rows, interleaved"
+TITLE = "scale: 1M lease rows and 10M idempotency keys vs 300 rows, interleaved"
 
 SMALL, BIG = "scale_small", "scale_big"
-SMALL_ROWS = 100
+#: The small tables: 300 rows each, one in three held / expired / free and one key in three
+#: ``started``, so each filtered admin page shows a full page (100 rows) at both sizes: a
+#: page of 0 rows against a page of 100 would measure the template, not the table.
+SMALL_ROWS = 300
+SMALL_EVERY = 3
+#: On the big tables: one lease row in a thousand held (and one expired with a holder), one
+#: key in ten thousand ``started``.
+BIG_LEASES_EVERY = 1000
+BIG_KEYS_EVERY = 10000
 TABLES = ("leases_lease", "idempotency_key")
 ROUNDS = 7
 TTL = 30.0
+#: The purge's ``--batch-size`` (its default).
+PURGE_BATCH = 1000
 
-#: Lease rows: one in a thousand held (for a day), one in a thousand held by a holder that
-#: crashed (expired with its holder set), the rest released; tokens spread over 1..50.
+#: Lease rows: one in ``every`` (a thousand on the big table) held for a day, one in ``every``
+#: held by a holder that crashed (expired with its holder set), the rest released; tokens spread
+#: over 1..50.
 FILL_LEASES_SQL = """
 INSERT INTO {schema}.leases_lease
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
 SELECT 'job:' || lpad(g::text, 9, '0'),
-       CASE WHEN g %% 1000 IN (0, 1) THEN 'host-' || (g %% 7) || ':' || g ELSE '' END,
+       CASE WHEN g %% %(every)s IN (0, 1) THEN 'host-' || (g %% 7) || ':' || g ELSE '' END,
        1 + g %% 50, now() - interval '1 hour',
-       CASE WHEN g %% 1000 = 0 THEN now() + interval '1 day' ELSE now() - interval '1 hour' END,
-       NULL, '{{}}', CASE WHEN g %% 1000 IN (0, 1) THEN sha256(g::text::bytea) END
+       CASE WHEN g %% %(every)s = 0 THEN now() + interval '1 day'
+            ELSE now() - interval '1 hour' END,
+       NULL, '{{}}', CASE WHEN g %% %(every)s IN (0, 1) THEN sha256(g::text::bytea) END
 FROM generate_series(1, %(rows)s) AS g
 """
 #: Keys created over the last two days with a TTL of one day: half are expired (the purge's
-#: work), one in ten thousand is still ``started``; a thousand client scopes.
+#: work), one in ``every`` (ten thousand on the big table) is still ``started``; a thousand
+#: client scopes.
 FILL_KEYS_SQL = """
 INSERT INTO {schema}.idempotency_key (scope, key, fingerprint, state, owner, locked_until,
     response_status, response_headers, response_body, created_at, expires_at)
 SELECT 'client:' || (g %% 1000), 'key-' || g, md5(g::text),
-       CASE WHEN g %% 10000 = 0 THEN 'started' ELSE 'completed' END,
-       NULL, CASE WHEN g %% 10000 = 0 THEN now() + interval '1 minute' END,
+       CASE WHEN g %% %(every)s = 0 THEN 'started' ELSE 'completed' END,
+       NULL, CASE WHEN g %% %(every)s = 0 THEN now() + interval '1 minute' END,
        201, '[]'::jsonb, '{{"id": 1}}'::bytea,
        now() - (g %% 172800) * interval '1 second',
        now() - (g %% 172800) * interval '1 second' + interval '1 day'
@@ -87,13 +100,20 @@ def _set_search_path(sender: Any, connection: Any, **kwargs: Any) -> None:
 
 
 def _fill(schema: str, leases: int, keys: int) -> None:
+    small = schema == SMALL
     with connection.cursor() as cursor:
         cursor.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         cursor.execute(f"CREATE SCHEMA {schema}")
         for table in TABLES:
             cursor.execute(f"CREATE TABLE {schema}.{table} (LIKE public.{table} INCLUDING ALL)")
-        cursor.execute(FILL_LEASES_SQL.format(schema=schema), {"rows": leases})
-        cursor.execute(FILL_KEYS_SQL.format(schema=schema), {"rows": keys})
+        cursor.execute(
+            FILL_LEASES_SQL.format(schema=schema),
+            {"rows": leases, "every": SMALL_EVERY if small else BIG_LEASES_EVERY},
+        )
+        cursor.execute(
+            FILL_KEYS_SQL.format(schema=schema),
+            {"rows": keys, "every": SMALL_EVERY if small else BIG_KEYS_EVERY},
+        )
         for table in TABLES:
             cursor.execute(f"VACUUM ANALYZE {schema}.{table}")
 
@@ -117,8 +137,10 @@ def _lease_ops(backend: Backend, rows: int) -> dict[str, Callable[[], Any]]:
     grants: list[Any] = []
 
     def acquire() -> None:
-        g = random.randint(1, rows if _schema["current"] == BIG else SMALL_ROWS)
-        g += 2 if g % 1000 in (0, 1) else 0
+        big = _schema["current"] == BIG
+        every = BIG_LEASES_EVERY if big else SMALL_EVERY
+        g = random.randint(1, rows if big else SMALL_ROWS)
+        g += 2 - g % every if g % every in (0, 1) else 0  # a released name: held ones are taken
         grant = backend.try_acquire(f"job:{g:09d}", "bench-scale", TTL)
         assert grant is not None
         grants.append(grant)
@@ -205,12 +227,16 @@ def _measure(
     return samples
 
 
+def _big_tables_env() -> dict[str, str]:
+    """The environment of a ``manage.py`` process of its own that sees the big tables."""
+    return {**os.environ, "PGOPTIONS": f"-c search_path={BIG},public"}
+
+
 def _peak_rss_of_listing() -> int:
     """KiB: ``manage.py leases list`` in a process of its own, seeing the big tables."""
-    env = {**os.environ, "PGOPTIONS": f"-c search_path={BIG},public"}
     proc = subprocess.Popen(
         [sys.executable, "manage.py", "leases", "list"],
-        env=env,
+        env=_big_tables_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -220,31 +246,37 @@ def _peak_rss_of_listing() -> int:
     return int(usage.ru_maxrss)
 
 
-def _purge_probe(backend: Backend, batch: int) -> tuple[int, list[float], float]:
-    """Insert a key every 20 ms while the purge runs; returns (probes, latencies, seconds)."""
+#: The longest the purge may take here (ten million expired keys take minutes, not this).
+PURGE_TIMEOUT = 1800.0
+
+
+def _purge_probe(backend: Backend, batch: int) -> tuple[list[float], float, str]:
+    """Insert a key every 20 ms while ``manage.py purge_idempotency_keys`` runs.
+
+    The purge runs as an operator runs it, in a process of its own (a thread here would share
+    this process's GIL with the probe and time Python, not the database). Returns the probe's
+    latencies, the purge's seconds and its last progress line (rate, keys deleted).
+    """
     _use(BIG, backend)
     from idempotency.store import begin
 
     latencies: list[float] = []
-    done = threading.Event()
-
-    def purge() -> None:
-        try:
-            call_command("purge_idempotency_keys", batch_size=batch, stdout=io.StringIO())
-        finally:
-            close_old_connections()
-            done.set()
-
-    worker = threading.Thread(target=purge)
+    command = [sys.executable, "manage.py", "purge_idempotency_keys", "--batch-size", str(batch)]
     started = time.perf_counter()
-    worker.start()
-    while not done.is_set():
-        start = time.perf_counter()
-        begin("bench-probe", uuid.uuid4().hex, "f" * 64, ttl=3600.0, lock_timeout=30.0)
-        latencies.append(time.perf_counter() - start)
-        time.sleep(0.02)
-    worker.join()
-    return len(latencies), latencies, time.perf_counter() - started
+    with subprocess.Popen(
+        command, env=_big_tables_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        while proc.poll() is None and time.perf_counter() - started < PURGE_TIMEOUT:
+            start = time.perf_counter()
+            begin("bench-probe", uuid.uuid4().hex, "f" * 64, ttl=3600.0, lock_timeout=30.0)
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 0, err
+    progress = [line for line in out.splitlines() if line.startswith("[")]
+    return latencies, time.perf_counter() - started, progress[-1] if progress else ""
 
 
 def main(report: Report) -> None:
@@ -288,10 +320,11 @@ def main(report: Report) -> None:
             f"peak RSS of manage.py leases list at {rows:,} rows: "
             f"{_peak_rss_of_listing() / 1024:.0f} MiB"
         )
-        probes, latencies, seconds = _purge_probe(backend, 1000)
+        latencies, seconds, progress = _purge_probe(backend, PURGE_BATCH)
         p50, p99 = _percentiles(latencies) if len(latencies) > 2 else (0.0, 0.0)
         report.note(
-            f"purge of the expired keys ({seconds:.0f} s): {probes} probe inserts every 20 ms, "
+            f"purge of the expired keys, --batch-size {PURGE_BATCH} ({seconds:.0f} s; last "
+            f"progress line: {progress}): {len(latencies)} probe inserts every 20 ms, "
             f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms"
         )
     finally:

@@ -17,7 +17,12 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from benchmarks.bench_scale import FILL_KEYS_SQL, FILL_LEASES_SQL
+from benchmarks.bench_scale import (
+    BIG_KEYS_EVERY,
+    BIG_LEASES_EVERY,
+    FILL_KEYS_SQL,
+    FILL_LEASES_SQL,
+)
 from leases import admin as leases_admin
 from leases.paginator import EstimatedCountPaginator
 
@@ -37,8 +42,12 @@ PAGES = [
 @pytest.fixture
 def big_tables() -> None:
     with connection.cursor() as cursor:
-        cursor.execute(FILL_LEASES_SQL.format(schema="public"), {"rows": ROWS})
-        cursor.execute(FILL_KEYS_SQL.format(schema="public"), {"rows": ROWS})
+        cursor.execute(
+            FILL_LEASES_SQL.format(schema="public"), {"rows": ROWS, "every": BIG_LEASES_EVERY}
+        )
+        cursor.execute(
+            FILL_KEYS_SQL.format(schema="public"), {"rows": ROWS, "every": BIG_KEYS_EVERY}
+        )
         cursor.execute("ANALYZE leases_lease")
         cursor.execute("ANALYZE idempotency_key")
 
