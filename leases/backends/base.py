@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import enum
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -54,6 +54,8 @@ class Capability(enum.StrEnum):
     DURABLE = "durable"
     #: Its leases are the rows of :class:`leases.models.Lease` (the admin's changelist).
     LEASE_ROWS = "lease rows"
+    #: ``prune`` deletes what the store keeps of names unused for a long time, tokens safe.
+    PRUNE = "prune"
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,24 @@ class LeaseBackend(abc.ABC):
         can compare and write in one request.
         """
         raise BackendNotSupported(self.alias, Capability.FORCE_RELEASE.value)
+
+    def prune(
+        self,
+        older_than: float,
+        *,
+        batch_size: int = 1000,
+        progress: Callable[[int, int, int], None] | None = None,
+        dry_run: bool = False,
+    ) -> int:
+        """Forget the names nobody has held for ``older_than`` seconds; returns how many.
+
+        For stores that keep a record of every name ever used (the database backend's rows).
+        It must not let a token go backwards: a pruned name's next grant gets a token higher
+        than any it ever had. Works in bounded batches (``batch_size``), calling
+        ``progress(read, pruned, total estimate)`` after each; ``dry_run`` only counts.
+        Stores that forget expired names by themselves do not support it.
+        """
+        raise BackendNotSupported(self.alias, Capability.PRUNE.value)
 
     def internal_advisory_locks(self) -> dict[int, str]:
         """PostgreSQL advisory keys this backend locks for its own purposes, and for which lease.
