@@ -36,6 +36,7 @@ __all__ = [
     "Grant",
     "LeaseBackend",
     "LeaseInfo",
+    "LeaseWaiter",
     "new_secret",
     "not_revoked",
 ]
@@ -104,6 +105,20 @@ class LeaseInfo:
     def rank(self) -> tuple[int, str]:
         """Held first, then the rest (expired or free); by name within each."""
         return (0 if self.held else 1, self.name)
+
+
+@dataclass(frozen=True)
+class LeaseWaiter:
+    """Someone waiting for a name now, as the store sees it (operators' views)."""
+
+    name: str
+    backend: str
+    #: The waiting process: ``host:pid:thread``.
+    who: str
+    #: When its wait began (its own clock).
+    since: datetime | None = None
+    #: Where it waits (a server, a connection), for an operator looking for it.
+    where: str = ""
 
 
 class LeaseBackend(abc.ABC):
@@ -282,6 +297,15 @@ class LeaseBackend(abc.ABC):
         Stores that forget expired names by themselves do not support it.
         """
         raise BackendNotSupported(self.alias, Capability.PRUNE.value)
+
+    def waiters(self) -> list[LeaseWaiter]:
+        """Who waits for which name now, for operators' views.
+
+        Backends whose waiters the store can show implement it (Redis and Redlock, from the
+        blocked connections). The database backend's waiters queue in advisory locks, which
+        the admin lists from ``pg_locks`` through :meth:`internal_advisory_locks`.
+        """
+        return []
 
     def internal_advisory_locks(self) -> dict[int, str]:
         """PostgreSQL advisory keys this backend locks for its own purposes, and for which lease.
