@@ -2,8 +2,8 @@
 go backwards.
 
 A row is a name's token counter, so a pruned name's next grant makes a new row. Each new row
-starts above a floor (``leases_token_floor``) that every prune first raises to the highest
-token it deletes: :data:`FLOOR_SQL` is part of every statement that creates a row (the database
+starts above a floor (``leases_token_floor``) that a prune raises to the highest token it
+deletes, in the statement that deletes them: :data:`FLOOR_SQL` is part of every statement that creates a row (the database
 backend's acquire, Redlock's durable counter), so a pruned name's next token is higher than any
 it ever had, whichever backend takes it.
 
