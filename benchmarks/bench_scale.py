@@ -66,7 +66,7 @@ ROUNDS = 7
 TTL = 30.0
 #: The purge's and the prune's ``--batch-size`` (their defaults).
 PURGE_BATCH = 1000
-PRUNE_BATCH = 1000
+PRUNE_BATCH = 250
 
 #: Lease rows: one in ``every`` (a thousand on the big table) held for a day, one in ``every``
 #: held by a holder that crashed (expired with its holder set), the rest released; tokens spread

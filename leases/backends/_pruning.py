@@ -3,9 +3,9 @@ go backwards.
 
 A row is a name's token counter, so a pruned name's next grant makes a new row. Each new row
 starts above a floor (``leases_token_floor``) that a prune raises to the highest token it
-deletes, in the statement that deletes them: :data:`FLOOR_SQL` is part of every statement that creates a row (the database
-backend's acquire, Redlock's durable counter), so a pruned name's next token is higher than any
-it ever had, whichever backend takes it.
+deletes, in the statement that deletes them: :data:`FLOOR_SQL` is part of every statement that
+creates a row (the database backend's acquire, Redlock's durable counter), so a pruned name's
+next token is higher than any it ever had, whichever backend takes it.
 
 The race: an acquire of a name evaluates the floor before it finds the row it conflicts with.
 If that row is deleted meanwhile (a prune that commits while the acquire waits on the row), the
@@ -16,8 +16,8 @@ every one that starts meanwhile waits for the batch to commit, so its statement'
 taken after the commit (PostgreSQL takes a statement's snapshot after its table locks) and sees
 the raised floor and the deleted row together. Reads (``inspect``, the admin) are not blocked.
 
-The cost for everyone else: a write on ``leases_lease`` may wait for one batch (a few ms for a
-thousand rows) plus :data:`LOCK_TIMEOUT` while the batch queues for its lock; the lock request
+The cost for everyone else: a write on ``leases_lease`` may wait for one batch (a few ms for the
+default 250 rows) plus :data:`LOCK_TIMEOUT` while the batch queues for its lock; the lock request
 gives up after that and the batch is retried, so a long transaction elsewhere cannot stall
 acquires behind a prune. The lock also serialises prunes with each other.
 """

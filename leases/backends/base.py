@@ -32,6 +32,7 @@ from ..errors import BackendNotSupported, LeasesImproperlyConfigured
 
 __all__ = [
     "FORGED",
+    "PRUNE_BATCH",
     "Capability",
     "Grant",
     "LeaseBackend",
@@ -40,6 +41,11 @@ __all__ = [
     "new_secret",
     "not_revoked",
 ]
+
+
+#: Rows a prune reads (and may delete) per transaction by default: small, because a batch holds
+#: up the writes of the store's table while it runs (a few milliseconds).
+PRUNE_BATCH = 250
 
 
 class Capability(enum.StrEnum):
@@ -284,7 +290,7 @@ class LeaseBackend(abc.ABC):
         self,
         older_than: float,
         *,
-        batch_size: int = 1000,
+        batch_size: int = PRUNE_BATCH,
         progress: Callable[[int, int, int], None] | None = None,
         dry_run: bool = False,
     ) -> int:

@@ -38,7 +38,16 @@ from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
 from ._pruning import FLOOR_SQL, Progress, prune_rows
 from ._waiting_room import ROOM_CONNECTIONS, ROOM_TIMEOUT, WaitingRoom, room_key
-from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
+from .base import (
+    FORGED,
+    PRUNE_BATCH,
+    Capability,
+    Grant,
+    LeaseBackend,
+    LeaseInfo,
+    new_secret,
+    not_revoked,
+)
 
 __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_TIMEOUT", "Backend"]
 
@@ -359,7 +368,7 @@ class Backend(LeaseBackend):
         self,
         older_than: float,
         *,
-        batch_size: int = 1000,
+        batch_size: int = PRUNE_BATCH,
         progress: Progress | None = None,
         dry_run: bool = False,
     ) -> int:

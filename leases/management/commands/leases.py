@@ -34,7 +34,7 @@ from django.utils import timezone
 
 from leases import conf, operations
 from leases.backends import get_backend
-from leases.backends.base import LeaseInfo
+from leases.backends.base import PRUNE_BATCH, LeaseInfo
 from leases.errors import LeaseError
 from leases.management._options import (
     at_least,
@@ -193,7 +193,9 @@ class Command(BaseCommand):
             help="prune names free for at least this long: 90d, 12h, 30m, 45s",
         )
         prune.add_argument("--backend", default="default")
-        prune.add_argument("--batch-size", type=int, default=1000, help="rows per transaction")
+        prune.add_argument(
+            "--batch-size", type=int, default=PRUNE_BATCH, help="rows read per transaction"
+        )
         prune.add_argument("--dry-run", action="store_true", help="only count what would go")
         for sub_parser in (listing, watch):
             sub_parser.add_argument(
