@@ -1,4 +1,4 @@
-"""Leases in a ZooKeeper ensemble, on kazoo: one ephemeral znode per held name.
+"""Leases in a ZooKeeper ensemble, on kazoo: the lock recipe, one sequential znode per contender.
 
 Configuration (``LEASES["BACKENDS"][alias]``)::
 
@@ -11,53 +11,52 @@ Options: ``HOSTS`` (kazoo's connection string, a chroot suffix ``/path`` allowed
 ``CONNECT_TIMEOUT`` and ``REQUEST_TIMEOUT`` (seconds, default 10 and 5), ``AUTH`` (a list of
 ``(scheme, credential)`` pairs handed to kazoo, e.g. ``[("digest", "user:password")]``).
 
-Layout: ``<prefix>/names/<quoted name>`` is a persistent *name node*; its child ``grant``,
-ephemeral, exists while the name is held and holds ``{"holder", "hash", "ttl_ms"}`` (the
-SHA-256 of the grant's secret, never the secret). ``<prefix>/clock`` is written to read the
-leader's clock.
+Layout: ``<prefix>/names/<quoted name>`` is a persistent *name node*; its ephemeral sequential
+children ``c-<guid>-<sequence>`` are the *line* of contenders (:mod:`._zookeeper_line`), and the
+first of them holds the name once its data says ``"held": true``. A contender watches only its
+predecessor, so a release wakes the next in line and nobody else (no herd). ``<prefix>/clock``
+is written to read the leader's clock.
 
-**The token is the grant node's ``czxid``**: the zxid of the transaction that created it,
+**The token is the holder's znode's ``czxid``**: the zxid of the transaction that created it,
 ``epoch << 32 | counter``, which the ensemble orders totally and never reuses, across leader
-elections (the epoch grows) and restarts (it is in the transaction log). Every grant is a new
-create, so tokens of a name strictly increase with no counter of ours to lose. Not the 32-bit
-sequence suffix of a sequential znode: that is per parent and wraps.
+elections and restarts. The line is in creation order, so each holder's node is younger than
+its predecessor's: tokens of a name strictly increase with no counter of ours to lose. Not the
+32-bit sequence suffix, which is per parent and wraps.
 
-**Who holds a name changes only with the name node's data version.** An acquire, a takeover
-and a revocation each write the name node in the same multi as the create or delete, so a
-renewal or release that checks the version it read cannot touch a successor's znode (a fresh
-znode starts at version 0 again; its parent's version does not).
+**TTL.** A lease has two ends, whichever comes first: its session (the znode is ephemeral: a
+dead or partitioned holder's session expires ``SESSION_TIMEOUT`` after the ensemble last heard
+from it) and its TTL on the leader's clock (the node's ``mtime`` plus ``ttl_ms``). The granted
+TTL is ``min(ttl, SESSION_TIMEOUT)`` and the grant says so: past the session timeout the server
+may drop the znode while the holder, counting from its last renewal, would still trust it. Only
+the contender right behind a lapsed head, having read the leader's clock, deletes it, in a multi
+conditional on the version it read (a renewal meanwhile changes it).
 
-**TTL.** A ZooKeeper lease has two ends, whichever comes first: its session (the znode is
-ephemeral: a dead or partitioned holder's session expires ``SESSION_TIMEOUT`` after the ensemble
-last heard from it) and its TTL on the leader's clock (the grant node's ``mtime`` plus
-``ttl_ms``; a contender reads the leader's clock by writing the clock node and takes over an
-expired grant in one multi that checks the versions it read). The granted TTL is
-``min(ttl, SESSION_TIMEOUT)`` and the grant says so: past the session timeout the server may
-drop the znode while the holder, counting from its last renewal, would still trust it.
+**Sessions.** ``SUSPENDED`` (connection lost, the session perhaps alive) makes every grant of
+the session untrusted (:meth:`Backend.doubts`: ``ensure_held()`` fails) until ``CONNECTED``
+again within its validity; ``LOST`` (the session expired, its znodes are gone) loses them.
 
-**Renewal proves the session.** A renewal is a conditional write of the grant node, which the
-leader accepts only on a live session and the current version; a suspended or lost session
-makes it fail (``BackendUnavailable``, then ``LeaseLost``) rather than report a lease the
-server has dropped. Two round trips each for acquire-when-busy, renew and release (a read for
-the secret's hash, then the conditional multi); one for an uncontended acquire.
+**Round trips.** An uncontended acquire, a renewal and a release are one each (a create
+pipelined with the read of the line; a read pipelined with the write; a multi). A failed try
+costs three (it leaves the line again); a waiter in the line costs none until its predecessor
+changes, then two to promote itself.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import quote, unquote
 
-from kazoo.client import KazooClient  # type: ignore[import-untyped]
+from kazoo.client import KazooClient, KazooState  # type: ignore[import-untyped]
 from kazoo.exceptions import (  # type: ignore[import-untyped]
     BadVersionError,
+    ConnectionLoss,
     KazooException,
     NodeExistsError,
     NoNodeError,
@@ -65,20 +64,29 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
+from ._zookeeper_line import (
+    Queued,
+    child_prefix,
+    deadline_ms,
+    guid_of,
+    line_of,
+    node_data,
+    read_data,
+)
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = ["Backend"]
 
-_GRANT = "grant"
 _LATEST = datetime(9999, 12, 31, tzinfo=UTC)
+#: How long a queued waiter whose turn came may take to claim it (capped by the session
+#: timeout) before the next in line dislodges it: a stalled waiter must not hold the line.
+_CLAIM_WINDOW = 2.0
+#: Bounded retries when the line changes under a step (someone released or joined meanwhile).
+_ATTEMPTS = 4
 
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
-
-
-def _hash(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 def _when(epoch_ms: float) -> datetime:
@@ -158,8 +166,15 @@ class Backend(LeaseBackend):
         self.prefix: str = options.get("PREFIX", "/leases")
         self.session_timeout = float(options.get("SESSION_TIMEOUT", 10.0))
         self.request_timeout = float(options.get("REQUEST_TIMEOUT", 5.0))
+        self._claim_ms = _ms(min(_CLAIM_WINDOW, self.session_timeout))
         self._lock = threading.Lock()
         self._client: Any = None
+        #: kazoo's connection state, kept by its listener (``CONNECTED``/``SUSPENDED``/``LOST``).
+        self._state: str = KazooState.LOST
+        #: Each thread's places in lines, by name, while it is in a name's waiting room.
+        self._places = threading.local()
+        #: ``(name, guid)`` of creates whose outcome a connection loss hid: swept later.
+        self._orphans: set[tuple[str, str]] = set()
 
     @property
     def client(self) -> Any:
@@ -177,6 +192,7 @@ class Backend(LeaseBackend):
                     auth_data=[tuple(pair) for pair in self.options.get("AUTH", [])],
                     connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
                 )
+                client.add_listener(self._on_state)
                 with _Edge(self.alias, "connect"):
                     try:
                         client.start(timeout=float(self.options.get("CONNECT_TIMEOUT", 10.0)))
@@ -186,12 +202,53 @@ class Backend(LeaseBackend):
                         client.stop()
                         client.close()
                         raise
+                self._state = KazooState.CONNECTED
                 self._client = client
             return self._client
+
+    def _on_state(self, state: str) -> None:
+        """kazoo's listener (its thread; must not block): remember the state for :meth:`doubts`."""
+        self._state = state
+
+    def _session(self) -> int:
+        ids = self.client.client_id
+        return int(ids[0]) if ids else 0
+
+    def doubts(self, grant: Grant) -> str | None:
+        """Suspended: the ensemble may have expired the session (and our znode) without our
+        hearing of it, so the grant is not trusted until the connection is back. A new session
+        (the old one expired: ``LOST``) means the znode is gone."""
+        session = grant.extra.get("session")
+        if session is None:
+            return None
+        client = self._client
+        if client is None:
+            return "its ZooKeeper client was closed"
+        if self._state != KazooState.CONNECTED:
+            return (
+                "the ZooKeeper connection is suspended: the session (and the lease's znode) may "
+                "have expired on the ensemble; not trusted until reconnected"
+            )
+        ids = client.client_id
+        if not ids or ids[0] != session:
+            return "the ZooKeeper session that owned its znode expired"
+        return None
+
+    # -- paths and round trips ------------------------------------------------------------
 
     def _name_path(self, name: str) -> str:
         # Quoted so "/" and the path components "." and ".." cannot escape the name node.
         return f"{self.prefix}/names/{quote(name, safe='').replace('.', '%2E')}"
+
+    def _node_path(self, grant: Grant) -> str | None:
+        """The path of ``grant``'s znode, computable only with its secret (``None`` if the
+        grant carries no sequence: it was not made by this backend)."""
+        child = grant.extra.get("child")
+        if not grant.secret or not isinstance(child, str):
+            return None
+        if not child.startswith(child_prefix(grant.secret)):
+            return None
+        return f"{self._name_path(grant.name)}/{child}"
 
     def _get(self, result: Any) -> Any:
         """Wait for one kazoo request, bounded by ``REQUEST_TIMEOUT``: every wait has a deadline."""
@@ -208,138 +265,320 @@ class Backend(LeaseBackend):
             raise error
         return results
 
-    def _read(self, name: str) -> tuple[Any, Any, dict[str, Any] | None]:
-        """``(name node stat, grant stat, grant data)``, pipelined in one round trip; the
-        stats are ``None`` for a missing znode. Requests of one session are answered in order,
-        so the name node's version read first is the one under the grant read second."""
-        path = self._name_path(name)
-        pending = [self.client.exists_async(path), self.client.get_async(f"{path}/{_GRANT}")]
-        node = self._get(pending[0])
-        try:
-            raw, stat = self._get(pending[1])
-        except NoNodeError:
-            return node, None, None
-        return node, stat, json.loads(raw)
+    def _line(self, name: str) -> tuple[list[str], Any]:
+        """The name's line (first first) and the name node's stat; raises ``NoNodeError``."""
+        children, stat = self._get(
+            self.client.get_children_async(self._name_path(name), include_data=True)
+        )
+        return line_of(children), stat
 
     def _server_now(self) -> int:
         """The leader's clock (ms since the epoch), read as the ``mtime`` of a write: the
         only clock a ZooKeeper client can read, and the one TTLs are measured on."""
         return int(self._get(self.client.set_async(f"{self.prefix}/clock", b"")).mtime)
 
-    def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
-        granted = min(ttl, self.session_timeout)
-        secret = new_secret()
-        value = json.dumps({"holder": holder, "hash": _hash(secret), "ttl_ms": _ms(granted)})
+    def _bump(self, name: str) -> tuple[str, tuple[Any, ...]]:
+        """The name node write that goes with every delete of a head (see ``deadline_ms``)."""
+        return ("set_data", (self._name_path(name), b""))
+
+    # -- joining the line -----------------------------------------------------------------
+
+    def _join(self, name: str, secret: str, data: bytes) -> tuple[str, Any, list[str], Any]:
+        """Create our contender node and read the line, pipelined in one round trip: requests
+        of a session are answered in order, so the line read includes our node.
+
+        After a connection loss (or a timeout) the create may have been applied with its reply
+        lost: the line is read again and our node found by its GUID, so no orphan contender
+        is left behind; if even that fails, the GUID is kept for :meth:`_sweep`.
+        """
+        self._sweep()
         path = self._name_path(name)
-        create = ("create", (f"{path}/{_GRANT}", value.encode(), None, True))
-        with _Edge(self.alias, "acquire"):
-            for _ in range(3):
-                sent_at = time.monotonic()
-                try:
-                    stat = self._commit([create, ("set_data", (path, b""))])[1]
-                except NoNodeError:
-                    self.client.ensure_path(path)
-                    continue
-                except NodeExistsError:
-                    node, grant, data = self._read(name)
-                    if grant is None or data is None:
-                        continue  # released meanwhile: try again
-                    if self._server_now() < grant.mtime + int(data["ttl_ms"]):
-                        return None
-                    take_over = [
-                        ("delete", (f"{path}/{_GRANT}", grant.version)),
-                        create,
-                        ("set_data", (path, b"", node.version)),
-                    ]
-                    try:
-                        stat = self._commit(take_over)[2]
-                    except (BadVersionError, NoNodeError, NodeExistsError):
-                        continue  # renewed, released or taken by someone else meanwhile
-                # The multi's zxid is both the name node's mzxid and the grant's czxid.
-                extra = {"version": stat.version}
-                expires = _when(stat.mtime + _ms(granted))
-                return Grant(name, holder, stat.mzxid, granted, sent_at, expires, extra, secret)
+        for _ in range(_ATTEMPTS):
+            create = self.client.create_async(
+                f"{path}/{child_prefix(secret)}", data, ephemeral=True, sequence=True,
+                include_data=True,
+            )  # fmt: skip
+            line = self.client.get_children_async(path, include_data=True)
+            try:
+                created, stat = self._get(create)
+            except NoNodeError:
+                self.client.ensure_path(path)
+                continue
+            except (ConnectionLoss, KazooTimeoutError):
+                found = self._find(name, secret)
+                if found is None:
+                    continue  # not applied: create again
+                created, stat = found
+            else:
+                with contextlib.suppress(ConnectionLoss, KazooTimeoutError, NoNodeError):
+                    children, node = self._get(line)
+                    return created.rsplit("/", 1)[1], stat, line_of(children), node
+            children, node = self._line(name)
+            return created.rsplit("/", 1)[1], stat, children, node
+        raise BackendUnavailable(self.alias, f"could not join the line of {name!r}")
+
+    def _find(self, name: str, secret: str) -> tuple[str, Any] | None:
+        """Our node in the line, found by its GUID after a create whose reply was lost."""
+        try:
+            children, _ = self._line(name)
+            mine = [c for c in children if c.startswith(child_prefix(secret))]
+            if not mine:
+                return None
+            path = f"{self._name_path(name)}/{mine[0]}"
+            return path, self._get(self.client.exists_async(path))
+        except (ConnectionLoss, KazooTimeoutError):
+            self._orphans.add((name, guid_of(secret)))
+            raise
+
+    def _sweep(self) -> None:
+        """Delete nodes left by creates whose outcome was unknown (best effort, rare)."""
+        for name, guid in list(self._orphans):
+            with contextlib.suppress(KazooException, KazooTimeoutError):
+                children, _ = self._line(name)
+                for child in children:
+                    if guid in child:
+                        self._get(self.client.delete_async(f"{self._name_path(name)}/{child}"))
+                self._orphans.discard((name, guid))
+
+    def _leave(self, name: str, child: str) -> None:
+        with contextlib.suppress(NoNodeError):
+            self._get(self.client.delete_async(f"{self._name_path(name)}/{child}"))
+
+    def _dislodge(self, name: str, line: list[str], node: Any) -> int | None:
+        """Delete the head if it lapsed on the leader's clock. Returns the live head's deadline
+        (ms, leader's clock), or ``None`` when the line changed (the head deleted by us, or
+        meanwhile by someone else) and must be read again.
+
+        The delete is conditional on the version read, so a renewal or promotion that lands
+        first wins; the local clock only spares the clock round trip while the head is alive.
+        """
+        head = f"{self._name_path(name)}/{line[0]}"
+        try:
+            raw, stat = self._get(self.client.get_async(head))
+        except NoNodeError:
+            return None
+        deadline = deadline_ms(stat, read_data(raw), node)
+        if time.time() * 1000 < deadline or self._server_now() < deadline:
+            return deadline
+        with contextlib.suppress(BadVersionError, NoNodeError):
+            self._commit([("delete", (head, stat.version)), self._bump(name)])
         return None
 
-    def _owned(self, grant: Grant, what: str) -> tuple[Any, Any, dict[str, Any]]:
-        """The current state of ``grant``'s name, if it is still this grant's (else raises)."""
-        node, stat, data = self._read(grant.name)
-        if stat is None or data is None or stat.czxid != grant.token:
-            raise LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
-        if data.get("holder") != grant.holder:
-            raise LeaseLost(grant.name, grant.token, f"held by someone else at the {what}")
-        if data.get("hash") != _hash(grant.secret):
-            raise LeaseNotHeld(grant.name, FORGED)
-        return node, stat, data
+    def _granted(
+        self, name: str, holder: str, ttl: float, sent_at: float, child: str, secret: str, stat: Any
+    ) -> Grant:
+        extra = {"child": child, "session": self._session()}
+        expires = _when(stat.mtime + _ms(ttl))
+        return Grant(name, holder, stat.czxid, ttl, sent_at, expires, extra, secret)
+
+    # -- the interface --------------------------------------------------------------------
+
+    def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        granted = min(ttl, self.session_timeout)
+        place = self._place(name)
+        with _Edge(self.alias, "acquire"):
+            if place is not None:
+                return self._claim(place, holder, granted)
+            secret = new_secret()
+            sent_at = time.monotonic()
+            data = node_data(held=True, ttl_ms=_ms(granted), holder=holder)
+            child, stat, line, node = self._join(name, secret, data)
+            try:
+                for _ in range(_ATTEMPTS):
+                    if line and line[0] == child:
+                        return self._granted(name, holder, granted, sent_at, child, secret, stat)
+                    if child not in line[1:2] or self._dislodge(name, line, node) is not None:
+                        break
+                    line, node = self._line(name)
+            except BaseException:
+                self._leave(name, child)
+                raise
+            self._leave(name, child)  # a failed try leaves nothing behind
+        return None
+
+    def _claim(self, place: Queued, holder: str, ttl: float) -> Grant | None:
+        """A queued waiter's try: free of round trips until its predecessor changed (or may
+        have lapsed); then, if first in line, promote its node to the grant."""
+        if (
+            place.checked
+            and not place.woken.is_set()
+            and (place.check_at_ms is None or time.time() * 1000 < place.check_at_ms)
+            and self._state == KazooState.CONNECTED
+            and self._session() == place.session
+        ):
+            return None
+        place.checked, place.check_at_ms = True, None
+        place.woken.clear()
+        path = self._name_path(place.name)
+        for _ in range(_ATTEMPTS):
+            line, node = self._line(place.name)
+            if place.child not in line:
+                self._requeue(place)  # revoked, dislodged, or its session expired
+                return None
+            ahead = line.index(place.child)
+            if ahead == 0:
+                sent_at = time.monotonic()
+                data = node_data(held=True, ttl_ms=_ms(ttl), holder=holder)
+                try:
+                    stat = self._get(self.client.set_async(f"{path}/{place.child}", data))
+                except NoNodeError:
+                    self._requeue(place)
+                    return None
+                place.granted = True
+                child, secret = place.child, place.secret
+                return self._granted(place.name, holder, ttl, sent_at, child, secret, stat)
+            deadline = self._dislodge(place.name, line, node) if ahead == 1 else None
+            if ahead == 1 and deadline is None:
+                continue  # the head lapsed and is gone: look again
+            # Only the predecessor is watched: its deletion wakes us and nobody else. A head
+            # predecessor may also lapse without a deletion: look again at its deadline.
+            watched = self.client.exists_async(f"{path}/{line[ahead - 1]}", watch=place.wake)
+            if self._get(watched) is None:
+                continue
+            place.check_at_ms = deadline
+            return None
+        return None
+
+    def _requeue(self, place: Queued) -> None:
+        """Join the line again at its end (our node is gone); a new node, a new secret."""
+        place.secret = new_secret()
+        data = node_data(held=False, ttl_ms=self._claim_ms)
+        place.child, stat, _, _ = self._join(place.name, place.secret, data)
+        place.czxid, place.session, place.checked = stat.czxid, self._session(), False
+
+    def _place(self, name: str) -> Queued | None:
+        places: dict[str, Queued] = getattr(self._places, "by_name", {})
+        return places.get(name)
+
+    @contextlib.contextmanager
+    def _queued(self, name: str) -> Iterator[None]:
+        places: dict[str, Queued] = self._places.__dict__.setdefault("by_name", {})
+        if name in places:
+            yield
+            return
+        secret = new_secret()
+        try:
+            with _Edge(self.alias, "queue"):
+                data = node_data(held=False, ttl_ms=self._claim_ms)
+                child, stat, _, _ = self._join(name, secret, data)
+        except BackendUnavailable:
+            yield  # best effort: without a place, tries join and leave the line each time
+            return
+        place = places[name] = Queued(name, child, secret, stat.czxid, self._session())
+        try:
+            yield
+        finally:
+            del places[name]
+            if not place.granted:
+                with contextlib.suppress(KazooException, KazooTimeoutError):
+                    self._leave(name, place.child)
+
+    def waiting_room(
+        self, name: str, timeout: float | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """A place in the name's line for this thread while it waits: tries cost nothing until
+        the predecessor changes, and a release wakes only the next in line."""
+        return self._queued(name)
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
-        """A conditional write of the grant node: the leader's acceptance proves the session is
-        alive now, and its ``mtime`` restarts the TTL on the leader's clock."""
+        """One round trip: a read of our node pipelined with its write. The leader accepts the
+        write only on a live session; the read says whether it had lapsed just before."""
         granted = min(ttl, self.session_timeout)
-        path = self._name_path(grant.name)
+        path = self._node_path(grant)
         with _Edge(self.alias, "renew"):
+            if path is None:
+                self._refuse(grant, "renewal")
+            data = node_data(held=True, ttl_ms=_ms(granted), holder=grant.holder)
             sent_at = time.monotonic()
-            node, stat, data = self._owned(grant, "renewal")
-            value = json.dumps({**data, "ttl_ms": _ms(granted)}).encode()
-            ops = [
-                ("check", (path, node.version)),
-                ("set_data", (f"{path}/{_GRANT}", value, stat.version)),
-            ]
+            before = self.client.get_async(path)
+            write = self.client.set_async(path, data)
             try:
-                renewed = self._commit(ops)[1]
-            except (BadVersionError, NoNodeError) as exc:
-                raise LeaseLost(grant.name, grant.token, "taken over during the renewal") from exc
-            if renewed.mtime > stat.mtime + int(data["ttl_ms"]):
-                # It had expired on the leader's clock; a contender may already have trusted that.
-                self._delete(path, node.version, renewed.version)
+                raw, stat = self._get(before)
+                renewed = self._get(write)
+            except NoNodeError:
+                self._refuse(grant, "renewal")
+            if renewed.mtime > deadline_ms(stat, read_data(raw), stat):
+                # It had lapsed on the leader's clock; a contender may be dislodging it.
+                with contextlib.suppress(NoNodeError, BadVersionError):
+                    self._commit([("delete", (path, renewed.version)), self._bump(grant.name)])
                 raise LeaseLost(grant.name, grant.token, "expired before the renewal")
         expires = _when(renewed.mtime + _ms(granted))
         return replace(grant, ttl=granted, sent_at=sent_at, expires_at=expires)
 
-    def _delete(self, path: str, node_version: int, grant_version: int) -> None:
-        self._commit(
-            [("check", (path, node_version)), ("delete", (f"{path}/{_GRANT}", grant_version))]
-        )
+    def _refuse(self, grant: Grant, what: str) -> NoReturn:
+        """Why ``grant``'s node is not where its secret says: a forgery of the current
+        holder's public data (``LeaseNotHeld``), or a grant that is gone (``LeaseLost``)."""
+        try:
+            line, _ = self._line(grant.name)
+            raw, stat = self._get(self.client.get_async(f"{self._name_path(grant.name)}/{line[0]}"))
+        except (NoNodeError, IndexError):
+            raise LeaseLost(
+                grant.name, grant.token, f"expired or taken over before the {what}"
+            ) from None
+        data = read_data(raw)
+        if data.get("held") and stat.czxid == grant.token and data.get("holder") == grant.holder:
+            raise LeaseNotHeld(grant.name, FORGED)
+        raise LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
 
     def release(self, grant: Grant) -> None:
-        """Delete the grant node, conditional on the versions read with the secret's hash; the
-        deletion is what wakes waiters (their child watch)."""
-        path = self._name_path(grant.name)
+        """Delete our node (the path proves the secret) and write the name node, in one
+        multi; the deletion wakes only the next in line (its watch on us)."""
+        path = self._node_path(grant)
         with _Edge(self.alias, "release"):
-            node, stat, _ = self._owned(grant, "release")
+            if path is None:
+                self._refuse(grant, "release")
             try:
-                self._delete(path, node.version, stat.version)
-            except (BadVersionError, NoNodeError) as exc:
-                raise LeaseLost(grant.name, grant.token, "taken over during the release") from exc
+                self._commit([("delete", (path,)), self._bump(grant.name)])
+            except NoNodeError:
+                self._refuse(grant, "release")
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
-        """A child watch on the name node: woken by the grant's deletion (release, revocation,
-        session expiry) or a takeover, never by polling. A TTL that lapses deletes nothing, so
-        the wait also ends when the holder's TTL would, by the server's ``mtime``."""
+        """In the waiting room: until the watch on our predecessor fires (or a head
+        predecessor may lapse). Outside it: a watch on the head, bounded by its TTL."""
         if timeout < 0.001:
             return False
+        place = self._place(name)
+        if place is not None and place.checked:
+            wait = timeout
+            if place.check_at_ms is not None:
+                wait = min(wait, max(place.check_at_ms - time.time() * 1000, 1) / 1000)
+            return place.woken.wait(wait) or wait < timeout
         woken = threading.Event()
         path = self._name_path(name)
         with _Edge(self.alias, "wait"):
             try:
-                children = self._get(
-                    self.client.get_children_async(path, watch=lambda _: woken.set())
-                )
-                raw, stat = self._get(self.client.get_async(f"{path}/{_GRANT}"))
+                line, node = self._line(name)
+                if not line:
+                    return True
+                head = f"{path}/{line[0]}"
+                watched = self.client.exists_async(head, watch=lambda _: woken.set())
+                raw, stat = self._get(self.client.get_async(head))
+                self._get(watched)
             except NoNodeError:
                 return True
-        if _GRANT not in children:
-            return True
-        lapse = (stat.mtime + int(json.loads(raw)["ttl_ms"])) / 1000 - time.time()
+        lapse = deadline_ms(stat, read_data(raw), node) / 1000 - time.time()
         wait = min(timeout, max(lapse, 0.001))
         return woken.wait(wait) or wait < timeout
 
+    def _head(self, name: str) -> tuple[Any, Any, dict[str, Any]] | None:
+        """``(name node stat, head stat or None, head data)``, or ``None`` if never granted."""
+        try:
+            line, node = self._line(name)
+        except NoNodeError:
+            return None
+        for child in line[:_ATTEMPTS]:
+            with contextlib.suppress(NoNodeError):
+                raw, stat = self._get(self.client.get_async(f"{self._name_path(name)}/{child}"))
+                return node, stat, read_data(raw)
+        return node, None, {}
+
     def inspect(self, name: str) -> LeaseInfo | None:
         with _Edge(self.alias, "inspect"):
-            node, stat, data = self._read(name)
-        if node is None:
+            found = self._head(name)
+        if found is None:
             return None
-        if stat is None or data is None:
+        node, stat, data = found
+        if stat is None or not data.get("held"):
             return LeaseInfo(name, "", max(node.pzxid, node.mzxid), False, self.alias)
         expires = stat.mtime + int(data["ttl_ms"])
         return LeaseInfo(
@@ -360,24 +599,28 @@ class Backend(LeaseBackend):
         return [info for info in infos if info is not None]
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
-        """Compare the grant's ``czxid`` with ``token``, then delete it and bump the name node
-        in one multi checking both versions read: the revocation's zxid is the new token."""
+        """Compare the head's ``czxid`` with ``token``, then delete it, every queued waiter's
+        node, and write the name node, in one multi: the revocation's zxid is the new token,
+        and the waiters queue again behind it, so every later grant's token is higher."""
         path = self._name_path(name)
         with _Edge(self.alias, "force_release"):
-            node, stat, _ = self._read(name)
-            if stat is None or stat.czxid != token:
-                current = None if node is None else max(node.pzxid, node.mzxid)
-                raise LeaseNotHeld(name, not_revoked(token, stat.czxid if stat else current))
-            ops = [
-                ("delete", (f"{path}/{_GRANT}", stat.version)),
-                ("set_data", (path, b"", node.version)),
-            ]
-            try:
-                bumped = self._commit(ops)[1]
-            except (BadVersionError, NoNodeError) as exc:
-                detail = "it changed hands during the revocation; nothing was done"
-                raise LeaseNotHeld(name, detail) from exc
-        return LeaseInfo(name, "", bumped.mzxid, False, self.alias)
+            for _ in range(_ATTEMPTS):
+                found = self._head(name)
+                if found is None:
+                    raise LeaseNotHeld(name, not_revoked(token, None))
+                node, stat, data = found
+                if stat is None or not data.get("held") or stat.czxid != token:
+                    current = stat.czxid if stat is not None and data.get("held") else None
+                    raise LeaseNotHeld(name, not_revoked(token, current or node.pzxid))
+                line, _ = self._line(name)
+                ops = [("delete", (f"{path}/{child}",)) for child in line]
+                try:
+                    bumped = self._commit([*ops, self._bump(name)])[-1]
+                except (NoNodeError, NodeExistsError):
+                    continue  # the line changed meanwhile: compare again
+                return LeaseInfo(name, "", bumped.mzxid, False, self.alias)
+        detail = "its line kept changing during the revocation; nothing was done"
+        raise LeaseNotHeld(name, detail)
 
     def deploy_checks(self) -> list[str]:
         try:
