@@ -41,16 +41,17 @@ def ensemble() -> Iterator[ZooKeeperEnsemble]:
 
 @pytest.fixture
 def backends(ensemble: ZooKeeperEnsemble) -> Iterator[Any]:
-    """``backends(alias=hosts, ...)``: zookeeper aliases of this test's own, on given members."""
+    """``backends(alias=hosts, ...)``: zookeeper aliases of this test's own, on given members
+    (``session=`` seconds, default ``SESSION``)."""
     stack: list[Any] = []
 
-    def configure(**aliases: str) -> None:
+    def configure(session: float = SESSION, **aliases: str) -> None:
         configured = dict(settings.LEASES["BACKENDS"])
         for alias, hosts in aliases.items():
             configured[alias] = {
                 "ENGINE": "leases.backends.zookeeper",
                 "HOSTS": hosts,
-                "SESSION_TIMEOUT": SESSION,
+                "SESSION_TIMEOUT": session,
                 "REQUEST_TIMEOUT": 1.0,
             }
         override = override_settings(LEASES={**settings.LEASES, "BACKENDS": configured})
@@ -123,3 +124,37 @@ def test_paused_member_past_the_session_timeout_reports_loss_and_successor_is_hi
         get_backend("zk_holder").renew(held.grant, SESSION)
     successor.release()
     check_history(register, grants=[held.token, successor.token])
+
+
+def test_member_restarted_within_the_session_timeout_resumes_the_session_and_keeps_the_lease(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """The holder knows only one member, which is SIGKILLed and started again well within the
+    session timeout: while it is down the connection is SUSPENDED and the lease is not trusted
+    (``ensure_held()`` refuses, a fenced write is refused before it is sent) but not lost;
+    once the member serves again the same session resumes, and with it the same lease."""
+    session = 10.0  # the ensemble's maximum (20 ticks): room for a JVM restart on a busy machine
+    member = next(i for i in ensemble.live() if ensemble.mode(i) == "follower")
+    backends(session=session, zk_holder=ensemble.host(member), zk_other=ensemble.hosts)
+    register, name = new_register(), f"zk-restart-{time.monotonic_ns()}"
+    held = acquire(name, ttl=session, backend="zk_holder")
+    store = get_backend("zk_holder")
+    before = store.client.client_id  # type: ignore[attr-defined]
+    assert record_write(register, held, "holder")
+
+    ensemble.kill(member)
+    wait_until(lambda: held.remaining() == 0, session / 2, "the suspension to be noticed")
+    with pytest.raises(LeaseLost, match="suspended"):
+        held.ensure_held()
+    assert not record_write(register, held, "holder")  # refused by ensure_held: never sent
+    assert not held.lost.is_set()
+    assert get_backend("zk_other").try_acquire(name, "intruder", session) is None
+
+    ensemble.launch(member)
+    wait_until(lambda: held.remaining() > 0, session / 2, "the session to resume")
+    assert store.client.client_id == before  # type: ignore[attr-defined]
+    held.ensure_held()
+    assert record_write(register, held, "holder")
+    held.renew()
+    held.release()
+    check_history(register, grants=[held.token])

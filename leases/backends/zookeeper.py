@@ -62,6 +62,7 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
     NoNodeError,
 )
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
+from kazoo.protocol.states import EventType, WatchedEvent  # type: ignore[import-untyped]
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._zookeeper_line import (
@@ -432,12 +433,29 @@ class Backend(LeaseBackend):
                 continue  # the head lapsed and is gone: look again
             # Only the predecessor is watched: its deletion wakes us and nobody else. A head
             # predecessor may also lapse without a deletion: look again at its deadline.
-            watched = self.client.exists_async(f"{path}/{line[ahead - 1]}", watch=place.wake)
-            if self._get(watched) is None:
+            if self._get(self._watch(f"{path}/{line[ahead - 1]}", place)) is None:
                 continue
             place.check_at_ms = deadline
             return None
         return None
+
+    def _watch(self, path: str, place: Queued) -> Any:
+        """Watch ``path`` for its deletion only: ZooKeeper's watch also fires when the node's
+        data changes (its holder renews, or it is promoted), which is re-armed here instead of
+        waking the waiter for nothing. Returns the ``exists`` request (its stat, or ``None``)."""
+
+        def fired(event: WatchedEvent) -> None:
+            if event.type != EventType.CHANGED:
+                place.wake()
+                return
+            # On kazoo's thread: never block. Gone before the watch was set again: wake.
+            self.client.exists_async(path, watch=fired).rawlink(rearmed)
+
+        def rearmed(result: Any) -> None:
+            if not result.successful() or result.value is None:
+                place.wake()
+
+        return self.client.exists_async(path, watch=fired)
 
     def _requeue(self, place: Queued) -> None:
         """Join the line again at its end (our node is gone); a new node, a new secret."""
