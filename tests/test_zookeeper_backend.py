@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from leases.backends import get_backend
-from tests.lease_backends import SETUP, lease_name
+from tests.clusters import zookeeper_ready
+from tests.lease_backends import lease_name
 from tests.waiting import wait_until
 
 __all__ = ["lease_name"]  # fixture, re-exported for pytest
@@ -22,9 +23,9 @@ pytestmark = [pytest.mark.django_db]
 
 
 @pytest.fixture
-def zookeeper(request: pytest.FixtureRequest) -> str:
-    SETUP["zookeeper"](request)
-    return "zookeeper"
+def zookeeper() -> str:
+    """The session ensemble's alias (started on first use), skipped without ZooKeeper."""
+    return zookeeper_ready()
 
 
 def test_a_release_wakes_only_the_next_in_line(zookeeper: str, lease_name: str) -> None:
