@@ -24,11 +24,11 @@ from typing import Any
 from django.test import override_settings
 
 from benchmarks.bench_lease import handoff
+from benchmarks.bench_redis import ours
 from benchmarks.common import Report, interleaved
 from devservers.etcd import EtcdCluster, etcd_binary
 from devservers.zookeeper import ZooKeeperEnsemble, zookeeper_classpath
-from leases.backends import get_backend
-from leases.lease import acquire, lease
+from leases.lease import acquire
 
 TITLE = "etcd and ZooKeeper leases: backends vs raw etcd3gw / kazoo, tooz etcd3gw, kazoo Lock"
 
@@ -49,30 +49,6 @@ def configured(endpoints: list[str], hosts: str) -> Iterator[None]:
     }
     with override_settings(DEBUG=False, LEASES={"BACKENDS": backends}):
         yield
-
-
-def ours(alias: str, label: str) -> dict[str, Callable[[], object]]:
-    store = get_backend(alias)
-    name = f"bench:{alias}:{uuid.uuid4().hex[:8]}"
-
-    def backend() -> None:
-        grant = store.try_acquire(name, "bench", TTL)
-        assert grant is not None
-        store.release(grant)
-
-    def public() -> None:
-        with lease(name + ":api", ttl=TTL, backend=alias, keepalive=False):
-            pass
-
-    def kept_alive() -> None:
-        with lease(name + ":ka", ttl=TTL, backend=alias):
-            pass
-
-    return {
-        f"ours, {label}: backend try_acquire + release": backend,
-        f"ours, {label}: lease(keepalive=False)": public,
-        f"ours, {label}: lease() with keepalive": kept_alive,
-    }
 
 
 def _b64(data: str) -> str:

@@ -52,6 +52,15 @@ def _point(alias: str, option: str, value: Any, variable: str, shown: str) -> No
     setting_changed.send(sender=None, setting="LEASES", value=settings.LEASES, enter=False)
 
 
+def _stop(cluster: EtcdCluster | ZooKeeperEnsemble) -> None:
+    """At exit: close the backends first (a kazoo client whose ensemble is gone logs every
+    reconnection attempt until the interpreter ends), then stop the members."""
+    from leases.backends import reset
+
+    reset()
+    cluster.destroy()
+
+
 def etcd_ready(request: pytest.FixtureRequest | None = None) -> str:
     """The ``etcd`` alias, on the configured cluster or on this process's own (started now if
     need be); skips the test when etcd is not installed."""
@@ -61,7 +70,7 @@ def etcd_ready(request: pytest.FixtureRequest | None = None) -> str:
             if etcd_binary() is None:
                 pytest.skip("etcd: no etcd binary installed (apt-get install etcd-server)")
             cluster = EtcdCluster().start()
-            atexit.register(cluster.destroy)
+            atexit.register(_stop, cluster)
             configured = ",".join(cluster.endpoints)
             _point("etcd", "ENDPOINTS", cluster.endpoints, "LEASES_ETCD_ENDPOINTS", configured)
         _started["etcd"] = configured
@@ -79,7 +88,7 @@ def zookeeper_ready(request: pytest.FixtureRequest | None = None) -> str:
             if zookeeper_classpath() is None:
                 pytest.skip("ZooKeeper: apt-get install zookeeper default-jre-headless")
             ensemble = ZooKeeperEnsemble().start()
-            atexit.register(ensemble.destroy)
+            atexit.register(_stop, ensemble)
             configured = ensemble.hosts
             _point("zookeeper", "HOSTS", configured, "LEASES_ZOOKEEPER_HOSTS", configured)
         _started["zookeeper"] = configured

@@ -11,16 +11,18 @@ conformance suite's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from leases.backends import get_backend
-from tests.celery_app import CONSENSUS_BACKENDS, LOCKED_UNTIL_REVOKED, LOCKED_WRITE, SINGLETON_HOLD
+from tests.celery_app import CONSENSUS_BACKENDS, LOCKED_UNTIL_REVOKED, LOCKED_WRITE
 from tests.celery_workers import Worker, celery_workers_fixture, new_queue
 from tests.checker import check_history, history, new_register
 from tests.lease_backends import SETUP
-from tests.test_celery import assert_runs_never_overlap, broker, ready, tokens, wait_states
+from tests.test_celery import assert_runs_never_overlap, ready, tokens, wait_states
+from tests.test_celery import (
+    test_singleton_50_concurrent_delays_queue_one_task as singleton_case,  # not collected here
+)
 from tests.testapp.models_celery import TaskRun
 
 __all__ = ["celery_workers_fixture"]  # fixture, re-exported for pytest
@@ -73,12 +75,4 @@ def test_revoked_lease_mid_task_fails_the_task_and_its_later_fenced_write(
 
 
 def test_singleton_50_concurrent_delays_queue_one_task(backend: str) -> None:
-    queue, name, task = new_queue(), new_register("single"), SINGLETON_HOLD[backend]
-    try:
-        with ThreadPoolExecutor(max_workers=10) as pool:
-            ids = list(pool.map(lambda _: task.apply_async((name, 0), queue=queue).id,
-                                range(50)))  # fmt: skip
-        assert len(set(ids)) == 1
-        assert broker().llen(queue) == 1
-    finally:
-        broker().delete(queue)
+    singleton_case(backend)
