@@ -37,8 +37,10 @@ again within its validity; ``LOST`` (the session expired, its znodes are gone) l
 
 **Round trips.** An uncontended acquire, a renewal and a release are one each (a create
 pipelined with the read of the line; a read pipelined with the write; a multi). A failed try
-costs three (it leaves the line again); a waiter in the line costs none until its predecessor
-changes, then two to promote itself.
+costs two (it leaves the line again), three when it stands right behind the holder and reads
+the holder's expiry; and it writes, unlike the base contract's wish (a sequential create is
+the only way into the line). A waiter in the line costs none until its predecessor changes,
+then two to promote itself.
 """
 
 from __future__ import annotations
