@@ -299,6 +299,16 @@ def _held(request: HttpRequest) -> HttpResponse:
     return _answer(made)
 
 
+@csrf_exempt
+@idempotent(atomic=False, lock_timeout=1, on_conflict="wait", wait_timeout=30)
+def order_steps(request: HttpRequest) -> HttpResponse:
+    """The steps workflow (tests/steps_workflow.py) as a view: non-atomic, so steps commit."""
+    from tests.steps_workflow import place_order
+
+    data = json.loads(request.body or b"{}")
+    return JsonResponse(place_order(str(data["order"]), int(data["amount"])), status=201)
+
+
 charge_held = csrf_exempt(idempotent(_held))
 charge_held_wait = csrf_exempt(idempotent(on_conflict="wait", wait_timeout=0.5)(_held))
 
@@ -319,6 +329,7 @@ urlpatterns = [
     path("drf-guarded/", GuardedAPIView.as_view()),
     path("drf-function/", drf_function_charge),
     path("held/", charge_held),
+    path("order-steps/", order_steps),
     path("held-wait/", charge_held_wait),
     path("upload/", upload),
     path("upload-exempt/", csrf_exempt(upload)),
