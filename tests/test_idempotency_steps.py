@@ -31,7 +31,7 @@ from idempotency import IdempotencyImproperlyConfigured, idempotency_key, step
 from idempotency.models import IdempotencyKey
 from idempotency.steps import derived_key
 from idempotency.store import begin
-from tests.celery_workers import Worker
+from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # noqa: F401
 from tests.steps_workflow import PAUSE_ENV, PROVIDER_ENV
 from tests.test_idempotency_live import Gunicorn, send
 from tests.testapp.models_idempotency import Charge
@@ -280,7 +280,7 @@ def test_a_celery_task_killed_between_steps_resumes_on_redelivery(
     tmp_path: Path,
 ) -> None:
     from tests.celery_app import place_order_once
-    from tests.test_celery import broker_env, new_queue, producer_on
+    from tests.test_celery import broker_env, producer_on
 
     queue, point = new_queue(), "after-order"
     extra = {**broker_env(redis_server.url, visibility=2), PROVIDER_ENV: provider.url}
