@@ -313,7 +313,36 @@ charge_held = csrf_exempt(idempotent(_held))
 charge_held_wait = csrf_exempt(idempotent(on_conflict="wait", wait_timeout=0.5)(_held))
 
 
+# Undecorated views for the middleware (IDEMPOTENCY["MIDDLEWARE_PATHS"] names "^/idem/mw/").
+
+
+@csrf_exempt
+def mw_charge(request: HttpRequest) -> HttpResponse:
+    return _answer(_charge(request))
+
+
+@csrf_exempt
+async def mw_async_charge(request: HttpRequest) -> HttpResponse:
+    made = await Charge.objects.acreate(key="async", amount=json.loads(request.body)["amount"])
+    return _answer(made)
+
+
+class MwChargeAPIView(APIView):
+    """A DRF view authenticated by token only: the middleware must scope by DRF's user."""
+
+    authentication_classes = [TokenAuthentication]
+
+    def post(self, request: Request) -> Response:
+        made = _charge(request)
+        return Response({"charge": made.pk, "owner": made.owner}, status=201)
+
+
 urlpatterns = [
+    path("mw/charge/", mw_charge),
+    path("mw/async/", mw_async_charge),
+    path("mw/drf/", MwChargeAPIView.as_view()),
+    path("mw/nested/", charge),
+    path("mw-not-listed/", mw_charge),
     path("charge/", charge),
     path("required/", charge_required),
     path("wait/", charge_wait),
