@@ -172,6 +172,30 @@ def test_a_view_made_of_steps_runs_them_once_and_replays(
     assert provider.ledger()["effects"] == {"/charges": 1, "/emails": 1}
 
 
+def test_an_async_view_made_of_steps_resumes_after_a_failed_step() -> None:
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncClient
+
+    from tests.testapp import views_idempotency
+
+    user = _user()
+    views_idempotency.FAILURES["raise"] = 1
+    views_idempotency.REMOTE_CALLS.clear()
+
+    async def run() -> list[Any]:
+        client = AsyncClient(raise_request_exception=False)
+        await client.aforce_login(user)
+        headers = {"Idempotency-Key": "a-1"}
+        url = "/idem/async-steps/"
+        return [await client.post(url, "{}", "application/json", headers=headers) for _ in "123"]
+
+    failed, resumed, replayed = async_to_sync(run)()
+    assert failed.status_code == 500 and resumed.status_code == 201
+    assert replayed["Idempotent-Replayed"] == "true" and replayed.content == resumed.content
+    assert _orders() == 1
+    assert len(views_idempotency.REMOTE_CALLS) == 1, "the recorded remote step ran again"
+
+
 def _user() -> Any:
     from tests.factories import UserFactory
 

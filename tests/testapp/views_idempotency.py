@@ -309,6 +309,30 @@ def order_steps(request: HttpRequest) -> HttpResponse:
     return JsonResponse(place_order(str(data["order"]), int(data["amount"])), status=201)
 
 
+# The keys the async steps view's remote step was called with.
+REMOTE_CALLS: list[str] = []
+
+
+@csrf_exempt
+@idempotent(atomic=False)
+async def async_steps(request: HttpRequest) -> HttpResponse:
+    """Steps from an async view: a coroutine step and a sync ORM step (``astep``)."""
+    from idempotency import astep
+
+    async def remote(key: str) -> str:
+        REMOTE_CALLS.append(key)
+        return f"remote-{key[:12]}"
+
+    def local(key: str) -> int:
+        if _fail("raise"):
+            raise RuntimeError("the local step failed")
+        return Charge.objects.create(key="order:async", amount=1).pk
+
+    remote_id = await astep("remote", remote)
+    row = await astep("local", local)
+    return JsonResponse({"remote": remote_id, "row": row}, status=201)
+
+
 charge_held = csrf_exempt(idempotent(_held))
 charge_held_wait = csrf_exempt(idempotent(on_conflict="wait", wait_timeout=0.5)(_held))
 
@@ -359,6 +383,7 @@ urlpatterns = [
     path("drf-function/", drf_function_charge),
     path("held/", charge_held),
     path("order-steps/", order_steps),
+    path("async-steps/", async_steps),
     path("held-wait/", charge_held_wait),
     path("upload/", upload),
     path("upload-exempt/", csrf_exempt(upload)),
