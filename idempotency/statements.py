@@ -4,14 +4,15 @@ connection.
 A replay must cost less than running the view it stands for, and it is one round trip either
 way; what is left is the server's work, and for the claim's CTE parsing and planning cost more
 than running it (measured on the benchmark's server: ~450 µs a call as plain SQL, ~80 µs as a
-prepared statement). So each statement is ``PREPARE``\\ d on a connection the first time that
-connection needs it and then sent as ``EXECUTE name(...)`` through Django's own cursor (its
-execute wrappers, query logging and error translation all still apply). Prepared statements
-live as long as the database session; a session that lost them (a pooler that swaps server
-connections, ``DISCARD ALL``) is detected by SQLSTATE 26000 and prepared again, outside a
-transaction. Behind a pooler in transaction mode that cannot keep SQL-level prepared
-statements, set ``IDEMPOTENCY["PREPARED_STATEMENTS"] = False``: the same SQL is then sent
-as it is.
+prepared statement). So each statement is prepared (``PREPARE``) on a connection the first time
+that connection needs it, in the same query as its first ``EXECUTE`` when the cursor binds on
+the client (Django's default), and then sent as ``EXECUTE name(...)`` through Django's own
+cursor (its execute wrappers, query logging and error translation all still apply).
+Prepared statements live as long as the database session (a rollback keeps them); a session
+that lost them (a pooler that swaps server connections, ``DEALLOCATE ALL``) is detected by
+SQLSTATE 26000 and prepared again, outside a transaction. Behind a pooler in transaction mode
+that cannot keep SQL-level prepared statements, set ``IDEMPOTENCY["PREPARED_STATEMENTS"] =
+False``: the same SQL is then sent as it is.
 
 A write only the key's owner may make (:class:`OwnedWrite`) comes in two forms: one that
 reports the rows it changed, and one that raises :data:`LOST` instead, so that a ``COMMIT``
@@ -208,6 +209,8 @@ WHERE id = %(id)s AND owner = %(owner)s AND state = 'started' AND steps = '{}'::
 """,
 )
 
+PREPARED_NAMES_SQL = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%(names)s)"
+
 # psycopg connection -> names prepared on it (a new connection starts empty).
 _PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
@@ -223,7 +226,7 @@ def _one_query(cursor: CursorWrapper) -> bool:
     return isinstance(cursor.cursor, psycopg.ClientCursor)
 
 
-def _text(cursor: CursorWrapper, statement: Statement, *, prepare_now: bool = True) -> str:
+def _text(cursor: CursorWrapper, statement: Statement) -> str:
     """The text to send for ``statement`` on this cursor's connection: ``EXECUTE``, preceded
     by its ``PREPARE`` the first time (in the same query, or sent first when it cannot be)."""
     if not conf.get().prepared_statements:
@@ -285,6 +288,12 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
     if not missing:
         return
     with connection.cursor() as cursor:
+        # A new session has none; one whose bookkeeping was dropped after a loss may have some.
+        cursor.execute(PREPARED_NAMES_SQL, {"names": [statement.name for statement in missing]})
+        names.update(name for (name,) in cursor.fetchall())
+        missing = [statement for statement in missing if statement.name not in names]
+        if not missing:
+            return
         if _one_query(cursor):
             cursor.execute("; ".join(statement.prepare_sql() for statement in missing))
         else:

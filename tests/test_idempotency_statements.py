@@ -36,11 +36,23 @@ def test_statements_are_prepared_once_per_connection_then_executed() -> None:
     assert all(sql.startswith("EXECUTE idempotency_") for sql in again), again
 
 
+def _attempt_cycle(key: str) -> None:
+    """Claim, then store and commit inside an atomic attempt (the statements it sends in its
+    transaction are prepared at its start)."""
+    claim = begin("s", key, FP, ttl=60, lock_timeout=60).claim
+    assert claim is not None
+    attempt = Attempt(claim, atomic=True, ttl=60)
+    attempt.start()
+    attempt.commit(OUTCOME)
+    assert begin("s", key, FP, ttl=60, lock_timeout=60).status is Status.COMPLETED
+
+
 def test_a_session_that_lost_its_prepared_statements_prepares_them_again() -> None:
-    _cycle("k3")
+    _attempt_cycle("k3")
     with connection.cursor() as cursor:
         cursor.execute("DEALLOCATE ALL")  # what a pooler's server reset does
-    assert _cycle("k4")[-1].startswith("EXECUTE")
+    _attempt_cycle("k4")
+    assert _cycle("k4b")[-1].startswith("EXECUTE")
 
 
 def test_plain_sql_when_prepared_statements_are_off() -> None:
