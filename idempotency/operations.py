@@ -60,22 +60,21 @@ class Operation:
     result: Any = None
     _attempt: store.Attempt | None = field(default=None, repr=False)
 
-    def _running(self, name: str) -> None:
+    def _running(self, name: str) -> store.Attempt:
         if self._attempt is None:
             raise IdempotencyImproperlyConfigured(
                 f"step {name!r} of operation {self.key!r}: the operation replayed its recorded "
                 "result, so its steps do not run again (check op.replayed)"
             )
+        return self._attempt
 
     def step(self, name: str, fn: Callable[[str], Any]) -> Any:
         """Run one step of this operation (:func:`idempotency.steps.step`)."""
-        self._running(name)
-        return steps.step(name, fn)
+        return steps.step_in(self._running(name), name, fn)
 
     async def astep(self, name: str, fn: Callable[[str], Any]) -> Any:
         """Run one step of this operation from async code (:func:`idempotency.steps.astep`)."""
-        self._running(name)
-        return await steps.astep(name, fn)
+        return await steps.astep_in(self._running(name), name, fn)
 
 
 class idempotency_key:

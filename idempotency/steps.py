@@ -41,7 +41,7 @@ from django.db import connections, transaction
 from . import store
 from .errors import IdempotencyImproperlyConfigured
 
-__all__ = ["astep", "derived_key", "step"]
+__all__ = ["astep", "astep_in", "derived_key", "step", "step_in"]
 
 T = TypeVar("T")
 
@@ -54,9 +54,13 @@ def derived_key(claim: store.Claim, name: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def _attempt(name: str) -> store.Attempt:
+def _check_name(name: str) -> None:
     if not isinstance(name, str) or not name:
         raise IdempotencyImproperlyConfigured(f"a step needs a non-empty name, not {name!r}")
+
+
+def _attempt(name: str) -> store.Attempt:
+    _check_name(name)
     attempt = store.current()
     if attempt is None:
         raise IdempotencyImproperlyConfigured(
@@ -89,7 +93,13 @@ def step(name: str, fn: Callable[[str], T]) -> Any:
     the first run got). Names are unique within an operation: a second step of one name
     returns the first's result.
     """
-    attempt = _attempt(name)
+    return step_in(_attempt(name), name, fn)
+
+
+def step_in(attempt: store.Attempt, name: str, fn: Callable[[str], T]) -> Any:
+    """:func:`step` under a given attempt (an :class:`~idempotency.operations.Operation`'s own,
+    whatever attempt is innermost)."""
+    _check_name(name)
     if name in attempt.recorded:
         return attempt.recorded[name]
     using = attempt.claim.using
@@ -105,7 +115,12 @@ async def astep(name: str, fn: Callable[[str], Any]) -> Any:
     """:func:`step` for async code: ``fn`` may be a coroutine function (an ``httpx`` call); a
     plain function runs in the thread where the step's transaction is open, so its ORM writes
     join it."""
-    attempt = _attempt(name)
+    return await astep_in(_attempt(name), name, fn)
+
+
+async def astep_in(attempt: store.Attempt, name: str, fn: Callable[[str], Any]) -> Any:
+    """:func:`astep` under a given attempt."""
+    _check_name(name)
     if name in attempt.recorded:
         return attempt.recorded[name]
     using = attempt.claim.using

@@ -329,3 +329,12 @@ def test_a_step_of_an_attempt_nested_in_a_transaction_commits_with_it() -> None:
             op.result = op.step("local", lambda key: _local([], "order:8"))
         assert connection.in_atomic_block
     assert _orders() == 1
+
+
+def test_an_operations_step_is_recorded_under_that_operation_inside_another() -> None:
+    with idempotency_key("outer", scope="steps", atomic=False) as outer:
+        with idempotency_key("inner", scope="steps", atomic=False) as inner:
+            outer.step("s", lambda key: 1)
+            inner.result = 2
+        assert IdempotencyKey.objects.get(key="outer").steps == {"s": 1}
+        outer.result = 1
