@@ -204,7 +204,8 @@ def _user() -> Any:
 
 # -- crashes between and inside steps, three front ends ------------------------------------------
 
-POINTS = ["after-charge", "after-order", "in-charge"]
+# Between two steps, and inside one after its outside call (the Celery test takes "after-order").
+POINTS = ["after-charge", "in-charge"]
 
 
 def _assert_each_effect_once(provider: Provider, point: str) -> None:
