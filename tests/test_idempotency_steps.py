@@ -228,6 +228,7 @@ def _paused(directory: Path, point: str, proc: Callable[[], bool]) -> None:
     assert (directory / f"paused-{point}").exists(), "the worker died before its pause point"
 
 
+@pytest.mark.slow
 @pytest.mark.fault
 @pytest.mark.parametrize("point", POINTS)
 def test_an_operation_killed_at_a_step_resumes_in_the_next_process(
@@ -297,6 +298,7 @@ def _session_cookie() -> str:
     return f"{settings.SESSION_COOKIE_NAME}={session.session_key}"
 
 
+@pytest.mark.slow
 @pytest.mark.fault
 def test_a_celery_task_killed_between_steps_resumes_on_redelivery(
     provider: Provider,
