@@ -19,7 +19,7 @@ from .backends import Grant, LeaseBackend, get_backend
 from .errors import BackendUnavailable, LeaseAlreadyHeld, LeaseUnavailable
 from .handle import Lease, OnLost, held_by, holder_key
 from .holders import holder_identity
-from .keys import validate_name
+from .keys import validate_lease_name
 from .retry import SYSTEM_CLOCK, Backoff
 
 __all__ = ["acquire"]
@@ -111,7 +111,7 @@ def prepare(
 ) -> Request:
     """Validate every argument, refuse a name the caller already holds (under ``key_of``: per
     thread, or per task for async code), and warn of a TTL too short to keep alive."""
-    name = validate_name(name)
+    name = validate_lease_name(name)
     settings = conf.get()
     ttl = valid_ttl(settings.default_ttl if ttl is None else ttl)
     timeout = valid_timeout(timeout)

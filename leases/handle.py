@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, Self
 
 from . import conf, keepalive, signals, tracing
 from ._arguments import valid_ttl
@@ -82,7 +82,7 @@ class Lease:
         key: tuple[str, str, str] | None = None,
         elapsed: float | None = None,
         waited: float | None = None,
-    ) -> Lease:
+    ) -> Self:
         """The one door from a grant to a held lease: handle, registry, signal, watchdog.
 
         Every way of coming to hold a grant (``acquire()``, a Celery worker adopting the guard
