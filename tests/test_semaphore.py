@@ -14,8 +14,14 @@ from collections.abc import Iterable
 
 import pytest
 
-from leases import InvalidLeaseName, InvalidLeaseOption, LeaseAlreadyHeld, LeaseUnavailable
-from leases import acquire, lease
+from leases import (
+    InvalidLeaseName,
+    InvalidLeaseOption,
+    LeaseAlreadyHeld,
+    LeaseUnavailable,
+    acquire,
+    lease,
+)
 from leases.backends import get_backend
 from leases.keys import SEPARATOR
 from leases.semaphore import MAX_LIMIT, Slot, acquire_slot, semaphore, slot_name
@@ -155,8 +161,7 @@ def test_a_full_semaphore_fails_within_the_timeout_and_wakes_on_a_release(
     lease_backend: str, lease_name: str
 ) -> None:
     held = [
-        acquire_slot(lease_name, limit=2, ttl=10, backend=lease_backend, holder=who)
-        for who in "ab"
+        acquire_slot(lease_name, limit=2, ttl=10, backend=lease_backend, holder=who) for who in "ab"
     ]
     assert sorted(h.slot for h in held) == [0, 1]
     assert all(isinstance(h, Slot) and h.semaphore == lease_name for h in held)
