@@ -35,7 +35,7 @@ from .keys import SEPARATOR, derived_name
 from .lease import _default_name, _LeaseBlock
 from .retry import SYSTEM_CLOCK, Backoff
 
-__all__ = ["MAX_LIMIT", "Slot", "acquire_slot", "semaphore", "slot_name"]
+__all__ = ["MAX_LIMIT", "Slot", "acquire_slot", "semaphore", "slot_name", "valid_limit"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
