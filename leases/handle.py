@@ -115,6 +115,11 @@ class Lease:
         return self.grant.expires_at
 
     @property
+    def shared(self) -> bool:
+        """Held as one of many readers (``lease(name, shared=True)``), not exclusively."""
+        return bool(self.grant.extra.get("shared"))
+
+    @property
     def lost(self) -> threading.Event:
         """Set once the lease is lost (never cleared).
 

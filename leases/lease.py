@@ -128,6 +128,7 @@ def lease(
     keepalive: bool = True,
     on_lost: OnLost | None = None,
     holder: str | None = None,
+    shared: bool = False,
 ) -> _LeaseBlock: ...
 def lease(
     name: str | Callable[..., Any] | None = None,
@@ -139,11 +140,13 @@ def lease(
     keepalive: bool = True,
     on_lost: OnLost | None = None,
     holder: str | None = None,
+    shared: bool = False,
 ) -> Any:
     """Hold ``name`` for the duration of a ``with`` block or a decorated function.
 
     ``@lease`` bare names the lease after the function (``module.qualname``). Arguments are
-    those of :func:`acquire`. Leaving the block releases; see :func:`_finish` for errors.
+    those of :func:`acquire` (``shared=True``: as one of many readers). Leaving the block
+    releases; see :func:`_finish` for errors.
     """
     options: dict[str, Any] = {
         "ttl": ttl,
@@ -152,6 +155,7 @@ def lease(
         "keepalive": keepalive,
         "on_lost": on_lost,
         "holder": holder,
+        "shared": shared,
     }
     if callable(name):
         return _LeaseBlock(_default_name(name), options)(name)

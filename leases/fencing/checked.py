@@ -77,6 +77,10 @@ def lease_check(held: Any, using: str) -> LeaseCheck:
     if not isinstance(token, int) or not hasattr(held, "ensure_held"):
         raise InvalidLeaseOption("lease", held, "must be a Lease (from acquire() or lease())")
     store = get_backend(backend)
+    if getattr(held, "shared", False) is True:
+        raise LeaseCheckUnavailable(
+            backend, "a shared lease's row is its readers' group; fence the write instead"
+        )
     if Capability.LEASE_ROWS not in store.capabilities:
         raise LeaseCheckUnavailable(
             backend, "its leases are not rows of a database table; fence the write instead"
