@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pytest
 
+from devservers import free_port
 from leases import (
     BackendNotSupported,
     LeaseCheckUnavailable,
@@ -28,29 +29,31 @@ from leases import (
 from leases.backends import Capability, get_backend
 from leases.lease import Lease
 from tests.checker import STALE, check_history, history, new_register, record_write
-from tests.extra_backends import closed_port_backend
+from tests.extra_backends import added_backend
 from tests.lease_backends import lease_backend, lease_name, require
 from tests.test_lease_faults import Workers, workers
 from tests.testapp.models_fencing import FencedDoc
 from tests.waiting import wait_until
 
-__all__ = ["closed_port_backend", "lease_backend", "lease_name", "workers"]
+__all__ = ["lease_backend", "lease_name", "workers"]
 
 
 def shared(name: str, alias: str, holder: str, **options: object) -> Lease:
     return acquire(name, ttl=10, backend=alias, holder=holder, shared=True, **options)  # type: ignore[arg-type]
 
 
-def test_backends_without_shared_leases_refuse_before_any_round_trip(
-    closed_port_backend: str,
-) -> None:
-    """The closed-port Redis backend: a round trip would raise BackendUnavailable instead."""
-    assert Capability.SHARED_LEASES not in get_backend(closed_port_backend).capabilities
-    with pytest.raises(BackendNotSupported) as refused:
-        acquire("x", backend=closed_port_backend, shared=True)
-    assert refused.value.capability == "shared leases"
-    with pytest.raises(BackendNotSupported), lease("x", backend=closed_port_backend, shared=True):
-        pass
+def test_backends_without_shared_leases_refuse_before_any_round_trip() -> None:
+    """Redlock at a closed port: a round trip would raise BackendUnavailable instead."""
+    nodes = [f"redis://127.0.0.1:{free_port()}/0"]
+    with added_backend("closed-redlock", {"ENGINE": "leases.backends.redlock", "NODES": nodes}):
+        assert Capability.SHARED_LEASES not in get_backend("closed-redlock").capabilities
+        with pytest.raises(BackendNotSupported) as refused:
+            acquire("x", backend="closed-redlock", shared=True)
+        assert refused.value.capability == "shared leases"
+        with pytest.raises(BackendNotSupported), lease("x", backend="closed-redlock", shared=True):
+            pass
+    for alias in ("etcd", "zookeeper"):  # declared, not connected: get_backend() makes no trip
+        assert Capability.SHARED_LEASES not in get_backend(alias).capabilities
 
 
 def test_readers_coexist_and_a_writer_excludes_them_all(
