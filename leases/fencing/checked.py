@@ -34,7 +34,7 @@ __all__ = ["LEASE_HELD_SQL", "LeaseCheck", "lease_check"]
 #: release advances the token) and its expiry is still ahead on the database's clock.
 LEASE_HELD_SQL = (
     "EXISTS (SELECT 1 FROM leases_lease WHERE name = %s AND holder = %s AND token = %s "
-    "AND holder <> '')"
+    "AND holder <> '' AND expires_at > clock_timestamp())"
 )
 
 
