@@ -29,7 +29,11 @@ from .holders import holder_identity
 from .keys import validate_lease_name
 from .retry import SYSTEM_CLOCK, Backoff
 
-__all__ = ["acquire"]
+__all__ = ["STOP_READERS_EVERY", "acquire"]
+
+#: How often a waiting exclusive acquirer renews its stop sign for new readers (a round trip
+#: of its own): well within the second the backends keep the sign, and not on every retry.
+STOP_READERS_EVERY = 0.4
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +76,13 @@ def _grant(
     attributes = {"leases.name": name, "leases.backend": store.alias}
     room = contextlib.nullcontext() if shared else store.waiting_room(name, timeout)
     writer = not shared and Capability.SHARED_LEASES in store.capabilities
+    stop_readers_at = waiting_since
     try:
         with tracing.span("leases.wait", attributes), room:
             while True:
-                if writer:
+                if writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at:
                     _stop_new_readers(store, name)
+                    stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
                 grant = attempt(name, holder, ttl)
                 if grant is not None:
                     return grant

@@ -169,9 +169,10 @@ class LeaseBackend(abc.ABC):
         raise BackendNotSupported(self.alias, Capability.SHARED_LEASES.value)
 
     def stop_new_readers(self, name: str) -> None:  # noqa: B027 - optional, like close()
-        """An exclusive waiter of ``name`` stops readers from joining for a short while, so a
-        stream of readers cannot starve it; it calls this again on each retry. Nothing to do
-        for backends without :attr:`Capability.SHARED_LEASES`."""
+        """An exclusive waiter of ``name`` stops readers from joining for a short while (at
+        least a second), so a stream of readers cannot starve it; it calls this again while it
+        waits (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds). One round trip;
+        nothing to do for backends without :attr:`Capability.SHARED_LEASES`."""
 
     @abc.abstractmethod
     def renew(self, grant: Grant, ttl: float) -> Grant:
