@@ -173,3 +173,22 @@ def test_lease_checked_writes_refuse_a_shared_lease(lease_backend: str, lease_na
     with pytest.raises(LeaseCheckUnavailable):
         FencedDoc(title="x").save(lease=reader)
     reader.release()
+
+
+def test_a_force_release_evicts_the_whole_group(lease_backend: str, lease_name: str) -> None:
+    """An operator revokes the token they saw (the latest reader's): every reader loses."""
+    store = require(lease_backend, Capability.SHARED_LEASES, Capability.FORCE_RELEASE)
+    readers = [
+        acquire(lease_name, ttl=10, backend=lease_backend, holder=f"r{i}", shared=True,
+                keepalive=False)
+        for i in (1, 2)
+    ]  # fmt: skip
+    info = store.inspect(lease_name)
+    assert info is not None and info.held and info.token == readers[1].token
+    store.force_release(lease_name, info.token)
+    for reader in readers:
+        with pytest.raises(LeaseLost):
+            reader.renew()
+    writer = acquire(lease_name, ttl=10, backend=lease_backend, timeout=0, holder="w")
+    assert writer.token > readers[1].token
+    writer.release()
