@@ -216,6 +216,13 @@ def locked_slow(self: Any, register: str, hold: float, lease: Lease) -> bool:
     )
 
 
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, limit=2, bind=True, busy_backoff=0.05,
+             busy_backoff_max=0.3, busy_max_retries=400)  # fmt: skip
+def limited_write(self: Any, register: str, hold: float, lease: Lease) -> bool:
+    """Up to two bodies per register at once; each writes its slot's own register."""
+    return _fenced_run(f"{register}/{lease.slot}", lease, self.request.id, hold)  # type: ignore[attr-defined]
+
+
 # -- idempotent --------------------------------------------------------------------------------
 
 
