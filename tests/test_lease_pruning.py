@@ -113,6 +113,23 @@ def test_the_floor_only_rises() -> None:
     assert TokenFloor.objects.get(id=1).pruned_rows == 2
 
 
+def test_a_shared_lease_of_a_pruned_name_starts_above_the_floor() -> None:
+    """Readers make a new row too (``lease(name, shared=True)``): above the floor as well."""
+    last = grant_cycles("prune:readers", 4)
+    age("prune:readers")
+    get_backend("default").prune(DAY)
+    reader = acquire("prune:readers", ttl=30, backend="default", keepalive=False, shared=True)
+    try:
+        assert reader.token > last.token
+        second = acquire(
+            "prune:readers", ttl=30, backend="default", keepalive=False, shared=True, holder="r2"
+        )
+        assert second.token == reader.token + 1  # the group's tokens go on from the row
+        second.release()
+    finally:
+        reader.release()
+
+
 def test_redlocks_counter_of_a_pruned_name_starts_above_the_floor() -> None:
     """Redlock takes its tokens from the same rows: a row the database backend left and a
     prune deleted must not restart Redlock's tokens either."""
