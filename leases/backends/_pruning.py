@@ -101,12 +101,13 @@ def prune_batch(
     Raises :class:`psycopg.errors.LockNotAvailable` when the lock was not had in time (nothing
     was done). Returns the last name read (``None``: the table is done), read, pruned.
     """
-    with conn.transaction():
+    # One round trip (pipeline mode): the lock is held for the statement's work and the
+    # commit, not for the network and scheduling delays of three more round trips.
+    with conn.pipeline(), conn.transaction():
         conn.execute(LOCK_TIMEOUT_SQL, {"lock_timeout": f"{LOCK_TIMEOUT * 1000:.0f}ms"})
         conn.execute(LOCK_SQL)
-        row = conn.execute(
-            PRUNE_BATCH_SQL, {"after": after, "older": older, "batch": batch}
-        ).fetchone()
+        cursor = conn.execute(PRUNE_BATCH_SQL, {"after": after, "older": older, "batch": batch})
+    row = cursor.fetchone()
     assert row is not None
     last, read, pruned = row
     return last, int(read), int(pruned)
