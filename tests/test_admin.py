@@ -299,11 +299,7 @@ def test_lease_waiters_are_listed_and_their_rooms_labelled(client: Client) -> No
         assert inside[0].pid in queued[0].blocked_by
 
         login(client, "view_lease")
-        import time as _t
-        _s = _t.monotonic()
         page = client.get(EVERY_BACKEND).content.decode()
-        print("PAGE TOOK", _t.monotonic() - _s)
-        print(page[page.index('id="lease-waiters"'):][:1500])
         assert f'<tr class="lease-waiter" data-name="{name}">' in page
         assert "next in line" in page and f"queued behind pid {inside[0].pid}" in page
         assert f'data-name="{name}">\n<td>{name}</td><td class="state">held</td>' in page
