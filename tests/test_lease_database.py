@@ -25,6 +25,7 @@ from leases.backends.database import (
     RELEASE_SQL,
     RENEW_SQL,
     ROOM_CONNECTIONS,
+    ROOM_GRACE,
     ROOM_TIMEOUT,
     Backend,
 )
@@ -42,7 +43,7 @@ NAIVE_ACQUIRE_SQL = ACQUIRE_SQL.replace(
     WHERE name = %(name)s::text AND holder <> '' AND expires_at > clock_timestamp()
 )
 """,
-    "",
+    "WHERE true\n",
 )
 
 
@@ -102,6 +103,7 @@ def test_failed_try_assigns_no_transaction_id(lease_name: str) -> None:
     """
     held = acquire(lease_name, ttl=5, keepalive=False)
     params = {"name": lease_name, "holder": "contender", "ttl": 5.0, "secret": "s"}
+    params |= {"room": room_key(lease_name), "grace": ROOM_GRACE, "in_room": False}
     with own_connection() as probe:
         probe.autocommit = False
         for sql, assigned in ((ACQUIRE_SQL, False), (NAIVE_ACQUIRE_SQL, True)):
