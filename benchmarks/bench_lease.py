@@ -35,7 +35,8 @@ from benchmarks.bench_advisory import _measure
 from benchmarks.common import Report
 from leases import acquire, lease
 from leases.backends import get_backend
-from leases.backends.database import ACQUIRE_SQL, RELEASE_SQL, Backend
+from leases.backends._waiting_room import room_key
+from leases.backends.database import ACQUIRE_SQL, RELEASE_SQL, ROOM_GRACE, Backend
 
 #: The floor proves ownership like the backend does (renew/release compare the secret's hash).
 SECRET = "0" * 32
@@ -79,7 +80,9 @@ def _floor(
     )
 
     def op() -> None:
-        grant = {"name": name, "holder": holder, "secret": SECRET}
+        grant: dict[str, Any] = {"name": name, "holder": holder, "secret": SECRET}
+        if not naive:  # outside any waiting room, as the backend's first try
+            grant |= {"room": room_key(name), "grace": ROOM_GRACE, "in_room": False}
         ((token, _),) = run(acquire_sql, {**grant, "ttl": TTL})
         run(release_sql, {**grant, "token": token})
 
