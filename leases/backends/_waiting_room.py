@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -33,6 +34,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+from psycopg import pq
 
 from ..errors import BackendUnavailable
 from ..keys import advisory_key
@@ -94,6 +96,8 @@ class WaitingRoom:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._idle: list[psycopg.Connection[Any]] = []
+        #: Idle connections whose last statement's reply is still to be read (:func:`_send`).
+        self._unsettled: set[psycopg.Connection[Any]] = set()
         self._slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
         track(self)
 
@@ -199,7 +203,9 @@ class WaitingRoom:
         with self._lock:
             while self._idle:
                 conn = self._idle.pop()
-                if not stale(conn):
+                unsettled = conn in self._unsettled
+                self._unsettled.discard(conn)
+                if (not unsettled or _settle(conn)) and not stale(conn):
                     return conn
                 close_quietly(conn)
         return connect(self.db_alias)
@@ -208,7 +214,14 @@ class WaitingRoom:
         conn = visit.conn
         try:
             if not visit.inside:
-                conn.execute(ROOM_UNLISTEN_SQL.encode())
+                # Granted (the grant unlocked the room) or queued out: only stop listening.
+                # Sent without waiting for the reply, which the next user of the connection
+                # collects (:func:`_settle`): the new holder returns a round trip sooner.
+                if not _send(conn, ROOM_UNLISTEN_SQL):
+                    conn.execute(ROOM_UNLISTEN_SQL.encode())
+                else:
+                    with self._lock:
+                        self._unsettled.add(conn)
             elif conn.execute(ROOM_LEAVE_SQL.format(key=visit.key).encode()).fetchone() != (True,):
                 # The unlock ran on another server session (a transaction-pooling proxy):
                 # the room cannot work here, so stop using it rather than leak locks.
@@ -221,12 +234,14 @@ class WaitingRoom:
             if len(self._idle) < _IDLE_ROOM_CONNECTIONS:
                 self._idle.append(conn)
                 return
+            self._unsettled.discard(conn)
         close_quietly(conn)
 
     def close(self) -> None:
         """Close the idle room connections (those in use close when their waiter leaves)."""
         with self._lock:
             idle, self._idle = self._idle, []
+            self._unsettled.clear()
         for conn in idle:
             close_quietly(conn)
 
@@ -236,4 +251,52 @@ class WaitingRoom:
         visit: _Visit | None = getattr(self._local, "visit", None)
         inherit(*self._idle, visit.conn if visit is not None else None)
         self._idle = []
+        self._unsettled = set()
         self._local = threading.local()
+
+
+#: Longest the next user waits for the reply to a statement sent without waiting.
+_SETTLE_TIMEOUT = 1.0
+
+
+def _send(conn: psycopg.Connection[Any], statement: str) -> bool:
+    """Send ``statement`` on idle ``conn`` without waiting for the reply; whether it was sent
+    (if not, the caller runs it the ordinary way, or drops a connection left mid-message)."""
+    pgconn = conn.pgconn
+    if pgconn.transaction_status != pq.TransactionStatus.IDLE:
+        return False
+    deadline = time.monotonic() + _SETTLE_TIMEOUT
+    try:
+        pgconn.send_query(statement.encode())
+        while pgconn.flush() == 1:  # the socket's buffer is full: wait until it drains
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [pgconn.socket], [], left)[1]:
+                return False
+    except (psycopg.Error, OSError):
+        return False
+    return True
+
+
+def _settle(conn: psycopg.Connection[Any]) -> bool:
+    """Read the reply to what :func:`_send` sent; whether ``conn`` is fit for use again.
+
+    The reply has usually arrived long before (the connection sat idle), so this costs no
+    round trip; notifications that came with it are buffered for the connection's next
+    ``notifies()``, where a stale one costs at most one try.
+    """
+    pgconn = conn.pgconn
+    deadline = time.monotonic() + _SETTLE_TIMEOUT
+    try:
+        while True:
+            pgconn.consume_input()
+            if not pgconn.is_busy():
+                break
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([pgconn.socket], [], [], left)[0]:
+                return False
+        ok = True
+        while (result := pgconn.get_result()) is not None:
+            ok = ok and result.status == pq.ExecStatus.COMMAND_OK
+        return ok and pgconn.transaction_status == pq.TransactionStatus.IDLE
+    except (psycopg.Error, OSError):
+        return False
