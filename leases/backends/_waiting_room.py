@@ -34,7 +34,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-from psycopg import pq
+from psycopg import pq, sql
 
 from ..errors import BackendUnavailable
 from ..keys import advisory_key
@@ -44,14 +44,16 @@ __all__ = ["ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "WaitingRoom", "roo
 
 logger = logging.getLogger("leases")
 
-#: Enter: listen, then queue on the name's room lock; ``lock_timeout`` bounds the queueing.
+#: Enter (and queue again after :data:`ROOM_TIMEOUT`): listen, then queue on the name's room
+#: lock, ``lock_timeout`` bounding the queueing; once inside, say whether the name is held, so
+#: the waiter skips a try bound to fail (it is listening: that holder's release will wake it).
+#: A timeout rolls the ``LISTEN`` back with the rest, so each queueing listens again.
 #: Leave: unlock and stop listening. Each is one simple-protocol round trip (two statements,
-#: integers formatted in: no parameters are allowed there).
-#: Queue again after :data:`ROOM_TIMEOUT`: the session is listening already.
-ROOM_QUEUE_SQL = (
-    "SELECT set_config('lock_timeout', '{timeout_ms}ms', false), pg_advisory_lock({key})"
-)
-ROOM_ENTER_SQL = "LISTEN leases_released; " + ROOM_QUEUE_SQL
+#: values formatted in as literals: no parameters are allowed there).
+ROOM_ENTER_SQL = """LISTEN leases_released;
+SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key}),
+       EXISTS (SELECT 1 FROM leases_lease
+               WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp())"""
 ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
 #: Leave after the grant statement unlocked the room already.
 ROOM_UNLISTEN_SQL = "UNLISTEN *"
@@ -84,6 +86,8 @@ class _Visit:
     deadline: float | None
     #: Holding the room lock (inside), rather than queued out after :data:`ROOM_TIMEOUT`.
     inside: bool = False
+    #: The name was held when this waiter got inside: its next try is bound to fail.
+    held: bool = False
 
 
 class WaitingRoom:
@@ -152,6 +156,9 @@ class WaitingRoom:
         visit = self._visit(name)
         if visit is None or not visit.inside:
             return None
+        if visit.held:
+            visit.held = False
+            return []  # held when we got inside, and no release has woken us since
         try:
             rows = visit.conn.execute(statement, params).fetchall()
         except psycopg.Error as exc:
@@ -174,7 +181,7 @@ class WaitingRoom:
         try:
             conn = self._connection()
             visit = _Visit(name, room_key(name), conn, deadline)
-            self._lock_room(visit, ROOM_ENTER_SQL)
+            self._lock_room(visit)
             return visit
         except (psycopg.Error, BackendUnavailable) as exc:
             logger.debug("leases: waiting without a room for %r: %s", name, exc)
@@ -183,21 +190,28 @@ class WaitingRoom:
 
     def _queue(self, visit: _Visit) -> bool:
         """Queue again after :data:`ROOM_TIMEOUT`; whether the caller should try now."""
-        self._lock_room(visit, ROOM_QUEUE_SQL)
+        self._lock_room(visit)
         return visit.inside
 
     @staticmethod
-    def _lock_room(visit: _Visit, template: str) -> None:
+    def _lock_room(visit: _Visit) -> None:
         left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
         queue_for = min(left, ROOM_TIMEOUT)
         if queue_for <= 0:
             return
-        statement = template.format(timeout_ms=max(1, int(queue_for * 1000)), key=visit.key)
+        statement = sql.SQL(ROOM_ENTER_SQL).format(
+            timeout_ms=sql.Literal(f"{max(1, int(queue_for * 1000))}ms"),
+            key=sql.Literal(visit.key),
+            name=sql.Literal(visit.name),
+        )
         try:
-            visit.conn.execute(statement.encode())
-            visit.inside = True
+            cursor = visit.conn.execute(statement)
         except psycopg.errors.LockNotAvailable:
-            pass  # queued long enough: try once, then queue again
+            return  # queued long enough: try once, then queue again
+        cursor.nextset()
+        row = cursor.fetchone()
+        visit.inside = True
+        visit.held = bool(row and row[2])
 
     def _connection(self) -> psycopg.Connection[Any]:
         with self._lock:
