@@ -191,8 +191,9 @@ class Contended:
     shares: list[int]
     #: Processes that did not report in time (stuck, or dead): the run is not comparable.
     stuck: int
-    #: Longest any single acquire waited, seconds.
+    #: Longest any single acquire waited, and the 99th percentile, seconds.
     longest_wait: float
+    p99_wait: float
     #: Of the grants with a token, how often the previous grant went to the same process.
     repeats: float | None
     #: Grants that a later-arriving acquire overtook, on average (``None``: no tokens).
@@ -208,7 +209,7 @@ class Contended:
         parts = [
             f"{label}: {self.grants / self.seconds:.0f} grants/s",
             f"shares {'/'.join(map(str, self.shares))} (largest {worst:.2f}x fair)",
-            f"longest wait {self.longest_wait * 1e3:.0f} ms",
+            f"wait p99 {self.p99_wait * 1e3:.0f} ms, longest {self.longest_wait * 1e3:.0f} ms",
         ]
         if self.repeats is not None:
             parts.append(f"same process twice in a row {self.repeats:.0%}")
@@ -270,12 +271,14 @@ def contended(kind: str, seconds: float = CONTENDED_SECONDS) -> Contended:
                 proc.join(timeout=5)
     grants = [grant for done in per_process.values() for grant in done]
     order = _order(per_process)
+    waits = sorted(granted - arrived for _, arrived, granted in grants)
     return Contended(
         grants=len(grants),
         seconds=seconds,
         shares=sorted((len(done) for done in per_process.values()), reverse=True),
         stuck=len(procs) - len(per_process),
-        longest_wait=max((granted - arrived for _, arrived, granted in grants), default=0.0),
+        longest_wait=waits[-1] if waits else 0.0,
+        p99_wait=waits[int(len(waits) * 0.99)] if waits else 0.0,
         repeats=None if order is None else order[0],
         overtaken=None if order is None else order[1],
     )
