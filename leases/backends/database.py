@@ -25,6 +25,7 @@ come, first served queue). Waiters that find no room (too many) sleep on the pro
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -104,6 +105,8 @@ WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
 #: which then expires by its TTL, and the token is untouched. Any later grant commits
 #: durably, and its flush covers this earlier commit record, so no grant can survive a
 #: crash that the release it followed did not (``tests/test_lease_database_crash.py``).
+#: The second column says whether waiters are in or queued for the name's room: then the
+#: releaser's own next try would be refused (it may not overtake them), so it skips it.
 RELEASE_SQL = """
 WITH freed AS (
     UPDATE leases_lease SET holder = '', expires_at = clock_timestamp(), secret_hash = NULL
@@ -112,9 +115,11 @@ WITH freed AS (
     RETURNING name
 )
 SELECT pg_notify('leases_released', name)::text IS NOT NULL
-       AND set_config('synchronous_commit', 'off', true) IS NOT NULL FROM freed
+       AND set_config('synchronous_commit', 'off', true) IS NOT NULL,
+       NOT pg_try_advisory_xact_lock_shared(%(room)s::bigint)
+FROM freed
 UNION ALL
-SELECT false FROM leases_lease
+SELECT false, false FROM leases_lease
 WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
   AND secret_hash IS DISTINCT FROM sha256(%(secret)s::bytea) AND NOT EXISTS (SELECT FROM freed)
 """
@@ -298,6 +303,10 @@ class Backend(LeaseBackend):
         """One try: inside the name's waiting room on the room's connection (a grant leaves
         the room in the same trip), else on the backend's own connection."""
         sent_at, secret = time.monotonic(), new_secret()
+        if sent_at - self._queued().pop(name, -math.inf) < ROOM_GRACE.total_seconds():
+            # This thread's release just saw waiters queued: a try now would be refused.
+            self._failed_at()[name] = sent_at
+            return None
         params = _asking(name, holder, ttl, secret)
         rows = self._room.run_inside(name, ROOM_ACQUIRE_SQL, {**params, "in_room": True})
         if rows is None:
@@ -313,7 +322,10 @@ class Backend(LeaseBackend):
         return _renewed(grant, ttl, sent_at, self._run(RENEW_SQL, {**_owner(grant), "ttl": ttl}))
 
     def release(self, grant: Grant) -> None:
-        _released(grant, self._run(RELEASE_SQL, _owner(grant)))
+        rows = self._run(RELEASE_SQL, {**_owner(grant), "room": room_key(grant.name)})
+        _released(grant, rows)
+        if rows[0][1]:
+            self._queued()[grant.name] = time.monotonic()
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())
@@ -351,7 +363,8 @@ class Backend(LeaseBackend):
         )
 
     async def arelease(self, grant: Grant) -> None:
-        _released(grant, await self._arun(RELEASE_SQL, _owner(grant)))
+        params = {**_owner(grant), "room": room_key(grant.name)}
+        _released(grant, await self._arun(RELEASE_SQL, params))
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
         """Woken by the release's ``NOTIFY`` on the loop's listening connection."""
@@ -409,6 +422,13 @@ class Backend(LeaseBackend):
         self._room.close()
 
     # -- internals ------------------------------------------------------------------------
+
+    def _queued(self) -> dict[str, float]:
+        """Per thread: when this thread released each name while others queued for it."""
+        queued: dict[str, float] | None = getattr(self._local, "queued", None)
+        if queued is None:
+            queued = self._local.queued = {}
+        return queued
 
     def _failed_at(self) -> dict[str, float]:
         """Per thread: when this thread's last failed try of each name was sent."""
