@@ -214,14 +214,16 @@ class WaitingRoom:
         visit.held = bool(row and row[2])
 
     def _connection(self) -> psycopg.Connection[Any]:
-        with self._lock:
-            while self._idle:
+        while True:
+            with self._lock:
+                if not self._idle:
+                    break
                 conn = self._idle.pop()
                 unsettled = conn in self._unsettled
                 self._unsettled.discard(conn)
-                if (not unsettled or _settle(conn)) and not stale(conn):
-                    return conn
-                close_quietly(conn)
+            if (not unsettled or _settle(conn)) and not stale(conn):
+                return conn
+            close_quietly(conn)
         return connect(self.db_alias)
 
     def _leave(self, visit: _Visit) -> None:
