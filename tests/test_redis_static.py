@@ -18,13 +18,25 @@ from types import ModuleType
 
 import pytest
 
+from leases.backends import _redis_async as redis_async
+from leases.backends import _redis_conn as redis_conn
 from leases.backends import _redis_io as redis_io
 from leases.backends import _redis_nodes as redis_nodes
+from leases.backends import _redis_protocol as redis_protocol
 from leases.backends import _redis_scripts as redis_scripts
 from leases.backends import redis as redis_backend
 from leases.backends import redlock as redlock_backend
 
-MODULES = [redis_backend, redlock_backend, redis_io, redis_nodes, redis_scripts]
+MODULES = [
+    redis_backend,
+    redlock_backend,
+    redis_async,
+    redis_conn,
+    redis_io,
+    redis_nodes,
+    redis_protocol,
+    redis_scripts,
+]
 DESTRUCTIVE = {
     "DEL", "UNLINK", "EXPIRE", "PEXPIRE", "EXPIREAT", "PEXPIREAT", "PERSIST", "SET", "SETEX",
     "PSETEX", "GETDEL", "GETEX", "GETSET", "RENAME", "RENAMENX", "MOVE", "RESTORE", "FLUSHDB",
