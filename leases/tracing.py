@@ -7,7 +7,10 @@ so the package has no dependency to carry and the lease path pays one attribute 
 
 The tracer is looked up once, on first use rather than at import (importing the API costs
 milliseconds that a process which never acquires should not pay); the API's proxy tracer
-forwards to a provider set up later, so an early lookup is not a stale one.
+forwards to a provider set up later, so an early lookup is not a stale one. Until the
+application sets a provider, every span the API would start is a no-op that still costs
+microseconds per acquire and release (context attach and detach), so :func:`span` starts none
+while the global provider is the API's placeholder, and starts real ones as soon as it is not.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from .errors import LeaseUnavailable
@@ -31,11 +36,15 @@ Attributes = Mapping[str, str | int | float | bool]
 
 _UNSET: Any = object()
 _tracer: Tracer | None = _UNSET
+_api: ModuleType | None = None
 _lock = threading.Lock()
+
+#: What :func:`span` returns while nothing would record a span.
+_NO_SPAN: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def _get_tracer() -> Tracer | None:
-    global _tracer
+    global _tracer, _api
     if _tracer is _UNSET:
         with _lock:
             if _tracer is _UNSET:
@@ -44,22 +53,29 @@ def _get_tracer() -> Tracer | None:
                 except ImportError:
                     _tracer = None
                 else:
+                    _api = trace
                     _tracer = trace.get_tracer(INSTRUMENTATION_NAME)
     return _tracer
 
 
-@contextlib.contextmanager
-def span(name: str, attributes: Attributes) -> Iterator[Span | None]:
-    """A span named ``name`` around the block, or nothing without the OpenTelemetry API.
+def span(name: str, attributes: Attributes) -> AbstractContextManager[Span | None]:
+    """A span named ``name`` around the block, or nothing when no span would be recorded:
+    without the OpenTelemetry API, or before the application set a tracer provider.
 
     A lease that was not available in time is an answer, not a failure: the span says so in
     ``leases.outcome`` and keeps an unset status, so a dashboard of failed spans shows only
     stores that failed. Any other exception is recorded and marks the span as an error.
     """
     tracer = _get_tracer()
-    if tracer is None:
-        yield None
-        return
+    if tracer is None or _api is None:
+        return _NO_SPAN
+    if isinstance(_api.get_tracer_provider(), _api.ProxyTracerProvider):
+        return _NO_SPAN  # the placeholder: its spans are no-ops
+    return _span(tracer, name, attributes)
+
+
+@contextlib.contextmanager
+def _span(tracer: Tracer, name: str, attributes: Attributes) -> Iterator[Span]:
     from opentelemetry.trace import Status, StatusCode
 
     with tracer.start_as_current_span(
