@@ -24,6 +24,7 @@ from leases.backends import _redis_io as redis_io
 from leases.backends import _redis_nodes as redis_nodes
 from leases.backends import _redis_protocol as redis_protocol
 from leases.backends import _redis_scripts as redis_scripts
+from leases.backends import _redlock_async as redlock_async
 from leases.backends import redis as redis_backend
 from leases.backends import redlock as redlock_backend
 
@@ -36,6 +37,7 @@ MODULES = [
     redis_nodes,
     redis_protocol,
     redis_scripts,
+    redlock_async,
 ]
 DESTRUCTIVE = {
     "DEL", "UNLINK", "EXPIRE", "PEXPIRE", "EXPIREAT", "PEXPIREAT", "PERSIST", "SET", "SETEX",
