@@ -22,13 +22,13 @@ from .holders import holder_identity
 from .keys import validate_name
 from .retry import SYSTEM_CLOCK, Backoff
 
-__all__ = ["acquire"]
+__all__ = ["Request", "Timing", "acquire", "prepare"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Timing:
+class Timing:
     """When an acquisition started, and how long it has spent waiting (monotonic seconds)."""
 
     started: float = field(default_factory=SYSTEM_CLOCK.monotonic)
@@ -44,7 +44,7 @@ def _grant(
     holder: str,
     ttl: float,
     timeout: float | None,
-    timing: _Timing,
+    timing: Timing,
 ) -> Grant:
     """Try; then, in the name's waiting room, wait for a release (or a backoff delay) and
     try again, until the deadline."""
@@ -165,10 +165,10 @@ def acquire(
 
 def _timed_grant(
     store: LeaseBackend, name: str, holder: str, ttl: float, timeout: float | None
-) -> tuple[Grant, _Timing]:
+) -> tuple[Grant, Timing]:
     """:func:`_grant`, timed; giving up is announced with what it cost (``lease_acquired``
     announces success, from :meth:`Lease.start`)."""
-    timing = _Timing()
+    timing = Timing()
     try:
         return _grant(store, name, holder, ttl, timeout, timing), timing
     except Exception as exc:
