@@ -21,7 +21,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from . import conf, keepalive, signals, tracing
+from . import _process, conf, keepalive, signals, tracing
 from ._arguments import valid_ttl
 from .backends import Grant, LeaseBackend
 from .errors import LeaseLost, LeaseNotHeld
@@ -64,7 +64,7 @@ class Lease:
         self._store = backend
         self._on_lost = on_lost
         self._drift = (settings.drift_factor, settings.drift_min)
-        self._pid = os.getpid()
+        self._pid = _process.pid()
         self._key: tuple[str, str, str] = (self.backend, self.name, "")
         self._state = threading.Lock()
         self._released = False
@@ -135,7 +135,7 @@ class Lease:
 
     def remaining(self) -> float:
         """Seconds this holder may still rely on the lease; pessimistic, never negative."""
-        if self.done or os.getpid() != self._pid:
+        if self.done or _process.pid() != self._pid:
             return 0.0
         return max(0.0, self.valid_until - self.clock.monotonic())
 
@@ -145,7 +145,7 @@ class Lease:
         Checks this process's knowledge only (no round trip): fenced writes call it to fail
         fast, and the fence itself rejects what a paused holder could not know.
         """
-        if os.getpid() != self._pid:
+        if _process.pid() != self._pid:
             raise LeaseLost(self.name, self.token, f"held by process {self._pid}, not this child")
         if self._released:
             raise LeaseLost(self.name, self.token, "it was released")
@@ -274,7 +274,7 @@ class Lease:
         signals.send(signals.lease_released, self.backend, lease=self)
 
     def _check_owner(self, action: str) -> None:
-        if os.getpid() != self._pid:
+        if _process.pid() != self._pid:
             raise LeaseNotHeld(
                 self.name, f"cannot {action} in a forked child: process {self._pid} holds it"
             )
