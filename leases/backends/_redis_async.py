@@ -12,10 +12,12 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from ..errors import FencingUnavailable
 from ._aio import PerLoop
 from ._redis_conn import arun_script, server_run
-from ._redis_io import Edge, ablpop, aconnect, text
+from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
 from ._redis_protocol import (
     acquire_call,
     acquired,
@@ -46,6 +48,8 @@ class AsyncRedis:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self._clients: PerLoop[_Client] = PerLoop(self._make, _aclose)
+        options = backend.connect_options()
+        self._timeout = read_timeout(options["cache"], options["socket_timeout"])
 
     def _make(self) -> _Client:
         """A ``redis.asyncio`` client for the running loop (and a cluster client's scripts)."""
@@ -60,25 +64,35 @@ class AsyncRedis:
         cancelled round trip drops its connection (its reply was never read)."""
         client, cluster = self._clients.get()
         with Edge(self.backend.alias, script):
-            if cluster:
-                return await cluster[script](keys=keys, args=args, client=client)
-            pool = client.connection_pool
-            connection = await pool.get_connection()
             try:
-                await connection.connect()
-                lua = self.backend.scripts[script]
-                if script != "acquire":
-                    return await arun_script(connection, lua, keys, args)
-                known = server_run(connection)
-                sent = known.current()
-                reply = await arun_script(connection, lua, keys, [*args, sent])
-                known.learn(sent, text(reply[2]))
-                return reply
-            except BaseException:
-                await connection.disconnect()
-                raise
-            finally:
-                await pool.release(connection)
+                async with asyncio.timeout(self._timeout):
+                    if cluster:
+                        return await cluster[script](keys=keys, args=args, client=client)
+                    return await self._on_connection(client, script, keys, args)
+            except TimeoutError as exc:  # the client has no read timeout of its own
+                raise redis.TimeoutError(f"no reply within {self._timeout} s") from exc
+
+    async def _on_connection(
+        self, client: Any, script: str, keys: list[str], args: list[object]
+    ) -> Any:
+        """One script round trip on a connection checked out here (see ``_redis_conn``)."""
+        pool = client.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.connect()
+            lua = self.backend.scripts[script]
+            if script != "acquire":
+                return await arun_script(connection, lua, keys, args)
+            known = server_run(connection)
+            sent = known.current()
+            reply = await arun_script(connection, lua, keys, [*args, sent])
+            known.learn(sent, text(reply[2]))
+            return reply
+        except BaseException:
+            await connection.disconnect()
+            raise
+        finally:
+            await pool.release(connection)
 
     async def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         """The rare new epoch (a database statement, after a Redis restart or failover) is
