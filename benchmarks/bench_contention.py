@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from django.db import connections, transaction
+from django.db import connections
 
 from benchmarks.bench_redis import configured
 from benchmarks.common import Report
@@ -53,11 +53,9 @@ def takers(client: Any, three: list[Any]) -> dict[str, Take]:
         return take
 
     def pglock_xact(name: str) -> Callable[[], object]:
-        block = transaction.atomic()
-        block.__enter__()
-        lock = pglock.advisory(name, xact=True)
+        lock = pglock.advisory(name, xact=True)  # opens and commits its own transaction
         lock.__enter__()
-        return lambda: (lock.__exit__(None, None, None), block.__exit__(None, None, None))
+        return lambda: lock.__exit__(None, None, None)
 
     def python_redis_lock(name: str) -> Callable[[], object]:
         held = redis_lock.Lock(client, name, expire=int(TTL))
