@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import statistics
 import time
 import uuid
@@ -47,13 +48,16 @@ Op = Callable[[], Awaitable[object]]
 
 
 async def interleaved(contenders: dict[str, Op]) -> list[tuple[str, float]]:
-    """Median seconds per awaited call of each contender, taking turns round by round."""
+    """Median seconds per awaited call of each contender, taking turns in a shuffled order
+    round by round (as :func:`benchmarks.common.interleaved`)."""
     samples: dict[str, list[float]] = {label: [] for label in contenders}
     for op in contenders.values():
         for _ in range(WARMUP):
             await op()
+    turns, order = random.Random(len(contenders)), list(contenders.items())
     for _ in range(ROUNDS):
-        for label, op in contenders.items():
+        turns.shuffle(order)  # see benchmarks.common.interleaved
+        for label, op in order:
             started = time.perf_counter()
             for _ in range(OPS):
                 await op()
