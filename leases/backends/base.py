@@ -231,6 +231,18 @@ class LeaseBackend(abc.ABC):
         """
         return contextlib.nullcontext()
 
+    def doubts(self, grant: Grant) -> str | None:
+        """Why this process cannot vouch for ``grant`` right now though its validity has not
+        run out, or ``None``.
+
+        No round trip: only what the client already knows. A ZooKeeper connection that is
+        suspended, for one, may hide a session the ensemble has already expired, znodes and
+        all; until it is back, :meth:`~leases.handle.Lease.ensure_held` refuses (without
+        marking the lease lost: it may be trusted again within its validity). The default has
+        no doubts: the validity is all a client of the other stores can know.
+        """
+        return None
+
     @abc.abstractmethod
     def inspect(self, name: str) -> LeaseInfo | None:
         """The current state of ``name`` (held or not), or ``None`` if never granted."""
