@@ -9,6 +9,7 @@ token higher than every one before.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -138,3 +139,36 @@ def test_a_flushed_script_is_loaded_again_on_the_same_connection(
     first = cycle(backend, name)
     redis.Redis.from_url(server.url).script_flush()
     assert cycle(backend, name) > first  # NOSCRIPT: loaded again, then run
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("step", ["try_acquire", "release"])
+def test_an_async_round_trip_to_a_hung_server_ends_at_the_socket_timeout(
+    backend_on: Callable[[RedisServer], Backend],
+    redis_servers: Callable[[int], list[RedisServer]],
+    step: str,
+) -> None:
+    """The async client has no read timeout of its own (a socket timeout costs a task per
+    command): ``asyncio.timeout`` must end every round trip at ``SOCKET_TIMEOUT``."""
+    (server,) = redis_servers(1)
+    backend = backend_on(server)  # SOCKET_TIMEOUT 2.0
+    name = f"run-{uuid.uuid4().hex[:8]}"
+
+    async def main() -> float:
+        grant = await backend.atry_acquire(name, "h", 30)
+        assert grant is not None
+        server.pause()
+        started = time.monotonic()
+        try:
+            with pytest.raises(BackendUnavailable):
+                if step == "try_acquire":
+                    await backend.atry_acquire(name + "-2", "h", 30)
+                else:
+                    await backend.arelease(grant)
+            return time.monotonic() - started
+        finally:
+            server.resume()
+            await backend.aclose()
+
+    took = asyncio.run(main())
+    assert 1.9 <= took < 10, took

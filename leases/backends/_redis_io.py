@@ -166,21 +166,23 @@ def aconnect(
     cache's ``LOCATION`` (its first, writable server) and its ``PASSWORD`` and
     ``SOCKET_CONNECT_TIMEOUT`` options: the same server the sync client talks to.
 
-    The client has no read timeout: every caller bounds its round trip with
-    ``asyncio.timeout`` instead (``socket_timeout``, or the cache's ``SOCKET_TIMEOUT``, is what
-    :func:`read_timeout` returns for it). A socket timeout would make redis.asyncio wrap each
-    send in ``asyncio.wait_for``, a task and an event-loop turn per command.
+    The client has no read timeout (not even redis-py's default): every caller bounds its
+    round trip with ``asyncio.timeout`` instead (``socket_timeout``, or the cache's
+    ``SOCKET_TIMEOUT``, is what :func:`read_timeout` returns for it). A socket timeout would
+    make redis.asyncio wrap each send in ``asyncio.wait_for``, a task and an event-loop turn
+    per command.
     """
     import redis.asyncio
     from redis.asyncio.retry import Retry as AsyncRetry
 
-    timeouts: dict[str, Any] = {"socket_connect_timeout": socket_timeout}
+    timeouts: dict[str, Any] = {"socket_timeout": None, "socket_connect_timeout": socket_timeout}
     if cache is not None:
         config: dict[str, Any] = settings.CACHES[str(cache)]
         location = config["LOCATION"]
         url = (location if isinstance(location, str) else location[0]).split(",")[0]
         options = config.get("OPTIONS", {})
         timeouts = {
+            "socket_timeout": None,
             "socket_connect_timeout": options.get("SOCKET_CONNECT_TIMEOUT", socket_timeout),
         }
         if options.get("PASSWORD") is not None:
