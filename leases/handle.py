@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, Self
 
 from . import _process, conf, keepalive, signals, tracing
 from ._arguments import valid_ttl
@@ -82,7 +82,7 @@ class Lease:
         key: tuple[str, str, str] | None = None,
         elapsed: float | None = None,
         waited: float | None = None,
-    ) -> Lease:
+    ) -> Self:
         """The one door from a grant to a held lease: handle, registry, signal, watchdog.
 
         Every way of coming to hold a grant (``acquire()``, a Celery worker adopting the guard
@@ -113,6 +113,11 @@ class Lease:
     def expires_at(self) -> Any:
         """When the store expires the grant, on the store's clock (``None`` if it cannot say)."""
         return self.grant.expires_at
+
+    @property
+    def shared(self) -> bool:
+        """Held as one of many readers (``lease(name, shared=True)``), not exclusively."""
+        return bool(self.grant.extra.get("shared"))
 
     @property
     def lost(self) -> threading.Event:

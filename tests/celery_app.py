@@ -216,6 +216,13 @@ def locked_slow(self: Any, register: str, hold: float, lease: Lease) -> bool:
     )
 
 
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, limit=2, bind=True, busy_backoff=0.05,
+             busy_backoff_max=0.3, busy_max_retries=400)  # fmt: skip
+def limited_write(self: Any, register: str, hold: float, lease: Lease) -> bool:
+    """Up to two bodies per register at once; each writes its slot's own register."""
+    return _fenced_run(f"{register}/{lease.slot}", lease, self.request.id, hold)  # type: ignore[attr-defined]
+
+
 # -- idempotent --------------------------------------------------------------------------------
 
 
@@ -227,6 +234,14 @@ def add_once(self: Any, effect: str, hold: float) -> int:
     Effect.objects.filter(name=effect).update(count=F("count") + 1)
     _run(effect, self.request.id, None, hold if _first_delivery(self.request.id) else 0)
     return Effect.objects.get(name=effect).count
+
+
+@idempotent_task(key="order-{order}", lock=1, atomic=False, acks_late=True, in_flight_backoff=0.2)
+def place_order_once(order: str, amount: int) -> Any:
+    """The steps workflow (tests/steps_workflow.py): a redelivery resumes after its last step."""
+    from tests.steps_workflow import place_order
+
+    return place_order(order, amount)
 
 
 # -- singleton, leader, partitioned -------------------------------------------------------------

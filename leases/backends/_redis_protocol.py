@@ -7,12 +7,14 @@ runs them on blocking connections, :mod:`leases.backends._redis_async` on ``redi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from ..errors import LeaseLost, LeaseNotHeld
 from ._redis_io import expires, ms, text
 from ._redis_scripts import WAKE_TTL_MS, LeaseKeys, Reply, lua
+from ._redis_shared import NEXT_GRANT_LUA
 from .base import FORGED, Grant
 
 __all__ = [
@@ -47,37 +49,24 @@ MAX_EPOCH = 2**31 - 1
 #: The replication id is read (``INFO``) only when the caller does not know it or the counter
 #: was stamped with another one; otherwise the caller's is trusted (see the Redis backend's
 #: module docstring for when a connection's knowledge is renewed). Every reply ends with the id
-#: the script used, for the caller to remember.
+#: the script used, for the caller to remember. The token step is the shared acquire's too
+#: (:data:`~leases.backends._redis_shared.NEXT_GRANT_LUA`).
 #: Returns {OK, value, run} | {BUSY, value, run} | {NEED_EPOCH, stored epoch, run}.
-ACQUIRE_LUA = lua("""
+ACQUIRE_LUA = lua(
+    """
+local known_run = ARGV[6] or ''
 local current = redis.call('GET', KEYS[1])
 if current then
-  return {BUSY, current, ARGV[6] or ''}
+  return {BUSY, current, known_run}
 end
-local state = redis.call('HMGET', KEYS[2], 'epoch', 'counter', 'run')
-local run = ARGV[6] or ''
-if run == '' or state[3] ~= run then
-  if redis.replicate_commands then
-    redis.replicate_commands()  -- Redis < 5: allow writes after INFO (no-op since 5)
-  end
-  run = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
-end
-local epoch, counter = tonumber(state[1]), tonumber(state[2])
-if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV[4]) then
-  local offered = tonumber(ARGV[3])
-  if offered <= (epoch or 0) then
-    return {NEED_EPOCH, tostring(epoch or 0), run}
-  end
-  epoch, counter = offered, 1
-  redis.call('HSET', KEYS[2], 'epoch', epoch, 'counter', counter, 'run', run)
-else
-  counter = counter + 1
-  redis.call('HSET', KEYS[2], 'counter', counter)
-end
+"""
+    + NEXT_GRANT_LUA
+    + """
 local value = string.format('%d:%d:%s:%s', epoch, counter, redis.sha1hex(ARGV[5]), ARGV[1])
 redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
 return {OK, value, run}
-""")
+"""
+)
 
 #: KEYS: lock, wake, fence. ARGV: epoch, counter (the token to revoke), wake ttl ms, the lock
 #: value's prefix for that token (``epoch:counter:``).
@@ -133,14 +122,21 @@ def acquire_call(
 
 
 def acquired(
-    reply: Any, name: str, holder: str, ttl: float, sent_at: float, secret: str
+    reply: Any,
+    name: str,
+    holder: str,
+    ttl: float,
+    sent_at: float,
+    secret: str,
+    extra: Mapping[str, Any] | None = None,
 ) -> Grant | int | None:
-    """What an acquire script's reply means: the :class:`Grant`, ``None`` (held by someone
-    else), or the stored epoch (an ``int``) when the script asks for a new one."""
+    """What an acquire script's reply means: the :class:`Grant` (with ``extra``: a shared
+    grant's mark), ``None`` (held by someone else), or the stored epoch (an ``int``) when the
+    script asks for a new one."""
     code, value = reply[0], reply[1]
     if code == Reply.OK:
         won = token_of(text(value))[0]
-        return Grant(name, holder, won, ttl, sent_at, expires(ttl), secret=secret)
+        return Grant(name, holder, won, ttl, sent_at, expires(ttl), extra or {}, secret=secret)
     if code == Reply.BUSY:
         return None
     return int(value)

@@ -54,6 +54,9 @@ class Capability(enum.StrEnum):
     DURABLE = "durable"
     #: Its leases are the rows of :class:`leases.models.Lease` (the admin's changelist).
     LEASE_ROWS = "lease rows"
+    #: ``try_acquire_shared``: readers that hold a name together, excluded by an exclusive
+    #: grant, with tokens from the name's one sequence (``lease(name, shared=True)``).
+    SHARED_LEASES = "shared leases"
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,23 @@ class LeaseBackend(abc.ABC):
         name, carrying a fresh :func:`new_secret` (the store keeps only its hash), or ``None``
         when someone else holds it. A failed try should not write.
         """
+
+    def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """Join the readers of ``name`` (or start their group) unless an exclusive grant holds
+        it or an exclusive waiter stopped new readers (:meth:`stop_new_readers`).
+
+        Only for backends that declare :attr:`Capability.SHARED_LEASES`. One round trip; the
+        grant's token is the name's next (above every grant before it, shared or not), its
+        ``extra`` says ``shared``, and :meth:`renew`/:meth:`release` accept it like any grant.
+        While readers hold the name, :meth:`try_acquire` fails as if one holder held it.
+        """
+        raise BackendNotSupported(self.alias, Capability.SHARED_LEASES.value)
+
+    def stop_new_readers(self, name: str) -> None:  # noqa: B027 - optional, like close()
+        """An exclusive waiter of ``name`` stops readers from joining for a short while (at
+        least a second), so a stream of readers cannot starve it; it calls this again while it
+        waits (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds). One round trip;
+        nothing to do for backends without :attr:`Capability.SHARED_LEASES`."""
 
     @abc.abstractmethod
     def renew(self, grant: Grant, ttl: float) -> Grant:

@@ -59,6 +59,7 @@ from ._redis_io import (
     connect,
     eviction_problems,
     expires,
+    ms,
     positive_problems,
     prefix_problems,
     text,
@@ -70,7 +71,6 @@ from ._redis_protocol import (
     FORCE_RELEASE_LUA,
     MAX_COUNTER,
     MAX_EPOCH,
-    acquire_call,
     acquired,
     owner_args,
     pack_token,
@@ -81,6 +81,14 @@ from ._redis_protocol import (
     token_of,
 )
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
+from ._redis_shared import (
+    GROUP,
+    SHARED_ACQUIRE_LUA,
+    SHARED_RELEASE_LUA,
+    SHARED_RENEW_LUA,
+    STOP_READERS_LUA,
+    WRITER_INTENT_MS,
+)
 from .base import Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = [
@@ -105,14 +113,37 @@ SCRIPTS = {
     "renew": RENEW_LUA,
     "release": RELEASE_LUA,
     "force_release": FORCE_RELEASE_LUA,
+    "shared_acquire": SHARED_ACQUIRE_LUA,
+    "shared_renew": SHARED_RENEW_LUA,
+    "shared_release": SHARED_RELEASE_LUA,
+    "stop_readers": STOP_READERS_LUA,
 }
+#: The scripts that take a token: given the replication id the connection knows, last.
+_TOKEN_SCRIPTS = frozenset({"acquire", "shared_acquire"})
+
+#: The end of a readers' group's lock value (see :mod:`._redis_shared`).
+_MARK = f"::{GROUP}"
+
+
+def _reader_args(grant: Grant) -> list[object]:
+    """A reader's key among the group's entries (``epoch:counter``), holder and secret."""
+    return [
+        f"{grant.token >> COUNTER_BITS}:{grant.token & MAX_COUNTER}",
+        grant.holder,
+        grant.secret,
+    ]
 
 
 class Backend(LeaseBackend):
     """Leases on one Redis server (or cluster) reached through django-redis or a URL."""
 
     capabilities = frozenset(
-        {Capability.NATIVE_FENCING, Capability.WAIT_WITHOUT_POLLING, Capability.FORCE_RELEASE}
+        {
+            Capability.NATIVE_FENCING,
+            Capability.WAIT_WITHOUT_POLLING,
+            Capability.FORCE_RELEASE,
+            Capability.SHARED_LEASES,
+        }
     )
 
     known_options = frozenset(
@@ -196,7 +227,7 @@ class Backend(LeaseBackend):
             connection = pool.get_connection()
             try:
                 connection.connect()
-                if script != "acquire":
+                if script not in _TOKEN_SCRIPTS:
                     return run_script(connection, self.scripts[script], keys, args)
                 known = server_run(connection)
                 sent = known.current()
@@ -211,15 +242,39 @@ class Backend(LeaseBackend):
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         keys = LeaseKeys.of(self.prefix, name)
+        return self._acquire("acquire", name, holder, ttl, [keys.lock, keys.fence], [])
+
+    def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """Join or start the readers' group of ``name`` (see :mod:`._redis_shared`)."""
+        keys = LeaseKeys.of(self.prefix, name)
+        lua_keys = [keys.lock, keys.fence, keys.readers, keys.writer]
+        return self._acquire("shared_acquire", name, holder, ttl, lua_keys, [_MARK])
+
+    def _acquire(
+        self,
+        script: str,
+        name: str,
+        holder: str,
+        ttl: float,
+        keys: list[str],
+        extra: list[object],
+    ) -> Grant | None:
+        """Run an acquire script, taking a new epoch from the database when it asks."""
         offered, secret = 0, new_secret()
+        shared = {"shared": True} if script == "shared_acquire" else None
         for _ in range(3):
             sent_at = time.monotonic()
-            reply = self._run("acquire", *acquire_call(keys, holder, ttl, offered, secret))
-            outcome = acquired(reply, name, holder, ttl, sent_at, secret)
+            args = [holder, ms(ttl), offered, MAX_COUNTER, secret, *extra]
+            reply = self._run(script, keys, args)
+            outcome = acquired(reply, name, holder, ttl, sent_at, secret, shared)
             if not isinstance(outcome, int):
                 return outcome
             offered = self.next_epoch(outcome)
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
+
+    def stop_new_readers(self, name: str) -> None:
+        keys = LeaseKeys.of(self.prefix, name)
+        self._run("stop_readers", [keys.lock, keys.writer], [_MARK, WRITER_INTENT_MS])
 
     def next_epoch(self, stored: int) -> int:
         """A new epoch above ``stored``, from the database (see the module's docstring)."""
@@ -230,11 +285,21 @@ class Backend(LeaseBackend):
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
+        if grant.extra.get("shared"):
+            keys = LeaseKeys.of(self.prefix, grant.name)
+            args = [*_reader_args(grant), ms(ttl), _MARK]
+            reply = self._run("shared_renew", [keys.lock, keys.readers], args)
+            return renewed(grant, ttl, sent_at, reply)
         return renewed(
             grant, ttl, sent_at, self._run("renew", *renew_call(self.prefix, grant, ttl))
         )
 
     def release(self, grant: Grant) -> None:
+        if grant.extra.get("shared"):
+            keys = LeaseKeys.of(self.prefix, grant.name)
+            args = [*_reader_args(grant), _MARK, WAKE_TTL_MS]
+            released(grant, self._run("shared_release", [keys.lock, keys.readers, keys.wake], args))
+            return
         released(grant, self._run("release", *release_call(self.prefix, grant)))
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
@@ -255,9 +320,13 @@ class Backend(LeaseBackend):
         return await self._async.try_acquire(name, holder, ttl)
 
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
+        if grant.extra.get("shared"):  # shared leases are taken by sync code only, so far
+            return await super().arenew(grant, ttl)
         return await self._async.renew(grant, ttl)
 
     async def arelease(self, grant: Grant) -> None:
+        if grant.extra.get("shared"):
+            return await super().arelease(grant)
         await self._async.release(grant)
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
