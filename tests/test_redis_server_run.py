@@ -1,10 +1,11 @@
-"""The replication id a connection remembers: read once, trusted, and never carried too far.
+"""The replication id behind a connection: read per acquire by default, remembered only when
+the backend is told to trust it (``TRUST_SERVER_ID``), and never carried too far.
 
 The Redis backend's epochs need the replication id of the server that stamped a name's counter
-(see ``leases/backends/redis.py``). A connection learns it once and the acquire script trusts
-it, so these tests pin both halves: the id is not read per acquire, and whatever could have
-changed the server behind a connection (a restart, a demotion and promotion) still leads to a
-token higher than every one before.
+(see ``leases/backends/redis.py``). These tests pin both modes: by default every acquire reads
+it; with trust, a connection reads it once; and whatever could have changed the server behind a
+connection (a restart, a demotion and promotion) still leads to a token higher than every one
+before.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import pytest
 import redis
 
 from devservers import RedisServer
-from leases.backends import _redis_conn
 from leases.backends.redis import Backend, LeaseKeys
 from leases.errors import BackendUnavailable
 from tests import checker
@@ -33,8 +33,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def backend_on() -> Iterator[Callable[[RedisServer], Backend]]:
     made: list[Backend] = []
 
-    def make(server: RedisServer) -> Backend:
-        made.append(Backend("redis-run-test", {"URL": server.url, "SOCKET_TIMEOUT": 2.0}))
+    def make(server: RedisServer, trust: float = 0) -> Backend:
+        options = {"URL": server.url, "SOCKET_TIMEOUT": 2.0, "TRUST_SERVER_ID": trust}
+        made.append(Backend("redis-run-test", options))
         return made[-1]
 
     yield make
@@ -56,14 +57,25 @@ def cycle(backend: Backend, name: str, tokens: list[int] | None = None) -> int:
     return grant.token
 
 
-def test_a_connection_reads_the_replication_id_once_until_it_reconnects(
-    backend_on: Callable[[RedisServer], Backend],
+def test_by_default_every_acquire_reads_the_replication_id(
+    backend_on: Callable[..., Backend],
     redis_servers: Callable[[int], list[RedisServer]],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_redis_conn, "RUN_MAX_AGE", 3600.0)
     (server,) = redis_servers(1)
     backend, name = backend_on(server), f"run-{uuid.uuid4().hex[:8]}"
+    cycle(backend, name)
+    before = info_calls(server)
+    for _ in range(20):
+        cycle(backend, name)
+    assert info_calls(server) - before == 20 + 1  # one per acquire (+ the count's own)
+
+
+def test_a_trusting_connection_reads_the_replication_id_once_until_it_reconnects(
+    backend_on: Callable[..., Backend],
+    redis_servers: Callable[[int], list[RedisServer]],
+) -> None:
+    (server,) = redis_servers(1)
+    backend, name = backend_on(server, 3600.0), f"run-{uuid.uuid4().hex[:8]}"
     cycle(backend, name)  # the name's first grant: a new epoch
     before = info_calls(server)  # (counted too: + 1 below)
     for _ in range(20):
@@ -76,15 +88,13 @@ def test_a_connection_reads_the_replication_id_once_until_it_reconnects(
 
 @pytest.mark.fault
 def test_a_restart_from_an_older_snapshot_never_repeats_a_token(
-    backend_on: Callable[[RedisServer], Backend],
+    backend_on: Callable[..., Backend],
     redis_servers: Callable[[int], list[RedisServer]],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The snapshot brings back a lower counter stamped with the old run's id; the trusted id
     must not outlive the connection, however young it is."""
-    monkeypatch.setattr(_redis_conn, "RUN_MAX_AGE", 3600.0)
     (server,) = redis_servers(1)
-    backend, name, tokens = backend_on(server), f"run-{uuid.uuid4().hex[:8]}", []
+    backend, name, tokens = backend_on(server, 3600.0), f"run-{uuid.uuid4().hex[:8]}", []
     cycle(backend, name, tokens)
     redis.Redis.from_url(server.url).save()
     for _ in range(2):
@@ -101,16 +111,19 @@ def test_a_restart_from_an_older_snapshot_never_repeats_a_token(
 
 
 @pytest.mark.fault
+@pytest.mark.parametrize("trust", [0, 0.05], ids=["default", "trusting"])
 def test_a_connection_idle_through_a_demotion_and_promotion_never_repeats_a_token(
-    backend_on: Callable[[RedisServer], Backend],
+    backend_on: Callable[..., Backend],
     redis_servers: Callable[[int], list[RedisServer]],
+    trust: float,
 ) -> None:
     """The one change a live connection cannot see: its server resynced from a lagging replica
-    and promoted again while the connection sat idle. What it learned expires first."""
+    and promoted again while the connection sat idle. By default the next acquire reads the id
+    anyway; a trusting connection is safe only because what it learned expires first."""
     primary, other = redis_servers(2)
     for server in (primary, other):
         redis.Redis.from_url(server.url).config_set("repl-diskless-sync-delay", 0)
-    backend, name, tokens = backend_on(primary), f"run-{uuid.uuid4().hex[:8]}", []
+    backend, name, tokens = backend_on(primary, trust), f"run-{uuid.uuid4().hex[:8]}", []
     fence = LeaseKeys.of(backend.prefix, name).fence
     replica = redis.Redis.from_url(other.url)
     cycle(backend, name, tokens)
@@ -125,7 +138,7 @@ def test_a_connection_idle_through_a_demotion_and_promotion_never_repeats_a_toke
     wait_until(link, 10, "the demoted primary's resync")
     assert old.hget(fence, "counter") == b"1"
     old.replicaof("no", "one")  # and promoted again, under the backend's idle connection
-    time.sleep(_redis_conn.RUN_MAX_AGE * 2)
+    time.sleep(trust * 2)  # nothing for the default: it must hold at once
     cycle(backend, name, tokens)
     checker.check_grants(tokens)
 

@@ -84,7 +84,7 @@ class AsyncRedis:
             if script != "acquire":
                 return await arun_script(connection, lua, keys, args)
             known = server_run(connection)
-            sent = known.current()
+            sent = known.current(self.backend.trust_server_id)
             reply = await arun_script(connection, lua, keys, [*args, sent])
             known.learn(sent, text(reply[2]))
             return reply

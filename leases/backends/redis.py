@@ -147,13 +147,14 @@ class Backend(LeaseBackend):
     )
 
     known_options = frozenset(
-        {"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT"}
+        {"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT", "TRUST_SERVER_ID"}
     )
 
     @classmethod
     def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
         """Also: exactly one of ``CACHE`` (a django-redis alias in ``CACHES``) and ``URL``
-        (well formed), a usable ``PREFIX`` and a positive ``SOCKET_TIMEOUT``."""
+        (well formed), a usable ``PREFIX``, a positive ``SOCKET_TIMEOUT`` and a
+        ``TRUST_SERVER_ID`` of zero or more seconds (see :mod:`._redis_conn`)."""
         problems = super().check_options(alias, options)
         cache, url = options.get("CACHE"), options.get("URL")
         if (cache is None) == (url is None):
@@ -167,6 +168,9 @@ class Backend(LeaseBackend):
             problems += url_problems(alias, "URL", str(url))
         problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
         problems += positive_problems(alias, "SOCKET_TIMEOUT", options.get("SOCKET_TIMEOUT", 5.0))
+        trust = options.get("TRUST_SERVER_ID", 0)
+        if trust != 0:
+            problems += positive_problems(alias, "TRUST_SERVER_ID", trust)
         return problems
 
     @classmethod
@@ -177,6 +181,8 @@ class Backend(LeaseBackend):
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
         super().__init__(alias, options)
         self.prefix: str = options.get("PREFIX", "leases:")
+        #: Seconds a connection may reuse the replication id it learned (0: read it per acquire).
+        self.trust_server_id = float(options.get("TRUST_SERVER_ID", 0))
         (epochs,) = self.databases(options)
         self.epochs = DurableCounter(alias, epochs)
         self.epoch_resource = f"leases.redis-epoch:{self.prefix}"
@@ -230,7 +236,7 @@ class Backend(LeaseBackend):
                 if script not in _TOKEN_SCRIPTS:
                     return run_script(connection, self.scripts[script], keys, args)
                 known = server_run(connection)
-                sent = known.current()
+                sent = known.current(self.trust_server_id)
                 reply = run_script(connection, self.scripts[script], keys, [*args, sent])
                 known.learn(sent, text(reply[2]))
                 return reply
