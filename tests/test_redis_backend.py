@@ -276,7 +276,7 @@ def test_acquire_script_asks_for_an_epoch_when_the_counter_is_missing() -> None:
     client = redis.Redis.from_url(os.environ["REDIS_URL"])
     keys = LeaseKeys.of(f"{unique('p')}:", "n")
     script = client.register_script(ACQUIRE_LUA)
-    code, stored = script(keys=[keys.lock, keys.fence], args=["h", 1000, 0, 2**32 - 1])
+    code, stored, _ = script(keys=[keys.lock, keys.fence], args=["h", 1000, 0, 2**32 - 1])
     assert (Reply(code), stored) == (Reply.NEED_EPOCH, b"0")
     assert client.exists(keys.lock, keys.fence) == 0  # a refused grant writes nothing
 
