@@ -26,7 +26,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -233,8 +233,16 @@ def _link_or_copy(src: str, dst: str) -> object:
 class PostgresServer:
     """A PostgreSQL cluster in a temporary directory, owned by this process."""
 
-    def __init__(self, *, port: int | None = None, base_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        base_dir: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.port = port or free_port()
+        #: Extra environment for the server process (a fake clock: :mod:`devservers.clock`).
+        self.env = dict(env or {})
         self.user = _unprivileged_user()
         #: Where the binaries were found (the system's, or the pgserver wheel's).
         self.source_bindir = _postgres_bindir()
@@ -302,6 +310,7 @@ class PostgresServer:
             stdout=log,
             stderr=log,
             cwd=self.dir,
+            env={**os.environ, **self.env},
             start_new_session=True,
             preexec_fn=_child_setup(signal.SIGQUIT, self.user),
         )
@@ -382,8 +391,16 @@ class PostgresServer:
 class RedisServer:
     """A ``redis-server`` without persistence on a free loopback port, owned by this process."""
 
-    def __init__(self, *, port: int | None = None, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.port = port or free_port()
+        #: Extra environment for the server process (a fake clock: :mod:`devservers.clock`).
+        self.env = dict(env or {})
         self.binary = _redis_binary()
         self.dir = Path(tempfile.mkdtemp(prefix="leases-redis-"))
         self.log = self.dir / "redis.log"
@@ -420,6 +437,7 @@ class RedisServer:
             args + self.extra_args,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
             start_new_session=True,
             preexec_fn=_child_setup(signal.SIGKILL),
         )
