@@ -10,7 +10,7 @@ What the servers do, observed here (and written in ``docs/operating/hazards.md``
 - PostgreSQL: the database backend decides expiry with ``clock_timestamp()``, the wall clock,
   so a forward step expires grants early and a backward step stretches them.
 - Redis 7 (7.0.15 here): a key's ``PX`` deadline is an absolute wall-clock time, so the same:
-  a forward step of 2×TTL deletes the lock key at once (``PTTL`` -2), a backward step of one hour
+  a forward step of 2 x TTL deletes the lock key at once (``PTTL`` -2), a backward step of one hour
   adds an hour to ``PTTL``. The monotonic clock Redis uses for timers does not help leases.
 - Redlock: each node has its own clock; one node's step is outvoted by the others, a step on a
   majority acts as on a single Redis.
@@ -127,7 +127,7 @@ def holder_of(name: str) -> tuple[str, int] | None:
 def test_forward_jump_lets_a_successor_in_and_the_old_holder_is_fenced(
     clocked: Clocked, lease_name: str
 ) -> None:
-    """The server's clock steps forward 2×TTL: its grant is gone at once, a successor gets a
+    """The server's clock steps forward 2 x TTL: its grant is gone at once, a successor gets a
     higher token while the old holder still believes it holds; the old holder's write after
     the successor's is refused, and its next renewal tells it that it lost."""
     ttl, register = 3.0, checker.new_register()
@@ -177,7 +177,7 @@ def test_backward_jump_only_delays_a_successor(clocked: Clocked, lease_name: str
 def test_redlock_one_node_jump_is_outvoted_a_majority_jump_is_fenced(
     clocked: Clocked, lease_name: str
 ) -> None:
-    """One of three nodes steps forward 2×TTL: its key expires, but the two others still hold,
+    """One of three nodes steps forward 2 x TTL: its key expires, but the two others still hold,
     so no successor gets a quorum and the holder keeps its lease through renewals. A second
     node steps too: the majority has forgotten the grant, a successor acquires with a higher
     token, and the fence refuses the old holder."""
