@@ -54,7 +54,7 @@ WHERE NOT EXISTS (
     WHERE name = %(name)s::text AND holder <> '' AND expires_at > clock_timestamp()
 )
 ON CONFLICT (name) DO UPDATE
-SET holder = EXCLUDED.holder, token = l.token, acquired_at = EXCLUDED.acquired_at,
+SET holder = EXCLUDED.holder, token = l.token + 1, acquired_at = EXCLUDED.acquired_at,
     expires_at = EXCLUDED.expires_at, renewed_at = NULL, secret_hash = EXCLUDED.secret_hash
 WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
