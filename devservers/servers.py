@@ -231,7 +231,9 @@ def _link_or_copy(src: str, dst: str) -> object:
 
 
 class PostgresServer:
-    """A PostgreSQL cluster in a temporary directory, owned by this process."""
+    """A PostgreSQL cluster in a temporary directory, owned by this process (with
+    ``replica_of``: an asynchronous streaming standby of that server, promoted with
+    ``SELECT pg_promote()``)."""
 
     def __init__(
         self,
@@ -239,6 +241,7 @@ class PostgresServer:
         port: int | None = None,
         base_dir: str | None = None,
         env: Mapping[str, str] | None = None,
+        replica_of: PostgresServer | None = None,
     ) -> None:
         self.port = port or free_port()
         #: Extra environment for the server process (a fake clock: :mod:`devservers.clock`).
@@ -252,6 +255,27 @@ class PostgresServer:
         self.log = self.dir / "postgres.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self._chown(self.dir)
+        if replica_of is not None:
+            # A streaming standby of a running server (asynchronous, as most HA setups run):
+            # a base backup that writes standby.signal and primary_conninfo (-R).
+            self._run(
+                [
+                    str(self.bindir / "pg_basebackup"),
+                    "-D",
+                    str(self.data),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(replica_of.port),
+                    "-U",
+                    "postgres",
+                    "-X",
+                    "stream",
+                    "-R",
+                    "--no-sync",
+                ]
+            )
+            return
         self._run(
             [
                 str(self.bindir / "initdb"),

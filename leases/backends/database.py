@@ -41,24 +41,37 @@ from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret
 
 __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_TIMEOUT", "Backend"]
 
-#: Take ``name`` if it is free or expired, bumping its token; nothing is written when it is held.
+#: The lowest token the server's current timeline may grant: ``(timeline - 1) << 32``, read
+#: from the current WAL file's name (no privilege needed, no I/O). An asynchronous standby that
+#: is promoted may never have received the last grants of the old primary (the lost tail), so
+#: its rows can be older than tokens already handed out and written to resources elsewhere.
+#: Promotion starts a new, higher timeline, and every token of the old one was below this floor
+#: (a name would need 2**32 grants on one timeline to reach the next), so the new primary's
+#: tokens stay higher than every lost one. Zero on timeline 1: tokens there are unchanged.
+TIMELINE_FLOOR_SQL = (
+    "((('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::bigint - 1) << 32)"
+)
+
+#: Take ``name`` if it is free or expired, bumping its token (never below the timeline's floor);
+#: nothing is written when it is held.
 #: The row keeps only the SHA-256 of the grant's secret, computed here on the server, so the
 #: table (backups, replicas, anyone with SELECT) never holds the credential itself.
-ACQUIRE_SQL = """
+ACQUIRE_SQL = f"""
 INSERT INTO leases_lease AS l
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
-SELECT %(name)s::text, %(holder)s::text, 1, clock_timestamp(),
-       clock_timestamp() + make_interval(secs => %(ttl)s), NULL, '{}', sha256(%(secret)s::bytea)
+SELECT %(name)s::text, %(holder)s::text, GREATEST(1, {TIMELINE_FLOOR_SQL}), clock_timestamp(),
+       clock_timestamp() + make_interval(secs => %(ttl)s), NULL, '{{}}', sha256(%(secret)s::bytea)
 WHERE NOT EXISTS (
     SELECT 1 FROM leases_lease
     WHERE name = %(name)s::text AND holder <> '' AND expires_at > clock_timestamp()
 )
 ON CONFLICT (name) DO UPDATE
-SET holder = EXCLUDED.holder, token = l.token + 1, acquired_at = EXCLUDED.acquired_at,
+SET holder = EXCLUDED.holder, token = GREATEST(l.token + 1, {TIMELINE_FLOOR_SQL}),
+    acquired_at = EXCLUDED.acquired_at,
     expires_at = EXCLUDED.expires_at, renewed_at = NULL, secret_hash = EXCLUDED.secret_hash
 WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
-"""
+"""  # noqa: S608 - the interpolated floor is a constant of this module
 
 #: Extend a grant that is still ours (holder, token and secret) and still valid on the server's
 #: clock. One row back: the new expiry, or NULL when holder and token are the current grant's
