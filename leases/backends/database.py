@@ -34,23 +34,13 @@ from django.db import connections
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._aio import PerLoop
+from ._counter import TIMELINE_FLOOR_SQL
 from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
 from ._waiting_room import ROOM_CONNECTIONS, ROOM_TIMEOUT, WaitingRoom, room_key
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_TIMEOUT", "Backend"]
-
-#: The lowest token the server's current timeline may grant: ``(timeline - 1) << 32``, read
-#: from the current WAL file's name (no privilege needed, no I/O). An asynchronous standby that
-#: is promoted may never have received the last grants of the old primary (the lost tail), so
-#: its rows can be older than tokens already handed out and written to resources elsewhere.
-#: Promotion starts a new, higher timeline, and every token of the old one was below this floor
-#: (a name would need 2**32 grants on one timeline to reach the next), so the new primary's
-#: tokens stay higher than every lost one. Zero on timeline 1: tokens there are unchanged.
-TIMELINE_FLOOR_SQL = (
-    "((('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::bigint - 1) << 32)"
-)
 
 #: Take ``name`` if it is free or expired, bumping its token (never below the timeline's floor);
 #: nothing is written when it is held.
@@ -71,7 +61,7 @@ SET holder = EXCLUDED.holder, token = GREATEST(l.token + 1, {TIMELINE_FLOOR_SQL}
     expires_at = EXCLUDED.expires_at, renewed_at = NULL, secret_hash = EXCLUDED.secret_hash
 WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
-"""  # noqa: S608 - the interpolated floor is a constant of this module
+"""  # noqa: S608 - the interpolated floor is a constant of ._counter
 
 #: Extend a grant that is still ours (holder, token and secret) and still valid on the server's
 #: clock. One row back: the new expiry, or NULL when holder and token are the current grant's
