@@ -32,7 +32,7 @@ from tests.waiting import wait_until
 
 __all__ = ["lease_name"]
 
-pytestmark = [pytest.mark.fault]
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 HA = "ha"
 
