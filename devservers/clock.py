@@ -92,7 +92,8 @@ class FakeClock:
 
     def set(self, offset: float) -> None:
         """Put the wall clock ``offset`` seconds away from the real one (0: back to true)."""
-        self.offset = offset  # BROKEN ON PURPOSE
+        self._write(offset)
+        self.offset = offset
 
     def _write(self, offset: float) -> None:
         staging = self.dir / "faketimerc.new"
