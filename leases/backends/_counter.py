@@ -15,6 +15,7 @@ import psycopg
 
 from ..errors import BackendUnavailable, FencingUnavailable
 from ._pgconn import PrivateConnection
+from ._pruning import FLOOR_SQL
 
 __all__ = ["DurableCounter"]
 
@@ -39,14 +40,15 @@ TIMELINE_FLOOR_SQL = (
 
 #: Next token of a lease name, in the database backend's own row for the name, so a name's
 #: tokens keep increasing even when it moves between the database and Redlock backends. Only the
-#: counter moves: the row stays free (empty holder) for the database backend. Never below the
-#: timeline's floor (see :data:`TIMELINE_FLOOR_SQL`).
+#: counter moves: the row stays free (empty holder) for the database backend. A new row starts
+#: above every pruned token (:data:`~._pruning.FLOOR_SQL`); no token is ever below the
+#: timeline's floor (:data:`TIMELINE_FLOOR_SQL`).
 BUMP_LEASE_SQL = f"""
 INSERT INTO leases_lease (name, holder, token, meta)
-VALUES (%s, '', GREATEST(1, {TIMELINE_FLOOR_SQL}), '{{}}')
+VALUES (%s, '', GREATEST({FLOOR_SQL}, {TIMELINE_FLOOR_SQL}), '{{}}')
 ON CONFLICT (name) DO UPDATE SET token = GREATEST(leases_lease.token + 1, {TIMELINE_FLOOR_SQL})
 RETURNING token
-"""  # noqa: S608 - the interpolated floor is a constant of this module
+"""  # noqa: S608
 
 CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
 
