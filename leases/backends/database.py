@@ -38,6 +38,7 @@ from django.db import connections
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._aio import PerLoop
+from ._counter import TIMELINE_FLOOR_SQL
 from ._pg_shared import (
     GROUP,
     SHARED_ACQUIRE_SQL,
@@ -65,10 +66,12 @@ from .base import (
 
 __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "Backend"]
 
-#: Take ``name`` if it is free or expired, bumping its token; nothing is written when it is held.
+#: Take ``name`` if it is free or expired, bumping its token (never below the timeline's floor);
+#: nothing is written when it is held.
 #: The row keeps only the SHA-256 of the grant's secret, computed here on the server, so the
 #: table (backups, replicas, anyone with SELECT) never holds the credential itself. A new row's
-#: first token is above every pruned one (:data:`~._pruning.FLOOR_SQL`).
+#: first token is above every pruned one (:data:`~._pruning.FLOOR_SQL`), and no token is
+#: below the timeline's floor (:data:`~._counter.TIMELINE_FLOOR_SQL`: a promoted standby).
 #: A caller outside the name's waiting room (``in_room`` false) does not overtake the waiters
 #: in it: it takes the name only if nobody is in or queued for the room (the shared try-lock
 #: fails while an exclusive holder or waiter exists), or if the name has been free for longer
@@ -76,7 +79,8 @@ __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "Backend
 ACQUIRE_SQL = f"""
 INSERT INTO leases_lease AS l
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
-SELECT %(name)s::text, %(holder)s::text, {FLOOR_SQL}, clock_timestamp(),
+SELECT %(name)s::text, %(holder)s::text, GREATEST({FLOOR_SQL}, {TIMELINE_FLOOR_SQL}),
+       clock_timestamp(),
        clock_timestamp() + make_interval(secs => %(ttl)s), NULL, '{{}}', sha256(%(secret)s::bytea)
 WHERE NOT EXISTS (
     SELECT 1 FROM leases_lease
@@ -87,7 +91,8 @@ AND (%(in_room)s::bool OR pg_try_advisory_xact_lock_shared(%(room)s::bigint) OR 
     WHERE name = %(name)s::text AND expires_at > clock_timestamp() - %(grace)s::interval
 ))
 ON CONFLICT (name) DO UPDATE
-SET holder = EXCLUDED.holder, token = l.token + 1, acquired_at = EXCLUDED.acquired_at,
+SET holder = EXCLUDED.holder, token = GREATEST(l.token + 1, {TIMELINE_FLOOR_SQL}),
+    acquired_at = EXCLUDED.acquired_at,
     expires_at = EXCLUDED.expires_at, renewed_at = NULL, secret_hash = EXCLUDED.secret_hash
 WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
