@@ -51,7 +51,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.transaction import TransactionManagementError
 from psycopg.pq import TransactionStatus
 
-from . import _advisory_names, conf
+from . import _advisory_names, _session_leaks, conf
 from ._arguments import valid_timeout
 from .backends._pgdeadline import Deadline, armed
 from .errors import (
@@ -407,10 +407,18 @@ def try_xact_lock(name: LockKey, *, shared: bool = False, using: str = DEFAULT_D
 
 
 class _SessionLock(_LockBlock):
-    """``session_lock(...)``."""
+    """``session_lock(...)``: tracked while held, so a lock still held when the request ends
+    is released and reported rather than inherited by the next request on the connection
+    (:mod:`leases._session_leaks`)."""
 
     WAIT, TRY, NEEDS_TRANSACTION = SESSION_LOCK, SESSION_TRY_LOCK, False
     FACTORY = "session_lock"
+
+    def __enter__(self) -> AdvisoryLock:
+        lock = super().__enter__()
+        unlock = CALL_SQL.format(function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key))
+        _session_leaks.track(connections[lock.using], lock.label, unlock)
+        return lock
 
     def __exit__(
         self,
@@ -422,6 +430,7 @@ class _SessionLock(_LockBlock):
 
         The body's own exception always wins; a failed unlock is then logged, not raised.
         """
+        _session_leaks.untrack(connections[self.lock.using], self.lock.label)
         try:
             _unlock(self.lock)
         except LeaseError as error:
