@@ -17,15 +17,17 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from devservers.servers import _child_setup, _wait_port, free_port
 
-__all__ = ["EtcdCluster", "etcd_binary"]
+__all__ = ["EtcdCluster", "TlsFiles", "etcd_binary", "make_certificates"]
 
 #: Tuned for a loaded 2-core machine with a minimum lease TTL of one second (see above).
 HEARTBEAT_MS = 100
@@ -39,9 +41,56 @@ def etcd_binary() -> str | None:
     return os.environ.get("ETCD_BINARY") or shutil.which("etcd")
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a throwaway CA, a server certificate for 127.0.0.1 and a client one."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def context(self) -> ssl.SSLContext:
+        """An SSL context that trusts the CA and presents the client certificate."""
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return context
+
+
+def make_certificates(directory: Path) -> TlsFiles:
+    """A CA, a server certificate (``IP:127.0.0.1``) and a client certificate, made now with
+    ``openssl`` and valid for a day: nothing secret is kept in the repository."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-keyout", "ca.key",
+            "-out", "ca.crt", "-subj", "/CN=leases test CA")  # fmt: skip
+    for who, usage, alt in (
+        ("server", "serverAuth,clientAuth", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "clientAuth", ""),
+    ):
+        (directory / f"{who}.ext").write_text(f"{alt}\nextendedKeyUsage={usage}\n")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key", "-out",
+                f"{who}.csr", "-subj", f"/CN=leases-{who}")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "1", "-out", f"{who}.crt",
+                "-extfile", f"{who}.ext")  # fmt: skip
+    return TlsFiles(
+        directory / "ca.crt",
+        directory / "server.crt",
+        directory / "server.key",
+        directory / "client.crt",
+        directory / "client.key",
+    )
+
+
 class _Member:
-    def __init__(self, name: str, base: Path) -> None:
+    def __init__(self, name: str, base: Path, scheme: str = "http") -> None:
         self.name = name
+        self.scheme = scheme
         self.client_port = free_port()
         self.peer_port = free_port()
         self.data = base / name
@@ -50,7 +99,7 @@ class _Member:
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -60,14 +109,18 @@ class _Member:
 class EtcdCluster:
     """Three ``etcd`` processes forming one cluster, owned by this process."""
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self, size: int = 3, tls: TlsFiles | None = None) -> None:
+        """``tls``: serve clients over HTTPS with these files and require a client certificate
+        signed by their CA (peers keep plain HTTP on loopback)."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("no etcd binary: apt-get install etcd-server (or set ETCD_BINARY)")
         self.binary = binary
         shm = _SHM if os.access(_SHM, os.W_OK) else None
         self.dir = Path(tempfile.mkdtemp(prefix="leases-etcd-", dir=shm))
-        self.members = [_Member(f"m{i}", self.dir) for i in range(size)]
+        self.tls = tls
+        scheme = "https" if tls else "http"
+        self.members = [_Member(f"m{i}", self.dir, scheme) for i in range(size)]
         self.token = self.dir.name
 
     @property
@@ -91,6 +144,17 @@ class EtcdCluster:
             f"--election-timeout={ELECTION_MS}",
             "--log-level=warn",
             "--logger=zap",
+            *self._tls_args(),
+        ]
+
+    def _tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        return [
+            f"--cert-file={self.tls.server_cert}",
+            f"--key-file={self.tls.server_key}",
+            f"--trusted-ca-file={self.tls.ca}",
+            "--client-cert-auth",
         ]
 
     def _spawn(self, member: _Member, state: str) -> None:
@@ -120,7 +184,8 @@ class EtcdCluster:
             data=b"{}",
             headers={"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
+        context = self.tls.context() if self.tls else None
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:  # noqa: S310
             status: dict[str, object] = json.loads(response.read())
         return status
 

@@ -19,6 +19,8 @@ from .errors import (
     InvalidLeaseName,
     InvalidLeaseOption,
     LeaseAlreadyHeld,
+    LeaseCheckFailed,
+    LeaseCheckUnavailable,
     LeaseDeadlock,
     LeaseError,
     LeaseLost,
@@ -33,6 +35,7 @@ from .errors import (
 # the function wins: a later ``import leases.lease`` would otherwise rebind ``leases.lease`` to
 # the module and break ``from leases import lease``.
 from .lease import Lease, acquire, lease
+from .semaphore import Slot, acquire_slot, semaphore  # eager for the same reason as ``lease``
 
 if TYPE_CHECKING:  # each feature module adds its line when it lands
     from .aio import aacquire, alease
@@ -52,6 +55,8 @@ __all__ = [
     "Leadership",
     "Lease",
     "LeaseAlreadyHeld",
+    "LeaseCheckFailed",
+    "LeaseCheckUnavailable",
     "LeaseDeadlock",
     "LeaseError",
     "LeaseLost",
@@ -59,15 +64,18 @@ __all__ = [
     "LeaseUnavailable",
     "LeasesImproperlyConfigured",
     "NotInTransaction",
+    "Slot",
     "StaleFencingToken",
     "aacquire",
     "acquire",
+    "acquire_slot",
     "aelect",
     "alease",
     "check_fence",
     "elect",
     "leader_of",
     "lease",
+    "semaphore",
 ]
 
 _LAZY = {

@@ -9,20 +9,31 @@ and traces see the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import conf, signals, tracing
 from ._arguments import valid_timeout, valid_ttl, warn_if_too_short
-from .backends import Grant, LeaseBackend, get_backend
-from .errors import BackendUnavailable, LeaseAlreadyHeld, LeaseUnavailable
+from .backends import Capability, Grant, LeaseBackend, get_backend
+from .errors import (
+    BackendNotSupported,
+    BackendUnavailable,
+    InvalidLeaseOption,
+    LeaseAlreadyHeld,
+    LeaseUnavailable,
+)
 from .handle import Lease, OnLost, held_by, holder_key
 from .holders import holder_identity
-from .keys import validate_name
+from .keys import validate_lease_name
 from .retry import SYSTEM_CLOCK, Backoff
 
-__all__ = ["acquire"]
+__all__ = ["STOP_READERS_EVERY", "acquire"]
+
+#: How often a waiting exclusive acquirer renews its stop sign for new readers (a round trip
+#: of its own): well within the second the backends keep the sign, and not on every retry.
+STOP_READERS_EVERY = 0.4
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +56,17 @@ def _grant(
     ttl: float,
     timeout: float | None,
     timing: _Timing,
+    shared: bool = False,
 ) -> Grant:
     """Try; then, in the name's waiting room, wait for a release (or a backoff delay) and
-    try again, until the deadline."""
+    try again, until the deadline.
+
+    Shared tries skip the waiting room (readers that can join do not need to queue behind each
+    other); an exclusive waiter of a store with shared leases stops new readers on each retry.
+    """
+    attempt = store.try_acquire_shared if shared else store.try_acquire
     deadline = None if timeout is None else timing.started + timeout
-    grant = store.try_acquire(name, holder, ttl)
+    grant = attempt(name, holder, ttl)
     if grant is not None:
         return grant
     if timeout == 0:
@@ -57,10 +74,16 @@ def _grant(
     backoff = Backoff(deadline=deadline)
     waiting_since = SYSTEM_CLOCK.monotonic()
     attributes = {"leases.name": name, "leases.backend": store.alias}
+    room = contextlib.nullcontext() if shared else store.waiting_room(name, timeout)
+    writer = not shared and Capability.SHARED_LEASES in store.capabilities
+    stop_readers_at = waiting_since
     try:
-        with tracing.span("leases.wait", attributes), store.waiting_room(name, timeout):
+        with tracing.span("leases.wait", attributes), room:
             while True:
-                grant = store.try_acquire(name, holder, ttl)
+                if writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at:
+                    _stop_new_readers(store, name)
+                    stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
+                grant = attempt(name, holder, ttl)
                 if grant is not None:
                     return grant
                 delay = backoff.next_delay()
@@ -69,6 +92,14 @@ def _grant(
                 _wait(store, name, delay)
     finally:
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
+
+
+def _stop_new_readers(store: LeaseBackend, name: str) -> None:
+    """Best effort, like the wait: fairness saves readers' turns, the next try decides."""
+    try:
+        store.stop_new_readers(name)
+    except BackendUnavailable as exc:
+        logger.debug("leases: could not stop new readers of %r: %s", name, exc)
 
 
 def _wait(store: LeaseBackend, name: str, delay: float) -> None:
@@ -108,14 +139,20 @@ def prepare(
     keepalive: bool,
     holder: str | None,
     key_of: Callable[[LeaseBackend, str, str | None], tuple[str, str, str]],
+    shared: bool = False,
 ) -> Request:
     """Validate every argument, refuse a name the caller already holds (under ``key_of``: per
-    thread, or per task for async code), and warn of a TTL too short to keep alive."""
-    name = validate_name(name)
+    thread, or per task for async code), and warn of a TTL too short to keep alive. A shared
+    lease on a backend without them raises :class:`BackendNotSupported` here."""
+    name = validate_lease_name(name)
     settings = conf.get()
     ttl = valid_ttl(settings.default_ttl if ttl is None else ttl)
     timeout = valid_timeout(timeout)
     store = get_backend(backend)
+    if shared is not False and shared is not True:
+        raise InvalidLeaseOption("shared", shared, "must be True or False")
+    if shared and Capability.SHARED_LEASES not in store.capabilities:
+        raise BackendNotSupported(store.alias, Capability.SHARED_LEASES.value)
     key = key_of(store, name, holder)
     identity = holder_identity(holder)
     held = held_by(key)
@@ -136,20 +173,24 @@ def acquire(
     keepalive: bool = True,
     on_lost: OnLost | None = None,
     holder: str | None = None,
+    shared: bool = False,
 ) -> Lease:
     """Acquire ``name`` and return the :class:`Lease`; the caller must ``release()`` it.
 
     ``timeout=None`` waits forever, ``0`` tries once; failing raises :class:`LeaseUnavailable`.
     With ``keepalive`` the lease is renewed in the background until released or lost.
+    ``shared=True`` takes it as one of many readers (backends with
+    :attr:`~leases.backends.Capability.SHARED_LEASES`): readers coexist, an exclusive lease of
+    the name excludes them all, and a waiting exclusive acquirer stops new readers.
     """
-    ask = prepare(name, ttl, backend, timeout, keepalive, holder, holder_key)
+    ask = prepare(name, ttl, backend, timeout, keepalive, holder, holder_key, shared)
     attributes: tracing.Attributes = {
         "leases.name": ask.name,
         "leases.backend": ask.store.alias,
         "leases.ttl": ask.ttl,
     }
     with tracing.span("leases.acquire", attributes) as span:
-        grant, timing = _timed_grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout)
+        grant, timing = _timed_grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, shared)
         if span is not None:
             span.set_attributes({"leases.token": grant.token, "leases.outcome": "acquired"})
         return Lease.start(
@@ -164,13 +205,18 @@ def acquire(
 
 
 def _timed_grant(
-    store: LeaseBackend, name: str, holder: str, ttl: float, timeout: float | None
+    store: LeaseBackend,
+    name: str,
+    holder: str,
+    ttl: float,
+    timeout: float | None,
+    shared: bool = False,
 ) -> tuple[Grant, _Timing]:
     """:func:`_grant`, timed; giving up is announced with what it cost (``lease_acquired``
     announces success, from :meth:`Lease.start`)."""
     timing = _Timing()
     try:
-        return _grant(store, name, holder, ttl, timeout, timing), timing
+        return _grant(store, name, holder, ttl, timeout, timing, shared), timing
     except Exception as exc:
         signals.send(
             signals.lease_acquire_failed,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from django.db import connections, models, router
 
-__all__ = ["migrated_databases"]
+__all__ = ["migrated_databases", "same_database", "where"]
 
 
 def migrated_databases(model: type[models.Model]) -> list[str]:
@@ -24,9 +24,19 @@ def migrated_databases(model: type[models.Model]) -> list[str]:
             continue
         if not router.allow_migrate_model(alias, model):
             continue
-        settings = connections.settings[alias]
-        where = (settings.get("HOST"), settings.get("PORT"), settings.get("NAME"))
-        if where not in seen:
-            seen.add(where)
+        place = where(alias)
+        if place not in seen:
+            seen.add(place)
             found.append(alias)
     return found
+
+
+def where(alias: str) -> tuple[object, ...]:
+    """The physical database ``alias`` names: its host, port and database name."""
+    settings = connections[alias].settings_dict
+    return (settings.get("HOST"), settings.get("PORT"), settings.get("NAME"))
+
+
+def same_database(first: str, second: str) -> bool:
+    """Whether two aliases name one database (a statement on either sees the other's tables)."""
+    return where(first) == where(second)

@@ -23,6 +23,8 @@ __all__ = [
     "InvalidLeaseName",
     "InvalidLeaseOption",
     "LeaseAlreadyHeld",
+    "LeaseCheckFailed",
+    "LeaseCheckUnavailable",
     "LeaseDeadlock",
     "LeaseError",
     "LeaseLost",
@@ -271,3 +273,32 @@ class BackendNotSupported(LeaseError, NotImplementedError):
         self.backend = backend
         self.capability = capability
         super().__init__(f"lease backend {backend!r} does not support {capability}")
+
+
+class LeaseCheckFailed(LeaseLost):
+    """A lease-checked write (``save(lease=...)``, ``under_lease(...)``) was refused by the
+    database: in the statement that would have written, the lease row was no longer this grant
+    (released, taken over, revoked) or had expired by the database's clock. Nothing was written.
+
+    A :class:`LeaseLost`, because that is what it means: the holder must stop.
+    """
+
+    def __init__(self, name: str, token: int | None, resource: str) -> None:
+        self.resource = resource
+        super().__init__(
+            name,
+            token,
+            f"the database refused a write to {resource} checked against it: the grant is "
+            "no longer current or expired by the database clock; nothing was written",
+        )
+
+
+class LeaseCheckUnavailable(BackendNotSupported):
+    """A lease-checked write where the database cannot see the lease: the backend keeps no
+    lease rows, or keeps them in another database than the one written (a fence still works
+    across stores; a lease check is one statement, so it works only within one database)."""
+
+    def __init__(self, backend: str, reason: str) -> None:
+        super().__init__(backend, "lease-checked writes")
+        self.reason = reason
+        self.__dict__["_message"] = f"{Exception.__str__(self)}: {reason}"

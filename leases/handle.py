@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, Self
 
 from . import conf, keepalive, signals, tracing
 from ._arguments import valid_ttl
@@ -82,7 +82,7 @@ class Lease:
         key: tuple[str, str, str] | None = None,
         elapsed: float | None = None,
         waited: float | None = None,
-    ) -> Lease:
+    ) -> Self:
         """The one door from a grant to a held lease: handle, registry, signal, watchdog.
 
         Every way of coming to hold a grant (``acquire()``, a Celery worker adopting the guard
@@ -115,6 +115,11 @@ class Lease:
         return self.grant.expires_at
 
     @property
+    def shared(self) -> bool:
+        """Held as one of many readers (``lease(name, shared=True)``), not exclusively."""
+        return bool(self.grant.extra.get("shared"))
+
+    @property
     def lost(self) -> threading.Event:
         """Set once the lease is lost (never cleared).
 
@@ -134,8 +139,9 @@ class Lease:
         return self._released or self._lost
 
     def remaining(self) -> float:
-        """Seconds this holder may still rely on the lease; pessimistic, never negative."""
-        if self.done or os.getpid() != self._pid:
+        """Seconds this holder may still rely on the lease; pessimistic, never negative (0
+        while its backend doubts the grant, see :meth:`ensure_held`)."""
+        if self.done or os.getpid() != self._pid or self._store.doubts(self.grant):
             return 0.0
         return max(0.0, self.valid_until - self.clock.monotonic())
 
@@ -143,8 +149,18 @@ class Lease:
         """Raise :class:`LeaseLost` unless the lease is still held by this process.
 
         Checks this process's knowledge only (no round trip): fenced writes call it to fail
-        fast, and the fence itself rejects what a paused holder could not know.
+        fast, and the fence itself rejects what a paused holder could not know. While the
+        backend doubts the grant (a ZooKeeper connection suspended) it raises too, without
+        marking the lease lost: it is trusted again if the doubt clears within its validity.
         """
+        self._ensure_valid()
+        doubt = self._store.doubts(self.grant)
+        if doubt:
+            raise LeaseLost(self.name, self.token, doubt)
+
+    def _ensure_valid(self) -> None:
+        """:meth:`ensure_held` without the backend's doubts: what renewing needs (a renewal
+        is how a doubted lease is confirmed or found lost)."""
         if os.getpid() != self._pid:
             raise LeaseLost(self.name, self.token, f"held by process {self._pid}, not this child")
         if self._released:
@@ -170,7 +186,7 @@ class Lease:
 
     def _before_renew(self, ttl: float | None) -> float:
         self._check_owner("renew")
-        self.ensure_held()
+        self._ensure_valid()
         return self.grant.ttl if ttl is None else valid_ttl(ttl)
 
     @contextlib.contextmanager
@@ -198,7 +214,7 @@ class Lease:
             if not self.done:
                 self.grant = grant
                 self.valid_until = grant.valid_until(*self._drift)
-        self.ensure_held()  # lost or released while the renewal was on its way
+        self._ensure_valid()  # lost or released while the renewal was on its way
         signals.send(signals.lease_renewed, self.backend, lease=self)
         return grant
 

@@ -233,7 +233,7 @@ class _Renewal:
 
     def _retry_after(self, exc: Exception) -> float | None:
         lease = self.lease
-        left = lease.remaining()
+        left = max(0.0, lease.valid_until - lease.clock.monotonic())  # doubted or not
         if self.failures is None:
             self.failures = Backoff(
                 base=max(0.005, left / 20),

@@ -15,9 +15,24 @@ import hashlib
 
 from .errors import InvalidLeaseName
 
-__all__ = ["MAX_NAME_LENGTH", "LockKey", "advisory_key", "split_key", "validate_name"]
+__all__ = [
+    "MAX_NAME_LENGTH",
+    "SEPARATOR",
+    "LockKey",
+    "advisory_key",
+    "derived_name",
+    "split_key",
+    "validate_lease_name",
+    "validate_name",
+]
 
 MAX_NAME_LENGTH = 255
+
+#: Joins a name to the part of a lease the package derives from it (slot 3 of semaphore
+#: ``exports`` is the lease ``exports␟3``). U+241F is printable (admin pages and logs show it,
+#: ZooKeeper paths and Redis keys take it) and no one types it by accident; user names may not
+#: contain it, so a derived name can never be one somebody else chose.
+SEPARATOR = "\u241f"
 
 #: What the advisory helpers accept: a name, an explicit signed 64-bit key, or a pair of
 #: signed 32-bit keys (Postgres's two-argument form).
@@ -48,6 +63,30 @@ def validate_name(name: object) -> str:
     except UnicodeEncodeError as exc:
         raise InvalidLeaseName(name, "must be encodable as UTF-8") from exc
     return name
+
+
+def validate_lease_name(name: object) -> str:
+    """:func:`validate_name`, and not containing :data:`SEPARATOR`: the check at the doors where
+    users name leases (``acquire``, ``semaphore``), so their names never collide with a name
+    the package derives (a semaphore's slots). Operators' tools accept derived names."""
+    name = validate_name(name)
+    if SEPARATOR in name:
+        raise InvalidLeaseName(
+            name, f"must not contain {SEPARATOR!r} (U+241F), reserved for semaphore slots"
+        )
+    return name
+
+
+def derived_name(name: str, part: str) -> str:
+    """``name`` + :data:`SEPARATOR` + ``part``, if that still fits in a name."""
+    derived = f"{name}{SEPARATOR}{part}"
+    if len(derived) > MAX_NAME_LENGTH:
+        raise InvalidLeaseName(
+            name[:40] + "…",
+            f"is {len(name)} characters long; with the suffix {SEPARATOR}{part} it must fit in "
+            f"{MAX_NAME_LENGTH}",
+        )
+    return derived
 
 
 def advisory_key(key: LockKey) -> int | tuple[int, int]:

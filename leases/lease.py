@@ -43,6 +43,9 @@ class _LeaseBlock(contextlib.ContextDecorator):
     variable, so one decorated function can run in many threads at once.
     """
 
+    #: How ``__enter__`` comes to hold the name (``semaphore()`` takes a slot instead).
+    _acquire: Callable[..., Lease] = staticmethod(acquire)
+
     def __init__(self, name: str | None, options: dict[str, Any]) -> None:
         self.name = name
         self.options = options
@@ -57,13 +60,13 @@ class _LeaseBlock(contextlib.ContextDecorator):
                 "function with alease(), or use a with block inside a generator",
             )
         if self.name is None:
-            return _LeaseBlock(_default_name(func), self.options)(func)
+            return type(self)(_default_name(func), self.options)(func)
         return super().__call__(func)
 
     def __enter__(self) -> Lease:
         if self.name is None:
             raise InvalidLeaseOption("name", None, "lease() needs a name in a with statement")
-        entered = acquire(self.name, **self.options)
+        entered = self._acquire(self.name, **self.options)
         _entered.set((*_entered.get(), entered))
         return entered
 
@@ -125,6 +128,7 @@ def lease(
     keepalive: bool = True,
     on_lost: OnLost | None = None,
     holder: str | None = None,
+    shared: bool = False,
 ) -> _LeaseBlock: ...
 def lease(
     name: str | Callable[..., Any] | None = None,
@@ -136,11 +140,13 @@ def lease(
     keepalive: bool = True,
     on_lost: OnLost | None = None,
     holder: str | None = None,
+    shared: bool = False,
 ) -> Any:
     """Hold ``name`` for the duration of a ``with`` block or a decorated function.
 
     ``@lease`` bare names the lease after the function (``module.qualname``). Arguments are
-    those of :func:`acquire`. Leaving the block releases; see :func:`_finish` for errors.
+    those of :func:`acquire` (``shared=True``: as one of many readers). Leaving the block
+    releases; see :func:`_finish` for errors.
     """
     options: dict[str, Any] = {
         "ttl": ttl,
@@ -149,6 +155,7 @@ def lease(
         "keepalive": keepalive,
         "on_lost": on_lost,
         "holder": holder,
+        "shared": shared,
     }
     if callable(name):
         return _LeaseBlock(_default_name(name), options)(name)

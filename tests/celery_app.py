@@ -135,6 +135,9 @@ def _fenced_run(register: str, lease: Lease, task_id: str, hold: float) -> bool:
 
 #: Lease backends the locked and singleton tasks run on, one task per backend.
 BACKENDS = ("default", "redis", "redlock")
+#: The consensus backends, with a few core cases of their own (``tests/test_celery_consensus.py``:
+#: their clusters start only when a test asks, and must be up before its workers start).
+CONSENSUS_BACKENDS = ("etcd", "zookeeper")
 
 
 def _locked_write(self: Any, register: str, hold: float, lease: Lease) -> bool:
@@ -145,7 +148,7 @@ LOCKED_WRITE = {
     alias: locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, backend=alias, bind=True,
                        acks_late=True, busy_backoff=0.05, busy_backoff_max=0.3,
                        busy_max_retries=400, name=f"tests.locked_write.{alias}")(_locked_write)
-    for alias in BACKENDS
+    for alias in (*BACKENDS, *CONSENSUS_BACKENDS)
 }  # fmt: skip
 locked_write = LOCKED_WRITE["default"]
 
@@ -185,6 +188,25 @@ def locked_until_lost(self: Any, register: str, lease: Lease) -> bool:
     return _fenced_run(register, lease, self.request.id, 0)
 
 
+def _until_revoked(self: Any, register: str, lease: Lease) -> bool:
+    """``locked_until_lost`` on the lease's own backend."""
+    from leases.backends import get_backend
+
+    _fenced_run(register, lease, self.request.id, 0)
+    get_backend(lease.backend).force_release(lease.name, lease.token)
+    lease.lost.wait(_LEASE_TTL * 2)
+    return _fenced_run(register, lease, self.request.id, 0)
+
+
+LOCKED_UNTIL_REVOKED = {
+    alias: locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, backend=alias,
+                       on_busy="raise", bind=True, on_lost=_record_loss,
+                       name=f"tests.locked_until_revoked.{alias}")(
+        _until_revoked)
+    for alias in CONSENSUS_BACKENDS
+}  # fmt: skip
+
+
 @locked_task(key="celery-test:{register}", ttl=_LEASE_TTL * 2, timeout=30, bind=True,
              acks_late=True)  # fmt: skip
 def locked_slow(self: Any, register: str, hold: float, lease: Lease) -> bool:
@@ -192,6 +214,13 @@ def locked_slow(self: Any, register: str, hold: float, lease: Lease) -> bool:
     return _fenced_run(
         register, lease, self.request.id, hold if _first_delivery(self.request.id) else 0
     )
+
+
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, limit=2, bind=True, busy_backoff=0.05,
+             busy_backoff_max=0.3, busy_max_retries=400)  # fmt: skip
+def limited_write(self: Any, register: str, hold: float, lease: Lease) -> bool:
+    """Up to two bodies per register at once; each writes its slot's own register."""
+    return _fenced_run(f"{register}/{lease.slot}", lease, self.request.id, hold)  # type: ignore[attr-defined]
 
 
 # -- idempotent --------------------------------------------------------------------------------
@@ -222,7 +251,7 @@ SINGLETON_HOLD = {
         bind=True,
         name=f"tests.singleton_hold.{alias}",
     )(_singleton_hold)
-    for alias in BACKENDS
+    for alias in (*BACKENDS, *CONSENSUS_BACKENDS)
 }
 singleton_hold = SINGLETON_HOLD["default"]
 

@@ -28,7 +28,6 @@ from tests.rabbitmq_server import RabbitMQServer, rabbitmq_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 _OWNED: list[PostgresServer | RedisServer] = []
-_OWNED_CLUSTERS: list[EtcdCluster] = []
 
 
 #: Independent Redis servers the ``redlock`` backend of the shared suite runs on.
@@ -37,13 +36,13 @@ REDLOCK_NODES = 3
 
 def bootstrap_servers() -> dict[str, str]:
     """``DATABASE_URL``, ``REDIS_URL`` and ``LEASES_REDLOCK_URLS`` (comma-separated) for this
-    run, starting servers if none are reachable."""
+    run, starting servers if none are reachable. (The etcd and ZooKeeper clusters start only
+    when a test asks for them: ``tests/clusters.py``.)"""
     first = not _OWNED
     urls = configured_or_throwaway(_OWNED)
     urls["LEASES_REDLOCK_URLS"] = _redlock_urls(REDLOCK_NODES)
-    urls["LEASES_ETCD_ENDPOINTS"] = _etcd_endpoints()
     os.environ.update(urls)
-    if first and (_OWNED or _OWNED_CLUSTERS):
+    if first and _OWNED:
         atexit.register(_destroy_owned)
     return urls
 
@@ -58,24 +57,9 @@ def _redlock_urls(count: int) -> str:
     return ",".join(server.url for server in servers)
 
 
-def _etcd_endpoints() -> str:
-    """The inherited etcd cluster's client URLs when all answer, else a new 3-member cluster
-    (``""`` when etcd is not installed: the ``etcd`` backend's tests then skip)."""
-    urls = [url for url in os.environ.get("LEASES_ETCD_ENDPOINTS", "").split(",") if url]
-    if urls and all(reachable(url) for url in urls):
-        return ",".join(urls)
-    if etcd_binary() is None:
-        return ""
-    cluster = EtcdCluster().start()
-    _OWNED_CLUSTERS.append(cluster)
-    return ",".join(cluster.endpoints)
-
-
 def _destroy_owned() -> None:
     while _OWNED:
         _OWNED.pop().destroy()
-    while _OWNED_CLUSTERS:
-        _OWNED_CLUSTERS.pop().destroy()
 
 
 def url_with_database(url: str, name: str) -> str:

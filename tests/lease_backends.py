@@ -12,7 +12,6 @@ Tests skip by declared capability (:func:`require`), never by backend name.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from collections.abc import Callable
 import pytest
 
 from leases.backends import Capability, LeaseBackend, get_backend
-from tests.zookeeper_servers import ready as zookeeper_ready
+from tests.clusters import etcd_ready, zookeeper_ready
 
 __all__ = [
     "LEASE_BACKENDS",
@@ -33,22 +32,16 @@ __all__ = [
 
 #: Aliases the conformance suite runs on; backends append theirs.
 LEASE_BACKENDS: list[str] = ["default", "redis", "redlock"]
-LEASE_BACKENDS.append("zookeeper")  # the session ensemble of tests/zookeeper_servers.py
+LEASE_BACKENDS.append("zookeeper")  # the ensemble of tests/clusters.py, started on first use
 
 
 #: Per-alias preparation run by :func:`lease_backend` before each test (nothing for "default").
-SETUP: dict[str, Callable[[pytest.FixtureRequest], None]] = {}
+SETUP: dict[str, Callable[[pytest.FixtureRequest], object]] = {}
 SETUP["zookeeper"] = zookeeper_ready
 
 
-def _etcd_installed(request: pytest.FixtureRequest) -> None:
-    """The harness starts a session cluster when etcd is installed (``tests/harness.py``)."""
-    if not os.environ.get("LEASES_ETCD_ENDPOINTS"):
-        pytest.skip("etcd: no etcd binary installed (apt-get install etcd-server)")
-
-
 LEASE_BACKENDS.append("etcd")
-SETUP["etcd"] = _etcd_installed
+SETUP["etcd"] = etcd_ready  # likewise
 
 
 @pytest.fixture(params=LEASE_BACKENDS)

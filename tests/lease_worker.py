@@ -5,6 +5,9 @@ parent can compare it with its own clock). Writes go through the shared fenced r
 bare token, so only the fence (not the holder's own belief) decides whether they land.
 
 - ``contend ALIAS NAME REGISTER TTL SECONDS``: acquire, write a few times, release, repeat.
+- ``hold-slot ALIAS NAME REGISTER TTL LIMIT``: ``hold``, with a slot of semaphore NAME; writes go
+  to the slot's own register ``REGISTER/<slot>``.
+- ``hold-shared ALIAS NAME REGISTER TTL``: ``hold``, as one of the name's readers.
 - ``hold ALIAS NAME REGISTER TTL``: acquire and write once, then wait for a line on stdin;
   then write again, try ``ensure_held()`` and ``release()``, and report each outcome.
 """
@@ -45,13 +48,20 @@ def contend(alias: str, name: str, register: str, ttl: float, seconds: float) ->
         time.sleep(random.uniform(0, ttl / 10))
 
 
-def hold(alias: str, name: str, register: str, ttl: float) -> None:
+def hold(
+    alias: str, name: str, register: str, ttl: float, limit: int | None = None, shared: bool = False
+) -> None:
     from leases import LeaseError, acquire
+    from leases.semaphore import acquire_slot
     from tests.checker import record_write
 
-    held = acquire(name, ttl=ttl, backend=alias, timeout=10)
+    if limit is None:
+        held = acquire(name, ttl=ttl, backend=alias, timeout=10, shared=shared)
+    else:
+        held = acquire_slot(name, limit=limit, ttl=ttl, backend=alias, timeout=10)
+        register = f"{register}/{held.slot}"
     accepted = record_write(register, held.token, held.holder)
-    emit("acquired", token=held.token, holder=held.holder, accepted=accepted)
+    emit("acquired", token=held.token, holder=held.holder, accepted=accepted, name=held.name)
     sys.stdin.readline()
     outcomes = {"write": record_write(register, held.token, held.holder)}
     for action in ("ensure_held", "release"):
@@ -70,6 +80,10 @@ def main(argv: list[str]) -> int:
     mode, alias, name, register, ttl, *rest = argv
     if mode == "contend":
         contend(alias, name, register, float(ttl), float(rest[0]))
+    elif mode == "hold-shared":
+        hold(alias, name, register, float(ttl), shared=True)
+    elif mode == "hold-slot":
+        hold(alias, name, register, float(ttl), int(rest[0]))
     else:
         hold(alias, name, register, float(ttl))
     return 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 from devservers import database_settings
+from tests.clusters import UNAVAILABLE_ETCD, UNAVAILABLE_ZOOKEEPER
 from tests.harness import bootstrap_servers, url_with_database
-from tests.zookeeper_servers import zookeeper_hosts
 
 URLS = bootstrap_servers()
 
@@ -90,10 +92,8 @@ LEASES = {
         },
         "etcd": {
             "ENGINE": "leases.backends.etcd",
-            # Empty without etcd installed: its tests skip (tests/lease_backends.py).
-            "ENDPOINTS": URLS["LEASES_ETCD_ENDPOINTS"].split(",")
-            if URLS["LEASES_ETCD_ENDPOINTS"]
-            else ["http://127.0.0.1:2379"],
+            # Started on first use (tests/clusters.py), which points this alias at it.
+            "ENDPOINTS": os.environ.get("LEASES_ETCD_ENDPOINTS", UNAVAILABLE_ETCD).split(","),
             "REQUEST_TIMEOUT": 2.0,
         },
     },
@@ -101,7 +101,8 @@ LEASES = {
 }
 LEASES["BACKENDS"]["zookeeper"] = {
     "ENGINE": "leases.backends.zookeeper",
-    "HOSTS": zookeeper_hosts(),
+    # Started on first use (tests/clusters.py), which points this alias at it.
+    "HOSTS": os.environ.get("LEASES_ZOOKEEPER_HOSTS", UNAVAILABLE_ZOOKEEPER),
     # Within the ensemble's bounds (tick 500 ms: 1 to 10 s); short, so fault tests are quick.
     "SESSION_TIMEOUT": 6,
 }

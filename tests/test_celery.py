@@ -37,6 +37,7 @@ from tests.celery_app import (
     add_once,
     app,
     leader_tick,
+    limited_write,
     locked_retrying,
     locked_skip,
     locked_slow,
@@ -116,6 +117,31 @@ def test_locked_bodies_never_overlap_and_all_complete(
     assert_runs_never_overlap(runs)
     summary = check_history(register, tokens(sorted(runs, key=lambda r: r.started_at)))
     assert summary.accepted == 40
+
+
+def test_a_limited_task_runs_at_most_limit_bodies_at_once(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    """``locked_task(limit=2)`` on three worker processes: by the runs' database clock never
+    more than two bodies at once, and each slot's register passes the checker."""
+    queue = new_queue()
+    ready(celery_workers, {"queues": [queue], "name": "a", "concurrency": 3})
+    register = new_register("celery-limited")
+    results = [limited_write.apply_async((register, 0.2), queue=queue) for _ in range(9)]
+    assert [r.get(timeout=90) for r in results] == [True] * 9
+    runs = sorted(
+        TaskRun.objects.filter(label__startswith=f"{register}/"), key=lambda r: r.started_at
+    )
+    assert len(runs) == 9 and {r.label for r in runs} <= {f"{register}/0", f"{register}/1"}
+    for slot in {r.label for r in runs}:
+        slot_runs = [r for r in runs if r.label == slot]
+        assert_runs_never_overlap(slot_runs)
+        check_history(slot, tokens(slot_runs))
+    starts = [(r.started_at, 1) for r in runs] + [(r.ended_at, -1) for r in runs]
+    at_once = list(
+        itertools.accumulate(step for _, step in sorted(starts, key=lambda e: (e[0], e[1])))
+    )
+    assert max(at_once) <= 2
 
 
 def test_locked_skip_is_reported_as_skipped(celery_workers: Callable[..., Worker]) -> None:

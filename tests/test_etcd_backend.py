@@ -8,7 +8,6 @@ SIGKILL its leader and SIGSTOP members, and every writer's history goes through 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from devservers.etcd import EtcdCluster
 from leases import LeaseError, LeaseUnavailable, acquire, lease
 from leases.backends import get_backend
 from tests.checker import ACCEPTED, check_history, history, new_register, record_write
+from tests.clusters import etcd_ready
 from tests.lease_backends import lease_name
 
 __all__ = ["lease_name"]  # fixture, re-exported for pytest
@@ -32,10 +32,8 @@ ALIAS = "etcd-fault"
 
 @pytest.fixture
 def etcd_store(db: None) -> str:
-    """The session cluster's alias, skipped without etcd."""
-    if not os.environ.get("LEASES_ETCD_ENDPOINTS"):
-        pytest.skip("etcd: no etcd binary installed (apt-get install etcd-server)")
-    return "etcd"
+    """The session cluster's alias (started on first use), skipped without etcd."""
+    return etcd_ready()
 
 
 @contextlib.contextmanager

@@ -7,6 +7,11 @@ comparing the value's token prefix, ``string.sub(... or '', 1, #ARGV[n]) == ARGV
 ``SET ... NX`` (which cannot overwrite). The only exception is the wake-up list (a key the script
 ``RPUSH``es to), which holds no grant. The Python sources are scanned too: the only direct
 write is Redlock's ``SET NX``, and nothing lists keys by pattern (``KEYS``).
+
+The shared-lease scripts (:mod:`leases.backends._redis_shared`) check their grant differently: a
+readers' group is a lock value *ending* in a mark plus an entry in a hash, checked once at the top
+by a pinned piece of Lua that returns early when the grant is not theirs. They are held to that:
+no destructive command before the check.
 """
 
 from __future__ import annotations
@@ -21,10 +26,18 @@ import pytest
 from leases.backends import _redis_io as redis_io
 from leases.backends import _redis_nodes as redis_nodes
 from leases.backends import _redis_scripts as redis_scripts
+from leases.backends import _redis_shared as redis_shared
 from leases.backends import redis as redis_backend
 from leases.backends import redlock as redlock_backend
 
-MODULES = [redis_backend, redlock_backend, redis_io, redis_nodes, redis_scripts]
+MODULES = [redis_backend, redlock_backend, redis_io, redis_nodes, redis_scripts, redis_shared]
+#: The shared-lease scripts and the line of each that ends its check of the grant.
+SHARED_CHECKS = {
+    "SHARED_ACQUIRE_LUA": "return {BUSY, current or ''}",
+    "SHARED_RENEW_LUA": "return no",
+    "SHARED_RELEASE_LUA": "return no",
+    "STOP_READERS_LUA": "if current and string.sub(current, -#ARGV[1]) == ARGV[1] then",
+}
 DESTRUCTIVE = {
     "DEL", "UNLINK", "EXPIRE", "PEXPIRE", "EXPIREAT", "PEXPIREAT", "PERSIST", "SET", "SETEX",
     "PSETEX", "GETDEL", "GETEX", "GETSET", "RENAME", "RENAMENX", "MOVE", "RESTORE", "FLUSHDB",
@@ -48,8 +61,37 @@ def scripts() -> list[tuple[str, str]]:
         (f"{module.__name__}.{name}", value)
         for module in MODULES
         for name, value in vars(module).items()
-        if name.endswith("_LUA") and isinstance(value, str)
+        if name.endswith("_LUA") and isinstance(value, str) and name not in SHARED_CHECKS
     ]
+
+
+def written_before_check(script: str, check: str) -> list[str]:
+    """Destructive commands of a shared-lease script that come before its check's last line."""
+    lines = [line.strip() for line in script.splitlines()]
+    if check not in lines:
+        return [f"no check {check!r}"]
+    before = lines[: lines.index(check)]
+    return [
+        line for line in before for cmd, _, _ in CALL.findall(line) if cmd.upper() in DESTRUCTIVE
+    ]
+
+
+@pytest.mark.parametrize(("name", "check"), SHARED_CHECKS.items())
+def test_shared_scripts_write_only_after_checking_the_grant(name: str, check: str) -> None:
+    script = getattr(redis_shared, name)
+    assert written_before_check(script, check) == []
+    if check == "return no":  # renew and release: the pinned reader check, called first
+        assert redis_shared.READER_CHECK_LUA in script
+        assert "local no = refused(" in script.split(check)[0].splitlines()[-3]
+    if name == "SHARED_ACQUIRE_LUA":  # busy unless free or a group, and no writer waiting
+        assert "if (current and not group) or redis.call('EXISTS', KEYS[4]) == 1 then" in script
+        assert "string.sub(value, -#mark) == mark" in script
+
+
+def test_the_shared_scan_catches_a_write_before_the_check() -> None:
+    script = "redis.call('DEL', KEYS[1])\nlocal no = refused(ARGV[5])\nif no then\nreturn no\nend"
+    assert written_before_check(script, "return no")
+    assert written_before_check("redis.call('DEL', KEYS[1])", "return no")
 
 
 #: ``owned`` may stand for ``ARGV[n]`` only as the value built from the secret presented.

@@ -7,6 +7,7 @@ grow.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
+from devservers.proxy import FaultProxy
 from devservers.zookeeper import ZooKeeperEnsemble, zookeeper_classpath
 from leases import LeaseLost, acquire
 from leases.backends import get_backend
@@ -41,17 +43,18 @@ def ensemble() -> Iterator[ZooKeeperEnsemble]:
 
 @pytest.fixture
 def backends(ensemble: ZooKeeperEnsemble) -> Iterator[Any]:
-    """``backends(alias=hosts, ...)``: zookeeper aliases of this test's own, on given members."""
+    """``backends(alias=hosts, ...)``: zookeeper aliases of this test's own, on given members
+    (``session=`` seconds, default ``SESSION``)."""
     stack: list[Any] = []
 
-    def configure(**aliases: str) -> None:
+    def configure(session: float = SESSION, request: float = 1.0, **aliases: str) -> None:
         configured = dict(settings.LEASES["BACKENDS"])
         for alias, hosts in aliases.items():
             configured[alias] = {
                 "ENGINE": "leases.backends.zookeeper",
                 "HOSTS": hosts,
-                "SESSION_TIMEOUT": SESSION,
-                "REQUEST_TIMEOUT": 1.0,
+                "SESSION_TIMEOUT": session,
+                "REQUEST_TIMEOUT": request,
             }
         override = override_settings(LEASES={**settings.LEASES, "BACKENDS": configured})
         override.enable()
@@ -123,3 +126,74 @@ def test_paused_member_past_the_session_timeout_reports_loss_and_successor_is_hi
         get_backend("zk_holder").renew(held.grant, SESSION)
     successor.release()
     check_history(register, grants=[held.token, successor.token])
+
+
+def test_member_restarted_within_the_session_timeout_resumes_the_session_and_keeps_the_lease(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """The holder knows only one member, which is SIGKILLed and started again well within the
+    session timeout: while it is down the connection is SUSPENDED and the lease is not trusted
+    (``ensure_held()`` refuses, a fenced write is refused before it is sent) but not lost;
+    once the member serves again the same session resumes, and with it the same lease."""
+    session = 10.0  # the ensemble's maximum (20 ticks): room for a JVM restart on a busy machine
+    member = next(i for i in ensemble.live() if ensemble.mode(i) == "follower")
+    backends(session=session, zk_holder=ensemble.host(member), zk_other=ensemble.hosts)
+    register, name = new_register(), f"zk-restart-{time.monotonic_ns()}"
+    held = acquire(name, ttl=session, backend="zk_holder")
+    store = get_backend("zk_holder")
+    before = store.client.client_id  # type: ignore[attr-defined]
+    assert record_write(register, held, "holder")
+
+    ensemble.kill(member)
+    wait_until(lambda: held.remaining() == 0, session / 2, "the suspension to be noticed")
+    with pytest.raises(LeaseLost, match="suspended"):
+        held.ensure_held()
+    assert not record_write(register, held, "holder")  # refused by ensure_held: never sent
+    assert not held.lost.is_set()
+    assert get_backend("zk_other").try_acquire(name, "intruder", session) is None
+
+    ensemble.launch(member)
+    wait_until(lambda: held.remaining() > 0, session / 2, "the session to resume")
+    assert store.client.client_id == before  # type: ignore[attr-defined]
+    held.ensure_held()
+    assert record_write(register, held, "holder")
+    held.renew()
+    held.release()
+    check_history(register, grants=[held.token])
+
+
+def test_connection_lost_during_create_finds_its_own_node_and_leaves_no_orphan(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """The create reaches the ensemble but its reply is held, then the connection is reset:
+    the outcome is unknown to the client. It must find the node it did create (by the GUID in
+    its name) once reconnected and go on with it, rather than fail and leave a contender
+    nobody owns at the head of the line, blocking the name for a whole TTL."""
+    member = ensemble.ids[0]
+    with FaultProxy(ensemble.ports[member]) as proxy:
+        hosts = f"127.0.0.1:{proxy.port}"
+        backends(session=10.0, request=5.0, zk_proxied=hosts, zk_direct=ensemble.host(member))
+        store, direct = get_backend("zk_proxied"), get_backend("zk_direct")
+        name = f"zk-orphan-{time.monotonic_ns()}"
+        store.release(store.try_acquire(name, "warm-up", 10))  # type: ignore[arg-type]
+        line = f"{direct.prefix}/names/{name}"  # type: ignore[attr-defined]
+
+        proxy.blackhole(replies_only=True)
+        outcome: list[Any] = []
+        trying = threading.Thread(
+            target=lambda: outcome.append(store.try_acquire(name, "holder", 10)), daemon=True
+        )
+        trying.start()
+        wait_until(lambda: bool(direct.client.get_children(line)), 5, "the create to apply")  # type: ignore[attr-defined]
+        assert proxy.reset_all() >= 1
+        proxy.pass_through()
+        trying.join(10)
+
+        children = direct.client.get_children(line)  # type: ignore[attr-defined]
+        assert len(children) == 1, children  # ours, and no orphan beside it
+        grant = outcome[0]
+        assert grant is not None and grant.holder == "holder"
+        _, stat = direct.client.get(f"{line}/{children[0]}")  # type: ignore[attr-defined]
+        assert grant.token == stat.czxid
+        store.release(grant)
+        assert direct.client.get_children(line) == []  # type: ignore[attr-defined]

@@ -84,6 +84,10 @@ class Gateway:
 
     @staticmethod
     def _client(url: str, options: Mapping[str, Any]) -> Etcd3Client:
+        """etcd3gw's client for one member. Its session's ``verify`` (``CA_CERT``) is passed
+        again with every request: ``requests`` lets ``REQUESTS_CA_BUNDLE``/``CURL_CA_BUNDLE``
+        override a session's own ``verify``, which would distrust the cluster's CA on any
+        machine that sets them."""
         parts = urlsplit(url)
         return Etcd3Client(
             host=parts.hostname or "127.0.0.1",
@@ -149,6 +153,7 @@ class Gateway:
                 json=body,
                 headers=self._auth_header(client, timeout),
                 timeout=(min(self.connect_timeout, timeout), timeout),
+                verify=client.session.verify,
             )
             if response.status_code == requests.codes.ok or self._user is None:
                 return response
@@ -165,6 +170,7 @@ class Gateway:
                 client.get_url("auth/authenticate"),
                 json={"name": self._user, "password": self._password},
                 timeout=(min(self.connect_timeout, timeout), timeout),
+                verify=client.session.verify,
             )
             if response.status_code != requests.codes.ok:
                 raise EtcdRefused(response.status_code, _message(response))
@@ -187,6 +193,7 @@ class Gateway:
                 headers=self._auth_header(client, timeout),
                 stream=True,
                 timeout=(min(self.connect_timeout, timeout), timeout),
+                verify=client.session.verify,
             ) as response:
                 if response.status_code != requests.codes.ok:
                     raise BackendUnavailable(self.alias, f"watch: {_message(response)}")

@@ -20,7 +20,7 @@ __all__ = ["RELEASE_LUA", "RENEW_LUA", "WAKE_TTL_MS", "KeyKind", "LeaseKeys", "R
 WAKE_TTL_MS = 5000
 
 #: Which of a name's keys (see :class:`LeaseKeys`).
-KeyKind = Literal["lock", "fence", "wake"]
+KeyKind = Literal["lock", "fence", "wake", "readers", "writer"]
 
 
 class Reply(enum.IntEnum):
@@ -93,6 +93,9 @@ class LeaseKeys:
     lock: str
     fence: str
     wake: str
+    #: A group of readers' entries, and a waiting writer's stop sign (shared leases, Redis).
+    readers: str = ""
+    writer: str = ""
 
     @classmethod
     def of(cls, prefix: str, name: str) -> LeaseKeys:
@@ -117,4 +120,10 @@ def _lease_keys(prefix: str, name: str) -> LeaseKeys:
     # Braces inside the name would move the hash tag; escaping keeps the mapping one-to-one.
     escaped = name.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
     base = f"{prefix}{{{escaped}}}"
-    return LeaseKeys(lock=f"{base}:lock", fence=f"{base}:fence", wake=f"{base}:wake")
+    return LeaseKeys(
+        lock=f"{base}:lock",
+        fence=f"{base}:fence",
+        wake=f"{base}:wake",
+        readers=f"{base}:readers",
+        writer=f"{base}:writer",
+    )

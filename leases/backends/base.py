@@ -56,6 +56,9 @@ class Capability(enum.StrEnum):
     DURABLE = "durable"
     #: Its leases are the rows of :class:`leases.models.Lease` (the admin's changelist).
     LEASE_ROWS = "lease rows"
+    #: ``try_acquire_shared``: readers that hold a name together, excluded by an exclusive
+    #: grant, with tokens from the name's one sequence (``lease(name, shared=True)``).
+    SHARED_LEASES = "shared leases"
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,23 @@ class LeaseBackend(abc.ABC):
         when someone else holds it. A failed try should not write.
         """
 
+    def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """Join the readers of ``name`` (or start their group) unless an exclusive grant holds
+        it or an exclusive waiter stopped new readers (:meth:`stop_new_readers`).
+
+        Only for backends that declare :attr:`Capability.SHARED_LEASES`. One round trip; the
+        grant's token is the name's next (above every grant before it, shared or not), its
+        ``extra`` says ``shared``, and :meth:`renew`/:meth:`release` accept it like any grant.
+        While readers hold the name, :meth:`try_acquire` fails as if one holder held it.
+        """
+        raise BackendNotSupported(self.alias, Capability.SHARED_LEASES.value)
+
+    def stop_new_readers(self, name: str) -> None:  # noqa: B027 - optional, like close()
+        """An exclusive waiter of ``name`` stops readers from joining for a short while (at
+        least a second), so a stream of readers cannot starve it; it calls this again while it
+        waits (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds). One round trip;
+        nothing to do for backends without :attr:`Capability.SHARED_LEASES`."""
+
     @abc.abstractmethod
     def renew(self, grant: Grant, ttl: float) -> Grant:
         """Extend ``grant`` to ``ttl`` seconds from now, keeping its token.
@@ -232,6 +252,18 @@ class LeaseBackend(abc.ABC):
         the others back. Safety never depends on it.
         """
         return contextlib.nullcontext()
+
+    def doubts(self, grant: Grant) -> str | None:
+        """Why this process cannot vouch for ``grant`` right now though its validity has not
+        run out, or ``None``.
+
+        No round trip: only what the client already knows. A ZooKeeper connection that is
+        suspended, for one, may hide a session the ensemble has already expired, znodes and
+        all; until it is back, :meth:`~leases.handle.Lease.ensure_held` refuses (without
+        marking the lease lost: it may be trusted again within its validity). The default has
+        no doubts: the validity is all a client of the other stores can know.
+        """
+        return None
 
     @abc.abstractmethod
     def inspect(self, name: str) -> LeaseInfo | None:

@@ -39,6 +39,16 @@ from django.db import connections
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._aio import PerLoop
+from ._pg_shared import (
+    GROUP,
+    SHARED_ACQUIRE_SQL,
+    SHARED_RELEASE_SQL,
+    SHARED_RENEW_SQL,
+    STOP_READERS_SQL,
+    WRITER_INTENT_SECONDS,
+    public_meta,
+    shared_params,
+)
 from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
 from ._pgdeadline import REQUEST_TIMEOUT
@@ -191,7 +201,7 @@ def _info(row: tuple[Any, ...], backend: str) -> LeaseInfo:
         acquired_at=acquired_at,
         expires_at=expires_at,
         renewed_at=renewed_at,
-        meta=json.loads(meta) if isinstance(meta, str | bytes) else meta or {},
+        meta=public_meta(json.loads(meta) if isinstance(meta, str | bytes) else meta or {}),
     )
 
 
@@ -205,6 +215,7 @@ class Backend(LeaseBackend):
             Capability.FORCE_RELEASE,
             Capability.DURABLE,
             Capability.LEASE_ROWS,
+            Capability.SHARED_LEASES,
         }
     )
     known_options = frozenset({"DATABASE", "WAITING_ROOM", "REQUEST_TIMEOUT"})
@@ -288,7 +299,11 @@ class Backend(LeaseBackend):
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
-        params, timeout = {**_owner(grant), "ttl": ttl}, self._renewal_timeout(grant, sent_at)
+        timeout = self._renewal_timeout(grant, sent_at)
+        if grant.extra.get("shared"):
+            rows = self._run(SHARED_RENEW_SQL, shared_params(grant, ttl=ttl), timeout)
+            return _renewed(grant, ttl, sent_at, rows)
+        params = {**_owner(grant), "ttl": ttl}
         return _renewed(grant, ttl, sent_at, self._run(RENEW_SQL, params, timeout))
 
     def _renewal_timeout(self, grant: Grant, now: float) -> float:
@@ -298,7 +313,29 @@ class Backend(LeaseBackend):
         return min(self.request_timeout, max(MIN_RENEWAL_TIMEOUT, left / 2))
 
     def release(self, grant: Grant) -> None:
+        if grant.extra.get("shared"):
+            _released(grant, self._run(SHARED_RELEASE_SQL, shared_params(grant)))
+            return
         _released(grant, self._run(RELEASE_SQL, _owner(grant)))
+
+    def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """Join or start the readers' group of ``name`` (see :mod:`._pg_shared`)."""
+        sent_at, secret = time.monotonic(), new_secret()
+        params = {"name": name, "holder": holder, "ttl": ttl, "secret": secret, "group": GROUP}
+        params["key"] = ""  # no reader is left out of the live ones it keeps
+        rows = self._run(SHARED_ACQUIRE_SQL, params)
+        if not rows:
+            self._failed_at()[name] = sent_at
+            return None
+        token, expires_at = rows[0]
+        return Grant(
+            name, holder, int(token), ttl, sent_at, expires_at, {"shared": True}, secret=secret
+        )
+
+    def stop_new_readers(self, name: str) -> None:
+        self._run(
+            STOP_READERS_SQL, {"name": name, "group": GROUP, "seconds": WRITER_INTENT_SECONDS}
+        )
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())
@@ -333,11 +370,15 @@ class Backend(LeaseBackend):
         return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
 
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
+        if grant.extra.get("shared"):  # shared leases are taken by sync code only, so far
+            return await super().arenew(grant, ttl)
         sent_at = time.monotonic()
         params, timeout = {**_owner(grant), "ttl": ttl}, self._renewal_timeout(grant, sent_at)
         return _renewed(grant, ttl, sent_at, await self._arun(RENEW_SQL, params, timeout))
 
     async def arelease(self, grant: Grant) -> None:
+        if grant.extra.get("shared"):
+            return await super().arelease(grant)
         _released(grant, await self._arun(RELEASE_SQL, _owner(grant)))
 
     async def await_for_release(self, name: str, timeout: float) -> bool:

@@ -60,6 +60,15 @@ from ._redis_io import (
     url_problems,
 )
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
+from ._redis_shared import (
+    GROUP,
+    NEXT_GRANT_LUA,
+    SHARED_ACQUIRE_LUA,
+    SHARED_RELEASE_LUA,
+    SHARED_RENEW_LUA,
+    STOP_READERS_LUA,
+    WRITER_INTENT_MS,
+)
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = [
@@ -83,7 +92,8 @@ MAX_EPOCH = 2**31 - 1
 #: yet), ARGV[4] counter limit (a counter there needs a new epoch), ARGV[5] the grant's secret.
 #: The value is ``epoch:counter:sha1(secret):holder``: Redis never holds the secret itself.
 #: Returns {OK, value} | {BUSY, value} | {NEED_EPOCH, stored epoch}.
-ACQUIRE_LUA = lua("""
+ACQUIRE_LUA = lua(
+    """
 if redis.replicate_commands then
   redis.replicate_commands()  -- Redis < 5: allow writes after INFO (no-op since 5)
 end
@@ -91,22 +101,14 @@ local current = redis.call('GET', KEYS[1])
 if current then
   return {BUSY, current}
 end
-local run = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
-local state = redis.call('HMGET', KEYS[2], 'epoch', 'counter', 'run')
-local epoch, counter = tonumber(state[1]), tonumber(state[2])
-if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV[4]) then
-  local offered = tonumber(ARGV[3])
-  if offered <= (epoch or 0) then
-    return {NEED_EPOCH, tostring(epoch or 0)}
-  end
-  epoch, counter = offered, 0
-end
-counter = counter + 1
-redis.call('HSET', KEYS[2], 'epoch', epoch, 'counter', counter, 'run', run)
+"""
+    + NEXT_GRANT_LUA
+    + """
 local value = string.format('%d:%d:%s:%s', epoch, counter, redis.sha1hex(ARGV[5]), ARGV[1])
 redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
 return {OK, value}
-""")
+"""
+)
 
 #: KEYS: lock, wake, fence. ARGV: epoch, counter (the token to revoke), wake ttl ms, the lock
 #: value's prefix for that token (``epoch:counter:``).
@@ -166,6 +168,19 @@ def _acquired(reply: Any, attempt: Grant) -> Grant | int | None:
     return int(value)
 
 
+#: The end of a readers' group's lock value (see :mod:`._redis_shared`).
+_MARK = f"::{GROUP}"
+
+
+def _reader_args(grant: Grant) -> list[object]:
+    """A reader's key among the group's entries (``epoch:counter``), holder and secret."""
+    return [
+        f"{grant.token >> COUNTER_BITS}:{grant.token & MAX_COUNTER}",
+        grant.holder,
+        grant.secret,
+    ]
+
+
 def _renew_call(prefix: str, grant: Grant, ttl: float) -> tuple[list[str], list[object]]:
     return [LeaseKeys.of(prefix, grant.name).lock], [*owner_args(grant), ms(ttl)]
 
@@ -190,7 +205,12 @@ class Backend(LeaseBackend):
     """Leases on one Redis server (or cluster) reached through django-redis or a URL."""
 
     capabilities = frozenset(
-        {Capability.NATIVE_FENCING, Capability.WAIT_WITHOUT_POLLING, Capability.FORCE_RELEASE}
+        {
+            Capability.NATIVE_FENCING,
+            Capability.WAIT_WITHOUT_POLLING,
+            Capability.FORCE_RELEASE,
+            Capability.SHARED_LEASES,
+        }
     )
 
     known_options = frozenset(
@@ -253,6 +273,10 @@ class Backend(LeaseBackend):
                     "renew": client.register_script(RENEW_LUA),
                     "release": client.register_script(RELEASE_LUA),
                     "force_release": client.register_script(FORCE_RELEASE_LUA),
+                    "shared_acquire": client.register_script(SHARED_ACQUIRE_LUA),
+                    "shared_renew": client.register_script(SHARED_RENEW_LUA),
+                    "shared_release": client.register_script(SHARED_RELEASE_LUA),
+                    "stop_readers": client.register_script(STOP_READERS_LUA),
                 }
                 self._client = client
             return self._client
@@ -264,16 +288,40 @@ class Backend(LeaseBackend):
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         keys = LeaseKeys.of(self.prefix, name)
+        return self._acquire("acquire", name, holder, ttl, [keys.lock, keys.fence], [])
+
+    def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """Join or start the readers' group of ``name`` (see :mod:`._redis_shared`)."""
+        keys = LeaseKeys.of(self.prefix, name)
+        lua_keys = [keys.lock, keys.fence, keys.readers, keys.writer]
+        return self._acquire("shared_acquire", name, holder, ttl, lua_keys, [_MARK])
+
+    def _acquire(
+        self,
+        script: str,
+        name: str,
+        holder: str,
+        ttl: float,
+        keys: list[str],
+        extra: list[object],
+    ) -> Grant | None:
+        """Run an acquire script, taking a new epoch from the database when it asks."""
         offered, secret = 0, new_secret()
+        shared = {"shared": True} if script == "shared_acquire" else {}
         for _ in range(3):
             sent_at = time.monotonic()
-            args = [holder, ms(ttl), offered, MAX_COUNTER, secret]
-            reply = self._run("acquire", [keys.lock, keys.fence], args)
-            outcome = _acquired(reply, Grant(name, holder, 0, ttl, sent_at, secret=secret))
+            args = [holder, ms(ttl), offered, MAX_COUNTER, secret, *extra]
+            reply = self._run(script, keys, args)
+            attempt = Grant(name, holder, 0, ttl, sent_at, extra=shared, secret=secret)
+            outcome = _acquired(reply, attempt)
             if not isinstance(outcome, int):
                 return outcome
             offered = self._next_epoch(outcome)
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
+
+    def stop_new_readers(self, name: str) -> None:
+        keys = LeaseKeys.of(self.prefix, name)
+        self._run("stop_readers", [keys.lock, keys.writer], [_MARK, WRITER_INTENT_MS])
 
     def _next_epoch(self, stored: int) -> int:
         """A new epoch above ``stored``, from the database (see the module's docstring)."""
@@ -284,11 +332,24 @@ class Backend(LeaseBackend):
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
+        if grant.extra.get("shared"):
+            keys = LeaseKeys.of(self.prefix, grant.name)
+            args = [*_reader_args(grant), ms(ttl), _MARK]
+            return _renewed(
+                grant, ttl, sent_at, self._run("shared_renew", [keys.lock, keys.readers], args)
+            )
         return _renewed(
             grant, ttl, sent_at, self._run("renew", *_renew_call(self.prefix, grant, ttl))
         )
 
     def release(self, grant: Grant) -> None:
+        if grant.extra.get("shared"):
+            keys = LeaseKeys.of(self.prefix, grant.name)
+            args = [*_reader_args(grant), _MARK, WAKE_TTL_MS]
+            _released(
+                grant, self._run("shared_release", [keys.lock, keys.readers, keys.wake], args)
+            )
+            return
         _released(grant, self._run("release", *_release_call(self.prefix, grant)))
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
@@ -321,11 +382,15 @@ class Backend(LeaseBackend):
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
 
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
+        if grant.extra.get("shared"):  # shared leases are taken by sync code only, so far
+            return await super().arenew(grant, ttl)
         sent_at = time.monotonic()
         reply = await self._arun("renew", *_renew_call(self.prefix, grant, ttl))
         return _renewed(grant, ttl, sent_at, reply)
 
     async def arelease(self, grant: Grant) -> None:
+        if grant.extra.get("shared"):
+            return await super().arelease(grant)
         _released(grant, await self._arun("release", *_release_call(self.prefix, grant)))
 
     async def await_for_release(self, name: str, timeout: float) -> bool:

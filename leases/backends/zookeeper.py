@@ -1,4 +1,4 @@
-"""Leases in a ZooKeeper ensemble, on kazoo: one ephemeral znode per held name.
+"""Leases in a ZooKeeper ensemble, on kazoo: the lock recipe, one sequential znode per contender.
 
 Configuration (``LEASES["BACKENDS"][alias]``)::
 
@@ -11,51 +11,49 @@ Options: ``HOSTS`` (kazoo's connection string, a chroot suffix ``/path`` allowed
 ``CONNECT_TIMEOUT`` and ``REQUEST_TIMEOUT`` (seconds, default 10 and 5), ``AUTH`` (a list of
 ``(scheme, credential)`` pairs handed to kazoo, e.g. ``[("digest", "user:password")]``).
 
-Layout: ``<prefix>/names/<quoted name>`` is a persistent *name node*; its child ``grant``,
-ephemeral, exists while the name is held and holds ``{"holder", "hash", "ttl_ms"}`` (the
-SHA-256 of the grant's secret, never the secret). ``<prefix>/clock`` is written to read the
-leader's clock.
+Layout: ``<prefix>/names/<quoted name>`` is a persistent *name node*; its ephemeral sequential
+children ``c-<guid>-<sequence>`` are the *line* of contenders (:mod:`._zookeeper_line`), and the
+first of them holds the name once its data says ``"held": true``. A contender watches only its
+predecessor, so a release wakes the next in line and nobody else (no herd). ``<prefix>/clock``
+is written to read the leader's clock.
 
-**The token is the grant node's ``czxid``**: the zxid of the transaction that created it,
+**The token is the holder's znode's ``czxid``**: the zxid of the transaction that created it,
 ``epoch << 32 | counter``, which the ensemble orders totally and never reuses, across leader
-elections (the epoch grows) and restarts (it is in the transaction log). Every grant is a new
-create, so tokens of a name strictly increase with no counter of ours to lose. Not the 32-bit
-sequence suffix of a sequential znode: that is per parent and wraps.
+elections and restarts. The line is in creation order, so each holder's node is younger than
+its predecessor's: tokens of a name strictly increase with no counter of ours to lose. Not the
+32-bit sequence suffix, which is per parent and wraps.
 
-**Who holds a name changes only with the name node's data version.** An acquire, a takeover
-and a revocation each write the name node in the same multi as the create or delete, so a
-renewal or release that checks the version it read cannot touch a successor's znode (a fresh
-znode starts at version 0 again; its parent's version does not).
+**TTL.** A lease has two ends, whichever comes first: its session (the znode is ephemeral: a
+dead or partitioned holder's session expires ``SESSION_TIMEOUT`` after the ensemble last heard
+from it) and its TTL on the leader's clock (the node's ``mtime`` plus ``ttl_ms``). The granted
+TTL is ``min(ttl, SESSION_TIMEOUT)`` and the grant says so: past the session timeout the server
+may drop the znode while the holder, counting from its last renewal, would still trust it. Only
+the contender right behind a lapsed head, having read the leader's clock, deletes it, in a multi
+conditional on the version it read (a renewal meanwhile changes it).
 
-**TTL.** A ZooKeeper lease has two ends, whichever comes first: its session (the znode is
-ephemeral: a dead or partitioned holder's session expires ``SESSION_TIMEOUT`` after the ensemble
-last heard from it) and its TTL on the leader's clock (the grant node's ``mtime`` plus
-``ttl_ms``; a contender reads the leader's clock by writing the clock node and takes over an
-expired grant in one multi that checks the versions it read). The granted TTL is
-``min(ttl, SESSION_TIMEOUT)`` and the grant says so: past the session timeout the server may
-drop the znode while the holder, counting from its last renewal, would still trust it.
+**Sessions.** ``SUSPENDED`` (connection lost, the session perhaps alive) makes every grant of
+the session untrusted (:meth:`Backend.doubts`: ``ensure_held()`` fails) until ``CONNECTED``
+again within its validity; ``LOST`` (the session expired, its znodes are gone) loses them.
 
-**Renewal proves the session.** A renewal is a conditional write of the grant node, which the
-leader accepts only on a live session and the current version; a suspended or lost session
-makes it fail (``BackendUnavailable``, then ``LeaseLost``) rather than report a lease the
-server has dropped. Two round trips each for acquire-when-busy, renew and release (a read for
-the secret's hash, then the conditional multi); one for an uncontended acquire.
+**Round trips.** An uncontended acquire, a renewal and a release are one each (a create
+pipelined with the read of the line; a read pipelined with the write; a multi). A failed try
+costs two (it leaves the line again), three when it stands right behind the holder and reads
+the holder's expiry; and it writes, unlike the base contract's wish (a sequential create is
+the only way into the line). A waiter in the line costs none until its predecessor changes,
+then two to promote itself.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from datetime import UTC, datetime
-from types import TracebackType
-from typing import Any
-from urllib.parse import quote, unquote
+from typing import Any, NoReturn
+from urllib.parse import unquote
 
-from kazoo.client import KazooClient  # type: ignore[import-untyped]
+from kazoo.client import KazooState  # type: ignore[import-untyped]
 from kazoo.exceptions import (  # type: ignore[import-untyped]
     BadVersionError,
     KazooException,
@@ -65,55 +63,21 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
+from ._zookeeper_line import (
+    Queued,
+    child_prefix,
+    deadline_ms,
+    node_data,
+    read_data,
+)
+from ._zookeeper_session import ATTEMPTS, Edge, Session, ms, when
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = ["Backend"]
 
-_GRANT = "grant"
-_LATEST = datetime(9999, 12, 31, tzinfo=UTC)
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
-
-
-def _hash(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def _when(epoch_ms: float) -> datetime:
-    """A server timestamp for display; absurd expiries (hand-written) clamp to year 9999."""
-    try:
-        return min(datetime.fromtimestamp(epoch_ms / 1000, UTC), _LATEST)
-    except (OverflowError, ValueError, OSError):
-        return _LATEST
-
-
-def _failed(results: list[Any]) -> BaseException | None:
-    """The error that aborted a kazoo multi (the others read ``RolledBackError``)."""
-    errors = [r for r in results if isinstance(r, BaseException)]
-    return next((e for e in errors if type(e).__name__ != "RolledBackError"), None) or (
-        errors[0] if errors else None
-    )
-
-
-class _Edge:
-    """Translate kazoo's errors into :class:`BackendUnavailable` at the backend's edge."""
-
-    __slots__ = ("alias", "what")
-
-    def __init__(self, alias: str, what: str) -> None:
-        self.alias, self.what = alias, what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if isinstance(exc, KazooException | KazooTimeoutError):
-            detail = f"{self.what}: {type(exc).__name__}: {exc}"
-            raise BackendUnavailable(self.alias, detail) from exc
+#: How long a queued waiter whose turn came may take to claim it (capped by the session
+#: timeout) before the next in line dislodges it: a stalled waiter must not hold the line.
+_CLAIM_WINDOW = 2.0
 
 
 class Backend(LeaseBackend):
@@ -153,193 +117,265 @@ class Backend(LeaseBackend):
 
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
         super().__init__(alias, options)
-        hosts = options["HOSTS"]
-        self.hosts: str = hosts if isinstance(hosts, str) else ",".join(hosts)
-        self.prefix: str = options.get("PREFIX", "/leases")
-        self.session_timeout = float(options.get("SESSION_TIMEOUT", 10.0))
-        self.request_timeout = float(options.get("REQUEST_TIMEOUT", 5.0))
-        self._lock = threading.Lock()
-        self._client: Any = None
+        self.zk = Session(alias, options)
+        self.session_timeout = self.zk.session_timeout
+        self.prefix = self.zk.prefix
+        self._claim_ms = ms(min(_CLAIM_WINDOW, self.session_timeout))
+        #: Each thread's places in lines, by name, while it is in a name's waiting room.
+        self._places = threading.local()
 
     @property
     def client(self) -> Any:
-        """The started kazoo client, made on first use (never at import or by checks).
+        """The started kazoo client (made on first use, never at import or by checks)."""
+        return self.zk.client
 
-        kazoo reconnects on its own (to any member in ``HOSTS``, resuming the session while it
-        lives, else opening a new one); requests are never retried by it, so a timed-out
-        write is reported, not repeated.
-        """
-        with self._lock:
-            if self._client is None:
-                client = KazooClient(
-                    hosts=self.hosts,
-                    timeout=self.session_timeout,
-                    auth_data=[tuple(pair) for pair in self.options.get("AUTH", [])],
-                    connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
-                )
-                with _Edge(self.alias, "connect"):
-                    try:
-                        client.start(timeout=float(self.options.get("CONNECT_TIMEOUT", 10.0)))
-                        client.ensure_path(f"{self.prefix}/names")
-                        client.ensure_path(f"{self.prefix}/clock")
-                    except BaseException:
-                        client.stop()
-                        client.close()
-                        raise
-                self._client = client
-            return self._client
+    def doubts(self, grant: Grant) -> str | None:
+        """Suspended: the ensemble may have expired the session (and our znode) without our
+        hearing of it, so the grant is not trusted until the connection is back. A new session
+        (the old one expired: ``LOST``) means the znode is gone."""
+        session = grant.extra.get("session")
+        if session is None:
+            return None
+        client = self.zk.opened
+        if client is None:
+            return "its ZooKeeper client was closed"
+        if self.zk.state != KazooState.CONNECTED:
+            return (
+                "the ZooKeeper connection is suspended: the session (and the lease's znode) may "
+                "have expired on the ensemble; not trusted until reconnected"
+            )
+        ids = client.client_id
+        if not ids or ids[0] != session:
+            return "the ZooKeeper session that owned its znode expired"
+        return None
 
-    def _name_path(self, name: str) -> str:
-        # Quoted so "/" and the path components "." and ".." cannot escape the name node.
-        return f"{self.prefix}/names/{quote(name, safe='').replace('.', '%2E')}"
+    # -- a grant's node -------------------------------------------------------------------
 
-    def _get(self, result: Any) -> Any:
-        """Wait for one kazoo request, bounded by ``REQUEST_TIMEOUT``: every wait has a deadline."""
-        return result.get(timeout=self.request_timeout)
+    def _node_path(self, grant: Grant) -> str | None:
+        """The path of ``grant``'s znode, computable only with its secret (``None`` if the
+        grant carries no sequence: it was not made by this backend)."""
+        child = grant.extra.get("child")
+        if not grant.secret or not isinstance(child, str):
+            return None
+        if not child.startswith(child_prefix(grant.secret)):
+            return None
+        return f"{self.zk.name_path(grant.name)}/{child}"
 
-    def _commit(self, ops: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-        """Run one multi: all of ``ops`` or none; raises the operation's error if aborted."""
-        txn = self.client.transaction()
-        for op, args in ops:
-            getattr(txn, op)(*args)
-        results: list[Any] = self._get(txn.commit_async())
-        error = _failed(results)
-        if error is not None:
-            raise error
-        return results
+    def _granted(
+        self, name: str, holder: str, ttl: float, sent_at: float, child: str, secret: str, stat: Any
+    ) -> Grant:
+        extra = {"child": child, "session": self.zk.session()}
+        expires = when(stat.mtime + ms(ttl))
+        return Grant(name, holder, stat.czxid, ttl, sent_at, expires, extra, secret)
 
-    def _read(self, name: str) -> tuple[Any, Any, dict[str, Any] | None]:
-        """``(name node stat, grant stat, grant data)``, pipelined in one round trip; the
-        stats are ``None`` for a missing znode. Requests of one session are answered in order,
-        so the name node's version read first is the one under the grant read second."""
-        path = self._name_path(name)
-        pending = [self.client.exists_async(path), self.client.get_async(f"{path}/{_GRANT}")]
-        node = self._get(pending[0])
-        try:
-            raw, stat = self._get(pending[1])
-        except NoNodeError:
-            return node, None, None
-        return node, stat, json.loads(raw)
-
-    def _server_now(self) -> int:
-        """The leader's clock (ms since the epoch), read as the ``mtime`` of a write: the
-        only clock a ZooKeeper client can read, and the one TTLs are measured on."""
-        return int(self._get(self.client.set_async(f"{self.prefix}/clock", b"")).mtime)
+    # -- the interface --------------------------------------------------------------------
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         granted = min(ttl, self.session_timeout)
-        secret = new_secret()
-        value = json.dumps({"holder": holder, "hash": _hash(secret), "ttl_ms": _ms(granted)})
-        path = self._name_path(name)
-        create = ("create", (f"{path}/{_GRANT}", value.encode(), None, True))
-        with _Edge(self.alias, "acquire"):
-            for _ in range(3):
-                sent_at = time.monotonic()
-                try:
-                    stat = self._commit([create, ("set_data", (path, b""))])[1]
-                except NoNodeError:
-                    self.client.ensure_path(path)
-                    continue
-                except NodeExistsError:
-                    node, grant, data = self._read(name)
-                    if grant is None or data is None:
-                        continue  # released meanwhile: try again
-                    if self._server_now() < grant.mtime + int(data["ttl_ms"]):
-                        return None
-                    take_over = [
-                        ("delete", (f"{path}/{_GRANT}", grant.version)),
-                        create,
-                        ("set_data", (path, b"", node.version)),
-                    ]
-                    try:
-                        stat = self._commit(take_over)[2]
-                    except (BadVersionError, NoNodeError, NodeExistsError):
-                        continue  # renewed, released or taken by someone else meanwhile
-                # The multi's zxid is both the name node's mzxid and the grant's czxid.
-                extra = {"version": stat.version}
-                expires = _when(stat.mtime + _ms(granted))
-                return Grant(name, holder, stat.mzxid, granted, sent_at, expires, extra, secret)
+        place = self._place(name)
+        with Edge(self.alias, "acquire"):
+            if place is not None:
+                return self._claim(place, holder, granted)
+            secret = new_secret()
+            sent_at = time.monotonic()
+            data = node_data(held=True, ttl_ms=ms(granted), holder=holder)
+            child, stat, line, node = self.zk.join(name, secret, data)
+            try:
+                for _ in range(ATTEMPTS):
+                    if line and line[0] == child:
+                        return self._granted(name, holder, granted, sent_at, child, secret, stat)
+                    if child not in line[1:2] or self.zk.dislodge(name, line, node) is not None:
+                        break
+                    line, node = self.zk.line(name)
+            except BaseException:
+                self.zk.leave(name, child)
+                raise
+            self.zk.leave(name, child)  # a failed try leaves nothing behind
         return None
 
-    def _owned(self, grant: Grant, what: str) -> tuple[Any, Any, dict[str, Any]]:
-        """The current state of ``grant``'s name, if it is still this grant's (else raises)."""
-        node, stat, data = self._read(grant.name)
-        if stat is None or data is None or stat.czxid != grant.token:
-            raise LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
-        if data.get("holder") != grant.holder:
-            raise LeaseLost(grant.name, grant.token, f"held by someone else at the {what}")
-        if data.get("hash") != _hash(grant.secret):
-            raise LeaseNotHeld(grant.name, FORGED)
-        return node, stat, data
+    def _claim(self, place: Queued, holder: str, ttl: float) -> Grant | None:
+        """A queued waiter's try: free of round trips until its predecessor changed (or may
+        have lapsed); then, if first in line, promote its node to the grant."""
+        if (
+            place.checked
+            and not place.woken.is_set()
+            and (place.check_at_ms is None or time.time() * 1000 < place.check_at_ms)
+            and self.zk.state == KazooState.CONNECTED
+            and self.zk.session() == place.session
+        ):
+            return None
+        place.checked, place.check_at_ms = True, None
+        place.woken.clear()
+        path = self.zk.name_path(place.name)
+        for _ in range(ATTEMPTS):
+            line, node = self.zk.line(place.name)
+            if place.child not in line:
+                self._requeue(place)  # revoked, dislodged, or its session expired
+                return None
+            ahead = line.index(place.child)
+            if ahead == 0:
+                sent_at = time.monotonic()
+                data = node_data(held=True, ttl_ms=ms(ttl), holder=holder)
+                try:
+                    stat = self.zk.get(self.client.set_async(f"{path}/{place.child}", data))
+                except NoNodeError:
+                    self._requeue(place)
+                    return None
+                place.granted = True
+                child, secret = place.child, place.secret
+                return self._granted(place.name, holder, ttl, sent_at, child, secret, stat)
+            deadline = self.zk.dislodge(place.name, line, node) if ahead == 1 else None
+            if ahead == 1 and deadline is None:
+                continue  # the head lapsed and is gone: look again
+            # Only the predecessor is watched: its deletion wakes us and nobody else. A head
+            # predecessor may also lapse without a deletion: look again at its deadline.
+            if self.zk.get(self.zk.watch(f"{path}/{line[ahead - 1]}", place)) is None:
+                continue
+            place.check_at_ms = deadline
+            return None
+        return None
+
+    def _requeue(self, place: Queued) -> None:
+        """Join the line again at its end (our node is gone); a new node, a new secret."""
+        place.secret = new_secret()
+        data = node_data(held=False, ttl_ms=self._claim_ms)
+        place.child, stat, _, _ = self.zk.join(place.name, place.secret, data)
+        place.czxid, place.session, place.checked = stat.czxid, self.zk.session(), False
+
+    def _place(self, name: str) -> Queued | None:
+        places: dict[str, Queued] = getattr(self._places, "by_name", {})
+        return places.get(name)
+
+    @contextlib.contextmanager
+    def _queued(self, name: str) -> Iterator[None]:
+        places: dict[str, Queued] = self._places.__dict__.setdefault("by_name", {})
+        if name in places:
+            yield
+            return
+        secret = new_secret()
+        try:
+            with Edge(self.alias, "queue"):
+                data = node_data(held=False, ttl_ms=self._claim_ms)
+                child, stat, _, _ = self.zk.join(name, secret, data)
+        except BackendUnavailable:
+            yield  # best effort: without a place, tries join and leave the line each time
+            return
+        place = places[name] = Queued(name, child, secret, stat.czxid, self.zk.session())
+        try:
+            yield
+        finally:
+            del places[name]
+            if not place.granted:
+                with contextlib.suppress(KazooException, KazooTimeoutError):
+                    self.zk.leave(name, place.child)
+
+    def waiting_room(
+        self, name: str, timeout: float | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """A place in the name's line for this thread while it waits: tries cost nothing until
+        the predecessor changes, and a release wakes only the next in line."""
+        return self._queued(name)
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
-        """A conditional write of the grant node: the leader's acceptance proves the session is
-        alive now, and its ``mtime`` restarts the TTL on the leader's clock."""
+        """One round trip: a read of our node pipelined with its write. The leader accepts the
+        write only on a live session; the read says whether it had lapsed just before."""
         granted = min(ttl, self.session_timeout)
-        path = self._name_path(grant.name)
-        with _Edge(self.alias, "renew"):
+        path = self._node_path(grant)
+        with Edge(self.alias, "renew"):
+            if path is None:
+                self._refuse(grant, "renewal")
+            data = node_data(held=True, ttl_ms=ms(granted), holder=grant.holder)
             sent_at = time.monotonic()
-            node, stat, data = self._owned(grant, "renewal")
-            value = json.dumps({**data, "ttl_ms": _ms(granted)}).encode()
-            ops = [
-                ("check", (path, node.version)),
-                ("set_data", (f"{path}/{_GRANT}", value, stat.version)),
-            ]
+            before = self.client.get_async(path)
+            write = self.client.set_async(path, data)
             try:
-                renewed = self._commit(ops)[1]
-            except (BadVersionError, NoNodeError) as exc:
-                raise LeaseLost(grant.name, grant.token, "taken over during the renewal") from exc
-            if renewed.mtime > stat.mtime + int(data["ttl_ms"]):
-                # It had expired on the leader's clock; a contender may already have trusted that.
-                self._delete(path, node.version, renewed.version)
+                raw, stat = self.zk.get(before)
+                renewed = self.zk.get(write)
+            except NoNodeError:
+                self._refuse(grant, "renewal")
+            if renewed.mtime > deadline_ms(stat, read_data(raw), stat):
+                # It had lapsed on the leader's clock; a contender may be dislodging it.
+                with contextlib.suppress(NoNodeError, BadVersionError):
+                    self.zk.commit([("delete", (path, renewed.version)), self.zk.bump(grant.name)])
                 raise LeaseLost(grant.name, grant.token, "expired before the renewal")
-        expires = _when(renewed.mtime + _ms(granted))
+        expires = when(renewed.mtime + ms(granted))
         return replace(grant, ttl=granted, sent_at=sent_at, expires_at=expires)
 
-    def _delete(self, path: str, node_version: int, grant_version: int) -> None:
-        self._commit(
-            [("check", (path, node_version)), ("delete", (f"{path}/{_GRANT}", grant_version))]
-        )
+    def _refuse(self, grant: Grant, what: str) -> NoReturn:
+        """Why ``grant``'s node is not where its secret says: a forgery of the current
+        holder's public data (``LeaseNotHeld``), or a grant that is gone (``LeaseLost``)."""
+        try:
+            line, _ = self.zk.line(grant.name)
+            head = f"{self.zk.name_path(grant.name)}/{line[0]}"
+            raw, stat = self.zk.get(self.client.get_async(head))
+        except (NoNodeError, IndexError):
+            raise LeaseLost(
+                grant.name, grant.token, f"expired or taken over before the {what}"
+            ) from None
+        data = read_data(raw)
+        if data.get("held") and stat.czxid == grant.token and data.get("holder") == grant.holder:
+            raise LeaseNotHeld(grant.name, FORGED)
+        raise LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
 
     def release(self, grant: Grant) -> None:
-        """Delete the grant node, conditional on the versions read with the secret's hash; the
-        deletion is what wakes waiters (their child watch)."""
-        path = self._name_path(grant.name)
-        with _Edge(self.alias, "release"):
-            node, stat, _ = self._owned(grant, "release")
+        """Delete our node (the path proves the secret) and write the name node, in one
+        multi; the deletion wakes only the next in line (its watch on us)."""
+        path = self._node_path(grant)
+        with Edge(self.alias, "release"):
+            if path is None:
+                self._refuse(grant, "release")
             try:
-                self._delete(path, node.version, stat.version)
-            except (BadVersionError, NoNodeError) as exc:
-                raise LeaseLost(grant.name, grant.token, "taken over during the release") from exc
+                self.zk.commit([("delete", (path,)), self.zk.bump(grant.name)])
+            except NoNodeError:
+                self._refuse(grant, "release")
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
-        """A child watch on the name node: woken by the grant's deletion (release, revocation,
-        session expiry) or a takeover, never by polling. A TTL that lapses deletes nothing, so
-        the wait also ends when the holder's TTL would, by the server's ``mtime``."""
+        """In the waiting room: until the watch on our predecessor fires (or a head
+        predecessor may lapse). Outside it: a watch on the head, bounded by its TTL."""
         if timeout < 0.001:
             return False
+        place = self._place(name)
+        if place is not None and place.checked:
+            wait = timeout
+            if place.check_at_ms is not None:
+                wait = min(wait, max(place.check_at_ms - time.time() * 1000, 1) / 1000)
+            return place.woken.wait(wait) or wait < timeout
         woken = threading.Event()
-        path = self._name_path(name)
-        with _Edge(self.alias, "wait"):
+        path = self.zk.name_path(name)
+        with Edge(self.alias, "wait"):
             try:
-                children = self._get(
-                    self.client.get_children_async(path, watch=lambda _: woken.set())
-                )
-                raw, stat = self._get(self.client.get_async(f"{path}/{_GRANT}"))
+                line, node = self.zk.line(name)
+                if not line:
+                    return True
+                head = f"{path}/{line[0]}"
+                watched = self.client.exists_async(head, watch=lambda _: woken.set())
+                raw, stat = self.zk.get(self.client.get_async(head))
+                self.zk.get(watched)
             except NoNodeError:
                 return True
-        if _GRANT not in children:
-            return True
-        lapse = (stat.mtime + int(json.loads(raw)["ttl_ms"])) / 1000 - time.time()
+        lapse = deadline_ms(stat, read_data(raw), node) / 1000 - time.time()
         wait = min(timeout, max(lapse, 0.001))
         return woken.wait(wait) or wait < timeout
 
-    def inspect(self, name: str) -> LeaseInfo | None:
-        with _Edge(self.alias, "inspect"):
-            node, stat, data = self._read(name)
-        if node is None:
+    def _head(self, name: str) -> tuple[Any, Any, dict[str, Any]] | None:
+        """``(name node stat, head stat or None, head data)``, or ``None`` if never granted."""
+        try:
+            line, node = self.zk.line(name)
+        except NoNodeError:
             return None
-        if stat is None or data is None:
+        for child in line[:ATTEMPTS]:
+            with contextlib.suppress(NoNodeError):
+                raw, stat = self.zk.get(self.client.get_async(f"{self.zk.name_path(name)}/{child}"))
+                return node, stat, read_data(raw)
+        return node, None, {}
+
+    def inspect(self, name: str) -> LeaseInfo | None:
+        with Edge(self.alias, "inspect"):
+            found = self._head(name)
+        if found is None:
+            return None
+        node, stat, data = found
+        if stat is None or not data.get("held"):
             return LeaseInfo(name, "", max(node.pzxid, node.mzxid), False, self.alias)
         expires = stat.mtime + int(data["ttl_ms"])
         return LeaseInfo(
@@ -348,48 +384,48 @@ class Backend(LeaseBackend):
             stat.czxid,
             expires > time.time() * 1000,
             self.alias,
-            acquired_at=_when(stat.ctime),
-            expires_at=_when(expires),
-            renewed_at=_when(stat.mtime),
+            acquired_at=when(stat.ctime),
+            expires_at=when(expires),
+            renewed_at=when(stat.mtime),
         )
 
     def inspect_all(self) -> list[LeaseInfo]:
-        with _Edge(self.alias, "inspect_all"):
-            quoted = self._get(self.client.get_children_async(f"{self.prefix}/names"))
+        with Edge(self.alias, "inspect_all"):
+            quoted = self.zk.get(self.client.get_children_async(f"{self.prefix}/names"))
         infos = (self.inspect(unquote(child)) for child in sorted(quoted))
         return [info for info in infos if info is not None]
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
-        """Compare the grant's ``czxid`` with ``token``, then delete it and bump the name node
-        in one multi checking both versions read: the revocation's zxid is the new token."""
-        path = self._name_path(name)
-        with _Edge(self.alias, "force_release"):
-            node, stat, _ = self._read(name)
-            if stat is None or stat.czxid != token:
-                current = None if node is None else max(node.pzxid, node.mzxid)
-                raise LeaseNotHeld(name, not_revoked(token, stat.czxid if stat else current))
-            ops = [
-                ("delete", (f"{path}/{_GRANT}", stat.version)),
-                ("set_data", (path, b"", node.version)),
-            ]
-            try:
-                bumped = self._commit(ops)[1]
-            except (BadVersionError, NoNodeError) as exc:
-                detail = "it changed hands during the revocation; nothing was done"
-                raise LeaseNotHeld(name, detail) from exc
-        return LeaseInfo(name, "", bumped.mzxid, False, self.alias)
+        """Compare the head's ``czxid`` with ``token``, then delete it, every queued waiter's
+        node, and write the name node, in one multi: the revocation's zxid is the new token,
+        and the waiters queue again behind it, so every later grant's token is higher."""
+        path = self.zk.name_path(name)
+        with Edge(self.alias, "force_release"):
+            for _ in range(ATTEMPTS):
+                found = self._head(name)
+                if found is None:
+                    raise LeaseNotHeld(name, not_revoked(token, None))
+                node, stat, data = found
+                if stat is None or not data.get("held") or stat.czxid != token:
+                    current = stat.czxid if stat is not None and data.get("held") else None
+                    raise LeaseNotHeld(name, not_revoked(token, current or node.pzxid))
+                line, _ = self.zk.line(name)
+                ops = [("delete", (f"{path}/{child}",)) for child in line]
+                try:
+                    bumped = self.zk.commit([*ops, self.zk.bump(name)])[-1]
+                except (NoNodeError, NodeExistsError):
+                    continue  # the line changed meanwhile: compare again
+                return LeaseInfo(name, "", bumped.mzxid, False, self.alias)
+        detail = "its line kept changing during the revocation; nothing was done"
+        raise LeaseNotHeld(name, detail)
 
     def deploy_checks(self) -> list[str]:
         try:
-            with _Edge(self.alias, "deploy check"):
-                self._get(self.client.exists_async(self.prefix))
+            with Edge(self.alias, "deploy check"):
+                self.zk.get(self.client.exists_async(self.prefix))
         except BackendUnavailable as exc:
             return [str(exc)]
         return []
 
     def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.stop()
-            client.close()
+        self.zk.close()

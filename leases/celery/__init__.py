@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, Literal, overload
 
 from ..handle import Lease
+from ..semaphore import valid_limit
 from ._base import SKIPPED, Key, format_key, task_decorator
 from .leader import LeaderOnlyTask, resign_leaderships
 from .locked import LockedTask, OnBusy
@@ -69,6 +70,7 @@ def locked_task(
     backend: str = "default",
     timeout: float = 0,
     on_lost: Callable[[Lease], object] | None = None,
+    limit: int | None = None,
     **options: Any,
 ) -> Callable[[Callable[..., Any]], LockedTask]: ...
 def locked_task(
@@ -81,11 +83,18 @@ def locked_task(
     backend: str = "default",
     timeout: float = 0,
     on_lost: Callable[[Lease], object] | None = None,
+    limit: int | None = None,
     **options: Any,
 ) -> Any:
-    """A task whose body runs under the lease ``key`` (a template); see :class:`LockedTask`."""
+    """A task whose body runs under the lease ``key`` (a template); see :class:`LockedTask`.
+
+    With ``limit=N``, up to N bodies of one key run at once, each under a slot of the semaphore
+    ``key`` (checked here: a positive int up to :data:`~leases.semaphore.MAX_LIMIT`).
+    """
     if on_busy not in ("retry", "skip", "raise"):
         raise ValueError(f'on_busy must be "retry", "skip" or "raise", not {on_busy!r}')
+    if limit is not None:
+        valid_limit(limit)
     attrs = {
         "lease_key": key,
         "lease_ttl": ttl,
@@ -93,6 +102,7 @@ def locked_task(
         "lease_backend": backend,
         "lease_timeout": timeout,
         "on_lease_lost": on_lost,
+        "lease_limit": limit,
     }
     return task_decorator(LockedTask, fun, attrs, options)
 

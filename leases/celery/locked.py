@@ -14,6 +14,7 @@ from ..acquiring import acquire
 from ..errors import BackendUnavailable, LeaseLost, LeaseUnavailable
 from ..handle import Lease
 from ..keys import validate_name
+from ..semaphore import acquire_slot
 from ._base import Call, Key, backoff, current_call, format_key, skip
 
 __all__ = ["LockedTask", "OnBusy"]
@@ -43,12 +44,18 @@ class LockedTask(Task):  # type: ignore[type-arg]
     ``"raise"`` to fail with :class:`~leases.errors.LeaseUnavailable`), ``busy_backoff`` /
     ``busy_backoff_max`` / ``busy_max_retries`` (for ``"retry"``; default 0.5 s doubling up to 30 s,
     100 times, then :class:`~leases.errors.LeaseUnavailable`) and ``on_lease_lost``.
+
+    With ``lease_limit = N`` the key names a semaphore instead
+    (:func:`~leases.semaphore.semaphore`): up to N bodies of one key run at once, each holding
+    a slot (a :class:`~leases.semaphore.Slot`, whose token fences writes per slot);
+    ``on_busy`` applies when all N are taken.
     """
 
     lease_key: ClassVar[Key | None] = None
     lease_ttl: ClassVar[float | None] = None
     lease_backend: ClassVar[str] = "default"
     lease_timeout: ClassVar[float] = 0
+    lease_limit: ClassVar[int | None] = None
     on_busy: ClassVar[OnBusy] = "retry"
     busy_backoff: ClassVar[float] = 0.5
     busy_backoff_max: ClassVar[float] = 30.0
@@ -109,15 +116,18 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         name = self.lease_name(args, kwargs)
         ttl = self.lease_ttl if self.lease_ttl is not None else conf.get().default_ttl
+        options: dict[str, Any] = {
+            "ttl": ttl,
+            "backend": self.lease_backend,
+            "timeout": self.lease_timeout,
+            "holder": self.lease_holder(),
+            "on_lost": self.lease_lost,
+        }
         try:
-            held = acquire(
-                name,
-                ttl=ttl,
-                backend=self.lease_backend,
-                timeout=self.lease_timeout,
-                holder=self.lease_holder(),
-                on_lost=self.lease_lost,
-            )
+            if self.lease_limit is None:
+                held = acquire(name, **options)
+            else:
+                held = acquire_slot(name, limit=self.lease_limit, **options)
         except LeaseUnavailable as exc:
             return self.lease_busy(name, exc)
         call = Call(self, held)

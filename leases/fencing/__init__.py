@@ -13,6 +13,9 @@ same statement that makes the change (a separate check would be a race of its ow
   ``leases_fence`` table.
 - A write fenced with a *lease* (not a bare int) is also refused once an operator revoked that
   grant (:mod:`leases.revocation`), in the same statement.
+- Lease-checked writes (:mod:`.checked`): ``obj.save(lease=held)`` and
+  ``qs.under_lease(held).update()`` check in the writing statement that the lease row is still
+  this grant and unexpired by the database clock, when the lease rows live in that database.
 
 Equal tokens are accepted (one holder writes many times), lower ones never. A rejection raises
 :class:`~leases.errors.StaleFencingToken`, sends ``fence_rejected`` (``sender`` is the model
@@ -24,6 +27,7 @@ One module per idea: :mod:`.tokens` (what a write carries), :mod:`.model`, :mod:
 
 from __future__ import annotations
 
+from .checked import LEASE_HELD_SQL, LeaseCheck, lease_check
 from .model import UPSERT_FENCE_SQL, FencedModel
 from .queryset import FencedManager, FencedQuerySet
 from .table import FENCE_SQL, FENCE_STORED_SQL, check_fence
@@ -33,13 +37,16 @@ __all__ = [
     "FENCE_SQL",
     "FENCE_STORED_SQL",
     "FENCE_TOKEN_FIELD",
+    "LEASE_HELD_SQL",
     "UPSERT_FENCE_SQL",
     "FenceHolder",
     "FenceLike",
     "FencedManager",
     "FencedModel",
     "FencedQuerySet",
+    "LeaseCheck",
     "check_fence",
     "fence_offer",
     "fence_token",
+    "lease_check",
 ]

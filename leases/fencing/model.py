@@ -17,10 +17,19 @@ from django.db import DEFAULT_DB_ALIAS, connections, models, router
 from django.db.models.constants import OnConflict
 
 from .. import revocation
-from ..errors import FenceRequired, StaleFencingToken
+from ..errors import FenceRequired, LeaseCheckFailed, StaleFencingToken
 from ..revocation import NOT_REVOKED_SQL, Offer
+from .checked import LEASE_HELD_SQL, LeaseCheck, lease_check
 from .queryset import FencedManager, FencedQuerySet, never_lower, refuse_unfenced
-from .tokens import FENCE_TOKEN_FIELD, FenceLike, fence_offer, has_fence_column, reject, revoked
+from .tokens import (
+    FENCE_TOKEN_FIELD,
+    FenceHolder,
+    FenceLike,
+    fence_offer,
+    has_fence_column,
+    reject,
+    revoked,
+)
 
 if TYPE_CHECKING:
     from django.db.models.sql.subqueries import InsertQuery
@@ -65,12 +74,24 @@ class FencedModel(models.Model):
     #: Per-save state, set by ``save()`` only for the length of the call.
     _leases_fence: Offer | None = None
     _leases_force_insert: bool = False
+    _leases_check: LeaseCheck | None = None
 
     class Meta:
         abstract = True
 
-    def save(self, *args: Any, fence: FenceLike | None = None, **kwargs: Any) -> None:
+    def save(
+        self,
+        *args: Any,
+        fence: FenceLike | None = None,
+        lease: FenceHolder | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Save; with ``fence`` the write happens only if no greater token was accepted.
+
+        With ``lease`` (a held :class:`~leases.lease.Lease` of a backend whose lease rows are in
+        this database) the writing statement also checks that the lease is still this grant and
+        unexpired by the database clock (:mod:`.checked`), else raises
+        :class:`~leases.errors.LeaseCheckFailed` and writes nothing. Both may be given.
 
         An update is one ``UPDATE ... WHERE pk = %s AND fencing_token <= %s``; an insert with an
         explicit primary key is one ``INSERT ... ON CONFLICT (pk) DO UPDATE ... WHERE`` so two
@@ -80,7 +101,8 @@ class FencedModel(models.Model):
         """
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
         needed_rollback = connections[using].needs_rollback
-        if fence is None:
+        check = None if lease is None else lease_check(lease, using)
+        if fence is None and check is None:
             if not self._state.adding:
                 refuse_unfenced(type(self), "save()")
             try:
@@ -89,27 +111,33 @@ class FencedModel(models.Model):
                 self._keep_transaction_usable(using, needed_rollback)
                 raise
             return
-        offer = fence_offer(fence)
-        token = offer.token
-        update_fields = kwargs.get("update_fields")
-        if update_fields is not None:
-            kwargs["update_fields"] = {*update_fields, FENCE_TOKEN_FIELD}
+        offer = None if fence is None else fence_offer(fence)
         previous = self.fencing_token
-        self.fencing_token = token
+        if offer is not None:
+            update_fields = kwargs.get("update_fields")
+            if update_fields is not None:
+                kwargs["update_fields"] = {*update_fields, FENCE_TOKEN_FIELD}
+            self.fencing_token = offer.token
         self._leases_fence = offer
+        self._leases_check = check
         self._leases_force_insert = bool(kwargs.get("force_insert"))
         guard: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-        if offer.revocable and revocation.checked_on(using):
-            guard = connections[using].execute_wrapper(_InsertUnlessRevoked(self, offer, using))
+        if offer is not None and not (offer.revocable and revocation.checked_on(using)):
+            offer_checked: Offer | None = None
+        else:
+            offer_checked = offer
+        if offer_checked is not None or check is not None:
+            wrapper = _InsertUnless(self, using, offer_checked, check)
+            guard = connections[using].execute_wrapper(wrapper)
         try:
             with guard:
                 super().save(*args, **kwargs)
-        except StaleFencingToken:
+        except (StaleFencingToken, LeaseCheckFailed):
             self.fencing_token = previous
             self._keep_transaction_usable(using, needed_rollback)
             raise
         finally:
-            del self._leases_fence, self._leases_force_insert
+            del self._leases_fence, self._leases_check, self._leases_force_insert
 
     save.alters_data = True  # type: ignore[attr-defined]
 
@@ -152,6 +180,32 @@ class FencedModel(models.Model):
         return f"{self._meta.label}(pk={self.pk!r})"
 
     def _do_update(
+        self,
+        base_qs: models.QuerySet[Any],
+        using: str | None,
+        pk_val: Any,
+        values: Any,
+        update_fields: Iterable[str] | None,
+        forced_update: bool,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Django's UPDATE, narrowed by the lease check (``save(lease=...)``) and the fence.
+
+        Every UPDATE a save runs (a multi-table parent's too) comes through here. A checked
+        UPDATE that changed nothing asks whether the lease was the reason (one more statement,
+        only then); if the lease still holds, there is no such row and Django inserts.
+        """
+        check = self._leases_check
+        rest = (using, pk_val, values, update_fields, forced_update, *args)
+        if check is None:
+            return self._fenced_update(base_qs, *rest, **kwargs)
+        updated = self._fenced_update(base_qs.filter(check.condition()), *rest, **kwargs)
+        if not updated and not check.holds(using or DEFAULT_DB_ALIAS):
+            raise check.refused(self._resource())
+        return updated
+
+    def _fenced_update(
         self,
         base_qs: models.QuerySet[Any],
         using: str | None,
@@ -290,41 +344,59 @@ def _unfenced_values(values: Any, update_fields: Iterable[str] | None) -> list[A
     ]
 
 
-class _InsertUnlessRevoked:
-    """Rewrites the fenced save's one-row ``INSERT ... VALUES (...)`` into ``INSERT ... SELECT
-    ... WHERE NOT EXISTS (revocation)``, through Django's ``execute_wrapper``.
+class _InsertUnless:
+    """Rewrites a guarded save's one-row ``INSERT ... VALUES (...)`` into ``INSERT ... SELECT
+    ... WHERE <conditions>``, through Django's ``execute_wrapper``: the grant is not revoked
+    (a fenced save), the lease is still held (a lease-checked save), or both.
 
-    So an insert (auto primary key, the fenced upsert, a multi-table parent's row) refuses a
-    revoked grant in the very statement that writes, while Django still builds the statement
-    and reads back what it returns. A revoked grant inserts nothing; the wrapper then raises
-    :class:`~leases.errors.FencingTokenRevoked` (an empty upsert that was not revoked is a
-    stale token, which the upsert itself reports).
+    So an insert (auto primary key, the fenced upsert, a multi-table parent's row) refuses in
+    the very statement that writes, while Django still builds the statement and reads back what
+    it returns. A refused insert writes nothing; the wrapper then raises
+    :class:`~leases.errors.LeaseCheckFailed` or :class:`~leases.errors.FencingTokenRevoked`
+    (an empty upsert for neither reason is a stale token, which the upsert itself reports).
     """
 
-    def __init__(self, instance: FencedModel, offer: Offer, using: str) -> None:
+    def __init__(
+        self, instance: FencedModel, using: str, offer: Offer | None, check: LeaseCheck | None
+    ) -> None:
         self.instance = instance
-        self.offer = offer
         self.using = using
+        self.offer = offer
+        self.check = check
 
     def __call__(
         self, execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]
     ) -> Any:
-        rewritten = None if many else _insert_select(sql)
+        conditions: list[str] = []
+        extra: list[Any] = []
+        if self.offer is not None:
+            conditions.append(NOT_REVOKED_SQL)
+            extra += self.offer.params()
+        if self.check is not None:
+            conditions.append(LEASE_HELD_SQL)
+            extra += self.check.params()
+        rewritten = None if many else _insert_select(sql, " AND ".join(conditions))
         if rewritten is None:
             return execute(sql, params, many, context)
         sql, placeholders = rewritten
-        params = [*params[:placeholders], *self.offer.params(), *params[placeholders:]]
+        params = [*params[:placeholders], *extra, *params[placeholders:]]
         result = execute(sql, params, many, context)
         if context["cursor"].rowcount == 0:
-            through = revocation.revoked_through(self.offer, self.using)
-            if through is not None:
-                model = type(self.instance)
-                raise revoked(model, self.instance._resource(), self.offer, through)
+            self._refused()
         return result
 
+    def _refused(self) -> None:
+        resource = self.instance._resource()
+        if self.check is not None and not self.check.holds(self.using):
+            raise self.check.refused(resource)
+        if self.offer is not None:
+            through = revocation.revoked_through(self.offer, self.using)
+            if through is not None:
+                raise revoked(type(self.instance), resource, self.offer, through)
 
-def _insert_select(sql: str) -> tuple[str, int] | None:
-    """``(the INSERT as INSERT ... SELECT ... WHERE not revoked, parameters before the
+
+def _insert_select(sql: str, condition: str) -> tuple[str, int] | None:
+    """``(the INSERT as INSERT ... SELECT ... WHERE condition, parameters before the
     condition)`` for a one-row ``INSERT ... VALUES (...)``; ``None`` for any other statement."""
     head, found, rest = sql.partition(" VALUES (")
     if not found or not head.startswith("INSERT INTO "):
@@ -336,7 +408,7 @@ def _insert_select(sql: str) -> tuple[str, int] | None:
     if tail.lstrip().startswith(","):  # several rows: not a save's insert
         return None
     placeholders = sum(1 for found in _PLACEHOLDER.findall(values) if found == "%s")
-    return f"{head} SELECT {values} WHERE {NOT_REVOKED_SQL}{tail}", placeholders
+    return f"{head} SELECT {values} WHERE {condition}{tail}", placeholders
 
 
 def _closing_parenthesis(text: str) -> int | None:

@@ -14,9 +14,18 @@ from django.db.models.expressions import Value
 from django.db.models.functions import Greatest
 
 from .. import revocation
-from ..errors import FenceRequired, StaleFencingToken
+from ..errors import FenceRequired, InvalidLeaseOption, LeaseError, StaleFencingToken
 from ..revocation import Offer
-from .tokens import FENCE_TOKEN_FIELD, FenceLike, fence_offer, reject, revoked, valid_fence
+from .checked import LeaseCheck, lease_check
+from .tokens import (
+    FENCE_TOKEN_FIELD,
+    FenceHolder,
+    FenceLike,
+    fence_offer,
+    reject,
+    revoked,
+    valid_fence,
+)
 
 __all__ = ["FencedManager", "FencedQuerySet", "never_lower", "refuse_unfenced"]
 
@@ -54,6 +63,24 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
     """
 
     _fence: FenceLike | None = None
+    _lease: FenceHolder | None = None
+    #: Set while an ``under_lease()`` update runs: every writing statement carries it.
+    _lease_check: LeaseCheck | None = None
+
+    def under_lease(self, held: FenceHolder) -> Self:
+        """A clone whose ``update()`` and ``bulk_update()`` write only while ``held`` is held.
+
+        The UPDATE itself checks that the lease row is still this grant and unexpired by the
+        database clock (:mod:`.checked`): a lease that expired writes nothing and raises
+        :class:`~leases.errors.LeaseCheckFailed`, even if no one else has taken it. Needs a
+        backend whose lease rows are in this database
+        (:class:`~leases.errors.LeaseCheckUnavailable` otherwise). Combines with ``fenced()``.
+        """
+        if not isinstance(held, FenceHolder):
+            raise InvalidLeaseOption("lease", held, "must be a Lease (from acquire() or lease())")
+        clone = self.all()
+        clone._lease = held
+        return clone
 
     def fenced(self, fence: FenceLike) -> Self:
         """A clone whose ``update()`` and ``bulk_update()`` carry ``fence``.
@@ -75,9 +102,13 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
     def _clone(self) -> Self:
         clone = super()._clone()  # type: ignore[misc]
         clone._fence = self._fence
+        clone._lease = self._lease
+        clone._lease_check = self._lease_check
         return clone  # type: ignore[no-any-return]
 
     def update(self, **kwargs: Any) -> int:
+        if self._lease is not None:
+            return self._checked_update(self._lease, kwargs)
         if self._fence is None:
             refuse_unfenced(self.model, "update()")
             return super().update(**never_lower(kwargs))
@@ -107,8 +138,27 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
 
     update.alters_data = True  # type: ignore[attr-defined]
 
+    def _checked_update(self, held: FenceHolder, kwargs: dict[str, Any]) -> int:
+        """``update()`` with the lease check in every statement that selects or writes rows.
+
+        An update that changed nothing asks whether the lease was the reason (one more
+        statement, only then): no matching rows with the lease held is simply 0.
+        """
+        self._for_write = True
+        check = lease_check(held, self.db)
+        rows = self.filter(check.condition())
+        rows._lease, rows._lease_check = None, check
+        updated = rows.update(**kwargs)
+        if not updated and not check.holds(self.db):
+            raise check.refused(f"{self.model._meta.label}(under lease {check.name!r})")
+        return updated
+
     def delete(self) -> tuple[int, dict[str, int]]:
         """Unfenced: Django's delete. Fenced: all or nothing, like a fenced ``update()``."""
+        if self._lease is not None:
+            raise TypeError(
+                "under_lease() guards update() and bulk_update(); delete with fenced() instead"
+            )
         if self._fence is None:
             refuse_unfenced(self.model, "delete()")
             return super().delete()
@@ -141,11 +191,16 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
         rows = self.model._base_manager.using(self.db).all()
         if offer.revocable and revocation.checked_on(self.db):
             rows = rows.filter(revocation.not_revoked(offer))
+        if self._lease_check is not None:
+            rows = rows.filter(self._lease_check.condition())
         return rows
 
-    def _revoked_or_stale(self, offer: Offer, pks: list[Any]) -> StaleFencingToken:
-        through = revocation.revoked_through(offer, self.db)
+    def _revoked_or_stale(self, offer: Offer, pks: list[Any]) -> LeaseError:
         resource = f"{self.model._meta.label}(pk in {pks[:5]!r})"
+        check = self._lease_check
+        if check is not None and not check.holds(self.db):
+            return check.refused(resource)
+        through = revocation.revoked_through(offer, self.db)
         if through is not None:
             return revoked(self.model, resource, offer, through)
         return reject(self.model, resource, offer.token, None)

@@ -1,0 +1,184 @@
+"""Shared (reader) grants on the Redis backend, and the token step both acquires share.
+
+Readers of a name hold its ``:lock`` key together, as a *group*: the value is
+``epoch:counter::␟shared`` (the latest reader's token, no secret hash, a holder no exclusive
+grant can have), expiring with the latest reader. ``:readers`` (a hash, same hash tag, same
+expiry) maps each reader's ``epoch:counter`` to ``expiry ms:sha1(secret):holder``, expiry on
+Redis's clock. To the exclusive scripts a group is a held key, so they need no change: an
+exclusive acquire is busy until the last reader leaves or expires. Every reader's grant takes
+the name's next token (:data:`NEXT_GRANT_LUA`, the exclusive acquire's own step), so a writer's
+token is above every reader's before it.
+
+A waiting writer stops new readers with ``:writer``, a key set for a moment on each of its
+retries (:data:`STOP_READERS_LUA`); readers may not join, nor start a group, while it exists.
+"""
+
+from __future__ import annotations
+
+from ._redis_scripts import lua
+
+__all__ = [
+    "GROUP",
+    "NEXT_GRANT_LUA",
+    "READER_CHECK_LUA",
+    "SHARED_ACQUIRE_LUA",
+    "SHARED_RELEASE_LUA",
+    "SHARED_RENEW_LUA",
+    "STOP_READERS_LUA",
+    "WRITER_INTENT_MS",
+]
+
+#: The holder part of a group's lock value (the value ends ``::`` + this).
+GROUP = "\u241fshared"
+#: How long a waiting writer's ``:writer`` key stops new readers; it retries well within this.
+WRITER_INTENT_MS = 1000
+
+#: The next token of a name, in ``epoch`` and ``counter``: ``KEYS[2]`` is the ``:fence`` hash,
+#: ARGV[3] an offered epoch (0: none yet), ARGV[4] the counter limit. Returns early with
+#: ``{NEED_EPOCH, stored}`` when the counter is missing, from another server run, or exhausted
+#: (see the Redis backend's docstring). Needs ``redis.replicate_commands()`` before (INFO).
+NEXT_GRANT_LUA = """
+local run = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+local state = redis.call('HMGET', KEYS[2], 'epoch', 'counter', 'run')
+local epoch, counter = tonumber(state[1]), tonumber(state[2])
+if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV[4]) then
+  local offered = tonumber(ARGV[3])
+  if offered <= (epoch or 0) then
+    return {NEED_EPOCH, tostring(epoch or 0)}
+  end
+  epoch, counter = offered, 0
+end
+counter = counter + 1
+redis.call('HSET', KEYS[2], 'epoch', epoch, 'counter', counter, 'run', run)
+"""
+
+#: Redis's clock in ms (writes after TIME need effects replication: Redis < 5 asks for it),
+#: and whether a lock value names a group.
+_CLOCK_LUA = """
+if redis.replicate_commands then
+  redis.replicate_commands()
+end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local function is_group(value, mark)
+  return value ~= false and value ~= nil and string.sub(value, -#mark) == mark
+end
+"""
+
+#: KEYS: lock, fence, readers, writer. ARGV: holder, ttl ms, offered epoch, counter limit,
+#: secret, group mark (``::␟shared``). Returns {OK, value} | {BUSY, value} | {NEED_EPOCH, epoch}.
+SHARED_ACQUIRE_LUA = lua(
+    _CLOCK_LUA
+    + """
+local current = redis.call('GET', KEYS[1])
+local group = is_group(current, ARGV[6])
+if (current and not group) or redis.call('EXISTS', KEYS[4]) == 1 then
+  return {BUSY, current or ''}
+end
+"""
+    + NEXT_GRANT_LUA
+    + """
+if not group then
+  redis.call('DEL', KEYS[3])
+end
+local key = epoch .. ':' .. counter
+local ttl = tonumber(ARGV[2])
+redis.call('HSET', KEYS[3], key, (now + ttl) .. ':' .. redis.sha1hex(ARGV[5]) .. ':' .. ARGV[1])
+local keep = ttl
+if group then
+  keep = math.max(redis.call('PTTL', KEYS[1]), ttl)
+end
+local value = key .. ARGV[6]
+redis.call('SET', KEYS[1], value, 'PX', keep)
+redis.call('PEXPIRE', KEYS[3], keep)
+return {OK, value}
+"""
+)
+
+#: This reader's entry, checked: ``LOST`` unless the key is a group and the entry is live and
+#: names the holder; ``NOT_OWNER`` if only the secret is wrong. KEYS: lock, readers. ARGV:
+#: reader key, holder, secret, then the script's own.
+READER_CHECK_LUA = """
+local function refused(mark)
+  if not is_group(redis.call('GET', KEYS[1]), mark) then
+    return LOST
+  end
+  local entry = redis.call('HGET', KEYS[2], ARGV[1])
+  if not entry then
+    return LOST
+  end
+  local expiry, hash, holder = string.match(entry, '^(%d+):(%x+):(.*)$')
+  if holder ~= ARGV[2] or tonumber(expiry) <= now then
+    return LOST
+  end
+  if hash ~= redis.sha1hex(ARGV[3]) then
+    return NOT_OWNER
+  end
+  return nil
+end
+"""
+
+#: KEYS: lock, readers. ARGV: reader key, holder, secret, ttl ms, group mark.
+SHARED_RENEW_LUA = lua(
+    _CLOCK_LUA
+    + READER_CHECK_LUA
+    + """
+local no = refused(ARGV[5])
+if no then
+  return no
+end
+local ttl = tonumber(ARGV[4])
+redis.call('HSET', KEYS[2], ARGV[1], (now + ttl) .. ':' .. redis.sha1hex(ARGV[3]) .. ':' .. ARGV[2])
+if redis.call('PTTL', KEYS[1]) < ttl then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return OK
+"""
+)
+
+#: KEYS: lock, readers, wake. ARGV: reader key, holder, secret, group mark, wake ttl ms.
+#: Leave the group; the group then lasts as long as its latest live reader, and the last one
+#: out deletes the lock (the counter in ``:fence`` stays) and wakes one waiter.
+SHARED_RELEASE_LUA = lua(
+    _CLOCK_LUA
+    + READER_CHECK_LUA
+    + """
+local no = refused(ARGV[4])
+if no then
+  return no
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+local latest = 0
+local entries = redis.call('HGETALL', KEYS[2])
+for i = 1, #entries, 2 do
+  local expiry = tonumber(string.match(entries[i + 1], '^(%d+):'))
+  if expiry > now then
+    latest = math.max(latest, expiry)
+  else
+    redis.call('HDEL', KEYS[2], entries[i])
+  end
+end
+if latest == 0 then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('RPUSH', KEYS[3], '1')
+  redis.call('LTRIM', KEYS[3], 0, 0)
+  redis.call('PEXPIRE', KEYS[3], ARGV[5])
+else
+  redis.call('PEXPIRE', KEYS[1], latest - now)
+  redis.call('PEXPIRE', KEYS[2], latest - now)
+end
+return OK
+"""
+)
+
+#: KEYS: lock, writer. ARGV: group mark, ms. A waiting writer stops new readers of a group.
+STOP_READERS_LUA = lua(
+    """
+local current = redis.call('GET', KEYS[1])
+if current and string.sub(current, -#ARGV[1]) == ARGV[1] then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+end
+return OK
+"""
+)

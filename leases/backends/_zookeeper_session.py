@@ -1,0 +1,280 @@
+"""One kazoo session on a ZooKeeper ensemble, and the round trips the backend makes on it.
+
+The connection and its state (which :meth:`leases.backends.zookeeper.Backend.doubts` reads),
+every request bounded by ``REQUEST_TIMEOUT``, multis that apply whole or not at all, and the
+steps on a name's line of contenders (:mod:`._zookeeper_line`): join it (finding our own node
+again after a create whose reply was lost), leave it, dislodge a lapsed head, watch a
+predecessor. What these mean for a lease is the backend's business (:mod:`.zookeeper`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+from kazoo.client import KazooClient, KazooState  # type: ignore[import-untyped]
+from kazoo.exceptions import (  # type: ignore[import-untyped]
+    BadVersionError,
+    ConnectionLoss,
+    KazooException,
+    NoNodeError,
+)
+from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
+from kazoo.protocol.states import EventType, WatchedEvent  # type: ignore[import-untyped]
+
+from ..errors import BackendUnavailable
+from ._zookeeper_line import Queued, child_prefix, deadline_ms, guid_of, line_of, read_data
+
+__all__ = ["ATTEMPTS", "Edge", "Session", "ms", "when"]
+
+_LATEST = datetime(9999, 12, 31, tzinfo=UTC)
+#: Bounded retries when the line changes under a step (someone released or joined meanwhile).
+ATTEMPTS = 4
+
+
+def ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def when(epoch_ms: float) -> datetime:
+    """A server timestamp for display; absurd expiries (hand-written) clamp to year 9999."""
+    try:
+        return min(datetime.fromtimestamp(epoch_ms / 1000, UTC), _LATEST)
+    except (OverflowError, ValueError, OSError):
+        return _LATEST
+
+
+def _failed(results: list[Any]) -> BaseException | None:
+    """The error that aborted a kazoo multi (the others read ``RolledBackError``)."""
+    errors = [r for r in results if isinstance(r, BaseException)]
+    return next((e for e in errors if type(e).__name__ != "RolledBackError"), None) or (
+        errors[0] if errors else None
+    )
+
+
+class Edge:
+    """Translate kazoo's errors into :class:`BackendUnavailable` at the backend's edge."""
+
+    __slots__ = ("alias", "what")
+
+    def __init__(self, alias: str, what: str) -> None:
+        self.alias, self.what = alias, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, KazooException | KazooTimeoutError):
+            detail = f"{self.what}: {type(exc).__name__}: {exc}"
+            raise BackendUnavailable(self.alias, detail) from exc
+
+
+class Session:
+    """The backend's kazoo client, made on first use; safe to share between threads."""
+
+    def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
+        hosts = options["HOSTS"]
+        self.alias = alias
+        self.options = options
+        self.hosts: str = hosts if isinstance(hosts, str) else ",".join(hosts)
+        self.prefix: str = options.get("PREFIX", "/leases")
+        self.session_timeout = float(options.get("SESSION_TIMEOUT", 10.0))
+        self.request_timeout = float(options.get("REQUEST_TIMEOUT", 5.0))
+        self._lock = threading.Lock()
+        self._client: Any = None
+        #: kazoo's connection state, kept by its listener (``CONNECTED``/``SUSPENDED``/``LOST``).
+        self.state: str = KazooState.LOST
+        #: ``(name, guid)`` of creates whose outcome a connection loss hid: swept later.
+        self._orphans: set[tuple[str, str]] = set()
+
+    @property
+    def client(self) -> Any:
+        """The started kazoo client, made on first use (never at import or by checks).
+
+        kazoo reconnects on its own (to any member in ``HOSTS``, resuming the session while it
+        lives, else opening a new one); requests are never retried by it, so a timed-out
+        write is reported, not repeated.
+        """
+        with self._lock:
+            if self._client is None:
+                client = KazooClient(
+                    hosts=self.hosts,
+                    timeout=self.session_timeout,
+                    auth_data=[tuple(pair) for pair in self.options.get("AUTH", [])],
+                    connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
+                )
+                client.add_listener(self._on_state)
+                with Edge(self.alias, "connect"):
+                    try:
+                        client.start(timeout=float(self.options.get("CONNECT_TIMEOUT", 10.0)))
+                        client.ensure_path(f"{self.prefix}/names")
+                        client.ensure_path(f"{self.prefix}/clock")
+                    except BaseException:
+                        client.stop()
+                        client.close()
+                        raise
+                self.state = KazooState.CONNECTED
+                self._client = client
+            return self._client
+
+    def _on_state(self, state: str) -> None:
+        """kazoo's listener (its thread; must not block): remember the state for :meth:`doubts`."""
+        self.state = state
+
+    def session(self) -> int:
+        ids = self.client.client_id
+        return int(ids[0]) if ids else 0
+
+    def name_path(self, name: str) -> str:
+        # Quoted so "/" and the path components "." and ".." cannot escape the name node.
+        return f"{self.prefix}/names/{quote(name, safe='').replace('.', '%2E')}"
+
+    def get(self, result: Any) -> Any:
+        """Wait for one kazoo request, bounded by ``REQUEST_TIMEOUT``: every wait has a deadline."""
+        return result.get(timeout=self.request_timeout)
+
+    def commit(self, ops: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        """Run one multi: all of ``ops`` or none; raises the operation's error if aborted."""
+        txn = self.client.transaction()
+        for op, args in ops:
+            getattr(txn, op)(*args)
+        results: list[Any] = self.get(txn.commit_async())
+        error = _failed(results)
+        if error is not None:
+            raise error
+        return results
+
+    def line(self, name: str) -> tuple[list[str], Any]:
+        """The name's line (first first) and the name node's stat; raises ``NoNodeError``."""
+        children, stat = self.get(
+            self.client.get_children_async(self.name_path(name), include_data=True)
+        )
+        return line_of(children), stat
+
+    def server_now(self) -> int:
+        """The leader's clock (ms since the epoch), read as the ``mtime`` of a write: the
+        only clock a ZooKeeper client can read, and the one TTLs are measured on."""
+        return int(self.get(self.client.set_async(f"{self.prefix}/clock", b"")).mtime)
+
+    def bump(self, name: str) -> tuple[str, tuple[Any, ...]]:
+        """The name node write that goes with every delete of a head (see ``deadline_ms``)."""
+        return ("set_data", (self.name_path(name), b""))
+
+    def join(self, name: str, secret: str, data: bytes) -> tuple[str, Any, list[str], Any]:
+        """Create our contender node and read the line, pipelined in one round trip: requests
+        of a session are answered in order, so the line read includes our node.
+
+        After a connection loss (or a timeout) the create may have been applied with its reply
+        lost: the line is read again and our node found by its GUID, so no orphan contender
+        is left behind; if even that fails, the GUID is kept for :meth:`_sweep`.
+        """
+        self.sweep()
+        path = self.name_path(name)
+        for _ in range(ATTEMPTS):
+            create = self.client.create_async(
+                f"{path}/{child_prefix(secret)}", data, ephemeral=True, sequence=True,
+                include_data=True,
+            )  # fmt: skip
+            line = self.client.get_children_async(path, include_data=True)
+            try:
+                created, stat = self.get(create)
+            except NoNodeError:
+                self.client.ensure_path(path)
+                continue
+            except (ConnectionLoss, KazooTimeoutError):
+                found = self.find(name, secret)
+                if found is None:
+                    continue  # not applied: create again
+                created, stat = found
+            else:
+                with contextlib.suppress(ConnectionLoss, KazooTimeoutError, NoNodeError):
+                    children, node = self.get(line)
+                    return created.rsplit("/", 1)[1], stat, line_of(children), node
+            children, node = self.line(name)
+            return created.rsplit("/", 1)[1], stat, children, node
+        raise BackendUnavailable(self.alias, f"could not join the line of {name!r}")
+
+    def find(self, name: str, secret: str) -> tuple[str, Any] | None:
+        """Our node in the line, found by its GUID after a create whose reply was lost."""
+        try:
+            children, _ = self.line(name)
+            mine = [c for c in children if c.startswith(child_prefix(secret))]
+            if not mine:
+                return None
+            path = f"{self.name_path(name)}/{mine[0]}"
+            return path, self.get(self.client.exists_async(path))
+        except (ConnectionLoss, KazooTimeoutError):
+            self._orphans.add((name, guid_of(secret)))
+            raise
+
+    def sweep(self) -> None:
+        """Delete nodes left by creates whose outcome was unknown (best effort, rare)."""
+        for name, guid in list(self._orphans):
+            with contextlib.suppress(KazooException, KazooTimeoutError):
+                children, _ = self.line(name)
+                for child in children:
+                    if guid in child:
+                        self.get(self.client.delete_async(f"{self.name_path(name)}/{child}"))
+                self._orphans.discard((name, guid))
+
+    def leave(self, name: str, child: str) -> None:
+        with contextlib.suppress(NoNodeError):
+            self.get(self.client.delete_async(f"{self.name_path(name)}/{child}"))
+
+    def dislodge(self, name: str, line: list[str], node: Any) -> int | None:
+        """Delete the head if it lapsed on the leader's clock. Returns the live head's deadline
+        (ms, leader's clock), or ``None`` when the line changed (the head deleted by us, or
+        meanwhile by someone else) and must be read again.
+
+        The delete is conditional on the version read, so a renewal or promotion that lands
+        first wins; the local clock only spares the clock round trip while the head is alive.
+        """
+        head = f"{self.name_path(name)}/{line[0]}"
+        try:
+            raw, stat = self.get(self.client.get_async(head))
+        except NoNodeError:
+            return None
+        deadline = deadline_ms(stat, read_data(raw), node)
+        if time.time() * 1000 < deadline or self.server_now() < deadline:
+            return deadline
+        with contextlib.suppress(BadVersionError, NoNodeError):
+            self.commit([("delete", (head, stat.version)), self.bump(name)])
+        return None
+
+    def watch(self, path: str, place: Queued) -> Any:
+        """Watch ``path`` for its deletion only: ZooKeeper's watch also fires when the node's
+        data changes (its holder renews, or it is promoted), which is re-armed here instead of
+        waking the waiter for nothing. Returns the ``exists`` request (its stat, or ``None``)."""
+
+        def fired(event: WatchedEvent) -> None:
+            if event.type != EventType.CHANGED:
+                place.wake()
+                return
+            # On kazoo's thread: never block. Gone before the watch was set again: wake.
+            self.client.exists_async(path, watch=fired).rawlink(rearmed)
+
+        def rearmed(result: Any) -> None:
+            if not result.successful() or result.value is None:
+                place.wake()
+
+        return self.client.exists_async(path, watch=fired)
+
+    @property
+    def opened(self) -> Any:
+        """The kazoo client if it was started (``None`` before first use and after close)."""
+        return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.stop()
+            client.close()

@@ -1,0 +1,229 @@
+"""Counting semaphores: at most ``limit`` holders of a name at once, each holding a fenced lease.
+
+Slot ``k`` of semaphore ``name`` is the ordinary lease ``name␟k`` (:func:`slot_name`;
+user names may not contain ``␟``, so no lease somebody chose can collide with a slot). Taking
+the semaphore means taking any one of its ``limit`` slots, so every guarantee of a lease holds
+per slot on every backend, with no backend change: a token that strictly increases per slot,
+the grant secret, keepalive, loss reported loudly, fenced writes (``fence=slot``), revocation
+by an operator, and the admin and ``manage.py leases`` listing each slot.
+
+Why slots rather than a native counting primitive per store: one design is then correct on the
+database, Redis, Redlock, etcd and ZooKeeper alike (a native semaphore would be five new
+protocols to prove, and tokens per holder would need a counter shared by the slots anyway). The
+price is round trips while the semaphore is full: one try per slot. Tries start at a random slot
+(so contenders spread over the free ones instead of all racing for slot 0) and a full pass is
+followed by a wait on the store's wake-up for one held slot, cut into short slices because a
+release of another slot does not wake it; hence :data:`MAX_LIMIT`.
+
+Changing ``limit`` for a name is safe but not instant: holders of slots at or above a new, lower
+limit keep them until they release, so while they drain the name may have as many holders as
+the highest limit any live holder used, never more; new acquirers only take slots below theirs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from . import signals, tracing
+from .acquiring import Request, _Timing, _wait, prepare
+from .backends import Grant, LeaseBackend
+from .errors import InvalidLeaseOption, LeaseUnavailable
+from .handle import Lease, OnLost, holder_key
+from .keys import SEPARATOR, derived_name
+from .lease import _default_name, _LeaseBlock
+from .retry import SYSTEM_CLOCK, Backoff
+
+__all__ = ["MAX_LIMIT", "Slot", "acquire_slot", "semaphore", "slot_name", "valid_limit"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The largest ``limit``: a full pass costs one round trip per slot.
+MAX_LIMIT = 256
+
+
+class Slot(Lease):
+    """A held slot of a semaphore: a :class:`~leases.lease.Lease` (``name`` is the slot's
+    lease name, ``token`` its fencing token) that also says which semaphore and slot it is."""
+
+    @property
+    def semaphore(self) -> str:
+        """The semaphore's name."""
+        return self.name.rpartition(SEPARATOR)[0]
+
+    @property
+    def slot(self) -> int:
+        """Which slot, from 0 to ``limit - 1``."""
+        return int(self.name.rpartition(SEPARATOR)[2])
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace("<Lease", "<Slot", 1)
+
+
+def slot_name(name: str, slot: int) -> str:
+    """The lease name of slot ``slot`` of semaphore ``name``."""
+    return derived_name(name, str(slot))
+
+
+def valid_limit(limit: object) -> int:
+    """A positive int no greater than :data:`MAX_LIMIT`, checked before any round trip."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise InvalidLeaseOption("limit", limit, "must be an int (how many may hold at once)")
+    if not 1 <= limit <= MAX_LIMIT:
+        raise InvalidLeaseOption("limit", limit, f"must be between 1 and {MAX_LIMIT}")
+    return limit
+
+
+def _semaphore_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
+    """One registry entry per semaphore and holder: a thread takes one slot of a name at a time
+    (a second would be a nested block waiting on itself once the slots run out)."""
+    return holder_key(store, name + SEPARATOR, holder)
+
+
+def _prepare(
+    name: str,
+    limit: object,
+    ttl: float | None,
+    backend: str,
+    timeout: float | None,
+    keepalive: bool,
+    holder: str | None,
+) -> tuple[Request, int]:
+    limit = valid_limit(limit)
+    ask = prepare(name, ttl, backend, timeout, keepalive, holder, _semaphore_key)
+    slot_name(ask.name, limit - 1)  # the longest slot name must fit
+    return ask, limit
+
+
+def _grant(ask: Request, limit: int, timing: _Timing) -> Grant:
+    """Try every slot from a random one; then wait a slice on one held slot; until the
+    deadline. Each pass is a fresh random order, so no slot is favoured."""
+    deadline = None if ask.timeout is None else timing.started + ask.timeout
+    backoff = Backoff(deadline=deadline)
+    waiting_since: float | None = None
+    try:
+        while True:
+            start = random.randrange(limit)
+            for offset in range(limit):
+                slot = slot_name(ask.name, (start + offset) % limit)
+                grant = ask.store.try_acquire(slot, ask.holder, ask.ttl)
+                if grant is not None:
+                    return grant
+            delay = None if ask.timeout == 0 else backoff.next_delay()
+            if delay is None:
+                raise LeaseUnavailable(ask.name, ask.timeout, f"all {limit} slots are held")
+            if waiting_since is None:
+                waiting_since = SYSTEM_CLOCK.monotonic()
+            _wait(ask.store, slot, delay)
+    finally:
+        if waiting_since is not None:
+            timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
+
+
+def acquire_slot(
+    name: str,
+    *,
+    limit: int,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    keepalive: bool = True,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> Slot:
+    """Take one of the ``limit`` slots of semaphore ``name``; the caller must ``release()`` it.
+
+    The other arguments are :func:`~leases.acquire`'s, with its guarantees: everything is
+    checked before the first round trip (``limit`` must be an int from 1 to :data:`MAX_LIMIT`),
+    ``timeout=None`` waits forever and ``0`` tries each slot once, and failing raises
+    :class:`~leases.errors.LeaseUnavailable` within the timeout.
+    """
+    ask, limit = _prepare(name, limit, ttl, backend, timeout, keepalive, holder)
+    attributes: tracing.Attributes = {
+        "leases.name": ask.name,
+        "leases.backend": ask.store.alias,
+        "leases.ttl": ask.ttl,
+        "leases.limit": limit,
+    }
+    timing = _Timing()
+    with tracing.span("leases.acquire", attributes) as span:
+        try:
+            grant = _grant(ask, limit, timing)
+        except Exception as exc:
+            signals.send(
+                signals.lease_acquire_failed,
+                ask.store.alias,
+                name=ask.name,
+                error=exc,
+                elapsed=timing.elapsed(),
+                waited=timing.waited,
+            )
+            raise
+        if span is not None:
+            span.set_attributes({"leases.token": grant.token, "leases.outcome": "acquired"})
+        return Slot.start(
+            ask.store,
+            grant,
+            on_lost=on_lost,
+            renew_fraction=ask.renew_fraction,
+            key=ask.key,
+            elapsed=timing.elapsed(),
+            waited=timing.waited,
+        )
+
+
+class _SemaphoreBlock(_LeaseBlock):
+    """What ``semaphore()`` returns: ``lease()``'s block, entered by taking a slot."""
+
+    _acquire = staticmethod(acquire_slot)
+
+
+@overload
+def semaphore(
+    name: str | None = None,
+    /,
+    *,
+    limit: int,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    keepalive: bool = True,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> _SemaphoreBlock: ...
+@overload
+def semaphore(name: F, /, *, limit: int) -> F: ...
+def semaphore(
+    name: str | Callable[..., Any] | None = None,
+    /,
+    *,
+    limit: int,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    keepalive: bool = True,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> Any:
+    """Hold one of ``limit`` slots of ``name`` for a ``with`` block or a decorated function.
+
+    ``with semaphore("export:acme", limit=3) as slot:`` runs the block while at most two others
+    run theirs; ``slot`` is a :class:`Slot`, to pass to fenced writes. As a decorator without a
+    name, the name is the function's (``module.qualname``). Leaving releases the slot; a body
+    that outlived its slot raises :class:`~leases.errors.LeaseLost`, as with ``lease()``.
+    ``limit`` is checked here, so a bad one fails where the decorator is written.
+    """
+    valid_limit(limit)
+    options: dict[str, Any] = {
+        "limit": limit,
+        "ttl": ttl,
+        "backend": backend,
+        "timeout": timeout,
+        "keepalive": keepalive,
+        "on_lost": on_lost,
+        "holder": holder,
+    }
+    if callable(name):
+        return _SemaphoreBlock(_default_name(name), options)(name)
+    return _SemaphoreBlock(name, options)
