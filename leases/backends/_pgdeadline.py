@@ -69,7 +69,7 @@ class _Watch:
     """The thread that cuts sync statements past their deadline."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # a plain lock: cheaper than RLock
         self._armed: set[Deadline] = set()
         self._wake_at = math.inf
         self._thread: threading.Thread | None = None
@@ -114,19 +114,24 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-@contextlib.contextmanager
-def armed(deadline: Deadline) -> Iterator[None]:
+class armed:
     """Cut the deadline's socket if the block (one statement) is still running when it is due.
 
     Leave the block before closing the connection: once disarmed, the descriptor is never
-    touched again (a cut after a close could hit a new socket that reused its number).
+    touched again (a cut after a close could hit a new socket that reused its number). A
+    class, not ``@contextmanager``: it wraps every statement, and a generator costs more.
     """
-    watch = _watch
-    watch.arm(deadline)
-    try:
-        yield
-    finally:
-        watch.disarm(deadline)
+
+    __slots__ = ("deadline", "watch")
+
+    def __init__(self, deadline: Deadline) -> None:
+        self.deadline, self.watch = deadline, _watch
+
+    def __enter__(self) -> None:
+        self.watch.arm(self.deadline)
+
+    def __exit__(self, *exc: object) -> None:
+        self.watch.disarm(self.deadline)
 
 
 @contextlib.contextmanager
