@@ -227,9 +227,21 @@ def test_calls_on_a_silent_live_connection_are_bounded(proxied: Proxied, lease_n
     stuck.join(bound)
     assert not stuck.is_alive()
     proxied.each(FaultProxy.pass_through)
-    assert holder_of(lease_name) == (held.holder, held.token)  # nothing was released
-    held.release()  # the retry is safe and now succeeds
-    assert holder_of(lease_name) is None
+    retry_safely(held, lease_name)
+
+
+def retry_safely(held: Lease, name: str) -> None:
+    """After "no answer", the release may have landed late (Redlock's unlocks are sent and
+    held in the proxy) or not at all: the retry either frees the name or says it was lost, and
+    the name ends free either way."""
+    time.sleep(0.5)  # let the proxy deliver what it held (as a late packet would arrive)
+    before = holder_of(name)
+    assert before in (None, (held.holder, held.token))
+    try:
+        held.release()
+    except LeaseLost:
+        assert before is None, "the retry called a lease it still held lost"
+    assert holder_of(name) is None
 
 
 def test_async_calls_on_a_silent_live_connection_are_bounded(
@@ -249,8 +261,13 @@ def test_async_calls_on_a_silent_live_connection_are_bounded(
                     await asyncio.wait_for(call(), bound)
                 took.append(time.monotonic() - started)
             proxied.each(FaultProxy.pass_through)
-            assert holder_of(lease_name) == (held.holder, held.token)
-            await asyncio.wait_for(held.arelease(), bound)
+            await asyncio.sleep(0.5)  # the held bytes are delivered
+            before = holder_of(lease_name)
+            assert before in (None, (held.holder, held.token))
+            try:
+                await asyncio.wait_for(held.arelease(), bound)
+            except LeaseLost:
+                assert before is None, "the retry called a lease it still held lost"
         finally:
             proxied.each(FaultProxy.pass_through)
             await get_backend("proxied").aclose()

@@ -365,6 +365,7 @@ class Backend(LeaseBackend):
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
             return renewed
+        self._unless_refused(answers, "renewal")
         refusal = await asyncio.to_thread(self._refusal, grant, answers, "renewal")
         if isinstance(refusal, LeaseLost):
             self._aunlock_everywhere(grant, confirm=False)
@@ -373,6 +374,7 @@ class Backend(LeaseBackend):
     async def arelease(self, grant: Grant) -> None:
         answers = await self._aunlock_everywhere(grant)
         if sum(answer == Reply.OK for answer in answers) < self.quorum:
+            self._unless_refused(answers, "release")
             raise await asyncio.to_thread(self._refusal, grant, answers, "release")
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
