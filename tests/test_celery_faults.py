@@ -23,6 +23,7 @@ from tests.celery_app import (
     ADD_ONCE_DYING,
     LOCKED_DYING,
     add_once,
+    app,
     locked_past_time_limit,
     locked_slow,
     locked_write,
@@ -148,7 +149,11 @@ def test_a_broker_restart_mid_task_keeps_effects_single_and_frees_the_lease(
     Effect.objects.create(name=effect)
     env = {"LEASES_TEST_BROKER_URL": rabbitmq.url}
     celery_workers([queue], name="a", concurrency=2, extra_env=env).wait_ready()
-    with producer_on(rabbitmq.url) as producer:
+    # Publisher confirms: RabbitMQ answers once the persistent message is on disk, so the
+    # SIGKILL below cannot take the messages with it (only their unacknowledged delivery).
+    confirmed = app.connection_for_write(rabbitmq.url, transport_options={"confirm_publish": True})
+    with confirmed as connection:
+        producer = app.amqp.Producer(connection)
         locked = locked_slow.apply_async((register, 10.0), queue=queue, producer=producer)
         once = add_once.apply_async((effect, 10.0), queue=queue, producer=producer)
     wait_until(lambda: TaskRun.objects.filter(label=register).exists() and claimed(once.id),
