@@ -346,8 +346,8 @@ class Edge:
 
 
 def eviction_problems(alias: str, client: Any) -> list[str]:
-    """Why ``client``'s server could lose lease keys to eviction, if it can (deploy check)."""
-    with Edge(alias, "deploy check"):
+    """Why ``client``'s server could lose lease keys to eviction, if it can (store check)."""
+    with Edge(alias, "store check"):
         client.ping()
         try:
             policy = text(client.config_get("maxmemory-policy").get("maxmemory-policy", ""))

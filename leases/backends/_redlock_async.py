@@ -117,6 +117,7 @@ class AsyncRedlock:
             renewed
         ):
             return renewed
+        backend._unless_refused(answers, "renewal")  # unanswered is not refused: not a loss
         refusal = await asyncio.to_thread(backend.refusal, grant, answers, "renewal")
         if isinstance(refusal, LeaseLost):
             self._unlock_everywhere(grant, confirm=False)
@@ -125,6 +126,7 @@ class AsyncRedlock:
     async def release(self, grant: Grant) -> None:
         answers = await self._unlock_everywhere(grant)
         if sum(answer == Reply.OK for answer in answers) < self.backend.quorum:
+            self.backend._unless_refused(answers, "release")
             raise await asyncio.to_thread(self.backend.refusal, grant, answers, "release")
 
     async def wait_for_release(self, name: str, timeout: float) -> bool:

@@ -20,6 +20,11 @@ the server's lock queue, so a release wakes one waiter instead of a herd, and ca
 the room do not overtake it (see :mod:`~leases.backends._waiting_room`: the room is a first
 come, first served queue). Waiters that find no room (too many) sleep on the process's shared
 ``LISTEN`` connection.
+
+A reply lost on a connection that stays open (a NAT, a proxy, a paused server) would hang a
+statement for ever, so each waits at most ``REQUEST_TIMEOUT`` seconds (default 5), a renewal at
+most half of what is left of its grant (see :mod:`~leases.backends._pgdeadline`); then the
+connection is dropped and the call raises :class:`~leases.errors.BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from ._pg_shared import (
 )
 from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
+from ._pgdeadline import REQUEST_TIMEOUT
 from ._pruning import FLOOR_SQL, Progress, prune_rows
 from ._waiting_room import ROOM_CONNECTIONS, ROOM_GRACE, ROOM_TIMEOUT, WaitingRoom, room_key
 from .base import (
@@ -200,6 +206,9 @@ UNION ALL
 (SELECT {_COLUMNS} FROM leases_lease WHERE holder = '' ORDER BY name LIMIT %(limit)s)
 """  # noqa: S608
 
+#: The shortest wait for a renewal's reply, however little of the grant is left.
+MIN_RENEWAL_TIMEOUT = 0.05
+
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
 
 
@@ -272,7 +281,7 @@ class Backend(LeaseBackend):
             Capability.SHARED_LEASES,
         }
     )
-    known_options = frozenset({"DATABASE", "WAITING_ROOM"})
+    known_options = frozenset({"DATABASE", "WAITING_ROOM", "REQUEST_TIMEOUT"})
 
     @classmethod
     def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
@@ -283,6 +292,11 @@ class Backend(LeaseBackend):
             problems.append(f'LEASES["BACKENDS"][{alias!r}]["DATABASE"] must be a database alias')
         if not isinstance(options.get("WAITING_ROOM", True), bool):
             problems.append(f'LEASES["BACKENDS"][{alias!r}]["WAITING_ROOM"] must be True or False')
+        timeout = options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            problems.append(
+                f'LEASES["BACKENDS"][{alias!r}]["REQUEST_TIMEOUT"] must be a positive number'
+            )
         return problems
 
     @classmethod
@@ -302,26 +316,31 @@ class Backend(LeaseBackend):
                 f"the database lease backend needs PostgreSQL; {self.db_alias!r} uses {engine}"
             )
         self._lock = threading.Lock()
-        self._conn = PrivateConnection(self.db_alias)
+        #: Seconds a statement waits for its reply before its connection is dropped.
+        self.request_timeout = float(self.options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT))
+        self._conn = PrivateConnection(self.db_alias, self.request_timeout)
         self._listener: Listener | None = None
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
         self._room = WaitingRoom(self.db_alias, alias, enabled=enabled)
         self._async: PerLoop[AsyncState] = PerLoop(
-            lambda: AsyncState(self.db_alias), lambda state: state.close()
+            lambda: AsyncState(self.db_alias, self.request_timeout), lambda state: state.close()
         )
         track(self)
 
     # -- the connection -------------------------------------------------------------------
 
-    def _run(self, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    def _run(
+        self, sql: str, params: Mapping[str, Any], timeout: float | None = None
+    ) -> list[tuple[Any, ...]]:
         """Run one statement on the backend's own connection: one round trip.
 
-        Driver errors become :class:`BackendUnavailable`; a broken connection is dropped and
+        Driver errors become :class:`BackendUnavailable`; a broken connection, or one whose
+        reply did not come within ``timeout`` (default ``REQUEST_TIMEOUT``), is dropped and
         the next call reconnects (lease state lives in the table, not in the session).
         """
         try:
-            return self._conn.run(sql, params)
+            return self._conn.run(sql, params, timeout)
         except psycopg.Error as exc:
             raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
 
@@ -351,10 +370,18 @@ class Backend(LeaseBackend):
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
+        timeout = self._renewal_timeout(grant, sent_at)
         if grant.extra.get("shared"):
-            rows = self._run(SHARED_RENEW_SQL, shared_params(grant, ttl=ttl))
+            rows = self._run(SHARED_RENEW_SQL, shared_params(grant, ttl=ttl), timeout)
             return _renewed(grant, ttl, sent_at, rows)
-        return _renewed(grant, ttl, sent_at, self._run(RENEW_SQL, {**_owner(grant), "ttl": ttl}))
+        params = {**_owner(grant), "ttl": ttl}
+        return _renewed(grant, ttl, sent_at, self._run(RENEW_SQL, params, timeout))
+
+    def _renewal_timeout(self, grant: Grant, now: float) -> float:
+        """At most half the grant's time left, so a renewal whose reply is lost leaves time
+        to retry on a new connection before the lease runs out (a false loss otherwise)."""
+        left = grant.sent_at + grant.ttl - now
+        return min(self.request_timeout, max(MIN_RENEWAL_TIMEOUT, left / 2))
 
     def release(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
@@ -397,9 +424,11 @@ class Backend(LeaseBackend):
 
     # -- async: psycopg's AsyncConnection, one set per event loop (see ``_pgaio``) ----------
 
-    async def _arun(self, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    async def _arun(
+        self, sql: str, params: Mapping[str, Any], timeout: float | None = None
+    ) -> list[tuple[Any, ...]]:
         try:
-            return await self._async.get().conn.run(sql, params)
+            return await self._async.get().conn.run(sql, params, timeout)
         except psycopg.Error as exc:
             raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
 
@@ -417,9 +446,8 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):  # shared leases are taken by sync code only, so far
             return await super().arenew(grant, ttl)
         sent_at = time.monotonic()
-        return _renewed(
-            grant, ttl, sent_at, await self._arun(RENEW_SQL, {**_owner(grant), "ttl": ttl})
-        )
+        params, timeout = {**_owner(grant), "ttl": ttl}, self._renewal_timeout(grant, sent_at)
+        return _renewed(grant, ttl, sent_at, await self._arun(RENEW_SQL, params, timeout))
 
     async def arelease(self, grant: Grant) -> None:
         if grant.extra.get("shared"):

@@ -401,8 +401,13 @@ class Backend(LeaseBackend):
             raise LeaseNotHeld(name, not_revoked(token, current))
         return LeaseInfo(name, "", pack_token(epoch, counter), False, self.alias)
 
-    def deploy_checks(self) -> list[str]:
+    def store_checks(self) -> list[str]:
         return eviction_problems(self.alias, self.client)
+
+    def deploy_checks(self) -> list[str]:
+        with Edge(self.alias, "deploy check"):
+            self.client.ping()
+        return []
 
     def close(self) -> None:
         with self._lock:

@@ -40,6 +40,7 @@ is unavailable, the quorum is given back and the grant refused with
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -53,6 +54,7 @@ from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._counter import DurableCounter
 from ._redis_io import (
+    Edge,
     blpop_command,
     cache_problems,
     eviction_problems,
@@ -373,16 +375,26 @@ class Backend(LeaseBackend):
         infos = (self.inspect(name) for name in sorted(names))
         return [info for info in infos if info is not None]
 
+    def store_checks(self) -> list[str]:
+        """Per-node eviction policies, of the nodes that answer."""
+        problems: list[str] = []
+        for node in self.nodes:
+            with contextlib.suppress(BackendUnavailable):
+                found = eviction_problems(self.alias, node.client)
+                problems += [f"node {node.location}: {problem}" for problem in found]
+        return problems
+
     def deploy_checks(self) -> list[str]:
-        """Per-node eviction policies; an error when fewer than a quorum of nodes answer."""
+        """Nodes that do not answer; an error when fewer than a quorum do."""
         problems: list[str] = []
         down = 0
         for node in self.nodes:
             try:
-                found = eviction_problems(self.alias, node.client)
+                with Edge(self.alias, "deploy check"):
+                    node.client.ping()
             except BackendUnavailable as exc:
-                found, down = [str(exc)], down + 1
-            problems += [f"node {node.location}: {problem}" for problem in found]
+                problems.append(f"node {node.location}: {exc}")
+                down += 1
         if len(self.locations) - down < self.quorum:
             raise BackendUnavailable(self.alias, f"fewer than {self.quorum} nodes answer")
         if len(self.locations) < 3:
