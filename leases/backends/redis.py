@@ -190,6 +190,26 @@ def _release_call(prefix: str, grant: Grant) -> tuple[list[str], list[object]]:
     return [keys.lock, keys.wake], [*owner_args(grant), WAKE_TTL_MS]
 
 
+def _shared_renew_call(prefix: str, grant: Grant, ttl: float) -> tuple[list[str], list[object]]:
+    keys = LeaseKeys.of(prefix, grant.name)
+    return [keys.lock, keys.readers], [*_reader_args(grant), ms(ttl), _MARK]
+
+
+def _shared_release_call(prefix: str, grant: Grant) -> tuple[list[str], list[object]]:
+    keys = LeaseKeys.of(prefix, grant.name)
+    return [keys.lock, keys.readers, keys.wake], [*_reader_args(grant), _MARK, WAKE_TTL_MS]
+
+
+def _shared_acquire_keys(prefix: str, name: str) -> list[str]:
+    keys = LeaseKeys.of(prefix, name)
+    return [keys.lock, keys.fence, keys.readers, keys.writer]
+
+
+def _stop_readers_call(prefix: str, name: str) -> tuple[list[str], list[object]]:
+    keys = LeaseKeys.of(prefix, name)
+    return [keys.lock, keys.writer], [_MARK, WRITER_INTENT_MS]
+
+
 def _renewed(grant: Grant, ttl: float, sent_at: float, code: object) -> Grant:
     if code != Reply.OK:
         raise refusal(grant, code, "renewal")
@@ -292,9 +312,8 @@ class Backend(LeaseBackend):
 
     def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         """Join or start the readers' group of ``name`` (see :mod:`._redis_shared`)."""
-        keys = LeaseKeys.of(self.prefix, name)
-        lua_keys = [keys.lock, keys.fence, keys.readers, keys.writer]
-        return self._acquire("shared_acquire", name, holder, ttl, lua_keys, [_MARK])
+        keys = _shared_acquire_keys(self.prefix, name)
+        return self._acquire("shared_acquire", name, holder, ttl, keys, [_MARK])
 
     def _acquire(
         self,
@@ -320,8 +339,7 @@ class Backend(LeaseBackend):
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
 
     def stop_new_readers(self, name: str) -> None:
-        keys = LeaseKeys.of(self.prefix, name)
-        self._run("stop_readers", [keys.lock, keys.writer], [_MARK, WRITER_INTENT_MS])
+        self._run("stop_readers", *_stop_readers_call(self.prefix, name))
 
     def _next_epoch(self, stored: int) -> int:
         """A new epoch above ``stored``, from the database (see the module's docstring)."""
@@ -333,22 +351,16 @@ class Backend(LeaseBackend):
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
         if grant.extra.get("shared"):
-            keys = LeaseKeys.of(self.prefix, grant.name)
-            args = [*_reader_args(grant), ms(ttl), _MARK]
-            return _renewed(
-                grant, ttl, sent_at, self._run("shared_renew", [keys.lock, keys.readers], args)
-            )
+            call = _shared_renew_call(self.prefix, grant, ttl)
+            return _renewed(grant, ttl, sent_at, self._run("shared_renew", *call))
         return _renewed(
             grant, ttl, sent_at, self._run("renew", *_renew_call(self.prefix, grant, ttl))
         )
 
     def release(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
-            keys = LeaseKeys.of(self.prefix, grant.name)
-            args = [*_reader_args(grant), _MARK, WAKE_TTL_MS]
-            _released(
-                grant, self._run("shared_release", [keys.lock, keys.readers, keys.wake], args)
-            )
+            call = _shared_release_call(self.prefix, grant)
+            _released(grant, self._run("shared_release", *call))
             return
         _released(grant, self._run("release", *_release_call(self.prefix, grant)))
 
@@ -367,30 +379,53 @@ class Backend(LeaseBackend):
     # -- async: the same scripts through redis.asyncio, one client per event loop ---------
 
     async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
-        """:meth:`try_acquire` over ``redis.asyncio``; the rare new epoch (a database
-        statement, after a Redis restart or failover) is taken on a worker thread."""
         keys = LeaseKeys.of(self.prefix, name)
+        return await self._aacquire("acquire", name, holder, ttl, [keys.lock, keys.fence], [])
+
+    async def atry_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
+        keys = _shared_acquire_keys(self.prefix, name)
+        return await self._aacquire("shared_acquire", name, holder, ttl, keys, [_MARK])
+
+    async def _aacquire(
+        self,
+        script: str,
+        name: str,
+        holder: str,
+        ttl: float,
+        keys: list[str],
+        extra: list[object],
+    ) -> Grant | None:
+        """:meth:`_acquire` over ``redis.asyncio``; the rare new epoch (a database
+        statement, after a Redis restart or failover) is taken on a worker thread."""
         offered, secret = 0, new_secret()
+        shared = {"shared": True} if script == "shared_acquire" else {}
         for _ in range(3):
             sent_at = time.monotonic()
-            args = [holder, ms(ttl), offered, MAX_COUNTER, secret]
-            reply = await self._arun("acquire", [keys.lock, keys.fence], args)
-            outcome = _acquired(reply, Grant(name, holder, 0, ttl, sent_at, secret=secret))
+            args = [holder, ms(ttl), offered, MAX_COUNTER, secret, *extra]
+            reply = await self._arun(script, keys, args)
+            attempt = Grant(name, holder, 0, ttl, sent_at, extra=shared, secret=secret)
+            outcome = _acquired(reply, attempt)
             if not isinstance(outcome, int):
                 return outcome
             offered = await asyncio.to_thread(self._next_epoch, outcome)
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
 
+    async def astop_new_readers(self, name: str) -> None:
+        await self._arun("stop_readers", *_stop_readers_call(self.prefix, name))
+
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
-        if grant.extra.get("shared"):  # shared leases are taken by sync code only, so far
-            return await super().arenew(grant, ttl)
         sent_at = time.monotonic()
+        if grant.extra.get("shared"):
+            call = _shared_renew_call(self.prefix, grant, ttl)
+            return _renewed(grant, ttl, sent_at, await self._arun("shared_renew", *call))
         reply = await self._arun("renew", *_renew_call(self.prefix, grant, ttl))
         return _renewed(grant, ttl, sent_at, reply)
 
     async def arelease(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
-            return await super().arelease(grant)
+            call = _shared_release_call(self.prefix, grant)
+            _released(grant, await self._arun("shared_release", *call))
+            return
         _released(grant, await self._arun("release", *_release_call(self.prefix, grant)))
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
@@ -417,6 +452,10 @@ class Backend(LeaseBackend):
             "acquire": client.register_script(ACQUIRE_LUA),
             "renew": client.register_script(RENEW_LUA),
             "release": client.register_script(RELEASE_LUA),
+            "shared_acquire": client.register_script(SHARED_ACQUIRE_LUA),
+            "shared_renew": client.register_script(SHARED_RENEW_LUA),
+            "shared_release": client.register_script(SHARED_RELEASE_LUA),
+            "stop_readers": client.register_script(STOP_READERS_LUA),
         }
         return client, scripts
 
