@@ -13,7 +13,7 @@ holds a slot of this semaphore" is per task, as for ``aacquire()``.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, overload
+from typing import Any, cast, overload
 
 from .acquiring import Request
 from .aio import AsyncFunc, P, R, _AsyncLeaseBlock, _try, _wait, task_key
@@ -68,6 +68,9 @@ class _AsyncSemaphoreBlock(_AsyncLeaseBlock):
     """What ``asemaphore()`` returns: ``alease()``'s block, entered by taking a slot."""
 
     _acquire: Callable[..., Awaitable[Slot]] = staticmethod(aacquire_slot)
+
+    async def __aenter__(self) -> Slot:
+        return cast(Slot, await super().__aenter__())
 
 
 @overload

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 from . import signals, tracing
 from .acquiring import Request, _Timing, _wait, prepare
@@ -204,6 +204,9 @@ class _SemaphoreBlock(_LeaseBlock):
     """What ``semaphore()`` returns: ``lease()``'s block, entered by taking a slot."""
 
     _acquire = staticmethod(acquire_slot)
+
+    def __enter__(self) -> Slot:
+        return cast(Slot, super().__enter__())
 
 
 @overload
