@@ -93,7 +93,7 @@ def test_twenty_tasks_never_exceed_three_holders(
             writer = f"task{index}/slot{slot.slot}@{slot.token}"
             where = f"{register}/{slot.slot}"
             await asyncio.to_thread(logged_write, where, slot, writer)
-            await asyncio.sleep(random.uniform(0, 0.03))
+            await asyncio.sleep(0.05 + random.uniform(0, 0.05))  # long enough to overlap
             await asyncio.to_thread(logged_write, where, slot, writer)
 
     async def main() -> None:
