@@ -32,11 +32,11 @@ from leases import (
 from leases.backends import Capability, LeaseBackend, get_backend
 from leases.handle import Lease
 from leases.semaphore import MAX_LIMIT, slot_name
-from tests.checker import Attempt, check_history, history, new_register, record_write
+from tests.checker import new_register, record_write
 from tests.extra_backends import added_backend, closed_port_backend
 from tests.lease_backends import lease_backend, lease_name, require
 from tests.test_lease_async import Ticker, arun
-from tests.test_semaphore import max_concurrent
+from tests.test_semaphore import check_slot_histories
 
 __all__ = ["closed_port_backend", "lease_backend", "lease_name"]
 
@@ -103,12 +103,7 @@ def test_twenty_tasks_never_exceed_three_holders(
     arun(lease_backend, main)
     assert sum(len(tokens) for tokens in grants.values()) == tasks
     assert set(grants) <= set(range(limit))
-    attempts: list[Attempt] = []
-    for slot, tokens in grants.items():
-        summary = check_history(f"{register}/{slot}", grants=tokens)
-        assert summary.accepted == 2 * len(tokens), summary  # nobody lost a slot meanwhile
-        attempts += history(f"{register}/{slot}")
-    assert 1 <= max_concurrent(attempts) <= limit
+    check_slot_histories(register, grants, limit)
     assert held_slots(lease_backend, lease_name, limit) == []
 
 
