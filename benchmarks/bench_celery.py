@@ -43,8 +43,8 @@ WORKER = f"bench-celery-{os.getpid()}"
 OPS, ROUNDS = 20, 7
 
 if os.environ.get("LEASES_BENCH_CELERY_WORKER"):  # in the worker only, not in the bench run
-    # Persistent database connections, as a production worker runs with (else Celery's Django
-    # fixup closes the connection after every task, and idempotent_task pays a reconnect).
+    # Persistent database connections, as a production worker runs with (with
+    # CELERY_DB_REUSE_MAX below: CONN_MAX_AGE alone does not stop Celery closing them).
     settings.DATABASES["default"]["CONN_MAX_AGE"] = 600
     # A Redis lease backend next to the database one.
     leases_setting: dict[str, Any] = dict(settings.LEASES)
@@ -58,6 +58,11 @@ app.conf.task_acks_late = False
 app.conf.ONCE = {"backend": "celery_once.backends.Redis",
                  "settings": {"url": settings.REDIS_URL, "default_timeout": 60}}  # fmt: skip
 app.conf.singleton_backend_url = settings.REDIS_URL
+if os.environ.get("LEASES_BENCH_CELERY_WORKER"):
+    # Celery's Django fixup closes every database connection before and after each task unless
+    # CELERY_DB_REUSE_MAX is set, whatever CONN_MAX_AGE says: without it, idempotent_task (the
+    # one contender on Django's connection) paid a reconnect per task (~10-40 ms here).
+    app.conf.CELERY_DB_REUSE_MAX = 1000
 
 PEERS: dict[str, type[Task]] = {}  # type: ignore[type-arg]
 with contextlib.suppress(ImportError):

@@ -27,6 +27,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .celery import idempotent_task
     from .operations import idempotency_key
+    from .steps import astep, step
     from .views import IdempotentMixin, idempotent
 
 __all__ = [
@@ -41,9 +42,11 @@ __all__ = [
     "IdempotencyKeyMultiple",
     "IdempotentMixin",
     "ResponseNotStorable",
+    "astep",
     "idempotency_key",
     "idempotent",
     "idempotent_task",
+    "step",
 ]
 
 _LAZY = {
@@ -51,6 +54,8 @@ _LAZY = {
     "IdempotentMixin": "views",
     "idempotency_key": "operations",
     "idempotent_task": "celery",
+    "step": "steps",
+    "astep": "steps",
 }
 
 

@@ -11,7 +11,10 @@ first commits, or takes the key over once the first's claim lapses (its worker d
 uncommitted effects died with it).
 
 Only database effects on the key's database are covered: an email sent from the body is sent by
-every run that gets that far. Results must be JSON-serialisable (they are stored as JSON).
+every run that gets that far, unless the body is made of steps (:mod:`idempotency.steps`,
+``atomic=False``): then each step commits with its record, a redelivery resumes after the last
+recorded one, and outside calls get a derived key to deduplicate by. Results must be
+JSON-serialisable (they are stored as JSON).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
     on_in_flight: ClassVar[Literal["retry", "raise"]] = "retry"
     in_flight_backoff: ClassVar[float] = 0.5
     in_flight_max_retries: ClassVar[int] = 100
+    #: False for a body made of steps (:mod:`idempotency.steps`) that a redelivery resumes.
+    idempotency_atomic: ClassVar[bool] = True
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -101,7 +106,7 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
             ttl=self.idempotency_ttl,
             lock_timeout=self.idempotency_lock,
             wait=self.idempotency_wait,
-            atomic=True,
+            atomic=self.idempotency_atomic,
         )
         try:
             with once as operation:
@@ -131,6 +136,7 @@ def idempotent_task(
     lock: float | None = None,
     wait: float = 0,
     on_in_flight: Literal["retry", "raise"] = "retry",
+    atomic: bool = True,
     **options: Any,
 ) -> Callable[[Callable[..., Any]], IdempotentTask]: ...
 def idempotent_task(
@@ -142,12 +148,15 @@ def idempotent_task(
     lock: float | None = None,
     wait: float = 0,
     on_in_flight: Literal["retry", "raise"] = "retry",
+    atomic: bool = True,
     **options: Any,
 ) -> Any:
     """A task whose effects and result are recorded once per ``key``; see :class:`IdempotentTask`.
 
     ``options`` go to Celery's ``task()`` (``bind``, ``acks_late``, ``app``, ``base``, ...);
-    ``base=LockedTask`` adds a lease around it.
+    ``base=LockedTask`` adds a lease around it. ``atomic=False`` for a body made of steps
+    (:func:`idempotency.step`): each commits as it completes, and a redelivery after a crash
+    resumes after the last one instead of running the body in one transaction again.
     """
     attrs = {
         "idempotency_key": key,
@@ -155,5 +164,6 @@ def idempotent_task(
         "idempotency_lock": lock,
         "idempotency_wait": wait,
         "on_in_flight": on_in_flight,
+        "idempotency_atomic": atomic,
     }
     return task_decorator(IdempotentTask, fun, attrs, options)

@@ -8,6 +8,7 @@ using a broken setting at run time raises
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -59,11 +60,28 @@ DEFAULTS: dict[str, Any] = {
     "MAX_RESPONSE_BYTES": 1024 * 1024,
     # The database alias holding the keys (and, in atomic mode, the view's transaction).
     "DATABASE": "default",
+    # Send the key store's statements as prepared statements (parsed and planned once per
+    # connection): a replay then costs less than the view. False behind a pooler in transaction
+    # mode that loses SQL-level prepared statements between transactions.
+    "PREPARED_STATEMENTS": True,
+    # The request header holding the key, and the response header marking a replay (names of
+    # other libraries' headers, e.g. "X-Idempotency-Key", keep their clients working).
+    "HEADER": "Idempotency-Key",
+    "REPLAYED_HEADER": "Idempotent-Replayed",
+    # idempotency.middleware.IdempotencyMiddleware guards requests whose path matches one of
+    # these regular expressions (from the path's start, as re_path) and whose method is one of
+    # MIDDLEWARE_METHODS, without decorating each view. The other settings apply as they do to
+    # @idempotent.
+    "MIDDLEWARE_PATHS": [],
+    "MIDDLEWARE_METHODS": ["POST", "PUT", "PATCH", "DELETE"],
 }
 
 _POSITIVE = ("TTL", "LOCK_TIMEOUT", "MAX_RESPONSE_BYTES")
 _NON_NEGATIVE = ("WAIT_TIMEOUT",)
-_BOOLEANS = ("REQUIRED", "ATOMIC")
+_BOOLEANS = ("REQUIRED", "ATOMIC", "PREPARED_STATEMENTS")
+_HEADERS = ("HEADER", "REPLAYED_HEADER")
+# RFC 9110 field names: a token.
+_FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _SCOPES = ("SCOPE", "ANONYMOUS_SCOPE")
 
 
@@ -86,6 +104,16 @@ class IdempotencySettings:
     max_response_bytes: int
     database: str
     not_stored_statuses: frozenset[int]
+    prepared_statements: bool = True
+    header: str = "Idempotency-Key"
+    replayed_header: str = "Idempotent-Replayed"
+    middleware_paths: tuple[re.Pattern[str], ...] = ()
+    middleware_methods: frozenset[str] = frozenset()
+
+    @property
+    def header_meta_key(self) -> str:
+        """Where Django's ``request.META`` keeps the key header (``HTTP_IDEMPOTENCY_KEY``)."""
+        return "HTTP_" + self.header.upper().replace("-", "_")
 
     def stores(self, status: int) -> bool:
         """Whether a response with this status is kept for replay: not a 5xx (a failure the
@@ -138,6 +166,36 @@ def _statuses_problems(raw: dict[str, Any]) -> list[str]:
     ]
 
 
+def _method_list_problem(raw: dict[str, Any], key: str) -> list[str]:
+    methods = raw.get(key, DEFAULTS[key])
+    if (
+        not isinstance(methods, list | tuple)
+        or not methods
+        or not all(isinstance(m, str) for m in methods)
+    ):
+        return [f'{SETTING_NAME}["{key}"] must be a non-empty list of method names']
+    return []
+
+
+def _http_problems(raw: dict[str, Any]) -> list[str]:
+    """Header names and the middleware's path patterns."""
+    found = [
+        f'{SETTING_NAME}["{key}"] must be an HTTP header name, not {raw[key]!r}'
+        for key in _HEADERS
+        if key in raw and not (isinstance(raw[key], str) and _FIELD_NAME.fullmatch(raw[key]))
+    ]
+    paths = raw.get("MIDDLEWARE_PATHS", DEFAULTS["MIDDLEWARE_PATHS"])
+    if not isinstance(paths, list | tuple) or not all(isinstance(p, str) for p in paths):
+        found.append(f'{SETTING_NAME}["MIDDLEWARE_PATHS"] must be a list of regular expressions')
+    else:
+        for pattern in paths:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                found.append(f'{SETTING_NAME}["MIDDLEWARE_PATHS"]: {pattern!r}: {exc}')
+    return found + _method_list_problem(raw, "MIDDLEWARE_METHODS")
+
+
 def problems() -> list[str]:
     """Every problem with the current setting, as messages (empty when it is valid)."""
     try:
@@ -156,13 +214,8 @@ def problems() -> list[str]:
         for key in _BOOLEANS
         if not isinstance(raw.get(key, DEFAULTS[key]), bool)
     ]
-    methods = raw.get("METHODS", DEFAULTS["METHODS"])
-    if (
-        not isinstance(methods, list | tuple)
-        or not methods
-        or not all(isinstance(m, str) for m in methods)
-    ):
-        found.append(f'{SETTING_NAME}["METHODS"] must be a non-empty list of method names')
+    found += _method_list_problem(raw, "METHODS")
+    found += _http_problems(raw)
     if raw.get("ON_CONFLICT", "409") not in ON_CONFLICT_CHOICES:
         found.append(f'{SETTING_NAME}["ON_CONFLICT"] must be one of {ON_CONFLICT_CHOICES}')
     if not isinstance(raw.get("DATABASE", "default"), str):
@@ -197,6 +250,11 @@ def get() -> IdempotencySettings:
         max_response_bytes=int(raw["MAX_RESPONSE_BYTES"]),
         database=raw["DATABASE"],
         not_stored_statuses=frozenset(raw["NOT_STORED_STATUSES"]),
+        prepared_statements=raw["PREPARED_STATEMENTS"],
+        header=raw["HEADER"],
+        replayed_header=raw["REPLAYED_HEADER"],
+        middleware_paths=tuple(re.compile(p) for p in raw["MIDDLEWARE_PATHS"]),
+        middleware_methods=frozenset(m.upper() for m in raw["MIDDLEWARE_METHODS"]),
     )
 
 

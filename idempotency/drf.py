@@ -10,6 +10,8 @@ sits decides whose key space a request lands in:
 - **Outside** (``@idempotent`` around ``@api_view`` or ``as_view()``) the guard would only see
   Django's session user: every token-authenticated client would be scoped as anonymous. That
   order is refused when the view is decorated (:func:`refuse_outer_guard`).
+- **In the middleware**, which is outside every view by nature, the guard has the view's own
+  authenticators run on a DRF request built for the purpose (:func:`authenticated_request`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from django.http import HttpRequest, HttpResponseBase
 
 from .errors import IdempotencyImproperlyConfigured
 
-__all__ = ["finalize", "http_request", "refuse_outer_guard"]
+__all__ = ["authenticated_request", "finalize", "http_request", "refuse_outer_guard"]
 
 
 def http_request(request: Any) -> HttpRequest:
@@ -49,11 +51,37 @@ def finalize(request: Any, response: HttpResponseBase) -> HttpResponseBase:
     return view.finalize_response(request, response, *args, **kwargs)  # type: ignore[no-any-return]
 
 
+def _drf_view_class(view: Any) -> type | None:
+    """The APIView class behind ``as_view()`` / ``@api_view`` (DRF marks it ``cls``)."""
+    cls = getattr(view, "cls", None)
+    return cls if isinstance(cls, type) and hasattr(cls, "initialize_request") else None
+
+
+def authenticated_request(
+    view: Any, request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """For a DRF view, a DRF request authenticated by the view's authenticators (the object a
+    scope function reads the user from); for any other view, ``request`` itself. None when DRF
+    cannot authenticate it: DRF refuses such a request itself, so there is nothing to guard."""
+    cls = _drf_view_class(view)
+    if cls is None:
+        return request
+    instance = cls(**(getattr(view, "initkwargs", None) or {}))
+    instance.args, instance.kwargs, instance.request = args, kwargs, request
+    instance.action_map = getattr(view, "actions", None) or {}  # a viewset's routing
+    drf_request = instance.initialize_request(request, *args, **kwargs)
+    try:
+        drf_request.user  # noqa: B018  (runs DRF's authenticators)
+    except Exception:
+        return None
+    return drf_request
+
+
 def refuse_outer_guard(view: Any) -> None:
     """Raise if ``view`` is a DRF view (``as_view()`` of an ``APIView``, ``@api_view``), even
     behind other decorators (``functools.wraps`` copies the ``cls`` DRF marks it with)."""
-    cls = getattr(view, "cls", None)
-    if not (isinstance(cls, type) and hasattr(cls, "initialize_request")):
+    cls = _drf_view_class(view)
+    if cls is None:
         return
     raise IdempotencyImproperlyConfigured(
         f"@idempotent is outside the DRF view {cls.__name__}: it would run before DRF "

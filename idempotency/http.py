@@ -13,7 +13,7 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 
-from . import sfv
+from . import conf, sfv
 from .errors import (
     GUIDE_URL,
     IdempotencyError,
@@ -39,8 +39,8 @@ __all__ = [
     "replay",
 ]
 
+#: The defaults of ``IDEMPOTENCY["HEADER"]`` and ``["REPLAYED_HEADER"]``, which name them.
 HEADER = "Idempotency-Key"
-META_KEY = "HTTP_IDEMPOTENCY_KEY"
 REPLAYED_HEADER = "Idempotent-Replayed"
 MAX_KEY_LENGTH = 255
 #: A problem's ``type`` is its guide page, ``problems/<slug>.html`` (docs/guide/problems/).
@@ -61,7 +61,6 @@ UNREPLAYED_HEADERS = frozenset(
         "trailer",
         "transfer-encoding",
         "upgrade",
-        REPLAYED_HEADER.lower(),
     }
 )
 
@@ -103,7 +102,8 @@ def parse_key(raw: str) -> str:
 
 
 def header_value(request: HttpRequest) -> str | None:
-    value = request.META.get(META_KEY)
+    """The raw key header (``IDEMPOTENCY["HEADER"]``), or None when absent."""
+    value = request.META.get(conf.get().header_meta_key)
     return None if value is None else str(value)
 
 
@@ -131,17 +131,23 @@ def capture(response: HttpResponseBase, max_bytes: int) -> tuple[HttpResponseBas
             f"the body is {len(body)} bytes, over MAX_RESPONSE_BYTES ({max_bytes}); raise the "
             "limit or return a smaller body (e.g. a link to the result)"
         )
-    headers = [(k, v) for k, v in response.items() if k.lower() not in UNREPLAYED_HEADERS]
+    replayed = conf.get().replayed_header.lower()
+    headers = [
+        (k, v)
+        for k, v in response.items()
+        if k.lower() not in UNREPLAYED_HEADERS and k.lower() != replayed
+    ]
     return response, Outcome(status=response.status_code, headers=headers, body=body)
 
 
 def replay(outcome: Outcome) -> HttpResponse:
-    """The stored response, byte for byte, marked ``Idempotent-Replayed: true``."""
+    """The stored response, byte for byte, marked ``Idempotent-Replayed: true`` (or the
+    ``REPLAYED_HEADER`` setting's name)."""
     response = HttpResponse(outcome.body, status=outcome.status or 200)
     del response["Content-Type"]
     for name, value in outcome.headers:
         response[name] = value
-    response[REPLAYED_HEADER] = "true"
+    response[conf.get().replayed_header] = "true"
     return response
 
 

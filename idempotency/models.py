@@ -6,6 +6,9 @@ how a crashed request's key becomes usable again. ``owner`` names the attempt ho
 a late finish of an attempt that was taken over changes nothing. A ``completed`` row replays its
 response until ``expires_at``.
 
+A multi-step operation (:mod:`idempotency.steps`) records each completed step's result in
+``steps`` with the step's own effects, so a retry after a crash resumes after the last one.
+
 A stored response is what one client was told (a payment's details, a created credential), so
 reading it takes a permission of its own, ``view_response_body``, beyond the admin's view
 permission on keys.
@@ -14,6 +17,7 @@ permission on keys.
 from __future__ import annotations
 
 from django.db import models
+from django.db.models import JSONField, Value
 
 __all__ = ["IdempotencyKey"]
 
@@ -32,6 +36,9 @@ class IdempotencyKey(models.Model):
     response_status = models.IntegerField(null=True, blank=True)
     response_headers = models.JSONField(default=list, blank=True)
     response_body = models.BinaryField(null=True, blank=True)
+    #: Steps of a multi-step operation recorded so far (name -> result), while ``started``.
+    #: A database default too, so rows written by raw SQL (bulk loads, the purge's tests) get it.
+    steps = models.JSONField(default=dict, db_default=Value({}, JSONField()), blank=True)
     created_at = models.DateTimeField()
     expires_at = models.DateTimeField()
 

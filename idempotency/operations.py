@@ -37,7 +37,8 @@ from typing import Any, TypeVar, cast
 from asgiref.sync import sync_to_async
 from django.core.serializers.json import DjangoJSONEncoder
 
-from . import conf, http, store
+from . import conf, http, steps, store
+from .errors import IdempotencyImproperlyConfigured
 
 __all__ = ["Operation", "idempotency_key"]
 
@@ -58,6 +59,22 @@ class Operation:
     replayed: bool
     result: Any = None
     _attempt: store.Attempt | None = field(default=None, repr=False)
+
+    def _running(self, name: str) -> store.Attempt:
+        if self._attempt is None:
+            raise IdempotencyImproperlyConfigured(
+                f"step {name!r} of operation {self.key!r}: the operation replayed its recorded "
+                "result, so its steps do not run again (check op.replayed)"
+            )
+        return self._attempt
+
+    def step(self, name: str, fn: Callable[[str], Any]) -> Any:
+        """Run one step of this operation (:func:`idempotency.steps.step`)."""
+        return steps.step_in(self._running(name), name, fn)
+
+    async def astep(self, name: str, fn: Callable[[str], Any]) -> Any:
+        """Run one step of this operation from async code (:func:`idempotency.steps.astep`)."""
+        return await steps.astep_in(self._running(name), name, fn)
 
 
 class idempotency_key:

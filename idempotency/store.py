@@ -1,10 +1,10 @@
 """The key state machine, independent of HTTP: begin, then finish or release.
 
-``begin`` is one statement on the hot path: an insert that, on conflict, takes over only a key
-whose lock lapsed (a crashed attempt) or whose TTL passed, and otherwise reads the row that is
-there. ``xmax = 0`` on the returned row tells a fresh insert from a take-over. The started row is
-committed on its own (autocommit) before the work runs, so a duplicate sees "in progress" at once
-instead of queueing behind an uncommitted insert.
+``begin`` is one statement on the hot path (:data:`~idempotency.statements.BEGIN`): a
+read-only probe, so a replay or a duplicate writes nothing, then, only when the key may be
+claimed, an insert that on conflict takes over a key whose lock lapsed (a crashed attempt) or
+whose TTL passed. The started row is committed on its own (autocommit) before the work runs, so
+a duplicate sees "in progress" at once instead of queueing behind an uncommitted insert.
 
 Inside a transaction that is already open (``ATOMIC_REQUESTS``, or a caller's ``atomic`` block)
 the started row cannot be committed first: it stays uncommitted while the view runs, and a
@@ -20,6 +20,7 @@ Every time is the database's ``clock_timestamp()``; app servers' clocks are neve
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import json
 import math
@@ -33,49 +34,24 @@ from django.db import OperationalError, connections, transaction
 from leases.retry import Backoff
 from leases.signals import send
 
-from . import signals
+from . import signals, statements
 from .errors import IdempotencyKeyInProgress, IdempotencyKeyLost, IdempotencyKeyMismatch
+from .statements import BEGIN, FINISH, RECORD_STEP, RELEASE
 
-__all__ = ["Attempt", "Begun", "Claim", "Outcome", "Status", "begin", "finish", "release"]
+__all__ = [
+    "Attempt",
+    "Begun",
+    "Claim",
+    "Outcome",
+    "Status",
+    "begin",
+    "current",
+    "finish",
+    "record_step",
+    "release",
+]
 
-BEGIN_SQL = """
-WITH claimed AS (
-    INSERT INTO idempotency_key AS k (scope, key, fingerprint, state, owner, locked_until,
-        response_status, response_headers, response_body, created_at, expires_at)
-    VALUES (%(scope)s, %(key)s, %(fingerprint)s, 'started', %(owner)s,
-        clock_timestamp() + %(lock)s * interval '1 second', NULL, '[]'::jsonb, NULL,
-        clock_timestamp(), clock_timestamp() + %(ttl)s * interval '1 second')
-    ON CONFLICT (scope, key) DO UPDATE SET
-        fingerprint = EXCLUDED.fingerprint, state = 'started', owner = EXCLUDED.owner,
-        locked_until = EXCLUDED.locked_until, response_status = NULL,
-        response_headers = '[]'::jsonb, response_body = NULL,
-        created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
-    WHERE (k.state = 'completed' AND k.expires_at < clock_timestamp())
-       OR (k.state = 'started' AND k.locked_until < clock_timestamp()
-           AND (k.fingerprint = EXCLUDED.fingerprint OR k.expires_at < clock_timestamp()))
-    RETURNING k.id, CASE WHEN k.xmax = 0 THEN 'new' ELSE 'taken_over' END AS kind
-)
-SELECT id, kind, NULL, NULL, NULL, NULL, NULL, 0.0 FROM claimed
-UNION ALL
-SELECT id, 'existing', state, fingerprint, response_status, response_headers, response_body,
-       extract(epoch FROM locked_until - clock_timestamp())::float8
-FROM idempotency_key
-WHERE scope = %(scope)s AND key = %(key)s AND NOT EXISTS (SELECT 1 FROM claimed)
-"""
-
-FINISH_SQL = """
-UPDATE idempotency_key
-SET state = 'completed', owner = NULL, locked_until = NULL, response_status = %(status)s,
-    response_headers = %(headers)s::jsonb, response_body = %(body)s,
-    expires_at = clock_timestamp() + %(ttl)s * interval '1 second'
-WHERE id = %(id)s AND owner = %(owner)s AND state = 'started'
-"""
-
-RELEASE_SQL = """
-DELETE FROM idempotency_key WHERE id = %(id)s AND owner = %(owner)s AND state = 'started'
-"""
-
-# Around BEGIN_SQL inside an open transaction: bound the wait on an uncommitted key row, and put
+# Around the claim inside an open transaction: bound the wait on an uncommitted key row, and put
 # the caller's own lock_timeout back (SET LOCAL in a released savepoint lasts until the end of
 # the transaction). A timeout rolls the savepoint back, which undoes the setting by itself.
 BOUND_LOCK_WAIT_SQL = (
@@ -86,7 +62,7 @@ LOCK_NOT_AVAILABLE = "55P03"
 _MAX_LOCK_TIMEOUT_MS = 2**31 - 1
 
 # A key committed between the statement's snapshot and its conflict check shows up in neither
-# half of BEGIN_SQL; running it again sees it.
+# half of the claim; running it again sees it.
 _BEGIN_ATTEMPTS = 3
 
 
@@ -116,6 +92,11 @@ class Claim:
     owner: uuid.UUID
     using: str
     taken_over: bool = False
+    fingerprint: str = ""
+    #: Seconds a lock lasts; each recorded step renews it.
+    lock_timeout: float = 60.0
+    #: Steps an earlier attempt recorded (name -> result), which this one resumes after.
+    steps: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -135,9 +116,13 @@ class Begun:
             raise IdempotencyKeyInProgress(scope, key, retry_after=self.retry_after)
 
 
+def _json(value: Any) -> Any:
+    """A jsonb column's value: Django's psycopg adapters hand it over as text."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
 def _outcome(status: int | None, headers: Any, body: Any) -> Outcome:
-    if isinstance(headers, str):
-        headers = json.loads(headers)
+    headers = _json(headers)
     pairs = [(str(name), str(value)) for name, value in headers or []]
     return Outcome(status=status, headers=pairs, body=bytes(body or b""))
 
@@ -155,7 +140,7 @@ def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> An
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
             cursor.execute(BOUND_LOCK_WAIT_SQL, {"timeout": f"{timeout_ms}ms"})
             previous = cursor.fetchone()[0]
-            cursor.execute(BEGIN_SQL, params)
+            statements.execute(cursor, BEGIN, params)
             row = cursor.fetchone()
             cursor.execute(RESTORE_LOCK_TIMEOUT_SQL, {"previous": previous})
     except OperationalError as exc:
@@ -172,14 +157,24 @@ def _begin_once(params: dict[str, Any], using: str, wait: float) -> Begun | None
             return Begun(Status.IN_PROGRESS, retry_after=1.0)
     else:
         with connections[using].cursor() as cursor:
-            cursor.execute(BEGIN_SQL, params)
+            statements.execute(cursor, BEGIN, params)
             row = cursor.fetchone()
     if row is None:
         return None
-    row_id, kind, state, fingerprint, status, headers, body, remaining = row
+    row_id, kind, state, fingerprint, status, headers, body, remaining, steps = row
     scope, key = params["scope"], params["key"]
     if kind in ("new", "taken_over"):
-        claim = Claim(row_id, scope, key, params["owner"], using, taken_over=kind == "taken_over")
+        claim = Claim(
+            row_id,
+            scope,
+            key,
+            params["owner"],
+            using,
+            taken_over=kind == "taken_over",
+            fingerprint=params["fingerprint"],
+            lock_timeout=params["lock"],
+            steps=_json(steps) or {},
+        )
         return Begun(Status.NEW, claim=claim)
     if fingerprint != params["fingerprint"]:
         return Begun(Status.MISMATCH)
@@ -241,7 +236,19 @@ def _announce(begun: Begun, scope: str, key: str, using: str) -> None:
         send(signals.conflict, using, scope=scope, key=key, reason="in_progress")
 
 
-def finish(claim: Claim, outcome: Outcome, *, ttl: float) -> None:
+def _owned_write(
+    claim: Claim, write: statements.OwnedWrite, params: dict[str, Any], *, commit: bool
+) -> None:
+    """A write only the key's owner may make (else IdempotencyKeyLost), committing the open
+    transaction in the same round trip when ``commit`` (the caller's outermost block)."""
+    with connections[claim.using].cursor() as cursor:
+        done = statements.owned_write(cursor, write, params, commit=commit)
+    if not done:
+        send(signals.conflict, claim.using, scope=claim.scope, key=claim.key, reason="lost")
+        raise IdempotencyKeyLost(claim.scope, claim.key)
+
+
+def finish(claim: Claim, outcome: Outcome, *, ttl: float, commit: bool = False) -> None:
     """Store the outcome; raises IdempotencyKeyLost if another attempt took the key over."""
     params: dict[str, Any] = {
         "id": claim.id,
@@ -251,18 +258,39 @@ def finish(claim: Claim, outcome: Outcome, *, ttl: float) -> None:
         "body": outcome.body,
         "ttl": ttl,
     }
-    with connections[claim.using].cursor() as cursor:
-        cursor.execute(FINISH_SQL, params)
-        stored = cursor.rowcount == 1
-    if not stored:
-        send(signals.conflict, claim.using, scope=claim.scope, key=claim.key, reason="lost")
-        raise IdempotencyKeyLost(claim.scope, claim.key)
+    _owned_write(claim, FINISH, params, commit=commit)
+
+
+def record_step(claim: Claim, step: str, result: str, *, commit: bool = False) -> None:
+    """Record a completed step (``result`` is JSON text) and renew the lock; raises
+    IdempotencyKeyLost if another attempt took the key over."""
+    params = {
+        "id": claim.id,
+        "owner": claim.owner,
+        "step": step,
+        "result": result,
+        "lock": claim.lock_timeout,
+    }
+    _owned_write(claim, RECORD_STEP, params, commit=commit)
 
 
 def release(claim: Claim) -> None:
-    """Free a key whose attempt failed, so the retry runs again (never another owner's key)."""
+    """Give up a key whose attempt failed (never another owner's): deleted, so the retry runs
+    again, unless it holds recorded steps, which the retry resumes after."""
     with connections[claim.using].cursor() as cursor:
-        cursor.execute(RELEASE_SQL, {"id": claim.id, "owner": claim.owner})
+        statements.execute(cursor, RELEASE, {"id": claim.id, "owner": claim.owner})
+
+
+# The attempts running in this context, innermost last: what ``idempotency.step`` works under.
+_ACTIVE: contextvars.ContextVar[tuple[Attempt, ...]] = contextvars.ContextVar(
+    "idempotency_attempts", default=()
+)
+
+
+def current() -> Attempt | None:
+    """The innermost attempt running in this context (thread or task), if any."""
+    active = _ACTIVE.get()
+    return active[-1] if active else None
 
 
 @dataclass
@@ -272,22 +300,49 @@ class Attempt:
     ``start`` opens the transaction; ``commit`` stores the outcome in it and commits, so the
     effects and the key become visible together; ``abort`` rolls the effects back and frees the
     key. A crash between the two leaves the started row, which a retry takes over once its lock
-    lapses; the crashed transaction's effects never committed.
+    lapses; the crashed transaction's effects never committed. Steps
+    (:mod:`idempotency.steps`) record recovery points under the claim as the work goes.
+
+    When the attempt's block is the outermost one, storing the outcome and committing are one
+    round trip (:func:`~idempotency.statements.execute_and_commit`).
     """
 
     claim: Claim
     atomic: bool
     ttl: float
     _block: Any = field(default=None, repr=False)
+    _outermost: bool = field(default=False, repr=False)
+    #: Steps recorded so far, by this attempt or the ones it resumes (name -> result).
+    recorded: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.recorded.update(self.claim.steps)
 
     def start(self) -> None:
+        using = self.claim.using
+        # Prepared now, outside the transaction, where a session that lost them can recover.
+        statements.prepare(using, FINISH, RECORD_STEP, RELEASE)
         if self.atomic:
-            self._block = transaction.atomic(using=self.claim.using)
+            self._outermost = not connections[using].in_atomic_block
+            self._block = transaction.atomic(using=using)
             self._block.__enter__()
+        # Not a token reset: the async views start and end attempts in sync_to_async threads,
+        # whose context changes asgiref copies back, so a token would belong to another context.
+        _ACTIVE.set((*_ACTIVE.get(), self))
+
+    def _leave(self) -> None:
+        _ACTIVE.set(tuple(attempt for attempt in _ACTIVE.get() if attempt is not self))
+
+    def commits_in_one_trip(self) -> bool:
+        """Whether a write can carry this attempt's COMMIT: its block is the outermost one and
+        nothing has marked it for rollback."""
+        connection = connections[self.claim.using]
+        return self._block is not None and self._outermost and not connection.needs_rollback
 
     def commit(self, outcome: Outcome) -> None:
+        self._leave()
         try:
-            finish(self.claim, outcome, ttl=self.ttl)
+            finish(self.claim, outcome, ttl=self.ttl, commit=self.commits_in_one_trip())
         except BaseException:
             self.abort()
             raise
@@ -300,6 +355,7 @@ class Attempt:
                 raise
 
     def abort(self) -> None:
+        self._leave()
         block, self._block = self._block, None
         if block is not None:
             transaction.set_rollback(True, using=self.claim.using)

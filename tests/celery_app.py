@@ -236,6 +236,14 @@ def add_once(self: Any, effect: str, hold: float) -> int:
     return Effect.objects.get(name=effect).count
 
 
+@idempotent_task(key="order-{order}", lock=1, atomic=False, acks_late=True, in_flight_backoff=0.2)
+def place_order_once(order: str, amount: int) -> Any:
+    """The steps workflow (tests/steps_workflow.py): a redelivery resumes after its last step."""
+    from tests.steps_workflow import place_order
+
+    return place_order(order, amount)
+
+
 # -- singleton, leader, partitioned -------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from leases import acquire
 from leases.backends import get_backend
 from leases.models import ForceRelease
 from leases.operations import advisory_locks
+from tests.clusters import etcd_ready, zookeeper_ready
 from tests.factories import UserFactory
 from tests.harness import manage
 from tests.locks_fixture import LockScene, lock_scene_fixture  # noqa: F401 - fixture
@@ -153,6 +154,11 @@ def test_settings_and_verbosity_are_accepted_after_the_subcommand(
 
 
 def test_list_json_is_typed_for_scripts(lock_scene: LockScene) -> None:
+    # Every configured backend must answer for "unavailable_backends" to be empty: the etcd and
+    # ZooKeeper clusters start on first use, so this test asks for them (else it would pass or
+    # fail by which tests its xdist worker happened to run before it).
+    etcd_ready()
+    zookeeper_ready()
     data = json.loads(run("list", "--json"))
     held = next(row for row in data["leases"] if row["name"] == lock_scene.held)
     assert held["state"] == "held" and held["holder"] == lock_scene.holder

@@ -89,13 +89,23 @@ def test_every_page_is_in_the_navigation() -> None:
         assert f": {name}" in config, f"{name} is not in docs/mkdocs.yml's nav"
 
 
-def _client_errors() -> list[type[idempotency.errors.IdempotencyError]]:
-    """The errors the views answer with as problem responses (a client caused them)."""
+def _problem_errors() -> list[type[idempotency.errors.IdempotencyError]]:
+    """Every error with a problem type of its own: a ``slug`` other than the base class's or
+    a ``problem_type`` (client errors the views answer with, and server errors such as
+    ``ResponseNotStorable``); only the base and the configuration error have none."""
+    base = idempotency.errors.IdempotencyError
     found = [getattr(idempotency.errors, name) for name in idempotency.errors.__all__]
-    return [error for error in found if 400 <= error.http_status < 500]
+    return [e for e in found if e.slug != base.slug or e.problem_type is not None]
 
 
-@pytest.mark.parametrize("error", _client_errors(), ids=lambda error: error.__name__)
+def test_every_error_but_the_base_and_configuration_has_a_problem_type() -> None:
+    """So a new error cannot slip past the page test below by inheriting the base's slug."""
+    typed = {error.__name__ for error in _problem_errors()}
+    without = set(idempotency.errors.__all__) - typed
+    assert without == {"IdempotencyError", "IdempotencyImproperlyConfigured"}
+
+
+@pytest.mark.parametrize("error", _problem_errors(), ids=lambda error: error.__name__)
 def test_every_problem_type_is_a_page_of_the_guide(
     error: type[idempotency.errors.IdempotencyError],
 ) -> None:

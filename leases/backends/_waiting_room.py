@@ -1,43 +1,68 @@
-"""The database backend's waiting room: one waiter per name listens, the others sleep.
+"""The database backend's waiting room: a queue of waiters per name, served in arrival order.
 
 A waiter enters a name's room after its first failed try: it takes a session advisory lock on a
-connection of its own, so other waiters of the name sleep in the server's lock queue instead of
-all retrying on every release (a herd that costs a failed round trip each). The waiter inside
-also listens on its room connection, so only it is woken by the name's release, not every idle
-process. Best effort throughout: queueing is bounded by :data:`ROOM_TIMEOUT` (a paused waiter
-inside must not hold the others back for longer), the connections per process are capped, and
-any failure just means waiting without a room. Safety never depends on it.
+connection of its own, so other waiters of the name sleep in the server's lock queue (which is
+first come, first served) instead of all retrying on every release (a herd that costs a failed
+round trip each). The waiter inside listens on its room connection, so only it is woken by the
+name's release, and it retries on that connection: the grant statement also unlocks the room,
+so the next waiter in the queue is inside before the grant is even committed
+(:data:`~leases.backends.database.ROOM_ACQUIRE_SQL`).
+
+The room is a queue, not just a herd limiter, because a caller outside it cannot overtake it:
+the acquire statement of a caller outside the room takes a free name only when nobody is in or
+queued for the room, or when the name has been free for longer than :data:`ROOM_GRACE`. So a
+process that has just released cannot take the name straight back while others wait (it goes
+to the back of the queue), and a waiter is served after those that queued before it.
+
+Best effort throughout: queueing lasts at most :data:`ROOM_TIMEOUT` at a time (a paused waiter
+inside must not hold the queue back for longer: the waiter retries, which succeeds once the
+name has been free for :data:`ROOM_GRACE`, then queues again at the back), the connections per
+process are capped, and any failure just means waiting without a room. Safety never depends on
+it: the acquire statement alone decides who holds the name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import psycopg
+from psycopg import pq, sql
 
 from ..errors import BackendUnavailable
 from ..keys import advisory_key
 from ._pgconn import close_quietly, connect, inherit, stale, track
 
-__all__ = ["ROOM_CONNECTIONS", "ROOM_TIMEOUT", "WaitingRoom"]
+__all__ = ["ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "WaitingRoom", "room_key"]
 
 logger = logging.getLogger("leases")
 
-#: Enter: listen, then queue on the name's room lock; ``lock_timeout`` bounds the queueing.
+#: Enter (and queue again after :data:`ROOM_TIMEOUT`): listen, then queue on the name's room
+#: lock, ``lock_timeout`` bounding the queueing; once inside, say whether the name is held, so
+#: the waiter skips a try bound to fail (it is listening: that holder's release will wake it).
+#: A timeout rolls the ``LISTEN`` back with the rest, so each queueing listens again.
 #: Leave: unlock and stop listening. Each is one simple-protocol round trip (two statements,
-#: integers formatted in: no parameters are allowed there).
-ROOM_ENTER_SQL = (
-    "LISTEN leases_released; "
-    "SELECT set_config('lock_timeout', '{timeout_ms}ms', false), pg_advisory_lock({key})"
-)
+#: values formatted in as literals: no parameters are allowed there).
+ROOM_ENTER_SQL = """LISTEN leases_released;
+SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key}),
+       EXISTS (SELECT 1 FROM leases_lease
+               WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp())"""
 ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
-#: Longest a waiter queues for the room before it waits on its own (a paused waiter in the
-#: room must not hold the others back for longer).
+#: Leave after the grant statement unlocked the room already.
+ROOM_UNLISTEN_SQL = "UNLISTEN *"
+#: Longest a waiter queues for the room at a time (a paused waiter in the room must not hold
+#: the others back for longer); then it tries once and queues again.
 ROOM_TIMEOUT = 1.0
+#: How long after a release the waiters in the room have the name to themselves: callers
+#: outside the room take a name that has been free for longer (the waiter inside is paused).
+ROOM_GRACE = timedelta(milliseconds=100)
 #: Room connections a process may have open (in use or idle) per backend.
 ROOM_CONNECTIONS = 8
 _IDLE_ROOM_CONNECTIONS = 4
@@ -50,6 +75,21 @@ def room_key(name: str) -> int:
     return key
 
 
+@dataclass
+class _Visit:
+    """One thread's stay in one name's room."""
+
+    name: str
+    key: int
+    conn: psycopg.Connection[Any]
+    #: When the caller gives up (monotonic), ``None`` for never.
+    deadline: float | None
+    #: Holding the room lock (inside), rather than queued out after :data:`ROOM_TIMEOUT`.
+    inside: bool = False
+    #: The name was held when this waiter got inside: its next try is bound to fail.
+    held: bool = False
+
+
 class WaitingRoom:
     """The rooms of one backend alias on database ``db_alias``, per process."""
 
@@ -60,12 +100,15 @@ class WaitingRoom:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._idle: list[psycopg.Connection[Any]] = []
+        #: Idle connections whose last statement's reply is still to be read (:func:`_send`).
+        self._unsettled: set[psycopg.Connection[Any]] = set()
         self._slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
         track(self)
 
     @contextlib.contextmanager
     def enter(self, name: str, timeout: float | None) -> Iterator[None]:
-        """Queue on the name's room lock (at most :data:`ROOM_TIMEOUT`), then wait inside it.
+        """Queue on the name's room lock (at most :data:`ROOM_TIMEOUT` at a time), then wait
+        inside it.
 
         Each waiter in the room holds a connection of its own, since its session sleeps in the
         lock queue; at most :data:`ROOM_CONNECTIONS` per process, so many waiting threads
@@ -75,15 +118,14 @@ class WaitingRoom:
             yield
             return
         try:
-            key = room_key(name)
-            conn, entered = self._enter(name, key, timeout)
-            self._local.room = conn if entered else None
+            visit = self._enter(name, timeout)
+            self._local.visit = visit
             try:
                 yield
             finally:
-                self._local.room = None
-                if conn is not None:
-                    self._leave(conn, key, entered)
+                self._local.visit = None
+                if visit is not None:
+                    self._leave(visit)
         finally:
             self._slots.release()
 
@@ -91,49 +133,112 @@ class WaitingRoom:
         """Wait for ``name``'s release in this thread's room; ``None`` when not in one.
 
         The room connection listens since entering and buffers what arrived since, so a
-        release between the failed try and this wait is not missed.
+        release between the failed try and this wait is not missed. A waiter queued out of the
+        room queues again (the caller's next try decides whether the one inside is stuck).
         """
-        room: psycopg.Connection[Any] | None = getattr(self._local, "room", None)
-        if room is None:
+        visit = self._visit(name)
+        if visit is None:
             return None
         try:
-            for note in room.notifies(timeout=max(0.0, timeout)):
+            if not visit.inside:
+                return self._queue(visit)
+            for note in visit.conn.notifies(timeout=max(0.0, timeout)):
                 if note.payload == name:
                     return True
         except psycopg.Error:
-            self._local.room = None  # the session is gone (and its room lock with it)
+            self._local.visit = None  # the session is gone (and its room lock with it)
+            visit.inside = False
         return False
 
-    def _enter(
-        self, name: str, key: int, timeout: float | None
-    ) -> tuple[psycopg.Connection[Any] | None, bool]:
-        queue_for = ROOM_TIMEOUT if timeout is None else min(timeout, ROOM_TIMEOUT)
-        enter = ROOM_ENTER_SQL.format(timeout_ms=max(1, int(queue_for * 1000)), key=int(key))
+    def run_inside(self, name: str, statement: str, params: Mapping[str, Any]) -> list[Any] | None:
+        """Run ``statement`` on the room connection if this thread is inside ``name``'s room
+        (else ``None``); rows back mean the statement also unlocked the room (a grant)."""
+        visit = self._visit(name)
+        if visit is None or not visit.inside:
+            return None
+        if visit.held:
+            visit.held = False
+            return []  # held when we got inside, and no release has woken us since
+        try:
+            rows = visit.conn.execute(statement, params).fetchall()
+        except psycopg.Error as exc:
+            logger.debug("leases: retrying outside the room of %r: %s", name, exc)
+            if visit.conn.broken or visit.conn.closed:
+                visit.inside = False  # the session is gone, and its room lock with it
+                self._local.visit = None
+            return None
+        if rows:
+            visit.inside = False
+        return rows
+
+    def _visit(self, name: str) -> _Visit | None:
+        visit: _Visit | None = getattr(self._local, "visit", None)
+        return visit if visit is not None and visit.name == name else None
+
+    def _enter(self, name: str, timeout: float | None) -> _Visit | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
         conn = None
         try:
             conn = self._connection()
-            conn.execute(enter.encode())
-            return conn, True
-        except psycopg.errors.LockNotAvailable:
-            return conn, False  # queued long enough: wait on our own
+            visit = _Visit(name, room_key(name), conn, deadline)
+            self._lock_room(visit)
+            return visit
         except (psycopg.Error, BackendUnavailable) as exc:
             logger.debug("leases: waiting without a room for %r: %s", name, exc)
             close_quietly(conn)
-            return None, False
+            return None
+
+    def _queue(self, visit: _Visit) -> bool:
+        """Queue again after :data:`ROOM_TIMEOUT`; whether the caller should try now."""
+        self._lock_room(visit)
+        return visit.inside
+
+    @staticmethod
+    def _lock_room(visit: _Visit) -> None:
+        left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
+        queue_for = min(left, ROOM_TIMEOUT)
+        if queue_for <= 0:
+            return
+        statement = sql.SQL(ROOM_ENTER_SQL).format(
+            timeout_ms=sql.Literal(f"{max(1, int(queue_for * 1000))}ms"),
+            key=sql.Literal(visit.key),
+            name=sql.Literal(visit.name),
+        )
+        try:
+            cursor = visit.conn.execute(statement)
+        except psycopg.errors.LockNotAvailable:
+            return  # queued long enough: try once, then queue again
+        cursor.nextset()
+        row = cursor.fetchone()
+        visit.inside = True
+        visit.held = bool(row and row[2])
 
     def _connection(self) -> psycopg.Connection[Any]:
-        with self._lock:
-            while self._idle:
+        while True:
+            with self._lock:
+                if not self._idle:
+                    break
                 conn = self._idle.pop()
-                if not stale(conn):
-                    return conn
-                close_quietly(conn)
+                unsettled = conn in self._unsettled
+                self._unsettled.discard(conn)
+            if (not unsettled or _settle(conn)) and not stale(conn):
+                return conn
+            close_quietly(conn)
         return connect(self.db_alias)
 
-    def _leave(self, conn: psycopg.Connection[Any], key: int, entered: bool) -> None:
+    def _leave(self, visit: _Visit) -> None:
+        conn = visit.conn
         try:
-            leave = ROOM_LEAVE_SQL.format(key=int(key)).encode()
-            if entered and conn.execute(leave).fetchone() != (True,):
+            if not visit.inside:
+                # Granted (the grant unlocked the room) or queued out: only stop listening.
+                # Sent without waiting for the reply, which the next user of the connection
+                # collects (:func:`_settle`): the new holder returns a round trip sooner.
+                if not _send(conn, ROOM_UNLISTEN_SQL):
+                    conn.execute(ROOM_UNLISTEN_SQL.encode())
+                else:
+                    with self._lock:
+                        self._unsettled.add(conn)
+            elif conn.execute(ROOM_LEAVE_SQL.format(key=visit.key).encode()).fetchone() != (True,):
                 # The unlock ran on another server session (a transaction-pooling proxy):
                 # the room cannot work here, so stop using it rather than leak locks.
                 self.enabled = False
@@ -145,18 +250,69 @@ class WaitingRoom:
             if len(self._idle) < _IDLE_ROOM_CONNECTIONS:
                 self._idle.append(conn)
                 return
+            self._unsettled.discard(conn)
         close_quietly(conn)
 
     def close(self) -> None:
         """Close the idle room connections (those in use close when their waiter leaves)."""
         with self._lock:
             idle, self._idle = self._idle, []
+            self._unsettled.clear()
         for conn in idle:
             close_quietly(conn)
 
     def forget_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
-        inherit(*self._idle, getattr(self._local, "room", None))
+        visit: _Visit | None = getattr(self._local, "visit", None)
+        inherit(*self._idle, visit.conn if visit is not None else None)
         self._idle = []
+        self._unsettled = set()
         self._local = threading.local()
+
+
+#: Longest the next user waits for the reply to a statement sent without waiting.
+_SETTLE_TIMEOUT = 1.0
+
+
+def _send(conn: psycopg.Connection[Any], statement: str) -> bool:
+    """Send ``statement`` on idle ``conn`` without waiting for the reply; whether it was sent
+    (if not, the caller runs it the ordinary way, or drops a connection left mid-message)."""
+    pgconn = conn.pgconn
+    if pgconn.transaction_status != pq.TransactionStatus.IDLE:
+        return False
+    deadline = time.monotonic() + _SETTLE_TIMEOUT
+    try:
+        pgconn.send_query(statement.encode())
+        while pgconn.flush() == 1:  # the socket's buffer is full: wait until it drains
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [pgconn.socket], [], left)[1]:
+                return False
+    except (psycopg.Error, OSError):
+        return False
+    return True
+
+
+def _settle(conn: psycopg.Connection[Any]) -> bool:
+    """Read the reply to what :func:`_send` sent; whether ``conn`` is fit for use again.
+
+    The reply has usually arrived long before (the connection sat idle), so this costs no
+    round trip; notifications that came with it are buffered for the connection's next
+    ``notifies()``, where a stale one costs at most one try.
+    """
+    pgconn = conn.pgconn
+    deadline = time.monotonic() + _SETTLE_TIMEOUT
+    try:
+        while True:
+            pgconn.consume_input()
+            if not pgconn.is_busy():
+                break
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([pgconn.socket], [], [], left)[0]:
+                return False
+        ok = True
+        while (result := pgconn.get_result()) is not None:
+            ok = ok and result.status == pq.ExecStatus.COMMAND_OK
+        return ok and pgconn.transaction_status == pq.TransactionStatus.IDLE
+    except (psycopg.Error, OSError):
+        return False

@@ -13,15 +13,19 @@ the insert produce no row at all when the lease is held, so nothing is locked or
 (``tests/test_lease_database.py::test_failed_try_assigns_no_transaction_id`` proves both).
 
 The release statement notifies channel :data:`CHANNEL` (payload = name) in the same round
-trip. Waiters queue in a per-name "waiting room" (a session advisory lock): the one inside
-listens on its own connection and retries on each release, the rest sleep in the server's lock
-queue, so a release wakes one waiter instead of a herd. Waiters that find no room (too many,
-or queued past :data:`ROOM_TIMEOUT`) sleep on the process's shared ``LISTEN`` connection.
+trip, and commits without waiting for its WAL flush (see :data:`RELEASE_SQL`: only grants
+must be durable). Waiters queue in a per-name "waiting room" (a session advisory lock): the
+one inside listens on its own connection and retries there on each release, the rest sleep in
+the server's lock queue, so a release wakes one waiter instead of a herd, and callers outside
+the room do not overtake it (see :mod:`~leases.backends._waiting_room`: the room is a first
+come, first served queue). Waiters that find no room (too many) sleep on the process's shared
+``LISTEN`` connection.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -46,14 +50,18 @@ from ._pg_shared import (
 )
 from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
-from ._waiting_room import ROOM_CONNECTIONS, ROOM_TIMEOUT, WaitingRoom, room_key
+from ._waiting_room import ROOM_CONNECTIONS, ROOM_GRACE, ROOM_TIMEOUT, WaitingRoom, room_key
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
-__all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_TIMEOUT", "Backend"]
+__all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "Backend"]
 
 #: Take ``name`` if it is free or expired, bumping its token; nothing is written when it is held.
 #: The row keeps only the SHA-256 of the grant's secret, computed here on the server, so the
 #: table (backups, replicas, anyone with SELECT) never holds the credential itself.
+#: A caller outside the name's waiting room (``in_room`` false) does not overtake the waiters
+#: in it: it takes the name only if nobody is in or queued for the room (the shared try-lock
+#: fails while an exclusive holder or waiter exists), or if the name has been free for longer
+#: than ``grace`` (the waiter inside is paused or gone: it must not block the name for good).
 ACQUIRE_SQL = """
 INSERT INTO leases_lease AS l
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
@@ -63,12 +71,23 @@ WHERE NOT EXISTS (
     SELECT 1 FROM leases_lease
     WHERE name = %(name)s::text AND holder <> '' AND expires_at > clock_timestamp()
 )
+AND (%(in_room)s::bool OR pg_try_advisory_xact_lock_shared(%(room)s::bigint) OR NOT EXISTS (
+    SELECT 1 FROM leases_lease
+    WHERE name = %(name)s::text AND expires_at > clock_timestamp() - %(grace)s::interval
+))
 ON CONFLICT (name) DO UPDATE
 SET holder = EXCLUDED.holder, token = l.token + 1, acquired_at = EXCLUDED.acquired_at,
     expires_at = EXCLUDED.expires_at, renewed_at = NULL, secret_hash = EXCLUDED.secret_hash
 WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
 """
+
+#: The waiter inside the room takes the name and, when granted, leaves the room in the same
+#: trip: the next waiter in the server's lock queue is inside before this grant even commits.
+ROOM_ACQUIRE_SQL = f"""
+WITH granted AS ({ACQUIRE_SQL})
+SELECT token, expires_at, pg_advisory_unlock(%(room)s::bigint) FROM granted
+"""  # noqa: S608
 
 #: Extend a grant that is still ours (holder, token and secret) and still valid on the server's
 #: clock. One row back: the new expiry, or NULL when holder and token are the current grant's
@@ -91,6 +110,13 @@ WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
 
 #: Free a grant that is still ours, keeping the token counter, and wake waiters (same trip).
 #: One row back: ``true`` when freed, ``false`` for a forged grant (as in :data:`RENEW_SQL`).
+#: The release alone commits without waiting for its WAL flush (``synchronous_commit`` off
+#: for this transaction only): losing it in a crash leaves the row held by its old grant,
+#: which then expires by its TTL, and the token is untouched. Any later grant commits
+#: durably, and its flush covers this earlier commit record, so no grant can survive a
+#: crash that the release it followed did not (``tests/test_lease_database_crash.py``).
+#: The second column says whether waiters are in or queued for the name's room: then the
+#: releaser's own next try would be refused (it may not overtake them), so it skips it.
 RELEASE_SQL = """
 WITH freed AS (
     UPDATE leases_lease SET holder = '', expires_at = clock_timestamp(), secret_hash = NULL
@@ -98,9 +124,12 @@ WITH freed AS (
       AND secret_hash = sha256(%(secret)s::bytea) AND expires_at > clock_timestamp()
     RETURNING name
 )
-SELECT pg_notify('leases_released', name)::text IS NOT NULL FROM freed
+SELECT pg_notify('leases_released', name)::text IS NOT NULL
+       AND set_config('synchronous_commit', 'off', true) IS NOT NULL,
+       NOT pg_try_advisory_xact_lock_shared(%(room)s::bigint)
+FROM freed
 UNION ALL
-SELECT false FROM leases_lease
+SELECT false, false FROM leases_lease
 WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
   AND secret_hash IS DISTINCT FROM sha256(%(secret)s::bytea) AND NOT EXISTS (SELECT FROM freed)
 """
@@ -152,6 +181,19 @@ UNION ALL
 """  # noqa: S608
 
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
+
+
+def _asking(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
+    """What :data:`ACQUIRE_SQL` takes, for a caller outside the name's waiting room."""
+    return {
+        "name": name,
+        "holder": holder,
+        "ttl": ttl,
+        "secret": secret,
+        "room": room_key(name),
+        "grace": ROOM_GRACE,
+        "in_room": False,
+    }
 
 
 def _owner(grant: Grant) -> dict[str, Any]:
@@ -279,13 +321,21 @@ class Backend(LeaseBackend):
     # -- the interface --------------------------------------------------------------------
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """One try: inside the name's waiting room on the room's connection (a grant leaves
+        the room in the same trip), else on the backend's own connection."""
         sent_at, secret = time.monotonic(), new_secret()
-        params = {"name": name, "holder": holder, "ttl": ttl, "secret": secret}
-        rows = self._run(ACQUIRE_SQL, params)
+        if sent_at - self._queued().pop(name, -math.inf) < ROOM_GRACE.total_seconds():
+            # This thread's release just saw waiters queued: a try now would be refused.
+            self._failed_at()[name] = sent_at
+            return None
+        params = _asking(name, holder, ttl, secret)
+        rows = self._room.run_inside(name, ROOM_ACQUIRE_SQL, {**params, "in_room": True})
+        if rows is None:
+            rows = self._run(ACQUIRE_SQL, params)
         if not rows:
             self._failed_at()[name] = sent_at
             return None
-        token, expires_at = rows[0]
+        token, expires_at = rows[0][:2]
         return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
@@ -299,7 +349,10 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):
             _released(grant, self._run(SHARED_RELEASE_SQL, shared_params(grant)))
             return
-        _released(grant, self._run(RELEASE_SQL, _owner(grant)))
+        rows = self._run(RELEASE_SQL, {**_owner(grant), "room": room_key(grant.name)})
+        _released(grant, rows)
+        if rows[0][1]:
+            self._queued()[grant.name] = time.monotonic()
 
     def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         """Join or start the readers' group of ``name`` (see :mod:`._pg_shared`)."""
@@ -334,8 +387,7 @@ class Backend(LeaseBackend):
 
     async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         sent_at, secret = time.monotonic(), new_secret()
-        params = {"name": name, "holder": holder, "ttl": ttl, "secret": secret}
-        rows = await self._arun(ACQUIRE_SQL, params)
+        rows = await self._arun(ACQUIRE_SQL, _asking(name, holder, ttl, secret))
         if not rows:
             state = self._async.get()
             state.failed_at[(state.task_id(), name)] = sent_at
@@ -356,7 +408,8 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):
             _released(grant, await self._arun(SHARED_RELEASE_SQL, shared_params(grant)))
             return
-        _released(grant, await self._arun(RELEASE_SQL, _owner(grant)))
+        params = {**_owner(grant), "room": room_key(grant.name)}
+        _released(grant, await self._arun(RELEASE_SQL, params))
 
     async def atry_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         sent_at, secret = time.monotonic(), new_secret()
@@ -427,6 +480,13 @@ class Backend(LeaseBackend):
         self._room.close()
 
     # -- internals ------------------------------------------------------------------------
+
+    def _queued(self) -> dict[str, float]:
+        """Per thread: when this thread released each name while others queued for it."""
+        queued: dict[str, float] | None = getattr(self._local, "queued", None)
+        if queued is None:
+            queued = self._local.queued = {}
+        return queued
 
     def _failed_at(self) -> dict[str, float]:
         """Per thread: when this thread's last failed try of each name was sent."""

@@ -299,11 +299,74 @@ def _held(request: HttpRequest) -> HttpResponse:
     return _answer(made)
 
 
+@csrf_exempt
+@idempotent(atomic=False, lock_timeout=1, on_conflict="wait", wait_timeout=30)
+def order_steps(request: HttpRequest) -> HttpResponse:
+    """The steps workflow (tests/steps_workflow.py) as a view: non-atomic, so steps commit."""
+    from tests.steps_workflow import place_order
+
+    data = json.loads(request.body or b"{}")
+    return JsonResponse(place_order(str(data["order"]), int(data["amount"])), status=201)
+
+
+# The keys the async steps view's remote step was called with.
+REMOTE_CALLS: list[str] = []
+
+
+@csrf_exempt
+@idempotent(atomic=False)
+async def async_steps(request: HttpRequest) -> HttpResponse:
+    """Steps from an async view: a coroutine step and a sync ORM step (``astep``)."""
+    from idempotency import astep
+
+    async def remote(key: str) -> str:
+        REMOTE_CALLS.append(key)
+        return f"remote-{key[:12]}"
+
+    def local(key: str) -> int:
+        if _fail("raise"):
+            raise RuntimeError("the local step failed")
+        return Charge.objects.create(key="order:async", amount=1).pk
+
+    remote_id = await astep("remote", remote)
+    row = await astep("local", local)
+    return JsonResponse({"remote": remote_id, "row": row}, status=201)
+
+
 charge_held = csrf_exempt(idempotent(_held))
 charge_held_wait = csrf_exempt(idempotent(on_conflict="wait", wait_timeout=0.5)(_held))
 
 
+# Undecorated views for the middleware (IDEMPOTENCY["MIDDLEWARE_PATHS"] names "^/idem/mw/").
+
+
+@csrf_exempt
+def mw_charge(request: HttpRequest) -> HttpResponse:
+    return _answer(_charge(request))
+
+
+@csrf_exempt
+async def mw_async_charge(request: HttpRequest) -> HttpResponse:
+    made = await Charge.objects.acreate(key="async", amount=json.loads(request.body)["amount"])
+    return _answer(made)
+
+
+class MwChargeAPIView(APIView):
+    """A DRF view authenticated by token only: the middleware must scope by DRF's user."""
+
+    authentication_classes = [TokenAuthentication]
+
+    def post(self, request: Request) -> Response:
+        made = _charge(request)
+        return Response({"charge": made.pk, "owner": made.owner}, status=201)
+
+
 urlpatterns = [
+    path("mw/charge/", mw_charge),
+    path("mw/async/", mw_async_charge),
+    path("mw/drf/", MwChargeAPIView.as_view()),
+    path("mw/nested/", charge),
+    path("mw-not-listed/", mw_charge),
     path("charge/", charge),
     path("required/", charge_required),
     path("wait/", charge_wait),
@@ -319,6 +382,8 @@ urlpatterns = [
     path("drf-guarded/", GuardedAPIView.as_view()),
     path("drf-function/", drf_function_charge),
     path("held/", charge_held),
+    path("order-steps/", order_steps),
+    path("async-steps/", async_steps),
     path("held-wait/", charge_held_wait),
     path("upload/", upload),
     path("upload-exempt/", csrf_exempt(upload)),

@@ -1,0 +1,326 @@
+"""Every statement the key store sends, and the one way they are sent: prepared, once per
+connection.
+
+A replay must cost less than running the view it stands for, and it is one round trip either
+way; what is left is the server's work, and for the claim's CTE parsing and planning cost more
+than running it (measured on the benchmark's server: ~450 µs a call as plain SQL, ~80 µs as a
+prepared statement). So each statement is prepared (``PREPARE``) on a connection the first time
+that connection needs it, in the same query as its first ``EXECUTE`` when the cursor binds on
+the client (Django's default), and then sent as ``EXECUTE name(...)`` through Django's own
+cursor (its execute wrappers, query logging and error translation all still apply).
+Prepared statements live as long as the database session (a rollback keeps them); a session
+that lost them (a pooler that swaps server connections, ``DEALLOCATE ALL``) is detected by
+SQLSTATE 26000 and prepared again, outside a transaction. Behind a pooler in transaction mode
+that cannot keep SQL-level prepared statements, set ``IDEMPOTENCY["PREPARED_STATEMENTS"] =
+False``: the same SQL is then sent as it is.
+
+A write only the key's owner may make (:class:`OwnedWrite`) comes in two forms: one that
+reports the rows it changed, and one that raises :data:`LOST` instead, so that a ``COMMIT``
+sent in the same round trip (:func:`owned_write`) never runs after a refused write and the
+attempt's effects roll back with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from django.db import DatabaseError, connections
+from django.db.backends.utils import CursorWrapper
+
+from . import conf
+
+__all__ = [
+    "BEGIN",
+    "FINISH",
+    "LOST",
+    "RECORD_STEP",
+    "RELEASE",
+    "OwnedWrite",
+    "Statement",
+    "execute",
+    "owned_write",
+    "prepare",
+]
+
+#: ``invalid_text_representation``: raised on purpose by a statement whose row is gone (see
+#: :data:`_REFUSE_UNLESS_ONE`); no other text is cast to a number in these statements.
+LOST = "22P02"
+_NOT_PREPARED = "26000"
+_ALREADY_PREPARED = "42P05"
+
+# The last line of a conditional write: one row changed, or an error that aborts the
+# transaction (and any COMMIT after it in the same query). The cast's operand is not a
+# constant, so the planner cannot fold it into an error of its own.
+_REFUSE_UNLESS_ONE = (
+    "SELECT CASE WHEN count(*) = 1 THEN 1 "
+    "ELSE ('idempotency key lost: ' || count(*))::int END FROM changed"
+)
+
+
+@dataclass(frozen=True)
+class Statement:
+    """SQL with ``%(name)s`` placeholders, and the SQL types of its parameters in order."""
+
+    name: str
+    params: tuple[tuple[str, str], ...]
+    sql: str
+
+    def prepare_sql(self) -> str:
+        body = self.sql
+        for position, (param, _type) in enumerate(self.params, start=1):
+            body = body.replace(f"%({param})s", f"${position}")
+        types = ", ".join(sql_type for _param, sql_type in self.params)
+        return f"PREPARE {self.name} ({types}) AS {body}"
+
+    def execute_sql(self) -> str:
+        placeholders = ", ".join(f"%({param})s" for param, _type in self.params)
+        return f"EXECUTE {self.name} ({placeholders})"
+
+
+# The claim. A read-only probe first: a key that is there and may not be taken (completed and
+# unexpired, or started and locked) is only read, so a replay or a duplicate writes nothing,
+# takes no row lock and assigns no transaction id (an INSERT ... ON CONFLICT DO UPDATE locks
+# the row it conflicts with even when its WHERE refuses the update). Otherwise an insert that,
+# on conflict, takes over only a key whose lock lapsed (a crashed attempt, keeping the steps it
+# recorded when the request is the same) or whose TTL passed. ``xmax = 0`` on the returned row
+# tells a fresh insert from a take-over. A key committed between the statement's snapshot and
+# its conflict check shows up in neither half; the caller runs it again.
+BEGIN = Statement(
+    "idempotency_begin_v2",
+    (
+        ("scope", "text"),
+        ("key", "text"),
+        ("fingerprint", "text"),
+        ("owner", "uuid"),
+        ("lock", "float8"),
+        ("ttl", "float8"),
+    ),
+    """
+WITH found AS (
+    SELECT id, state, fingerprint, response_status, response_headers, response_body,
+           locked_until, expires_at
+    FROM idempotency_key WHERE scope = %(scope)s AND key = %(key)s
+), claimed AS (
+    INSERT INTO idempotency_key AS k (scope, key, fingerprint, state, owner, locked_until,
+        response_status, response_headers, response_body, steps, created_at, expires_at)
+    SELECT %(scope)s::text, %(key)s::text, %(fingerprint)s::text, 'started', %(owner)s::uuid,
+        clock_timestamp() + %(lock)s::float8 * interval '1 second', NULL, '[]'::jsonb, NULL,
+        '{}'::jsonb, clock_timestamp(),
+        clock_timestamp() + %(ttl)s::float8 * interval '1 second'
+    WHERE NOT EXISTS (
+        SELECT 1 FROM found f
+        WHERE NOT ((f.state = 'completed' AND f.expires_at < clock_timestamp())
+            OR (f.state = 'started' AND f.locked_until < clock_timestamp()
+                AND (f.fingerprint = %(fingerprint)s OR f.expires_at < clock_timestamp())))
+    )
+    ON CONFLICT (scope, key) DO UPDATE SET
+        fingerprint = EXCLUDED.fingerprint, state = 'started', owner = EXCLUDED.owner,
+        locked_until = EXCLUDED.locked_until, response_status = NULL,
+        response_headers = '[]'::jsonb, response_body = NULL,
+        steps = CASE WHEN k.state = 'started' AND k.fingerprint = EXCLUDED.fingerprint
+                          AND k.expires_at >= clock_timestamp()
+                     THEN k.steps ELSE '{}'::jsonb END,
+        created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+    WHERE (k.state = 'completed' AND k.expires_at < clock_timestamp())
+       OR (k.state = 'started' AND k.locked_until < clock_timestamp()
+           AND (k.fingerprint = EXCLUDED.fingerprint OR k.expires_at < clock_timestamp()))
+    RETURNING k.id, CASE WHEN k.xmax = 0 THEN 'new' ELSE 'taken_over' END AS kind, k.steps
+)
+SELECT id, kind, NULL, NULL, NULL, NULL, NULL, 0.0, steps FROM claimed
+UNION ALL
+SELECT id, 'existing', state, fingerprint, response_status, response_headers, response_body,
+       extract(epoch FROM locked_until - clock_timestamp())::float8, NULL
+FROM found WHERE NOT EXISTS (SELECT 1 FROM claimed)
+""",
+)
+
+
+@dataclass(frozen=True)
+class OwnedWrite:
+    """An UPDATE only the key's owner may make, in two forms: ``counting`` answers with the
+    rows it changed (0: the key was taken over); ``strict`` raises :data:`LOST` instead, so a
+    ``COMMIT`` sent after it in the same query runs only when it changed its row."""
+
+    counting: Statement
+    strict: Statement
+
+
+def _owned(name: str, params: tuple[tuple[str, str], ...], update: str) -> OwnedWrite:
+    body = f"WITH changed AS (\n{update}\n    RETURNING 1\n)\n"
+    counting = body + "SELECT count(*) FROM changed"  # noqa: S608 (constants only)
+    return OwnedWrite(
+        Statement(name, params, counting),
+        Statement(f"{name}_strict", params, body + _REFUSE_UNLESS_ONE),
+    )
+
+
+# Store the outcome.
+FINISH = _owned(
+    "idempotency_finish_v2",
+    (
+        ("id", "bigint"),
+        ("owner", "uuid"),
+        ("status", "integer"),
+        ("headers", "jsonb"),
+        ("body", "bytea"),
+        ("ttl", "float8"),
+    ),
+    """    UPDATE idempotency_key
+    SET state = 'completed', owner = NULL, locked_until = NULL,
+        response_status = %(status)s::integer, response_headers = %(headers)s::jsonb,
+        response_body = %(body)s::bytea, steps = '{}'::jsonb,
+        expires_at = clock_timestamp() + %(ttl)s::float8 * interval '1 second'
+    WHERE id = %(id)s AND owner = %(owner)s AND state = 'started'""",
+)
+
+# A completed step, recorded in the transaction of its local effects; it renews the lock, so
+# LOCK_TIMEOUT bounds one step rather than the whole operation.
+RECORD_STEP = _owned(
+    "idempotency_record_step_v1",
+    (
+        ("id", "bigint"),
+        ("owner", "uuid"),
+        ("step", "text"),
+        ("result", "jsonb"),
+        ("lock", "float8"),
+    ),
+    """    UPDATE idempotency_key
+    SET steps = steps || jsonb_build_object(%(step)s::text, %(result)s::jsonb),
+        locked_until = clock_timestamp() + %(lock)s::float8 * interval '1 second'
+    WHERE id = %(id)s AND owner = %(owner)s AND state = 'started'""",
+)
+
+# A failed attempt gives its key up: deleted when it recorded no step, so the retry starts
+# afresh; unlocked (kept) when it did, so the retry resumes after the last recorded step
+# instead of redoing effects that committed. Never another owner's key.
+RELEASE = Statement(
+    "idempotency_release_v2",
+    (("id", "bigint"), ("owner", "uuid")),
+    """
+WITH unlocked AS (
+    UPDATE idempotency_key SET owner = NULL, locked_until = clock_timestamp()
+    WHERE id = %(id)s AND owner = %(owner)s AND state = 'started' AND steps <> '{}'::jsonb
+)
+DELETE FROM idempotency_key
+WHERE id = %(id)s AND owner = %(owner)s AND state = 'started' AND steps = '{}'::jsonb
+""",
+)
+
+PREPARED_NAMES_SQL = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%(names)s)"
+
+# psycopg connection -> names prepared on it (a new connection starts empty).
+_PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return getattr(exc.__cause__, "sqlstate", None)
+
+
+def _one_query(cursor: CursorWrapper) -> bool:
+    """Whether the cursor sends its text as one simple query, so several statements (a
+    ``PREPARE`` and its first ``EXECUTE``, a write and its ``COMMIT``) share a round trip:
+    Django's default client-side binding does; ``server_side_binding`` does not."""
+    return isinstance(cursor.cursor, psycopg.ClientCursor)
+
+
+def _text(cursor: CursorWrapper, statement: Statement) -> str:
+    """The text to send for ``statement`` on this cursor's connection: ``EXECUTE``, preceded
+    by its ``PREPARE`` the first time (in the same query, or sent first when it cannot be)."""
+    if not conf.get().prepared_statements:
+        return statement.sql
+    names = _PREPARED.setdefault(cursor.db.connection, set())
+    if statement.name in names:
+        return statement.execute_sql()
+    names.add(statement.name)
+    if not _one_query(cursor):
+        cursor.execute(statement.prepare_sql())
+        return statement.execute_sql()
+    return f"{statement.prepare_sql()}; {statement.execute_sql()}"
+
+
+def _run(cursor: CursorWrapper, text: str, params: dict[str, Any]) -> None:
+    cursor.execute(text, params)
+    while text.startswith("PREPARE") and cursor.description is None and cursor.nextset():
+        pass  # the EXECUTE's rows follow the PREPARE's empty result
+
+
+def _forget(cursor: CursorWrapper) -> None:
+    _PREPARED.pop(cursor.db.connection, None)
+
+
+def execute(cursor: CursorWrapper, statement: Statement, params: dict[str, Any]) -> None:
+    """Run ``statement``; a session that lost its prepared statements (or has one of ours
+    we did not know of) prepares them again, outside a transaction only: inside one the error
+    has aborted it, so it propagates."""
+    try:
+        _run(cursor, _text(cursor, statement), params)
+    except DatabaseError as exc:
+        if _sqlstate(exc) not in (_NOT_PREPARED, _ALREADY_PREPARED):
+            raise
+        _forget(cursor)
+        if not cursor.db.get_autocommit():
+            raise
+        if _sqlstate(exc) == _ALREADY_PREPARED:
+            cursor.execute(f"DEALLOCATE {statement.name}")
+        _run(cursor, _text(cursor, statement), params)
+
+
+def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
+    """Prepare statements an attempt will send inside its transaction, while outside it (one
+    round trip, once per connection): a statement found missing there would abort the view's
+    work."""
+    if not conf.get().prepared_statements:
+        return
+    flat: list[Statement] = []
+    for statement in statements:
+        flat += (
+            [statement.counting, statement.strict]
+            if isinstance(statement, OwnedWrite)
+            else [statement]
+        )
+    connection = connections[using]
+    connection.ensure_connection()
+    names = _PREPARED.setdefault(connection.connection, set())
+    missing = [statement for statement in flat if statement.name not in names]
+    if not missing:
+        return
+    with connection.cursor() as cursor:
+        # A new session has none; one whose bookkeeping was dropped after a loss may have some.
+        cursor.execute(PREPARED_NAMES_SQL, {"names": [statement.name for statement in missing]})
+        names.update(name for (name,) in cursor.fetchall())
+        missing = [statement for statement in missing if statement.name not in names]
+        if not missing:
+            return
+        if _one_query(cursor):
+            cursor.execute("; ".join(statement.prepare_sql() for statement in missing))
+        else:
+            for statement in missing:
+                cursor.execute(statement.prepare_sql())
+    names.update(statement.name for statement in missing)
+
+
+def owned_write(
+    cursor: CursorWrapper, write: OwnedWrite, params: dict[str, Any], *, commit: bool
+) -> bool:
+    """Run ``write``; False when the key was taken over (nothing changed, nothing committed).
+
+    With ``commit`` (the caller's outermost atomic block), the transaction is committed in the
+    same round trip when the driver allows (client-side binding sends ``...; COMMIT`` as one
+    query, the strict form keeping a refused write from committing); Django's ``atomic`` exit
+    then finds the transaction committed and only runs its on-commit hooks. Otherwise the
+    counting form runs alone and the caller's block commits.
+    """
+    if not (commit and _one_query(cursor)):
+        execute(cursor, write.counting, params)
+        row = cursor.fetchone()
+        return row is not None and row[0] == 1
+    try:
+        _run(cursor, f"{_text(cursor, write.strict)}; COMMIT", params)
+    except DatabaseError as exc:
+        if _sqlstate(exc) == LOST:
+            return False
+        raise
+    return True

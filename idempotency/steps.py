@@ -1,0 +1,145 @@
+"""Multi-step operations: recovery points and derived keys (Stripe's pattern).
+
+Some work cannot be one transaction: a charge at a payment provider, then an order row, then an
+email. A crash between them must neither redo what was done (a second charge) nor leave the
+key stuck. So the work is cut into named steps, and each step
+
+- runs in a transaction of its own (a savepoint inside an atomic attempt) together with the
+  record of its completion: its local effects and its recovery point commit together, or
+  neither does;
+- receives a **derived key**, stable for the operation's key and the step's name, to pass to
+  the outside service (``Idempotency-Key`` at a payment provider): when a crash comes after the
+  call but before the record, the retry calls again with the same key and the provider, not
+  us, answers it once;
+- is skipped by a retry that finds it recorded, which gets the recorded result instead.
+
+A retry after a crash takes the key over once its lock lapses (each recorded step renews the
+lock, so ``LOCK_TIMEOUT`` bounds one step, not the whole operation) and resumes after the last
+recorded step. A step that raises gives the key up but keeps the steps before it, so the retry
+resumes there too; only a key with no recorded step is deleted.
+
+Recovery needs the steps to commit as they go: the attempt must not be atomic
+(``@idempotent(atomic=False)``, ``idempotency_key(..., atomic=False)``,
+``idempotent_task(atomic=False)``). In an atomic attempt steps are savepoints: a crash rolls them
+all back and the retry runs every step again, outside calls deduplicated by their derived keys.
+A step with an outside effect that takes no key (an SMTP server) happens again if the crash
+falls between it and its record: at least once, as everywhere outside the database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import connections, transaction
+
+from . import store
+from .errors import IdempotencyImproperlyConfigured
+
+__all__ = ["astep", "astep_in", "derived_key", "step", "step_in"]
+
+T = TypeVar("T")
+
+
+def derived_key(claim: store.Claim, name: str) -> str:
+    """The key a step passes on: the same for every attempt of one request under one key (scope,
+    key, fingerprint and step name), 64 hex characters, so it fits any provider's key header
+    and names nothing the client sent."""
+    parts = (claim.scope, claim.key, claim.fingerprint, name)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise IdempotencyImproperlyConfigured(f"a step needs a non-empty name, not {name!r}")
+
+
+def _attempt(name: str) -> store.Attempt:
+    _check_name(name)
+    attempt = store.current()
+    if attempt is None:
+        raise IdempotencyImproperlyConfigured(
+            f"step {name!r} runs outside an idempotent operation: call it from a view under "
+            "@idempotent, IdempotentMixin or the idempotency middleware, inside "
+            "idempotency_key(...), or from an idempotent_task (and not on a replay)"
+        )
+    return attempt
+
+
+def _encode(name: str, result: Any) -> str:
+    try:
+        return json.dumps(result, cls=DjangoJSONEncoder)
+    except TypeError as exc:
+        raise TypeError(f"step {name!r} returned a result that is not JSON: {exc}") from exc
+
+
+def _record(attempt: store.Attempt, name: str, text: str, outermost: bool) -> Any:
+    """Record the step in its open transaction (committing it in the same round trip when the
+    step's block is the outermost one); the result as a resumed run would see it."""
+    commit = outermost and not connections[attempt.claim.using].needs_rollback
+    store.record_step(attempt.claim, name, text, commit=commit)
+    return json.loads(text)
+
+
+def step(name: str, fn: Callable[[str], T]) -> Any:
+    """Run ``fn(derived_key)`` once for this operation, as the step ``name``; see the module.
+
+    Returns ``fn``'s result as recorded (JSON: a retry that skips the step gets the same value
+    the first run got). Names are unique within an operation: a second step of one name
+    returns the first's result.
+    """
+    return step_in(_attempt(name), name, fn)
+
+
+def step_in(attempt: store.Attempt, name: str, fn: Callable[[str], T]) -> Any:
+    """:func:`step` under a given attempt (an :class:`~idempotency.operations.Operation`'s own,
+    whatever attempt is innermost)."""
+    _check_name(name)
+    if name in attempt.recorded:
+        return attempt.recorded[name]
+    using = attempt.claim.using
+    outermost = not connections[using].in_atomic_block
+    with transaction.atomic(using=using):
+        result = fn(derived_key(attempt.claim, name))
+        recorded = _record(attempt, name, _encode(name, result), outermost)
+    attempt.recorded[name] = recorded
+    return recorded
+
+
+async def astep(name: str, fn: Callable[[str], Any]) -> Any:
+    """:func:`step` for async code: ``fn`` may be a coroutine function (an ``httpx`` call); a
+    plain function runs in the thread where the step's transaction is open, so its ORM writes
+    join it."""
+    return await astep_in(_attempt(name), name, fn)
+
+
+async def astep_in(attempt: store.Attempt, name: str, fn: Callable[[str], Any]) -> Any:
+    """:func:`astep` under a given attempt."""
+    _check_name(name)
+    if name in attempt.recorded:
+        return attempt.recorded[name]
+    using = attempt.claim.using
+    block = transaction.atomic(using=using)
+
+    def enter() -> bool:
+        outermost = not connections[using].in_atomic_block
+        block.__enter__()
+        return outermost
+
+    outermost = await sync_to_async(enter)()
+    try:
+        key = derived_key(attempt.claim, name)
+        result = fn(key) if inspect.iscoroutinefunction(fn) else sync_to_async(fn)(key)
+        text = _encode(name, await result)
+        recorded = await sync_to_async(_record)(attempt, name, text, outermost)
+    except BaseException as exc:
+        await sync_to_async(block.__exit__)(type(exc), exc, exc.__traceback__)
+        raise
+    await sync_to_async(block.__exit__)(None, None, None)
+    attempt.recorded[name] = recorded
+    return recorded

@@ -1,0 +1,343 @@
+"""Multi-step idempotency: recovery points, resumption after a crash, derived keys.
+
+The in-process tests pin the contract (a step runs once, a failure keeps the steps before it,
+a taken-over attempt records nothing). The crash tests run the workflow of
+``tests/steps_workflow.py`` (charge at a stand-in provider, an order row, an email) in a real
+process for each front end (an ``idempotency_key`` operation, a view under gunicorn, a Celery
+task on a prefork worker), SIGKILL that process between steps or inside one, and retry: the
+provider (a real HTTP server in its own process) must have made each effect once per derived
+key, and the order row must exist once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test import Client
+
+from devservers.provider import Provider
+from idempotency import IdempotencyImproperlyConfigured, idempotency_key, step
+from idempotency.models import IdempotencyKey
+from idempotency.steps import derived_key
+from idempotency.store import begin
+from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # noqa: F401
+from tests.steps_workflow import PAUSE_ENV, PROVIDER_ENV
+from tests.test_idempotency_live import Gunicorn, send
+from tests.testapp.models_idempotency import Charge
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def provider() -> Iterator[Provider]:
+    started = Provider().start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def _orders() -> int:
+    return Charge.objects.filter(key__startswith="order:").count()
+
+
+# -- the contract, in process ------------------------------------------------------------------
+
+
+def test_a_failed_step_keeps_the_steps_before_it_and_the_retry_resumes_there() -> None:
+    calls: list[str] = []
+
+    def run(fail: bool) -> Any:
+        with idempotency_key("op-1", scope="steps", atomic=False) as op:
+            if op.replayed:
+                return op.result
+            first = op.step("local", lambda key: _local(calls, "order:1"))
+            if fail:
+                raise RuntimeError("the second step failed")
+            op.result = {"row": first, "second": op.step("second", lambda key: calls.append(key))}
+        return op.result
+
+    with pytest.raises(RuntimeError):
+        run(fail=True)
+    kept = IdempotencyKey.objects.get(scope="steps", key="op-1")
+    assert kept.state == "started" and kept.owner is None and "local" in kept.steps
+    result = run(fail=False)
+    assert calls[0] == "local" and len(calls) == 2, "the recorded step ran again"
+    assert _orders() == 1 and result["row"] == Charge.objects.get().pk
+    assert run(fail=False) == result  # now a replay of the completed operation
+
+
+def _local(calls: list[str], key: str) -> int:
+    calls.append("local")
+    return Charge.objects.create(key=key, amount=1).pk
+
+
+def test_a_step_returns_what_was_recorded_so_a_resumed_run_sees_the_same_value() -> None:
+    with idempotency_key("op-2", scope="steps", atomic=False) as op:
+        value = op.step("tuple", lambda key: (1, "a"))
+        again = op.step("tuple", lambda key: pytest.fail("a recorded step ran twice"))
+    assert value == again == [1, "a"]
+
+
+def test_derived_keys_are_stable_per_request_and_step_and_differ_between_steps() -> None:
+    seen: list[str] = []
+    for _ in range(2):
+        begun = begin("steps", "op-3", "f" * 64, ttl=60, lock_timeout=60)
+        claim = begun.claim
+        assert claim is not None
+        seen += [derived_key(claim, "charge"), derived_key(claim, "email")]
+        IdempotencyKey.objects.all().delete()
+    other = begin("steps", "op-3", "0" * 64, ttl=60, lock_timeout=60).claim
+    assert other is not None
+    assert seen[0] == seen[2] and seen[1] == seen[3] and seen[0] != seen[1]
+    assert derived_key(other, "charge") != seen[0], "another request under the key, same key"
+    assert len(seen[0]) == 64 and "op-3" not in seen[0]
+
+
+def test_a_step_outside_an_operation_or_on_a_replay_is_refused() -> None:
+    with pytest.raises(IdempotencyImproperlyConfigured, match="outside an idempotent"):
+        step("charge", lambda key: None)
+    with idempotency_key("op-4", scope="steps") as op:
+        op.result = 1
+    with idempotency_key("op-4", scope="steps") as op:
+        assert op.replayed
+        with pytest.raises(IdempotencyImproperlyConfigured, match="replayed"):
+            op.step("charge", lambda key: None)
+
+
+def test_a_taken_over_attempt_records_no_step_and_its_effects_roll_back() -> None:
+    from idempotency import IdempotencyKeyLost
+
+    with (
+        pytest.raises(IdempotencyKeyLost),
+        idempotency_key("op-5", scope="steps", atomic=False, lock_timeout=60) as op,
+    ):
+        IdempotencyKey.objects.filter(key="op-5").update(owner=None)  # as a take-over leaves it
+        op.step("local", lambda key: _local([], "order:5"))
+    assert _orders() == 0
+
+
+def test_steps_in_an_atomic_operation_roll_back_with_it() -> None:
+    with pytest.raises(RuntimeError), idempotency_key("op-6", scope="steps") as op:
+        op.step("local", lambda key: Charge.objects.create(key="order:6", amount=1).pk)
+        raise RuntimeError("after the step")
+    assert _orders() == 0 and not IdempotencyKey.objects.filter(key="op-6").exists()
+
+
+def test_steps_in_async_code() -> None:
+    from asgiref.sync import async_to_sync
+
+    async def run() -> Any:
+        async def remote(key: str) -> str:
+            return f"remote:{key[:8]}"
+
+        async with idempotency_key("op-7", scope="steps", atomic=False) as op:
+            local = await op.astep(
+                "local", lambda key: Charge.objects.create(key="order:7", amount=1).pk
+            )
+            op.result = {"local": local, "remote": await op.astep("remote", remote)}
+        return op.result
+
+    result = async_to_sync(run)()
+    assert result["local"] == Charge.objects.get().pk and result["remote"].startswith("remote:")
+
+
+def test_a_view_made_of_steps_runs_them_once_and_replays(
+    provider: Provider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PROVIDER_ENV, provider.url)
+    session = Client()
+    session.force_login(_user())
+    body = json.dumps({"order": "v1", "amount": 3})
+    first, again = (
+        session.post(
+            "/idem/order-steps/", body, content_type="application/json", HTTP_IDEMPOTENCY_KEY="v-1"
+        )
+        for _ in range(2)
+    )
+    assert first.status_code == again.status_code == 201 and again["Idempotent-Replayed"]
+    assert first.content == again.content
+    assert provider.ledger()["effects"] == {"/charges": 1, "/emails": 1}
+
+
+def test_an_async_view_made_of_steps_resumes_after_a_failed_step() -> None:
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncClient
+
+    from tests.testapp import views_idempotency
+
+    user = _user()
+    views_idempotency.FAILURES["raise"] = 1
+    views_idempotency.REMOTE_CALLS.clear()
+
+    async def run() -> list[Any]:
+        client = AsyncClient(raise_request_exception=False)
+        await client.aforce_login(user)
+        headers = {"Idempotency-Key": "a-1"}
+        url = "/idem/async-steps/"
+        return [await client.post(url, "{}", "application/json", headers=headers) for _ in "123"]
+
+    failed, resumed, replayed = async_to_sync(run)()
+    assert failed.status_code == 500 and resumed.status_code == 201
+    assert replayed["Idempotent-Replayed"] == "true" and replayed.content == resumed.content
+    assert _orders() == 1
+    assert len(views_idempotency.REMOTE_CALLS) == 1, "the recorded remote step ran again"
+
+
+def _user() -> Any:
+    from tests.factories import UserFactory
+
+    return UserFactory(username="steps")
+
+
+# -- crashes between and inside steps, three front ends ------------------------------------------
+
+# Between two steps, and inside one after its outside call (the Celery test takes "after-order").
+POINTS = ["after-charge", "in-charge"]
+
+
+def _assert_each_effect_once(provider: Provider, point: str) -> None:
+    ledger = provider.ledger()
+    assert ledger["effects"] == {"/charges": 1, "/emails": 1}, ledger
+    by_path: dict[str, set[str]] = {}
+    for call in ledger["received"]:
+        by_path.setdefault(call["path"], set()).add(call["key"])
+    assert all(len(keys) == 1 for keys in by_path.values()), "a step's key changed on retry"
+    charges = [c for c in ledger["received"] if c["path"] == "/charges"]
+    # Between steps the recorded charge is never called again; inside the step it is, with
+    # the same key, and the provider answers it once.
+    assert len(charges) == (2 if point == "in-charge" else 1), ledger
+    assert _orders() == 1
+
+
+def _paused(directory: Path, point: str, proc: Callable[[], bool]) -> None:
+    marker = directory / f"paused-{point}"
+    wait_until(lambda: marker.exists() or not proc(), 60, f"the worker to pause at {point}")
+    assert (directory / f"paused-{point}").exists(), "the worker died before its pause point"
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.parametrize("point", POINTS)
+def test_an_operation_killed_at_a_step_resumes_in_the_next_process(
+    point: str, provider: Provider, child_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = {**child_env, PROVIDER_ENV: provider.url}
+    command = [sys.executable, "-m", "tests.steps_workflow", "o1"]
+    paused_env = {**env, PAUSE_ENV: f"{point}:{tmp_path}"}
+    victim = subprocess.Popen(command, env=paused_env, start_new_session=True)
+    try:
+        _paused(tmp_path, point, lambda: victim.poll() is None)
+    finally:
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(30)
+    retry = subprocess.run(command, env=env, capture_output=True, text=True, timeout=90)
+    assert retry.returncode == 0, retry.stderr[-2000:]
+    done = json.loads(retry.stdout)
+    assert not done["replayed"] and done["result"]["charge"] == "ch_1"
+    _assert_each_effect_once(provider, point)
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=90)
+    assert json.loads(again.stdout) == {"replayed": True, "result": done["result"]}
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.parametrize("point", ["after-charge", "in-charge"])
+def test_a_view_killed_at_a_step_resumes_on_the_clients_retry(
+    point: str, provider: Provider, child_env: dict[str, str], tmp_path: Path
+) -> None:
+    session = _session_cookie()
+    env = {**child_env, PROVIDER_ENV: provider.url}
+    paused_env = {**env, PAUSE_ENV: f"{point}:{tmp_path}"}
+    first = Gunicorn(paused_env, tmp_path / "first.log", workers=1, threads=2).start()
+    second: Gunicorn | None = None
+    body = {"order": "w1", "amount": 9}
+    client = threading.Thread(target=_quietly, args=(first.port, body, session), daemon=True)
+    try:
+        client.start()
+        _paused(tmp_path, point, lambda: True)
+        first.kill()
+        client.join(30)
+        second = Gunicorn(env, tmp_path / "second.log", workers=1, threads=2).start()
+        retry = send(second.port, "/idem/order-steps/", "w-1", body, cookie=session)
+        assert retry.status == 201 and not retry.replayed, retry.body
+        _assert_each_effect_once(provider, point)
+        again = send(second.port, "/idem/order-steps/", "w-1", body, cookie=session)
+        assert again.replayed and again.body == retry.body
+    finally:
+        first.kill()
+        if second is not None:
+            second.stop()
+
+
+def _quietly(port: int, body: dict[str, Any], cookie: str) -> None:
+    """The first request, whose server is SIGKILLed under it on purpose."""
+    with contextlib.suppress(OSError):
+        send(port, "/idem/order-steps/", "w-1", body, cookie=cookie, timeout=150)
+
+
+def _session_cookie() -> str:
+    from importlib import import_module
+
+    from django.conf import settings
+
+    session = import_module(settings.SESSION_ENGINE).SessionStore()
+    session.create()
+    return f"{settings.SESSION_COOKIE_NAME}={session.session_key}"
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_celery_task_killed_between_steps_resumes_on_redelivery(
+    provider: Provider,
+    celery_workers: Callable[..., Worker],
+    redis_server: Any,
+    tmp_path: Path,
+) -> None:
+    from tests.celery_app import place_order_once
+    from tests.test_celery import broker_env, producer_on
+
+    queue, point = new_queue(), "after-order"
+    extra = {**broker_env(redis_server.url, visibility=2), PROVIDER_ENV: provider.url}
+    victim = celery_workers(
+        [queue], name="a", extra_env={**extra, PAUSE_ENV: f"{point}:{tmp_path}"}
+    )
+    victim.wait_ready()
+    with producer_on(redis_server.url) as producer:
+        result = place_order_once.apply_async(("t1", 7), queue=queue, producer=producer)
+    _paused(tmp_path, point, lambda: victim.proc.poll() is None)
+    victim.kill()
+    celery_workers([queue], name="b", extra_env=extra).wait_ready()
+    done = result.get(timeout=90)
+    assert done["charge"] == "ch_1" and done["email"] == "em_1"
+    _assert_each_effect_once(provider, point)
+
+
+def test_a_step_of_an_attempt_nested_in_a_transaction_commits_with_it() -> None:
+    """Inside a caller's transaction a step is a savepoint: nothing commits before it does."""
+    with transaction.atomic():
+        with idempotency_key("op-8", scope="steps", atomic=False) as op:
+            op.result = op.step("local", lambda key: _local([], "order:8"))
+        assert connection.in_atomic_block
+    assert _orders() == 1
+
+
+def test_an_operations_step_is_recorded_under_that_operation_inside_another() -> None:
+    with idempotency_key("outer", scope="steps", atomic=False) as outer:
+        with idempotency_key("inner", scope="steps", atomic=False) as inner:
+            outer.step("s", lambda key: 1)
+            inner.result = 2
+        assert IdempotencyKey.objects.get(key="outer").steps == {"s": 1}
+        outer.result = 1
