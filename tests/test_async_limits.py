@@ -13,6 +13,7 @@ import asyncio
 import random
 import time
 from collections import defaultdict
+from unittest import mock
 
 import pytest
 from django.db import connections
@@ -279,3 +280,29 @@ def test_async_readers_coexist_and_an_async_writer_excludes_them(
     arun(lease_backend, main)
     info = get_backend(lease_backend).inspect(lease_name)
     assert info is not None and not info.held
+
+
+def test_failed_tries_no_wait_follows_are_not_kept_forever(lease_name: str, db: None) -> None:
+    """The database backend remembers each task's failed try for the wait after it; tries no
+    wait follows (``timeout=0``, the other slots of a full semaphore) must not pile up for the
+    loop's life: past the bound, the oldest are forgotten."""
+    backend = get_backend("default")
+    held = backend.try_acquire(lease_name, "holder", 30)
+    assert held is not None
+
+    async def fail_in_a_new_task() -> None:
+        with pytest.raises(LeaseUnavailable):
+            await aacquire(lease_name, ttl=5, timeout=0)
+
+    async def main() -> int:
+        state = backend._async.get()  # type: ignore[attr-defined]
+        with mock.patch("leases.backends._pgaio._RECENT_RELEASES", 5):
+            for _ in range(12):  # each task its own entry (while it lives, its own id)
+                await asyncio.gather(*(fail_in_a_new_task() for _ in range(3)))
+            return len(state.failed_at)
+
+    try:
+        kept = arun("default", main)
+    finally:
+        backend.release(held)
+    assert kept <= 5, kept

@@ -389,8 +389,7 @@ class Backend(LeaseBackend):
         sent_at, secret = time.monotonic(), new_secret()
         rows = await self._arun(ACQUIRE_SQL, _asking(name, holder, ttl, secret))
         if not rows:
-            state = self._async.get()
-            state.failed_at[(state.task_id(), name)] = sent_at
+            self._async.get().failed(name, sent_at)
             return None
         token, expires_at = rows[0]
         return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
@@ -416,8 +415,7 @@ class Backend(LeaseBackend):
         params = shared_acquire_params(name, holder, ttl, secret)
         rows = await self._arun(SHARED_ACQUIRE_SQL, params)
         if not rows:
-            state = self._async.get()
-            state.failed_at[(state.task_id(), name)] = sent_at
+            self._async.get().failed(name, sent_at)
             return None
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
@@ -427,7 +425,7 @@ class Backend(LeaseBackend):
     async def await_for_release(self, name: str, timeout: float) -> bool:
         """Woken by the release's ``NOTIFY`` on the loop's listening connection."""
         state = self._async.get()
-        since = state.failed_at.pop((state.task_id(), name), time.monotonic())
+        since = state.failed_since(name)
         return await state.listener.wait(name, since, max(0.0, timeout))
 
     async def aclose(self) -> None:
