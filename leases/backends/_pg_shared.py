@@ -154,16 +154,13 @@ def shared_params(grant: Grant, **more: Any) -> dict[str, Any]:
     }
 
 
+#: The shared acquire's constants: the group's holder, and no reader left out of the live ones.
+_ACQUIRE_CONSTANTS = {"group": GROUP, "key": ""}
+
+
 def shared_acquire_params(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
     """What :data:`SHARED_ACQUIRE_SQL` is given (no reader's ``key`` is left out: ``""``)."""
-    return {
-        "name": name,
-        "holder": holder,
-        "ttl": ttl,
-        "secret": secret,
-        "group": GROUP,
-        "key": "",
-    }
+    return {"name": name, "holder": holder, "ttl": ttl, "secret": secret} | _ACQUIRE_CONSTANTS
 
 
 def stop_readers_params(name: str) -> dict[str, Any]:
