@@ -39,6 +39,7 @@ from .semaphore import Slot, acquire_slot, semaphore  # eager for the same reaso
 
 if TYPE_CHECKING:  # each feature module adds its line when it lands
     from .aio import aacquire, alease
+    from .aio_semaphore import aacquire_slot, asemaphore
     from .election import Leadership, aelect, elect, leader_of
     from .fencing import FencedModel, check_fence
 
@@ -67,10 +68,12 @@ __all__ = [
     "Slot",
     "StaleFencingToken",
     "aacquire",
+    "aacquire_slot",
     "acquire",
     "acquire_slot",
     "aelect",
     "alease",
+    "asemaphore",
     "check_fence",
     "elect",
     "leader_of",
@@ -81,6 +84,8 @@ __all__ = [
 _LAZY = {
     "aacquire": "aio",
     "alease": "aio",
+    "aacquire_slot": "aio_semaphore",
+    "asemaphore": "aio_semaphore",
     "Lease": "lease",
     "acquire": "lease",
     "lease": "lease",

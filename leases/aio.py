@@ -33,8 +33,8 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
 from . import signals
-from .acquiring import Timing, prepare
-from .backends import Grant, LeaseBackend
+from .acquiring import STOP_READERS_EVERY, Timing, prepare
+from .backends import Capability, Grant, LeaseBackend
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost
 from .lease import _default_name, _settle
@@ -60,11 +60,15 @@ def task_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, s
     return (store.alias, name, f"task:{id(task)}")
 
 
-async def _try(store: LeaseBackend, name: str, holder: str, ttl: float) -> Grant | None:
-    """One ``atry_acquire``, never abandoned halfway: if the caller is cancelled while it is on
-    the wire, it is awaited to its end and a grant it won is released, then the cancellation
-    is raised. Otherwise a cancelled acquire could hold the name, unseen, until its TTL."""
-    attempt = asyncio.ensure_future(store.atry_acquire(name, holder, ttl))
+async def _try(
+    store: LeaseBackend, name: str, holder: str, ttl: float, shared: bool = False
+) -> Grant | None:
+    """One ``atry_acquire`` (or ``atry_acquire_shared``), never abandoned halfway: if the
+    caller is cancelled while it is on the wire, it is awaited to its end and a grant it won
+    is released, then the cancellation is raised. Otherwise a cancelled acquire could hold the
+    name, unseen, until its TTL."""
+    trying = store.atry_acquire_shared if shared else store.atry_acquire
+    attempt = asyncio.ensure_future(trying(name, holder, ttl))
     try:
         return await asyncio.shield(attempt)
     except asyncio.CancelledError:
@@ -88,29 +92,49 @@ async def _wait(store: LeaseBackend, name: str, delay: float) -> None:
 
 
 async def _agrant(
-    store: LeaseBackend, name: str, holder: str, ttl: float, timeout: float | None, timing: Timing
+    store: LeaseBackend,
+    name: str,
+    holder: str,
+    ttl: float,
+    timeout: float | None,
+    timing: Timing,
+    shared: bool = False,
 ) -> Grant:
     """Try; then wait for a release (or a backoff delay) and try again, until the deadline.
-    How long the waiting took goes into ``timing`` (for the signals), as in the sync loop."""
+    How long the waiting took goes into ``timing`` (for the signals), as in the sync loop. An
+    exclusive waiter of a store with shared leases stops new readers as the sync one does
+    (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds)."""
     deadline = None if timeout is None else timing.started + timeout
-    grant = await _try(store, name, holder, ttl)
+    grant = await _try(store, name, holder, ttl, shared)
     if grant is not None:
         return grant
     if timeout == 0:
         raise LeaseUnavailable(name, timeout)
     backoff = Backoff(deadline=deadline)
-    waiting_since = SYSTEM_CLOCK.monotonic()
+    writer = not shared and Capability.SHARED_LEASES in store.capabilities
+    waiting_since = stop_readers_at = SYSTEM_CLOCK.monotonic()
     try:
         while True:
             delay = backoff.next_delay()
             if delay is None:
                 raise LeaseUnavailable(name, timeout)
+            if writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at:
+                await _stop_new_readers(store, name)
+                stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
             await _wait(store, name, delay)
-            grant = await _try(store, name, holder, ttl)
+            grant = await _try(store, name, holder, ttl, shared)
             if grant is not None:
                 return grant
     finally:
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
+
+
+async def _stop_new_readers(store: LeaseBackend, name: str) -> None:
+    """Best effort, like the sync one: fairness saves readers' turns, the next try decides."""
+    try:
+        await store.astop_new_readers(name)
+    except BackendUnavailable as exc:
+        logger.debug("leases: could not stop new readers of %r: %s", name, exc)
 
 
 async def aacquire(
@@ -122,17 +146,20 @@ async def aacquire(
     keepalive: bool = True,
     on_lost: OnLost | None = None,
     holder: str | None = None,
+    shared: bool = False,
 ) -> Lease:
     """:func:`~leases.acquire` for async code; the caller must ``await lease.arelease()``.
 
     Arguments, errors, signals (``lease_acquired`` and ``lease_acquire_failed`` with
-    ``elapsed`` and ``waited``) and the returned handle are those of ``acquire()``; see the
-    module docstring for what waiting and cancellation do.
+    ``elapsed`` and ``waited``) and the returned handle are those of ``acquire()``
+    (``shared=True``: as one of many readers, on backends with shared leases; the others raise
+    :class:`~leases.errors.BackendNotSupported` before any round trip); see the module
+    docstring for what waiting and cancellation do.
     """
-    ask = prepare(name, ttl, backend, timeout, keepalive, holder, task_key)
+    ask = prepare(name, ttl, backend, timeout, keepalive, holder, task_key, shared)
     timing = Timing()
     try:
-        grant = await _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing)
+        grant = await _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing, shared)
     except Exception as exc:
         signals.send(
             signals.lease_acquire_failed,
@@ -165,6 +192,9 @@ class _AsyncLeaseBlock:
     functions. Holds only its arguments (the live lease is on a context variable), so one
     decorated coroutine function can run in many tasks at once."""
 
+    #: How ``__aenter__`` comes to hold the name (``asemaphore()`` takes a slot instead).
+    _acquire: Callable[..., Awaitable[Lease]] = staticmethod(aacquire)
+
     def __init__(self, name: str | None, options: dict[str, Any]) -> None:
         self.name = name
         self.options = options
@@ -176,7 +206,7 @@ class _AsyncLeaseBlock:
                 func,
                 "alease() decorates coroutine functions (async def); use lease() for others",
             )
-        block = _AsyncLeaseBlock(self.name or _default_name(func), self.options)
+        block = type(self)(self.name or _default_name(func), self.options)
 
         @functools.wraps(func)
         async def leased(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -188,7 +218,7 @@ class _AsyncLeaseBlock:
     async def __aenter__(self) -> Lease:
         if self.name is None:
             raise InvalidLeaseOption("name", None, "alease() needs a name in an async with")
-        entered = await aacquire(self.name, **self.options)
+        entered = await self._acquire(self.name, **self.options)
         _entered.set((*_entered.get(), entered))
         return entered
 
@@ -221,6 +251,7 @@ def alease(
     keepalive: bool = True,
     on_lost: OnLost | None = None,
     holder: str | None = None,
+    shared: bool = False,
 ) -> _AsyncLeaseBlock: ...
 def alease(
     name: str | Callable[..., Awaitable[Any]] | None = None,
@@ -232,11 +263,13 @@ def alease(
     keepalive: bool = True,
     on_lost: OnLost | None = None,
     holder: str | None = None,
+    shared: bool = False,
 ) -> Any:
     """Hold ``name`` for an ``async with`` block or a decorated coroutine function.
 
     ``@alease`` bare names the lease after the function (``module.qualname``), as ``@lease``
-    does. Arguments are those of :func:`aacquire`; leaving the block releases, never hiding
+    does. Arguments are those of :func:`aacquire` (``shared=True``: as one of many readers);
+    leaving the block releases, never hiding
     the body's exception, and raises :class:`~leases.errors.LeaseLost` for a body that outlived
     its lease (its work ran unprotected).
     """
@@ -247,6 +280,7 @@ def alease(
         "keepalive": keepalive,
         "on_lost": on_lost,
         "holder": holder,
+        "shared": shared,
     }
     if callable(name):
         return _AsyncLeaseBlock(None, options)(name)  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 from . import signals, tracing
 from .acquiring import Request, Timing, _wait, prepare
@@ -35,7 +35,18 @@ from .keys import SEPARATOR, derived_name
 from .lease import _default_name, _LeaseBlock
 from .retry import SYSTEM_CLOCK, Backoff
 
-__all__ = ["MAX_LIMIT", "Slot", "acquire_slot", "semaphore", "slot_name", "valid_limit"]
+__all__ = [
+    "MAX_LIMIT",
+    "Slot",
+    "acquire_slot",
+    "all_held",
+    "prepare_slots",
+    "semaphore",
+    "slot_name",
+    "slot_options",
+    "slot_order",
+    "valid_limit",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -75,13 +86,10 @@ def valid_limit(limit: object) -> int:
     return limit
 
 
-def _semaphore_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
-    """One registry entry per semaphore and holder: a thread takes one slot of a name at a time
-    (a second would be a nested block waiting on itself once the slots run out)."""
-    return holder_key(store, name + SEPARATOR, holder)
+KeyOf = Callable[[LeaseBackend, str, str | None], tuple[str, str, str]]
 
 
-def _prepare(
+def prepare_slots(
     name: str,
     limit: object,
     ttl: float | None,
@@ -89,30 +97,49 @@ def _prepare(
     timeout: float | None,
     keepalive: bool,
     holder: str | None,
+    key_of: KeyOf = holder_key,
 ) -> tuple[Request, int]:
+    """Check every argument before any round trip (``semaphore()``, ``acquire_slot()`` and
+    their async twins alike). One registry entry per semaphore and holder under ``key_of``
+    (per thread, or per task): a thread or task takes one slot of a name at a time (a second
+    would be a nested block waiting on itself once the slots run out)."""
     limit = valid_limit(limit)
-    ask = prepare(name, ttl, backend, timeout, keepalive, holder, _semaphore_key)
+
+    def semaphore_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
+        return key_of(store, name + SEPARATOR, holder)
+
+    ask = prepare(name, ttl, backend, timeout, keepalive, holder, semaphore_key)
     slot_name(ask.name, limit - 1)  # the longest slot name must fit
     return ask, limit
 
 
+def slot_order(name: str, limit: int) -> list[str]:
+    """The slots of one pass, from a random one: each pass is a fresh order, so contenders
+    spread over the free slots instead of all racing for slot 0."""
+    start = random.randrange(limit)
+    return [slot_name(name, (start + offset) % limit) for offset in range(limit)]
+
+
+def all_held(ask: Request, limit: int) -> LeaseUnavailable:
+    """What a wait for a slot that ran out of time raises."""
+    return LeaseUnavailable(ask.name, ask.timeout, f"all {limit} slots are held")
+
+
 def _grant(ask: Request, limit: int, timing: Timing) -> Grant:
     """Try every slot from a random one; then wait a slice on one held slot; until the
-    deadline. Each pass is a fresh random order, so no slot is favoured."""
+    deadline."""
     deadline = None if ask.timeout is None else timing.started + ask.timeout
     backoff = Backoff(deadline=deadline)
     waiting_since: float | None = None
     try:
         while True:
-            start = random.randrange(limit)
-            for offset in range(limit):
-                slot = slot_name(ask.name, (start + offset) % limit)
+            for slot in slot_order(ask.name, limit):
                 grant = ask.store.try_acquire(slot, ask.holder, ask.ttl)
                 if grant is not None:
                     return grant
             delay = None if ask.timeout == 0 else backoff.next_delay()
             if delay is None:
-                raise LeaseUnavailable(ask.name, ask.timeout, f"all {limit} slots are held")
+                raise all_held(ask, limit)
             if waiting_since is None:
                 waiting_since = SYSTEM_CLOCK.monotonic()
             _wait(ask.store, slot, delay)
@@ -139,7 +166,7 @@ def acquire_slot(
     ``timeout=None`` waits forever and ``0`` tries each slot once, and failing raises
     :class:`~leases.errors.LeaseUnavailable` within the timeout.
     """
-    ask, limit = _prepare(name, limit, ttl, backend, timeout, keepalive, holder)
+    ask, limit = prepare_slots(name, limit, ttl, backend, timeout, keepalive, holder)
     attributes: tracing.Attributes = {
         "leases.name": ask.name,
         "leases.backend": ask.store.alias,
@@ -178,6 +205,9 @@ class _SemaphoreBlock(_LeaseBlock):
 
     _acquire = staticmethod(acquire_slot)
 
+    def __enter__(self) -> Slot:
+        return cast(Slot, super().__enter__())
+
 
 @overload
 def semaphore(
@@ -214,9 +244,25 @@ def semaphore(
     that outlived its slot raises :class:`~leases.errors.LeaseLost`, as with ``lease()``.
     ``limit`` is checked here, so a bad one fails where the decorator is written.
     """
-    valid_limit(limit)
-    options: dict[str, Any] = {
-        "limit": limit,
+    options = slot_options(limit, ttl, backend, timeout, keepalive, on_lost, holder)
+    if callable(name):
+        return _SemaphoreBlock(_default_name(name), options)(name)
+    return _SemaphoreBlock(name, options)
+
+
+def slot_options(
+    limit: object,
+    ttl: float | None,
+    backend: str,
+    timeout: float | None,
+    keepalive: bool,
+    on_lost: OnLost | None,
+    holder: str | None,
+) -> dict[str, Any]:
+    """A block's arguments (``semaphore()`` and ``asemaphore()``), ``limit`` checked here so
+    a bad one fails where the decorator is written, not at the first call."""
+    return {
+        "limit": valid_limit(limit),
         "ttl": ttl,
         "backend": backend,
         "timeout": timeout,
@@ -224,6 +270,3 @@ def semaphore(
         "on_lost": on_lost,
         "holder": holder,
     }
-    if callable(name):
-        return _SemaphoreBlock(_default_name(name), options)(name)
-    return _SemaphoreBlock(name, options)

@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import pytest
 
@@ -50,6 +50,18 @@ def max_concurrent(attempts: Iterable[Attempt]) -> int:
         current += step
         most = max(most, current)
     return most
+
+
+def check_slot_histories(register: str, grants: Mapping[int, list[int]], limit: int) -> None:
+    """Each slot's register ``{register}/{slot}`` passes the checker with the slot's tokens in
+    grant order, each holder wrote twice (on entry and exit: nobody lost its slot meanwhile),
+    and by the accepted writes never more than ``limit`` held at once."""
+    attempts: list[Attempt] = []
+    for slot, tokens in grants.items():
+        summary = check_history(f"{register}/{slot}", grants=tokens)
+        assert summary.accepted == 2 * len(tokens), summary
+        attempts += history(f"{register}/{slot}")
+    assert 1 <= max_concurrent(attempts) <= limit
 
 
 @pytest.mark.parametrize("limit", [0, -1, True, 1.5, "3", None, MAX_LIMIT + 1])
@@ -114,12 +126,7 @@ def test_at_most_limit_holders_and_tokens_increase_per_slot(
         thread.join(timeout=seconds + 30)
     assert not errors, errors
     assert sorted(grants) == list(range(limit)), "every slot was used, and no other"
-    attempts: list[Attempt] = []
-    for slot, tokens in grants.items():
-        summary = check_history(f"{register}/{slot}", grants=tokens)
-        assert summary.accepted == 2 * len(tokens), summary  # nobody lost a slot meanwhile
-        attempts += history(f"{register}/{slot}")
-    assert 1 <= max_concurrent(attempts) <= limit
+    check_slot_histories(register, grants, limit)
 
 
 def test_a_paused_holders_write_is_rejected_after_its_slot_moved_on(

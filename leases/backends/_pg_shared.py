@@ -34,7 +34,9 @@ __all__ = [
     "STOP_READERS_SQL",
     "WRITER_INTENT_SECONDS",
     "public_meta",
+    "shared_acquire_params",
     "shared_params",
+    "stop_readers_params",
 ]
 
 #: The ``holder`` of a row held by readers (U+241F cannot start a holder anyone passes).
@@ -159,6 +161,20 @@ def shared_params(grant: Grant, **more: Any) -> dict[str, Any]:
         "group": GROUP,
         **more,
     }
+
+
+#: The shared acquire's constants: the group's holder, and no reader left out of the live ones.
+_ACQUIRE_CONSTANTS = {"group": GROUP, "key": ""}
+
+
+def shared_acquire_params(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
+    """What :data:`SHARED_ACQUIRE_SQL` is given (no reader's ``key`` is left out: ``""``)."""
+    return {"name": name, "holder": holder, "ttl": ttl, "secret": secret} | _ACQUIRE_CONSTANTS
+
+
+def stop_readers_params(name: str) -> dict[str, Any]:
+    """What :data:`STOP_READERS_SQL` is given: a waiting writer's stamp, a moment ahead."""
+    return {"name": name, "group": GROUP, "seconds": WRITER_INTENT_SECONDS}
 
 
 def public_meta(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -158,11 +158,27 @@ class AsyncState:
     def __init__(self, db_alias: str, timeout: float = REQUEST_TIMEOUT) -> None:
         self.conn = AsyncPrivateConnection(db_alias, timeout)
         self.listener = AsyncListener(db_alias)
-        self.failed_at: dict[tuple[int, str], float] = {}
+        self.failed_at: OrderedDict[tuple[int, str], float] = OrderedDict()
 
     @staticmethod
     def task_id() -> int:
         return id(asyncio.current_task())
+
+    def failed(self, name: str, sent_at: float) -> None:
+        """Remember when this task's try of ``name`` was sent, for the wait that may follow.
+
+        Only the latest :data:`_RECENT_RELEASES` are kept: a failed try that no wait follows
+        (``timeout=0``, the other slots of a full semaphore) would otherwise stay for the
+        loop's whole life, one entry per task and name."""
+        key = (self.task_id(), name)
+        self.failed_at[key] = sent_at
+        self.failed_at.move_to_end(key)
+        while len(self.failed_at) > _RECENT_RELEASES:
+            self.failed_at.popitem(last=False)
+
+    def failed_since(self, name: str) -> float:
+        """When this task's last failed try of ``name`` was sent (now, if not remembered)."""
+        return self.failed_at.pop((self.task_id(), name), time.monotonic())
 
     async def close(self) -> None:
         await self.listener.close()

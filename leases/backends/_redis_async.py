@@ -19,12 +19,15 @@ from ._aio import PerLoop
 from ._redis_conn import arun_script, server_run
 from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
 from ._redis_protocol import (
-    acquire_call,
+    TOKEN_SCRIPTS,
+    acquire_args,
     acquired,
     release_call,
     released,
     renew_call,
     renewed,
+    shared_release_call,
+    shared_renew_call,
 )
 from ._redis_scripts import LeaseKeys
 from ._redis_waiters import label
@@ -60,7 +63,7 @@ class AsyncRedis:
         scripts = {name: client.register_script(s.text) for name, s in self.backend.scripts.items()}
         return client, scripts
 
-    async def _run(self, script: str, keys: list[str], args: list[object]) -> Any:
+    async def run(self, script: str, keys: list[str], args: list[object]) -> Any:
         """:meth:`Backend._run <leases.backends.redis.Backend._run>` on the event loop; a
         cancelled round trip drops its connection (its reply was never read)."""
         client, cluster = self._clients.get()
@@ -82,7 +85,7 @@ class AsyncRedis:
         try:
             await connection.connect()
             lua = self.backend.scripts[script]
-            if script != "acquire":
+            if script not in TOKEN_SCRIPTS:
                 return await arun_script(connection, lua, keys, args)
             known = server_run(connection)
             sent = known.current(self.backend.trust_server_id)
@@ -96,14 +99,21 @@ class AsyncRedis:
             await pool.release(connection)
 
     async def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
-        """The rare new epoch (a database statement, after a Redis restart or failover) is
-        taken on a worker thread."""
         keys = LeaseKeys.of(self.backend.prefix, name)
+        return await self.acquire("acquire", name, holder, ttl, [keys.lock, keys.fence], [])
+
+    async def acquire(
+        self, script: str, name: str, holder: str, ttl: float, keys: list[str], extra: list[object]
+    ) -> Grant | None:
+        """The backend's ``_acquire`` on the event loop. The rare new epoch (a database
+        statement, after a Redis restart or failover) is taken on a worker thread."""
         offered, secret = 0, new_secret()
+        shared = {"shared": True} if script == "shared_acquire" else None
         for _ in range(3):
             sent_at = time.monotonic()
-            reply = await self._run("acquire", *acquire_call(keys, holder, ttl, offered, secret))
-            outcome = acquired(reply, name, holder, ttl, sent_at, secret)
+            args = acquire_args(holder, ttl, offered, secret, extra)
+            reply = await self.run(script, keys, args)
+            outcome = acquired(reply, name, holder, ttl, sent_at, secret, shared)
             if not isinstance(outcome, int):
                 return outcome
             offered = await asyncio.to_thread(self.backend.next_epoch, outcome)
@@ -111,11 +121,20 @@ class AsyncRedis:
 
     async def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
-        reply = await self._run("renew", *renew_call(self.backend.prefix, grant, ttl))
+        prefix = self.backend.prefix
+        if grant.extra.get("shared"):
+            reply = await self.run("shared_renew", *shared_renew_call(prefix, grant, ttl))
+        else:
+            reply = await self.run("renew", *renew_call(prefix, grant, ttl))
         return renewed(grant, ttl, sent_at, reply)
 
     async def release(self, grant: Grant) -> None:
-        released(grant, await self._run("release", *release_call(self.backend.prefix, grant)))
+        prefix = self.backend.prefix
+        if grant.extra.get("shared"):
+            reply = await self.run("shared_release", *shared_release_call(prefix, grant))
+        else:
+            reply = await self.run("release", *release_call(prefix, grant))
+        released(grant, reply)
 
     async def wait_for_release(self, name: str, timeout: float) -> bool:
         if timeout < 0.001:

@@ -14,16 +14,18 @@ from typing import Any
 from ..errors import LeaseLost, LeaseNotHeld
 from ._redis_io import expires, ms, text
 from ._redis_scripts import WAKE_TTL_MS, LeaseKeys, Reply, lua
-from ._redis_shared import NEXT_GRANT_LUA
+from ._redis_shared import GROUP, NEXT_GRANT_LUA, WRITER_INTENT_MS
 from .base import FORGED, Grant
 
 __all__ = [
     "ACQUIRE_LUA",
     "COUNTER_BITS",
     "FORCE_RELEASE_LUA",
+    "MARK",
     "MAX_COUNTER",
     "MAX_EPOCH",
-    "acquire_call",
+    "TOKEN_SCRIPTS",
+    "acquire_args",
     "acquired",
     "owner_args",
     "pack_token",
@@ -32,6 +34,10 @@ __all__ = [
     "released",
     "renew_call",
     "renewed",
+    "shared_acquire_keys",
+    "shared_release_call",
+    "shared_renew_call",
+    "stop_readers_call",
     "token_of",
 ]
 
@@ -114,11 +120,11 @@ def refusal(grant: Grant, code: object, what: str) -> LeaseLost | LeaseNotHeld:
     return LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
 
 
-def acquire_call(
-    keys: LeaseKeys, holder: str, ttl: float, offered: int, secret: str
-) -> tuple[list[str], list[object]]:
-    """The acquire script's keys and arguments, but for the replication id (the caller's)."""
-    return [keys.lock, keys.fence], [holder, ms(ttl), offered, MAX_COUNTER, secret]
+def acquire_args(
+    holder: str, ttl: float, offered: int, secret: str, extra: list[object]
+) -> list[object]:
+    """An acquire script's arguments, but for the replication id (the caller's, last)."""
+    return [holder, ms(ttl), offered, MAX_COUNTER, secret, *extra]
 
 
 def acquired(
@@ -160,3 +166,39 @@ def renewed(grant: Grant, ttl: float, sent_at: float, code: object) -> Grant:
 def released(grant: Grant, code: object) -> None:
     if code != Reply.OK:
         raise refusal(grant, code, "release")
+
+
+#: The scripts that take a token: they read (or are given) the server's replication id.
+TOKEN_SCRIPTS = frozenset({"acquire", "shared_acquire"})
+
+#: The end of a readers' group's lock value (see :mod:`._redis_shared`).
+MARK = f"::{GROUP}"
+
+
+def _reader_args(grant: Grant) -> list[object]:
+    """A reader's key among the group's entries (``epoch:counter``), holder and secret."""
+    return [
+        f"{grant.token >> COUNTER_BITS}:{grant.token & MAX_COUNTER}",
+        grant.holder,
+        grant.secret,
+    ]
+
+
+def shared_acquire_keys(prefix: str, name: str) -> list[str]:
+    keys = LeaseKeys.of(prefix, name)
+    return [keys.lock, keys.fence, keys.readers, keys.writer]
+
+
+def shared_renew_call(prefix: str, grant: Grant, ttl: float) -> tuple[list[str], list[object]]:
+    keys = LeaseKeys.of(prefix, grant.name)
+    return [keys.lock, keys.readers], [*_reader_args(grant), ms(ttl), MARK]
+
+
+def shared_release_call(prefix: str, grant: Grant) -> tuple[list[str], list[object]]:
+    keys = LeaseKeys.of(prefix, grant.name)
+    return [keys.lock, keys.readers, keys.wake], [*_reader_args(grant), MARK, WAKE_TTL_MS]
+
+
+def stop_readers_call(prefix: str, name: str) -> tuple[list[str], list[object]]:
+    keys = LeaseKeys.of(prefix, name)
+    return [keys.lock, keys.writer], [MARK, WRITER_INTENT_MS]

@@ -251,6 +251,14 @@ class LeaseBackend(abc.ABC):
         """:meth:`release` without blocking the event loop."""
         await asyncio.to_thread(self.release, grant)
 
+    async def atry_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """:meth:`try_acquire_shared` without blocking the event loop."""
+        return await asyncio.to_thread(self.try_acquire_shared, name, holder, ttl)
+
+    async def astop_new_readers(self, name: str) -> None:
+        """:meth:`stop_new_readers` without blocking the event loop."""
+        await asyncio.to_thread(self.stop_new_readers, name)
+
     async def await_for_release(self, name: str, timeout: float) -> bool:
         """:meth:`wait_for_release` without blocking the event loop; cancelling it stops the
         wait (the default's worker thread still sleeps out ``timeout``, at most a backoff

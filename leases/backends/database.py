@@ -45,14 +45,14 @@ from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproper
 from ._aio import PerLoop
 from ._counter import TIMELINE_FLOOR_SQL
 from ._pg_shared import (
-    GROUP,
     SHARED_ACQUIRE_SQL,
     SHARED_RELEASE_SQL,
     SHARED_RENEW_SQL,
     STOP_READERS_SQL,
-    WRITER_INTENT_SECONDS,
     public_meta,
+    shared_acquire_params,
     shared_params,
+    stop_readers_params,
 )
 from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
@@ -252,6 +252,16 @@ def _released(grant: Grant, rows: list[tuple[Any, ...]]) -> None:
         raise LeaseNotHeld(grant.name, FORGED)
 
 
+def _reader(
+    name: str, holder: str, ttl: float, sent_at: float, secret: str, row: tuple[Any, ...]
+) -> Grant:
+    """A reader's grant from :data:`SHARED_ACQUIRE_SQL`'s row (sync and async alike)."""
+    token, expires_at = row
+    return Grant(
+        name, holder, int(token), ttl, sent_at, expires_at, {"shared": True}, secret=secret
+    )
+
+
 def _info(row: tuple[Any, ...], backend: str) -> LeaseInfo:
     name, holder, token, acquired_at, expires_at, renewed_at, meta, held = row[:8]
     return LeaseInfo(
@@ -395,21 +405,14 @@ class Backend(LeaseBackend):
     def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         """Join or start the readers' group of ``name`` (see :mod:`._pg_shared`)."""
         sent_at, secret = time.monotonic(), new_secret()
-        params = {"name": name, "holder": holder, "ttl": ttl, "secret": secret, "group": GROUP}
-        params["key"] = ""  # no reader is left out of the live ones it keeps
-        rows = self._run(SHARED_ACQUIRE_SQL, params)
+        rows = self._run(SHARED_ACQUIRE_SQL, shared_acquire_params(name, holder, ttl, secret))
         if not rows:
             self._failed_at()[name] = sent_at
             return None
-        token, expires_at = rows[0]
-        return Grant(
-            name, holder, int(token), ttl, sent_at, expires_at, {"shared": True}, secret=secret
-        )
+        return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
     def stop_new_readers(self, name: str) -> None:
-        self._run(
-            STOP_READERS_SQL, {"name": name, "group": GROUP, "seconds": WRITER_INTENT_SECONDS}
-        )
+        self._run(STOP_READERS_SQL, stop_readers_params(name))
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())
@@ -436,29 +439,43 @@ class Backend(LeaseBackend):
         sent_at, secret = time.monotonic(), new_secret()
         rows = await self._arun(ACQUIRE_SQL, _asking(name, holder, ttl, secret))
         if not rows:
-            state = self._async.get()
-            state.failed_at[(state.task_id(), name)] = sent_at
+            self._async.get().failed(name, sent_at)
             return None
         token, expires_at = rows[0]
         return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
 
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
-        if grant.extra.get("shared"):  # shared leases are taken by sync code only, so far
-            return await super().arenew(grant, ttl)
         sent_at = time.monotonic()
-        params, timeout = {**_owner(grant), "ttl": ttl}, self._renewal_timeout(grant, sent_at)
+        timeout = self._renewal_timeout(grant, sent_at)
+        if grant.extra.get("shared"):
+            rows = await self._arun(SHARED_RENEW_SQL, shared_params(grant, ttl=ttl), timeout)
+            return _renewed(grant, ttl, sent_at, rows)
+        params = {**_owner(grant), "ttl": ttl}
         return _renewed(grant, ttl, sent_at, await self._arun(RENEW_SQL, params, timeout))
 
     async def arelease(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
-            return await super().arelease(grant)
+            _released(grant, await self._arun(SHARED_RELEASE_SQL, shared_params(grant)))
+            return
         params = {**_owner(grant), "room": room_key(grant.name)}
         _released(grant, await self._arun(RELEASE_SQL, params))
+
+    async def atry_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
+        sent_at, secret = time.monotonic(), new_secret()
+        params = shared_acquire_params(name, holder, ttl, secret)
+        rows = await self._arun(SHARED_ACQUIRE_SQL, params)
+        if not rows:
+            self._async.get().failed(name, sent_at)
+            return None
+        return _reader(name, holder, ttl, sent_at, secret, rows[0])
+
+    async def astop_new_readers(self, name: str) -> None:
+        await self._arun(STOP_READERS_SQL, stop_readers_params(name))
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
         """Woken by the release's ``NOTIFY`` on the loop's listening connection."""
         state = self._async.get()
-        since = state.failed_at.pop((state.task_id(), name), time.monotonic())
+        since = state.failed_since(name)
         return await state.listener.wait(name, since, max(0.0, timeout))
 
     async def aclose(self) -> None:

@@ -59,7 +59,6 @@ from ._redis_io import (
     connect,
     eviction_problems,
     expires,
-    ms,
     positive_problems,
     prefix_problems,
     text,
@@ -69,8 +68,11 @@ from ._redis_protocol import (
     ACQUIRE_LUA,
     COUNTER_BITS,
     FORCE_RELEASE_LUA,
+    MARK,
     MAX_COUNTER,
     MAX_EPOCH,
+    TOKEN_SCRIPTS,
+    acquire_args,
     acquired,
     owner_args,
     pack_token,
@@ -78,16 +80,18 @@ from ._redis_protocol import (
     released,
     renew_call,
     renewed,
+    shared_acquire_keys,
+    shared_release_call,
+    shared_renew_call,
+    stop_readers_call,
     token_of,
 )
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 from ._redis_shared import (
-    GROUP,
     SHARED_ACQUIRE_LUA,
     SHARED_RELEASE_LUA,
     SHARED_RENEW_LUA,
     STOP_READERS_LUA,
-    WRITER_INTENT_MS,
 )
 from ._redis_waiters import WaitClock, label, waiters
 from .base import (
@@ -127,20 +131,6 @@ SCRIPTS = {
     "shared_release": SHARED_RELEASE_LUA,
     "stop_readers": STOP_READERS_LUA,
 }
-#: The scripts that take a token: given the replication id the connection knows, last.
-_TOKEN_SCRIPTS = frozenset({"acquire", "shared_acquire"})
-
-#: The end of a readers' group's lock value (see :mod:`._redis_shared`).
-_MARK = f"::{GROUP}"
-
-
-def _reader_args(grant: Grant) -> list[object]:
-    """A reader's key among the group's entries (``epoch:counter``), holder and secret."""
-    return [
-        f"{grant.token >> COUNTER_BITS}:{grant.token & MAX_COUNTER}",
-        grant.holder,
-        grant.secret,
-    ]
 
 
 class Backend(LeaseBackend):
@@ -243,7 +233,7 @@ class Backend(LeaseBackend):
             connection = pool.get_connection()
             try:
                 connection.connect()
-                if script not in _TOKEN_SCRIPTS:
+                if script not in TOKEN_SCRIPTS:
                     return run_script(connection, self.scripts[script], keys, args)
                 known = server_run(connection)
                 sent = known.current(self.trust_server_id)
@@ -262,9 +252,8 @@ class Backend(LeaseBackend):
 
     def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         """Join or start the readers' group of ``name`` (see :mod:`._redis_shared`)."""
-        keys = LeaseKeys.of(self.prefix, name)
-        lua_keys = [keys.lock, keys.fence, keys.readers, keys.writer]
-        return self._acquire("shared_acquire", name, holder, ttl, lua_keys, [_MARK])
+        keys = shared_acquire_keys(self.prefix, name)
+        return self._acquire("shared_acquire", name, holder, ttl, keys, [MARK])
 
     def _acquire(
         self,
@@ -280,7 +269,7 @@ class Backend(LeaseBackend):
         shared = {"shared": True} if script == "shared_acquire" else None
         for _ in range(3):
             sent_at = time.monotonic()
-            args = [holder, ms(ttl), offered, MAX_COUNTER, secret, *extra]
+            args = acquire_args(holder, ttl, offered, secret, extra)
             reply = self._run(script, keys, args)
             outcome = acquired(reply, name, holder, ttl, sent_at, secret, shared)
             if not isinstance(outcome, int):
@@ -289,8 +278,7 @@ class Backend(LeaseBackend):
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
 
     def stop_new_readers(self, name: str) -> None:
-        keys = LeaseKeys.of(self.prefix, name)
-        self._run("stop_readers", [keys.lock, keys.writer], [_MARK, WRITER_INTENT_MS])
+        self._run("stop_readers", *stop_readers_call(self.prefix, name))
 
     def next_epoch(self, stored: int) -> int:
         """A new epoch above ``stored``, from the database (see the module's docstring)."""
@@ -302,9 +290,7 @@ class Backend(LeaseBackend):
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
         if grant.extra.get("shared"):
-            keys = LeaseKeys.of(self.prefix, grant.name)
-            args = [*_reader_args(grant), ms(ttl), _MARK]
-            reply = self._run("shared_renew", [keys.lock, keys.readers], args)
+            reply = self._run("shared_renew", *shared_renew_call(self.prefix, grant, ttl))
             return renewed(grant, ttl, sent_at, reply)
         return renewed(
             grant, ttl, sent_at, self._run("renew", *renew_call(self.prefix, grant, ttl))
@@ -312,9 +298,7 @@ class Backend(LeaseBackend):
 
     def release(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
-            keys = LeaseKeys.of(self.prefix, grant.name)
-            args = [*_reader_args(grant), _MARK, WAKE_TTL_MS]
-            released(grant, self._run("shared_release", [keys.lock, keys.readers, keys.wake], args))
+            released(grant, self._run("shared_release", *shared_release_call(self.prefix, grant)))
             return
         released(grant, self._run("release", *release_call(self.prefix, grant)))
 
@@ -337,14 +321,17 @@ class Backend(LeaseBackend):
     async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         return await self._async.try_acquire(name, holder, ttl)
 
+    async def atry_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
+        keys = shared_acquire_keys(self.prefix, name)
+        return await self._async.acquire("shared_acquire", name, holder, ttl, keys, [MARK])
+
+    async def astop_new_readers(self, name: str) -> None:
+        await self._async.run("stop_readers", *stop_readers_call(self.prefix, name))
+
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
-        if grant.extra.get("shared"):  # shared leases are taken by sync code only, so far
-            return await super().arenew(grant, ttl)
         return await self._async.renew(grant, ttl)
 
     async def arelease(self, grant: Grant) -> None:
-        if grant.extra.get("shared"):
-            return await super().arelease(grant)
         await self._async.release(grant)
 
     async def await_for_release(self, name: str, timeout: float) -> bool:

@@ -1,0 +1,115 @@
+"""The async twins of ``semaphore()`` and ``acquire_slot()``: ``asemaphore()`` and
+``aacquire_slot()``.
+
+The slots are :mod:`leases.semaphore`'s (slot ``k`` of ``name`` is the lease ``name␟k``), and so
+are the arguments and their checking (:func:`~leases.semaphore.prepare_slots`), so a sync and
+an async holder of one semaphore share its ``limit``. Waiting is :mod:`leases.aio`'s: every try
+is an awaited ``atry_acquire`` that a cancellation never abandons halfway (a slot won while
+the task was being cancelled is given back before the cancellation is raised), waits on a held
+slot never block the event loop, and the whole wait is bounded by ``timeout``. "Already
+holds a slot of this semaphore" is per task, as for ``aacquire()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, cast, overload
+
+from .acquiring import Request
+from .aio import AsyncFunc, P, R, _AsyncLeaseBlock, _try, _wait, task_key
+from .backends import Grant
+from .handle import OnLost
+from .retry import SYSTEM_CLOCK, Backoff
+from .semaphore import Slot, all_held, prepare_slots, slot_options, slot_order
+
+__all__ = ["aacquire_slot", "asemaphore"]
+
+
+async def _agrant(ask: Request, limit: int) -> Grant:
+    """Try every slot from a random one; then wait a slice on one held slot (a release of
+    another slot does not wake it, hence the backoff's short slices); until the deadline."""
+    deadline = None if ask.timeout is None else SYSTEM_CLOCK.monotonic() + ask.timeout
+    backoff = Backoff(deadline=deadline)
+    while True:
+        for slot in slot_order(ask.name, limit):
+            grant = await _try(ask.store, slot, ask.holder, ask.ttl)
+            if grant is not None:
+                return grant
+        delay = None if ask.timeout == 0 else backoff.next_delay()
+        if delay is None:
+            raise all_held(ask, limit)
+        await _wait(ask.store, slot, delay)
+
+
+async def aacquire_slot(
+    name: str,
+    *,
+    limit: int,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    keepalive: bool = True,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> Slot:
+    """:func:`~leases.acquire_slot` for async code; the caller must ``await slot.arelease()``.
+
+    Arguments, checks (before any round trip), errors and the returned :class:`Slot` are
+    ``acquire_slot()``'s; see the module docstring for what waiting and cancellation do.
+    """
+    ask, limit = prepare_slots(name, limit, ttl, backend, timeout, keepalive, holder, task_key)
+    grant = await _agrant(ask, limit)
+    return Slot.start(
+        ask.store, grant, on_lost=on_lost, renew_fraction=ask.renew_fraction, key=ask.key
+    )
+
+
+class _AsyncSemaphoreBlock(_AsyncLeaseBlock):
+    """What ``asemaphore()`` returns: ``alease()``'s block, entered by taking a slot."""
+
+    _acquire: Callable[..., Awaitable[Slot]] = staticmethod(aacquire_slot)
+
+    async def __aenter__(self) -> Slot:
+        return cast(Slot, await super().__aenter__())
+
+
+@overload
+def asemaphore(
+    name: str | None = None,
+    /,
+    *,
+    limit: int,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    keepalive: bool = True,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> _AsyncSemaphoreBlock: ...
+@overload
+def asemaphore(name: AsyncFunc[P, R], /, *, limit: int) -> AsyncFunc[P, R]: ...
+def asemaphore(
+    name: str | Callable[..., Awaitable[Any]] | None = None,
+    /,
+    *,
+    limit: int,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float | None = None,
+    keepalive: bool = True,
+    on_lost: OnLost | None = None,
+    holder: str | None = None,
+) -> Any:
+    """Hold one of ``limit`` slots of ``name`` for an ``async with`` block or a decorated
+    coroutine function.
+
+    ``async with asemaphore("export:acme", limit=3) as slot:`` runs the block while at most
+    two others (tasks, threads or processes, sync or async) run theirs. As a decorator without
+    a name, the name is the function's (``module.qualname``). Leaving releases the slot, never
+    hiding the body's exception; a body that outlived its slot raises
+    :class:`~leases.errors.LeaseLost`. ``limit`` is checked here.
+    """
+    options = slot_options(limit, ttl, backend, timeout, keepalive, on_lost, holder)
+    if callable(name):
+        return _AsyncSemaphoreBlock(None, options)(name)  # type: ignore[arg-type]
+    return _AsyncSemaphoreBlock(name, options)
