@@ -11,13 +11,16 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+from django.conf import settings
 from django.db import connections
 from django.test import override_settings
 
 from devservers import RedisServer
 from devservers.proxy import FaultProxy
+from tests.clusters import etcd_ready, zookeeper_ready
 
 __all__ = ["PROXIED_KINDS", "Proxied", "proxied"]
 
@@ -86,10 +89,64 @@ def _redlock(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Proxied, s
     return backends, Proxied("redlock", proxies, list(servers)), ""
 
 
+def _member_proxies(addresses: list[str], kind: str) -> list[FaultProxy]:
+    """One proxy per member of the shared cluster (``host:port`` or ``scheme://host:port``);
+    skips when the configured cluster is not on loopback (the proxy forwards to loopback only)."""
+    proxies = []
+    for address in addresses:
+        parts = urlsplit(address if "://" in address else f"tcp://{address}")
+        if parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
+            pytest.skip(f"{kind}: the configured cluster ({address}) is not on loopback")
+        proxies.append(FaultProxy(parts.port))
+    return proxies
+
+
+def _etcd(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Proxied, str]:
+    alias = etcd_ready(request)
+    direct = dict(settings.LEASES["BACKENDS"][alias])
+    if any(str(url).startswith("https") for url in direct["ENDPOINTS"]):
+        pytest.skip("etcd: the configured cluster uses TLS; the proxied one would need its files")
+    proxies = _member_proxies(list(direct["ENDPOINTS"]), "etcd")
+    backends = {
+        "proxied": {
+            **direct,
+            "ENDPOINTS": [p.url("http", "") for p in proxies],
+            "REQUEST_TIMEOUT": 0.5,
+            "CONNECT_TIMEOUT": 0.5,
+        },
+        "direct": direct,
+    }
+    # A call tries each member once: 3 x (connect + reply timeout) at most.
+    return backends, Proxied("etcd", proxies, call_bound=3.0), ""
+
+
+def _zookeeper(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Proxied, str]:
+    alias = zookeeper_ready(request)
+    direct = dict(settings.LEASES["BACKENDS"][alias])
+    hosts = direct["HOSTS"] if isinstance(direct["HOSTS"], str) else ",".join(direct["HOSTS"])
+    members, slash, chroot = hosts.partition("/")
+    proxies = _member_proxies(members.split(","), "zookeeper")
+    backends = {
+        "proxied": {
+            **direct,
+            "HOSTS": ",".join(f"127.0.0.1:{p.port}" for p in proxies) + slash + chroot,
+            # The lease's TTL is bounded by the session: a short one (the ensemble allows 1 s
+            # to 10 s) makes a blackholed holder lose within a test's few seconds.
+            "SESSION_TIMEOUT": 2.0,
+            "REQUEST_TIMEOUT": 0.5,
+            "CONNECT_TIMEOUT": 5.0,
+        },
+        "direct": direct,
+    }
+    return backends, Proxied("zookeeper", proxies, call_bound=1.0), ""
+
+
 _BUILDERS: dict[str, Callable[[pytest.FixtureRequest], tuple[dict[str, Any], Proxied, str]]] = {
     "database": _database,
     "redis": _redis,
     "redlock": _redlock,
+    "etcd": _etcd,
+    "zookeeper": _zookeeper,
 }
 #: Backend kinds every proxied fault test runs on; new backends register a builder here.
 PROXIED_KINDS = list(_BUILDERS)

@@ -95,6 +95,13 @@ def test_one_reset_or_dropped_reply_keeps_the_lease(
     proxied: Proxied, lease_name: str, fault: str
 ) -> None:
     """A single network hiccup with validity left is retried: same token, no false loss."""
+    if fault == "drop" and proxied.kind == "zookeeper":
+        pytest.skip(
+            "ZooKeeper: a reply that vanishes from the TCP stream is noticed by kazoo only at its "
+            "ping deadline (2/3 of the session timeout) or as an out-of-sequence reply, and either "
+            "ends the connection; the lease's validity is bounded by the session timeout, so the "
+            "reconnection can use it up and the lease is then (truthfully) reported lost"
+        )
     ttl, register = 4.0, checker.new_register()
     lost: list[object] = []
     held = acquire(lease_name, ttl=ttl, backend="proxied", on_lost=lost.append)
