@@ -289,3 +289,27 @@ def test_async_calls_on_a_silent_live_connection_are_bounded(
     took = asyncio.run(main())
     assert max(took) <= bound
     assert holder_of(lease_name) is None
+
+
+def test_backend_recovers_after_a_dropped_reply(proxied: Proxied, lease_name: str) -> None:
+    """A reply eaten by the network may fail the call it answered, but the backend must come
+    back: a client whose connection machinery gave up for good (kazoo ends its connection
+    thread on an out-of-sequence reply) would fail every later call until the process restarts."""
+    backend = get_backend("proxied")
+    assert backend.inspect(lease_name) is None  # connected, the session (if any) is open
+    for proxy in proxied.proxies:
+        if proxy.connections:  # an idle member's next connection must not lose its handshake
+            proxy.drop_next_reply()
+    with contextlib.suppress(LeaseError):
+        in_thread(lambda: backend.inspect(lease_name), timeout=proxied.call_bound + 5)
+    proxied.each(FaultProxy.pass_through)
+
+    def acquired() -> bool:
+        try:
+            held = acquire(lease_name, ttl=5, backend="proxied", timeout=0, keepalive=False)
+        except LeaseError:
+            return False
+        held.release()
+        return True
+
+    wait_until(acquired, 15, "the backend to serve again after one dropped reply")
