@@ -26,7 +26,7 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
     NoNodeError,
 )
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
-from kazoo.protocol.states import EventType, WatchedEvent  # type: ignore[import-untyped]
+from kazoo.protocol.states import EventType, KeeperState, WatchedEvent  # type: ignore[import-untyped]
 
 from ..errors import BackendUnavailable
 from ._zookeeper_line import Queued, child_prefix, deadline_ms, guid_of, line_of, read_data
@@ -102,8 +102,20 @@ class Session:
         kazoo reconnects on its own (to any member in ``HOSTS``, resuming the session while it
         lives, else opening a new one); requests are never retried by it, so a timed-out
         write is reported, not repeated.
+
+        A client whose connection loop ended without our :meth:`close` (kazoo ends it for good
+        on an unexpected error, e.g. a reply out of sequence after one was lost on the way) is
+        replaced: it would never reconnect, and every later call would fail until a restart.
+        Its session, and with it every grant made on it, is over (:meth:`Backend.doubts`
+        compares session ids); the server expires its znodes after the session timeout.
         """
         with self._lock:
+            dead = self._client
+            if dead is not None and dead.client_state == KeeperState.CLOSED:
+                self._client = None
+                with contextlib.suppress(Exception):  # already stopped: only release it
+                    dead.stop()
+                    dead.close()
             if self._client is None:
                 client = KazooClient(
                     hosts=self.hosts,
