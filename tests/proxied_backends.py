@@ -3,6 +3,10 @@
 Each test gets two aliases over the same servers of its own: ``"proxied"`` (the library under
 test, every byte through a proxy the test breaks) and ``"direct"`` (the successor and the
 inspector, never faulted). One parameter per backend kind; a new backend adds a builder.
+
+etcd and ZooKeeper use the session's cluster (``tests/clusters.py``: started on first use), with
+one proxy per member in front of it; the proxied backend is a fresh instance on the proxies'
+addresses, so the faults reach only this test's connections, never the cluster's peer traffic.
 """
 
 from __future__ import annotations
