@@ -1,5 +1,6 @@
-"""``python -m benchmarks [topic ...] [--rows N] [--keys N]``: run the benchmark modules (all
-by default). ``--rows``/``--keys`` size the ``scale`` topic's big tables.
+"""``python -m benchmarks [topic ...] [--rows N] [--keys N] [--rounds N]``: run the benchmark
+modules (all by default). ``--rows``/``--keys`` size the ``scale`` topic's big tables,
+``--rounds 1`` makes it a quick check of what it measures (``tests/test_scale.py`` runs it so).
 
 Servers: ``DATABASE_URL`` / ``REDIS_URL`` when reachable, else throwaway ones for this run.
 Django is set up with the demo project's settings and migrated before any module runs.
@@ -22,6 +23,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("topics", nargs="*")
     parser.add_argument("--rows", type=int, help="scale: lease rows (default 1,000,000)")
     parser.add_argument("--keys", type=int, help="scale: idempotency keys (default 10 x rows)")
+    parser.add_argument("--rounds", type=int, help="scale: measured rounds (default 7)")
     args = parser.parse_args(argv)
     owned: list[PostgresServer | RedisServer] = []
     try:
@@ -38,7 +40,7 @@ def main(argv: list[str]) -> int:
             if info.name.startswith("bench_")
         )
         chosen = [n for n in names if not args.topics or n in args.topics]
-        report = Report(options={"rows": args.rows, "keys": args.keys})
+        report = Report(options={"rows": args.rows, "keys": args.keys, "rounds": args.rounds})
         for name in chosen:
             module = importlib.import_module(f"benchmarks.bench_{name}")
             print(f"\n=== {module.TITLE}", flush=True)

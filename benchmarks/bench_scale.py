@@ -2,8 +2,9 @@
 
 Two schemas hold copies of ``leases_lease`` and ``idempotency_key`` made with ``LIKE ...
 INCLUDING ALL`` after ``migrate``, so each has every index the migrations define: ``scale_small``
-(100 rows each) and ``scale_big`` (``--rows`` lease rows, default 1,000,000, and ``--keys``
-keys, default ten times as many), filled in SQL with ``generate_series`` and ``VACUUM ANALYZE``d.
+(300 rows each, a third of them held or started, so every filtered page is full) and
+``scale_big`` (``--rows`` lease rows, default 1,000,000, and ``--keys`` keys, default ten times
+as many), filled in SQL with ``generate_series`` and ``VACUUM ANALYZE``d.
 A connection's ``search_path`` decides which copy it sees; every other table stays in
 ``public``. Rounds alternate small and big, so the load waves of a shared machine land on both:
 on such a machine absolute numbers are noise and the ratios big/small of one run are the result.
@@ -11,9 +12,12 @@ on such a machine absolute numbers are noise and the ratios big/small of one run
 Measured per operation (p50 and p99): acquire, renew and release on the database backend;
 ``@idempotent`` first request and replay; the admin's leases and idempotency-key changelists,
 page 1 and a filtered page, through Django's test client; ``manage.py leases list``. Then, on
-the big tables only: the peak RSS of ``manage.py leases list`` in a process of its own, and a
-probe inserting a key every 20 ms while ``purge_idempotency_keys`` deletes the expired ones (half
-of the generated keys), its worst insert latency reported.
+the big tables only: the peak RSS of ``manage.py leases list`` (and of ``--limit 0``) in a
+process of its own; a probe inserting a key every 20 ms, first alone, then while
+``purge_idempotency_keys`` deletes the expired keys (half of them); and a probe acquiring and
+releasing a new name every 20 ms, alone, then while ``manage.py leases prune`` deletes the
+released lease rows (nearly all of them). ``--rounds 1`` turns it into a quick check of all
+this, without timing anything (``tests/test_scale.py`` runs it at 10,000 rows).
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.db import close_old_connections, connection
+from django.db import connection
 from django.db.backends.signals import connection_created
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.test import Client, RequestFactory, override_settings
@@ -42,38 +47,53 @@ from demo_project.payments.scopes import by_api_key
 from idempotency import idempotent
 from leases.backends import get_backend
 from leases.backends.database import Backend
+from leases.models import Lease
 
-TITLE = "scale: 1M lease rows and 10M idempotency keys vs 100 rows, interleaved"
+TITLE = "scale: 1M lease rows and 10M idempotency keys vs 300 rows, interleaved"
 
 SMALL, BIG = "scale_small", "scale_big"
-SMALL_ROWS = 100
+#: The small tables: 300 rows each, one in three held / expired / free and one key in three
+#: ``started``, so each filtered admin page shows a full page (100 rows) at both sizes: a
+#: page of 0 rows against a page of 100 would measure the template, not the table.
+SMALL_ROWS = 300
+SMALL_EVERY = 3
+#: On the big tables: one lease row in a thousand held (and one expired with a holder), one
+#: key in ten thousand ``started``.
+BIG_LEASES_EVERY = 1000
+BIG_KEYS_EVERY = 10000
 TABLES = ("leases_lease", "idempotency_key")
 ROUNDS = 7
 TTL = 30.0
+#: The purge's and the prune's ``--batch-size`` (their defaults).
+PURGE_BATCH = 1000
+PRUNE_BATCH = 250
 
-#: Lease rows: one in a thousand held (for a day), one in a thousand held by a holder that
-#: crashed (expired with its holder set), the rest released; tokens spread over 1..50.
+#: Lease rows: one in ``every`` (a thousand on the big table) held for a day, one in ``every``
+#: held by a holder that crashed (expired with its holder set), the rest released; tokens spread
+#: over 1..50.
 FILL_LEASES_SQL = """
 INSERT INTO {schema}.leases_lease
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
 SELECT 'job:' || lpad(g::text, 9, '0'),
-       CASE WHEN g %% 1000 IN (0, 1) THEN 'host-' || (g %% 7) || ':' || g ELSE '' END,
+       CASE WHEN g %% %(every)s IN (0, 1) THEN 'host-' || (g %% 7) || ':' || g ELSE '' END,
        1 + g %% 50, now() - interval '1 hour',
-       CASE WHEN g %% 1000 = 0 THEN now() + interval '1 day' ELSE now() - interval '1 hour' END,
-       NULL, '{{}}', CASE WHEN g %% 1000 IN (0, 1) THEN sha256(g::text::bytea) END
+       CASE WHEN g %% %(every)s = 0 THEN now() + interval '1 day'
+            ELSE now() - interval '1 hour' END,
+       NULL, '{{}}', CASE WHEN g %% %(every)s IN (0, 1) THEN sha256(g::text::bytea) END
 FROM generate_series(1, %(rows)s) AS g
 """
-#: Keys created over the last two days with a TTL of one day: half are expired (the purge's
-#: work), one in ten thousand is still ``started``; a thousand client scopes.
+#: Keys created evenly over the last two days with a TTL of one day: half are expired (the purge's
+#: work), one in ``every`` (ten thousand on the big table) is still ``started``; a thousand
+#: client scopes.
 FILL_KEYS_SQL = """
 INSERT INTO {schema}.idempotency_key (scope, key, fingerprint, state, owner, locked_until,
     response_status, response_headers, response_body, created_at, expires_at)
 SELECT 'client:' || (g %% 1000), 'key-' || g, md5(g::text),
-       CASE WHEN g %% 10000 = 0 THEN 'started' ELSE 'completed' END,
-       NULL, CASE WHEN g %% 10000 = 0 THEN now() + interval '1 minute' END,
+       CASE WHEN g %% %(every)s = 0 THEN 'started' ELSE 'completed' END,
+       NULL, CASE WHEN g %% %(every)s = 0 THEN now() + interval '1 minute' END,
        201, '[]'::jsonb, '{{"id": 1}}'::bytea,
-       now() - (g %% 172800) * interval '1 second',
-       now() - (g %% 172800) * interval '1 second' + interval '1 day'
+       now() - (g::bigint * 172800 / %(rows)s) * interval '1 second',
+       now() - (g::bigint * 172800 / %(rows)s) * interval '1 second' + interval '1 day'
 FROM generate_series(1, %(rows)s) AS g
 """
 
@@ -87,13 +107,20 @@ def _set_search_path(sender: Any, connection: Any, **kwargs: Any) -> None:
 
 
 def _fill(schema: str, leases: int, keys: int) -> None:
+    small = schema == SMALL
     with connection.cursor() as cursor:
         cursor.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         cursor.execute(f"CREATE SCHEMA {schema}")
         for table in TABLES:
             cursor.execute(f"CREATE TABLE {schema}.{table} (LIKE public.{table} INCLUDING ALL)")
-        cursor.execute(FILL_LEASES_SQL.format(schema=schema), {"rows": leases})
-        cursor.execute(FILL_KEYS_SQL.format(schema=schema), {"rows": keys})
+        cursor.execute(
+            FILL_LEASES_SQL.format(schema=schema),
+            {"rows": leases, "every": SMALL_EVERY if small else BIG_LEASES_EVERY},
+        )
+        cursor.execute(
+            FILL_KEYS_SQL.format(schema=schema),
+            {"rows": keys, "every": SMALL_EVERY if small else BIG_KEYS_EVERY},
+        )
         for table in TABLES:
             cursor.execute(f"VACUUM ANALYZE {schema}.{table}")
 
@@ -108,6 +135,8 @@ def _use(schema: str, backend: Backend) -> None:
 
 
 def _percentiles(samples: list[float]) -> tuple[float, float]:
+    if len(samples) < 2:  # a one-round check
+        return samples[0], samples[0]
     cuts = statistics.quantiles(samples, n=100, method="inclusive")
     return cuts[49], cuts[98]
 
@@ -117,8 +146,10 @@ def _lease_ops(backend: Backend, rows: int) -> dict[str, Callable[[], Any]]:
     grants: list[Any] = []
 
     def acquire() -> None:
-        g = random.randint(1, rows if _schema["current"] == BIG else SMALL_ROWS)
-        g += 2 if g % 1000 in (0, 1) else 0
+        big = _schema["current"] == BIG
+        every = BIG_LEASES_EVERY if big else SMALL_EVERY
+        g = random.randint(1, rows if big else SMALL_ROWS)
+        g += 2 - g % every if g % every in (0, 1) else 0  # a released name: held ones are taken
         grant = backend.try_acquire(f"job:{g:09d}", "bench-scale", TTL)
         assert grant is not None
         grants.append(grant)
@@ -186,11 +217,11 @@ def _command_ops() -> dict[str, Callable[[], Any]]:
 
 
 def _measure(
-    backend: Backend, groups: list[tuple[dict[str, Callable[[], Any]], int]]
+    backend: Backend, rounds: int, groups: list[tuple[dict[str, Callable[[], Any]], int]]
 ) -> dict[tuple[str, str], list[float]]:
     """Rounds alternate the two schemas; each op of each group runs ``ops`` times a round."""
     samples: dict[tuple[str, str], list[float]] = {}
-    for round_ in range(ROUNDS + 1):
+    for round_ in range(rounds + 1):
         for schema in (SMALL, BIG) if round_ % 2 else (BIG, SMALL):
             _use(schema, backend)
             for ops, count in groups:
@@ -205,51 +236,119 @@ def _measure(
     return samples
 
 
-def _peak_rss_of_listing() -> int:
-    """KiB: ``manage.py leases list`` in a process of its own, seeing the big tables."""
-    env = {**os.environ, "PGOPTIONS": f"-c search_path={BIG},public"}
-    proc = subprocess.Popen(
-        [sys.executable, "manage.py", "leases", "list"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
-    return int(usage.ru_maxrss)
+def _big_tables_env() -> dict[str, str]:
+    """The environment of a ``manage.py`` process of its own that sees the big tables.
+
+    The search path rides in ``DATABASE_URL``'s ``options`` (not ``PGOPTIONS``, which libpq
+    ignores for a connection that sets ``options`` itself, as the backends' own connections
+    do to force ``synchronous_commit``), so Django's connection and the backend's see them.
+    """
+    url = urlsplit(os.environ["DATABASE_URL"])
+    query = urlencode({"options": f"-c search_path={BIG},public"})
+    return {**os.environ, "DATABASE_URL": urlunsplit(url._replace(query=query))}
 
 
-def _purge_probe(backend: Backend, batch: int) -> tuple[int, list[float], float]:
-    """Insert a key every 20 ms while the purge runs; returns (probes, latencies, seconds)."""
-    _use(BIG, backend)
+def _peak_rss_of_listing(*args: str) -> tuple[int, int]:
+    """KiB, and the lease lines it printed: ``manage.py leases list *args`` in a process of
+    its own, seeing the big tables."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "leases", "list", *args],
+            env=_big_tables_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        output = out.read()
+    assert proc.returncode == 0, output
+    return int(usage.ru_maxrss), sum(1 for line in output.splitlines() if line.startswith("lease "))
+
+
+#: The longest a purge or prune may take here (ten million keys take minutes, not this).
+COMMAND_TIMEOUT = 1800.0
+#: How long the probe runs alone before the command starts: its latency without the command.
+BASELINE = 10.0
+
+
+def _probe_beside(
+    command: list[str], probe: Callable[[], Any], baseline: float
+) -> tuple[list[float], list[float], float, str]:
+    """Call ``probe`` every 20 ms for ``baseline`` seconds, then while ``manage.py
+    <command>`` runs in a process of its own (as an operator runs it: a thread here would share
+    this process's GIL with the probe and time Python, not the database).
+
+    Returns the probe's latencies alone and beside the command, the command's seconds and its
+    last progress line. On a shared machine the probe alone shows what the machine costs; the
+    difference is what the command costs.
+    """
+
+    def probing(until: Callable[[], bool]) -> list[float]:
+        latencies = []
+        while not until():
+            start = time.perf_counter()
+            probe()
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+        return latencies
+
+    alone_until = time.perf_counter() + baseline
+    alone = probing(lambda: time.perf_counter() >= alone_until)
+    started = time.perf_counter()
+    # Its progress goes to a file: a pipe nobody reads until the end fills up and stops it.
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        subprocess.Popen(
+            [sys.executable, "manage.py", *command],
+            env=_big_tables_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ) as proc,
+    ):
+        beside = probing(
+            lambda: proc.poll() is not None or time.perf_counter() - started > COMMAND_TIMEOUT
+        )
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        out.seek(0)
+        output = out.read()
+    assert proc.returncode == 0, output
+    progress = [line for line in output.splitlines() if line.startswith("[")]
+    return alone, beside, time.perf_counter() - started, progress[-1] if progress else ""
+
+
+def _summary(latencies: list[float]) -> str:
+    p50, p99 = _percentiles(latencies) if latencies else (0.0, 0.0)
+    worst = max(latencies, default=0.0)
+    return f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms"
+
+
+def _key_insert_probe() -> None:
     from idempotency.store import begin
 
-    latencies: list[float] = []
-    done = threading.Event()
+    begin("bench-probe", uuid.uuid4().hex, "f" * 64, ttl=3600.0, lock_timeout=30.0)
 
-    def purge() -> None:
-        try:
-            call_command("purge_idempotency_keys", batch_size=batch, stdout=io.StringIO())
-        finally:
-            close_old_connections()
-            done.set()
 
-    worker = threading.Thread(target=purge)
-    started = time.perf_counter()
-    worker.start()
-    while not done.is_set():
-        start = time.perf_counter()
-        begin("bench-probe", uuid.uuid4().hex, "f" * 64, ttl=3600.0, lock_timeout=30.0)
-        latencies.append(time.perf_counter() - start)
-        time.sleep(0.02)
-    worker.join()
-    return len(latencies), latencies, time.perf_counter() - started
+def _acquire_probe(backend: Backend) -> Callable[[], None]:
+    """Acquire and release a new name: the insert path the prune's lock holds back."""
+
+    def probe() -> None:
+        grant = backend.try_acquire(f"probe:{uuid.uuid4().hex}", "bench-probe", TTL)
+        assert grant is not None
+        backend.release(grant)
+
+    return probe
 
 
 def main(report: Report) -> None:
     rows = int(report.options.get("rows") or 1_000_000)
     keys = int(report.options.get("keys") or 10 * rows)
+    rounds = int(report.options.get("rounds") or ROUNDS)
+    baseline = BASELINE if rounds > 1 else 0.5  # a one-round run checks, it does not time
     started = time.perf_counter()
     _fill(SMALL, SMALL_ROWS, SMALL_ROWS)
     _fill(BIG, rows, keys)
@@ -276,6 +375,7 @@ def main(report: Report) -> None:
     try:
         samples = _measure(
             backend,
+            rounds,
             [
                 (_lease_ops(backend, rows), 50),
                 (idempotent_ops, 30),
@@ -284,15 +384,29 @@ def main(report: Report) -> None:
             ],
         )
         _table(report, samples, rows, keys)
+        for args in ([], ["--limit", "0"]):
+            rss, listed = _peak_rss_of_listing(*args)
+            report.note(
+                f"peak RSS of manage.py leases list {' '.join(args)}".rstrip()
+                + f" at {rows:,} rows: {rss / 1024:.0f} MiB ({listed:,} lease lines)"
+            )
+        _use(BIG, backend)
+        command = ["purge_idempotency_keys", "--batch-size", str(PURGE_BATCH)]
+        alone, beside, seconds, progress = _probe_beside(command, _key_insert_probe, baseline)
         report.note(
-            f"peak RSS of manage.py leases list at {rows:,} rows: "
-            f"{_peak_rss_of_listing() / 1024:.0f} MiB"
+            f"purge of the expired keys of {keys:,}, --batch-size {PURGE_BATCH}: {seconds:.0f} s"
+            f" ({progress}); a key insert every 20 ms: alone {_summary(alone)}; during the "
+            f"purge ({len(beside)} inserts) {_summary(beside)}"
         )
-        probes, latencies, seconds = _purge_probe(backend, 1000)
-        p50, p99 = _percentiles(latencies) if len(latencies) > 2 else (0.0, 0.0)
+        command = ["leases", "prune", "--older-than", "30m", "--batch-size", str(PRUNE_BATCH)]
+        probe = _acquire_probe(backend)
+        alone, beside, seconds, progress = _probe_beside(command, probe, baseline)
+        left = Lease.objects.count()
         report.note(
-            f"purge of the expired keys ({seconds:.0f} s): {probes} probe inserts every 20 ms, "
-            f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms"
+            f"prune of the released lease rows of {rows:,}, --batch-size {PRUNE_BATCH}: "
+            f"{seconds:.0f} s ({progress}), {left:,} rows left; an acquire+release of a new "
+            f"name every 20 ms: alone {_summary(alone)}; during the prune ({len(beside)}) "
+            f"{_summary(beside)}"
         )
     finally:
         hosts.disable()

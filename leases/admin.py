@@ -300,6 +300,7 @@ class BackendLeaseAdmin(_ReadOnlyAdmin):
             rows=rows,
             limit=BACKEND_PAGE_LIMIT if len(infos) >= BACKEND_PAGE_LIMIT else None,
             waiters=waiters,
+            backend_waiters=operations.backend_waiters(),
             errors=errors,
             can_release=request.user.has_perm(operations.FORCE_RELEASE_PERMISSION),
         )

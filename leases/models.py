@@ -1,7 +1,9 @@
 """Tables of the ``leases`` app.
 
-``Lease`` rows are never deleted by the package: a row carries the name's token counter, and
-deleting it would restart tokens at 1 and let a stale holder's writes through every fence.
+A ``Lease`` row carries its name's token counter: deleting it would restart the name's tokens at
+1 and let a stale holder's writes through every fence. Only ``manage.py leases prune`` deletes
+rows (of names unused for a long time), and it first raises :class:`TokenFloor`, above which
+every new row's tokens start.
 """
 
 from __future__ import annotations
@@ -47,6 +49,30 @@ class Lease(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} (token {self.token})"
+
+
+class TokenFloor(models.Model):
+    """Every token ever given to a lease row that was since pruned is at most ``token``.
+
+    A pruned name's row (and its counter) is gone, so its next grant makes a new row; new rows
+    start at ``token + 1`` instead of 1 (see ``manage.py leases prune``), which keeps a pruned
+    name's tokens increasing. One row (``id = 1``), written only by the prune.
+    """
+
+    id = models.SmallIntegerField(primary_key=True, default=1)
+    token = models.BigIntegerField(default=0)
+    #: When the last prune raised it, and how many rows prunes removed in all (for operators).
+    raised_at = models.DateTimeField(null=True, blank=True)
+    pruned_rows = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "leases_token_floor"
+        constraints = [
+            models.CheckConstraint(condition=models.Q(id=1), name="leases_token_floor_one_row")
+        ]
+
+    def __str__(self) -> str:
+        return f"new lease rows start above token {self.token}"
 
 
 class Fence(models.Model):

@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from . import conf, revocation
 from .backends import get_backend
-from .backends.base import LeaseInfo
+from .backends.base import LeaseInfo, LeaseWaiter
 from .databases import migrated_databases
 from .errors import InvalidFencingToken, LeaseError, LeaseNotHeld
 from .holders import Holder, parse_holder
@@ -38,6 +38,7 @@ __all__ = [
     "advisory_databases",
     "advisory_locks",
     "all_leases",
+    "backend_waiters",
     "force_release",
     "lease_state",
     "lease_waiters",
@@ -172,8 +173,21 @@ def advisory_locks(using: str | None = None) -> list[AdvisoryLockRow]:
 def lease_waiters(using: str | None = None) -> list[AdvisoryLockRow]:
     """Who waits for which lease, from the waiting rooms: the one inside the room (granted)
     is next in line, the others queue behind it. Waiters a backend does not queue in a room
-    (Redis's, or overflow past the room's limits) are not visible here."""
+    (overflow past the room's limits) are not visible here; those of backends that show
+    their own are :func:`backend_waiters`."""
     return [row for row in advisory_locks(using) if row.room_of]
+
+
+def backend_waiters() -> list[LeaseWaiter]:
+    """Waiters every configured backend reports itself (Redis and Redlock: the connections
+    blocked waiting), longest waiting first. A backend that is down hides only its own."""
+    found: list[LeaseWaiter] = []
+    for alias in conf.get().backends:
+        try:
+            found.extend(get_backend(alias).waiters())
+        except LeaseError as exc:
+            logger.debug("leases: waiters of backend %r unavailable: %s", alias, exc)
+    return sorted(found, key=lambda w: (w.since is None, w.since, w.name, w.backend))
 
 
 def _advisory_row(row: tuple[Any, ...], rooms: dict[int, str]) -> AdvisoryLockRow:

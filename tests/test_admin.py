@@ -270,8 +270,14 @@ def test_lease_waiters_are_listed_and_their_rooms_labelled(client: Client) -> No
 
     from leases.lease import acquire
     from leases.operations import lease_waiters
+    from tests.clusters import etcd_ready, zookeeper_ready
     from tests.waiting import wait_until
 
+    # The every-backend page asks each configured backend; one whose cluster has not started
+    # in this worker answers only after its connect timeout, long enough for the queued
+    # waiter to leave the room before the page is read. Start them first.
+    etcd_ready()
+    zookeeper_ready()
     name = f"waited-{uuid.uuid4().hex[:8]}"
     held = acquire(name, ttl=30)
     got: list[Any] = []

@@ -6,8 +6,12 @@ These are the correctness parts of ``./scripts/bench scale``; the benchmark meas
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +21,12 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from benchmarks.bench_scale import FILL_KEYS_SQL, FILL_LEASES_SQL
+from benchmarks.bench_scale import (
+    BIG_KEYS_EVERY,
+    BIG_LEASES_EVERY,
+    FILL_KEYS_SQL,
+    FILL_LEASES_SQL,
+)
 from leases import admin as leases_admin
 from leases.paginator import EstimatedCountPaginator
 
@@ -37,8 +46,12 @@ PAGES = [
 @pytest.fixture
 def big_tables() -> None:
     with connection.cursor() as cursor:
-        cursor.execute(FILL_LEASES_SQL.format(schema="public"), {"rows": ROWS})
-        cursor.execute(FILL_KEYS_SQL.format(schema="public"), {"rows": ROWS})
+        cursor.execute(
+            FILL_LEASES_SQL.format(schema="public"), {"rows": ROWS, "every": BIG_LEASES_EVERY}
+        )
+        cursor.execute(
+            FILL_KEYS_SQL.format(schema="public"), {"rows": ROWS, "every": BIG_KEYS_EVERY}
+        )
         cursor.execute("ANALYZE leases_lease")
         cursor.execute("ANALYZE idempotency_key")
 
@@ -137,3 +150,51 @@ def test_the_migrations_build_the_scale_indexes(
         (definition,) = cursor.fetchone()
     if predicate:
         assert predicate in definition.split(" WHERE ", 1)[1]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL_RUN = ["--rows", "10000", "--keys", "10000", "--rounds", "1"]
+#: Every operation the benchmark's table must have measured at both sizes.
+MEASURED = [
+    "acquire",
+    "renew",
+    "release",
+    "idempotent first request",
+    "idempotent replay",
+    "admin leases page 1",
+    "admin leases held",
+    "admin keys page 1",
+    "admin keys started",
+    "manage.py leases list",
+]
+
+
+def test_the_scale_benchmark_runs_end_to_end_at_10000_rows() -> None:
+    """``./scripts/bench scale`` with :data:`SMALL_RUN`, as CI's check that the benchmark
+    still works (what it times is not asserted): every operation ran at both sizes (each
+    asserts its own result), the listings printed what they should, the purge deleted the
+    expired keys and the prune the old released rows while the probes kept working. On
+    throwaway servers of its own, so nothing of this run's databases is touched."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "scale", *SMALL_RUN],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    for operation in MEASURED:
+        assert re.search(rf"^  {re.escape(operation)} +\d", out, re.MULTILINE), operation
+    assert "leases list at 10,000 rows:" in out and "(100 lease lines)" in out
+    assert "--limit 0 at 10,000 rows:" in out and "(10,000 lease lines)" in out
+    purge = re.search(r"purge of the expired keys of 10,000.*\[#{30}\] (\d+)/(\d+)", out)
+    assert purge and purge[1] == purge[2] and int(purge[1]) > 4000, out
+    prune = re.search(r"rows read, (\d+) pruned.*?, ([\d,]+) rows left", out)
+    assert prune and int(prune[1]) > 9000, out
+    assert int(prune[2].replace(",", "")) >= 20  # the rows with a holder stay

@@ -15,6 +15,7 @@ import psycopg
 
 from ..errors import BackendUnavailable, FencingUnavailable
 from ._pgconn import PrivateConnection
+from ._pruning import FLOOR_SQL
 
 __all__ = ["DurableCounter"]
 
@@ -28,12 +29,13 @@ RETURNING token
 
 #: Next token of a lease name, in the database backend's own row for the name, so a name's
 #: tokens keep increasing even when it moves between the database and Redlock backends. Only the
-#: counter moves: the row stays free (empty holder) for the database backend.
-BUMP_LEASE_SQL = """
-INSERT INTO leases_lease (name, holder, token, meta) VALUES (%s, '', 1, '{}')
+#: counter moves: the row stays free (empty holder) for the database backend. A new row starts
+#: above every pruned token (:data:`~._pruning.FLOOR_SQL`).
+BUMP_LEASE_SQL = f"""
+INSERT INTO leases_lease (name, holder, token, meta) VALUES (%s, '', {FLOOR_SQL}, '{{}}')
 ON CONFLICT (name) DO UPDATE SET token = leases_lease.token + 1
 RETURNING token
-"""
+"""  # noqa: S608
 
 CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
 

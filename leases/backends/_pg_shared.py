@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ._pruning import FLOOR_SQL
 from .base import Grant
 
 __all__ = [
@@ -64,14 +65,15 @@ _ENTRY_LIVE = f"({_MINE}->>'h' = %(holder)s AND ({_MINE}->>'e')::float8 > {_NOW}
 _SECRET = f"({_MINE}->>'s' = encode(sha256(%(secret)s::bytea), 'hex'))"
 
 #: Join the live group of ``name``, or start one on a free or expired row, unless a writer
-#: waits; the reader's token is the row's next. Like the exclusive acquire, a held row (or a
+#: waits; the reader's token is the row's next (a new row's first is above every pruned token,
+#: :data:`~._pruning.FLOOR_SQL`). Like the exclusive acquire, a held row (or a
 #: waiting writer) makes the probe false and nothing is locked or written.
 SHARED_ACQUIRE_SQL = f"""
 INSERT INTO leases_lease AS l
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
-SELECT %(name)s::text, %(group)s::text, 1, clock_timestamp(),
+SELECT %(name)s::text, %(group)s::text, {FLOOR_SQL}, clock_timestamp(),
        clock_timestamp() + make_interval(secs => %(ttl)s), NULL,
-       jsonb_build_object('readers', jsonb_build_object('1', {_ENTRY})), NULL
+       jsonb_build_object('readers', jsonb_build_object(({FLOOR_SQL})::text, {_ENTRY})), NULL
 WHERE NOT EXISTS (
     SELECT 1 FROM leases_lease AS l
     WHERE l.name = %(name)s::text AND (

@@ -10,6 +10,7 @@ eviction-policy deploy check, and the one place where redis-py's errors become
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any
@@ -209,27 +210,44 @@ async def acall(client: Any, command: tuple[object, ...]) -> Any:
     return response if parse is None else parse(response)
 
 
-async def ablpop(client: Any, key: str, wait: float) -> Any:
+async def ablpop(client: Any, key: str, wait: float, label: str | None = None) -> Any:
     """:func:`blpop` for ``redis.asyncio``: at most ``wait`` seconds, ``None`` when nothing was
     pushed. The caller's deadline ends the wait (``asyncio.timeout``), not the server's timer
-    (:data:`BLPOP_SLACK`); redis-py drops a connection whose command was cancelled."""
+    (:data:`BLPOP_SLACK`); redis-py drops a connection whose command was cancelled. ``label``
+    names the connection first, in the same round trip (see :func:`send`)."""
     try:
         async with asyncio.timeout(wait):
-            return await client.blpop([key], timeout=wait + BLPOP_SLACK)
+            if label is None or not hasattr(client, "connection_pool"):
+                return await client.blpop([key], timeout=wait + BLPOP_SLACK)
+            pipe = client.pipeline(transaction=False)
+            pipe.client_setname(label).blpop([key], timeout=wait + BLPOP_SLACK)
+            reply = (await pipe.execute(raise_on_error=False))[1]
+            if isinstance(reply, Exception):  # the wait's own error; the name's is ignored
+                raise reply
+            return reply
     except TimeoutError:
         return None
 
 
-def send(client: Any, command: tuple[object, ...]) -> Any:
+def send(client: Any, command: tuple[object, ...], label: str | None = None) -> Any:
     """Send ``command`` on a pooled connection without waiting for the reply.
 
     With :func:`receive` this lets a caller talk to several servers at once (Redlock) or wait
     longer than the client's socket timeout for one blocking command. Errors propagate.
+    ``label`` names the connection first (``CLIENT SETNAME``, in the same packet), so
+    ``CLIENT LIST`` can tell who waits (see ``_redis_waiters``); a server that refuses the name
+    (an ACL) still runs ``command``.
     """
     pool = client.connection_pool
     connection = pool.get_connection()
     try:
-        connection.send_command(*command)
+        if label is None:
+            connection.send_command(*command)
+        else:
+            named = ("CLIENT", "SETNAME", label)
+            connection.send_packed_command(connection.pack_commands([named, command]))
+            with contextlib.suppress(redis.ResponseError):  # the name's OK: ``command`` is sent
+                connection.read_response()
     except BaseException:
         connection.disconnect()
         pool.release(connection)
@@ -272,7 +290,7 @@ def blpop_command(key: str, wait: float) -> tuple[str, str, str]:
     return ("BLPOP", key, f"{wait + BLPOP_SLACK:.3f}")
 
 
-def blpop(client: Any, key: str, wait: float) -> Any:
+def blpop(client: Any, key: str, wait: float, label: str | None = None) -> Any:
     """``BLPOP key`` for at most ``wait`` seconds: ``None`` when nothing was pushed by then.
 
     The deadline is the socket read's (see :data:`BLPOP_SLACK`), so a short client socket
@@ -283,7 +301,7 @@ def blpop(client: Any, key: str, wait: float) -> Any:
         return client.blpop([key], timeout=wait)
     command = blpop_command(key, wait)
     try:
-        return receive(client, send(client, command), command, wait)
+        return receive(client, send(client, command, label), command, wait)
     except redis.TimeoutError:
         return None  # the deadline; ``receive`` dropped the connection and its BLPOP
 

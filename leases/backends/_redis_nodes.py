@@ -34,10 +34,11 @@ class Node:
         self.location = location
         self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
 
-    def send(self, command: tuple[object, ...]) -> Any:
-        """Send ``command`` without waiting; ``None`` if the node could not be reached."""
+    def send(self, command: tuple[object, ...], label: str | None = None) -> Any:
+        """Send ``command`` without waiting; ``None`` if the node could not be reached.
+        ``label`` names the connection first (see :func:`~._redis_io.send`)."""
         try:
-            return send(self.client, command)
+            return send(self.client, command, label)
         except (redis.RedisError, OSError):
             return None
 

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import enum
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,13 +32,20 @@ from ..errors import BackendNotSupported, LeasesImproperlyConfigured
 
 __all__ = [
     "FORGED",
+    "PRUNE_BATCH",
     "Capability",
     "Grant",
     "LeaseBackend",
     "LeaseInfo",
+    "LeaseWaiter",
     "new_secret",
     "not_revoked",
 ]
+
+
+#: Rows a prune reads (and may delete) per transaction by default: small, because a batch holds
+#: up the writes of the store's table while it runs (a few milliseconds).
+PRUNE_BATCH = 250
 
 
 class Capability(enum.StrEnum):
@@ -54,6 +61,8 @@ class Capability(enum.StrEnum):
     DURABLE = "durable"
     #: Its leases are the rows of :class:`leases.models.Lease` (the admin's changelist).
     LEASE_ROWS = "lease rows"
+    #: ``prune`` deletes what the store keeps of names unused for a long time, tokens safe.
+    PRUNE = "prune"
     #: ``try_acquire_shared``: readers that hold a name together, excluded by an exclusive
     #: grant, with tokens from the name's one sequence (``lease(name, shared=True)``).
     SHARED_LEASES = "shared leases"
@@ -105,6 +114,20 @@ class LeaseInfo:
     def rank(self) -> tuple[int, str]:
         """Held first, then the rest (expired or free); by name within each."""
         return (0 if self.held else 1, self.name)
+
+
+@dataclass(frozen=True)
+class LeaseWaiter:
+    """Someone waiting for a name now, as the store sees it (operators' views)."""
+
+    name: str
+    backend: str
+    #: The waiting process: ``host:pid:thread``.
+    who: str
+    #: When its wait began (its own clock).
+    since: datetime | None = None
+    #: Where it waits (a server, a connection), for an operator looking for it.
+    where: str = ""
 
 
 class LeaseBackend(abc.ABC):
@@ -294,6 +317,33 @@ class LeaseBackend(abc.ABC):
         can compare and write in one request.
         """
         raise BackendNotSupported(self.alias, Capability.FORCE_RELEASE.value)
+
+    def prune(
+        self,
+        older_than: float,
+        *,
+        batch_size: int = PRUNE_BATCH,
+        progress: Callable[[int, int, int], None] | None = None,
+        dry_run: bool = False,
+    ) -> int:
+        """Forget the names nobody has held for ``older_than`` seconds; returns how many.
+
+        For stores that keep a record of every name ever used (the database backend's rows).
+        It must not let a token go backwards: a pruned name's next grant gets a token higher
+        than any it ever had. Works in bounded batches (``batch_size``), calling
+        ``progress(read, pruned, total estimate)`` after each; ``dry_run`` only counts.
+        Stores that forget expired names by themselves do not support it.
+        """
+        raise BackendNotSupported(self.alias, Capability.PRUNE.value)
+
+    def waiters(self) -> list[LeaseWaiter]:
+        """Who waits for which name now, for operators' views.
+
+        Backends whose waiters the store can show implement it (Redis and Redlock, from the
+        blocked connections). The database backend's waiters queue in advisory locks, which
+        the admin lists from ``pg_locks`` through :meth:`internal_advisory_locks`.
+        """
+        return []
 
     def internal_advisory_locks(self) -> dict[int, str]:
         """PostgreSQL advisory keys this backend locks for its own purposes, and for which lease.

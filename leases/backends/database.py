@@ -50,23 +50,34 @@ from ._pg_shared import (
 )
 from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
+from ._pruning import FLOOR_SQL, Progress, prune_rows
 from ._waiting_room import ROOM_CONNECTIONS, ROOM_GRACE, ROOM_TIMEOUT, WaitingRoom, room_key
-from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
+from .base import (
+    FORGED,
+    PRUNE_BATCH,
+    Capability,
+    Grant,
+    LeaseBackend,
+    LeaseInfo,
+    new_secret,
+    not_revoked,
+)
 
 __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "Backend"]
 
 #: Take ``name`` if it is free or expired, bumping its token; nothing is written when it is held.
 #: The row keeps only the SHA-256 of the grant's secret, computed here on the server, so the
-#: table (backups, replicas, anyone with SELECT) never holds the credential itself.
+#: table (backups, replicas, anyone with SELECT) never holds the credential itself. A new row's
+#: first token is above every pruned one (:data:`~._pruning.FLOOR_SQL`).
 #: A caller outside the name's waiting room (``in_room`` false) does not overtake the waiters
 #: in it: it takes the name only if nobody is in or queued for the room (the shared try-lock
 #: fails while an exclusive holder or waiter exists), or if the name has been free for longer
 #: than ``grace`` (the waiter inside is paused or gone: it must not block the name for good).
-ACQUIRE_SQL = """
+ACQUIRE_SQL = f"""
 INSERT INTO leases_lease AS l
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
-SELECT %(name)s::text, %(holder)s::text, 1, clock_timestamp(),
-       clock_timestamp() + make_interval(secs => %(ttl)s), NULL, '{}', sha256(%(secret)s::bytea)
+SELECT %(name)s::text, %(holder)s::text, {FLOOR_SQL}, clock_timestamp(),
+       clock_timestamp() + make_interval(secs => %(ttl)s), NULL, '{{}}', sha256(%(secret)s::bytea)
 WHERE NOT EXISTS (
     SELECT 1 FROM leases_lease
     WHERE name = %(name)s::text AND holder <> '' AND expires_at > clock_timestamp()
@@ -80,7 +91,7 @@ SET holder = EXCLUDED.holder, token = l.token + 1, acquired_at = EXCLUDED.acquir
     expires_at = EXCLUDED.expires_at, renewed_at = NULL, secret_hash = EXCLUDED.secret_hash
 WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
-"""
+"""  # noqa: S608
 
 #: The waiter inside the room takes the name and, when granted, leaves the room in the same
 #: trip: the next waiter in the server's lock queue is inside before this grant even commits.
@@ -175,12 +186,16 @@ INSPECT_ALL_SQL = f"""
 SELECT {_COLUMNS}
 FROM leases_lease ORDER BY name
 """  # noqa: S608
-#: Held-first listing for operators: the rows with a holder (held, then expired) come from the
-#: partial index ``leases_lease_holder_set`` (no released row read), then the first free names
-#: by the primary key; each part is cut at ``limit``, so a million rows cost what ``limit`` do.
+#: Held-first listing for operators: the rows with a holder come from the partial index
+#: ``leases_lease_holder_set`` (no released row read) in name order, held ones and expired ones
+#: apart (so neither is sorted whole), then the first free names by the primary key; each part
+#: is cut at ``limit``, so a million rows cost what ``limit`` do.
 INSPECT_HELD_FIRST_SQL = f"""
-(SELECT {_COLUMNS} FROM leases_lease WHERE holder <> ''
- ORDER BY expires_at > clock_timestamp() DESC, name LIMIT %(limit)s)
+(SELECT {_COLUMNS} FROM leases_lease WHERE holder <> '' AND expires_at > clock_timestamp()
+ ORDER BY name LIMIT %(limit)s)
+UNION ALL
+(SELECT {_COLUMNS} FROM leases_lease
+ WHERE holder <> '' AND (expires_at > clock_timestamp()) IS NOT TRUE ORDER BY name LIMIT %(limit)s)
 UNION ALL
 (SELECT {_COLUMNS} FROM leases_lease WHERE holder = '' ORDER BY name LIMIT %(limit)s)
 """  # noqa: S608
@@ -260,6 +275,7 @@ class Backend(LeaseBackend):
             Capability.FORCE_RELEASE,
             Capability.DURABLE,
             Capability.LEASE_ROWS,
+            Capability.PRUNE,
             Capability.SHARED_LEASES,
         }
     )
@@ -454,6 +470,17 @@ class Backend(LeaseBackend):
         if row[0] is None:
             raise LeaseNotHeld(name, not_revoked(token, row[2]))
         return _info(row, self.alias)
+
+    def prune(
+        self,
+        older_than: float,
+        *,
+        batch_size: int = PRUNE_BATCH,
+        progress: Progress | None = None,
+        dry_run: bool = False,
+    ) -> int:
+        """Delete the rows of names free for ``older_than`` seconds (see ``_pruning``)."""
+        return prune_rows(self.db_alias, older_than, batch_size, progress, dry_run=dry_run)
 
     def deploy_checks(self) -> list[str]:
         try:

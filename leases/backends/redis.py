@@ -69,7 +69,17 @@ from ._redis_shared import (
     STOP_READERS_LUA,
     WRITER_INTENT_MS,
 )
-from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
+from ._redis_waiters import WaitClock, label, waiters
+from .base import (
+    FORGED,
+    Capability,
+    Grant,
+    LeaseBackend,
+    LeaseInfo,
+    LeaseWaiter,
+    new_secret,
+    not_revoked,
+)
 
 __all__ = [
     "ACQUIRE_LUA",
@@ -250,6 +260,7 @@ class Backend(LeaseBackend):
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
+        self._waits = WaitClock()
         self._async: PerLoop[tuple[Any, dict[str, Any]]] = PerLoop(
             self._aclient, lambda made: made[0].aclose()
         )
@@ -361,8 +372,10 @@ class Backend(LeaseBackend):
         """
         if timeout < 0.001:  # nothing to wait for
             return False
+        wake = LeaseKeys.of(self.prefix, name).wake
+        named = label(wake, self._waits.since(name, timeout))
         with Edge(self.alias, "wait"):
-            return blpop(self.client, LeaseKeys.of(self.prefix, name).wake, timeout) is not None
+            return blpop(self.client, wake, timeout, named) is not None
 
     # -- async: the same scripts through redis.asyncio, one client per event loop ---------
 
@@ -397,8 +410,10 @@ class Backend(LeaseBackend):
         if timeout < 0.001:
             return False
         client, _ = self._async.get()
+        wake = LeaseKeys.of(self.prefix, name).wake
+        named = label(wake, self._waits.since(name, timeout))
         with Edge(self.alias, "wait"):
-            return await ablpop(client, LeaseKeys.of(self.prefix, name).wake, timeout) is not None
+            return await ablpop(client, wake, timeout, named) is not None
 
     async def aclose(self) -> None:
         await self._async.aclose()
@@ -450,6 +465,17 @@ class Backend(LeaseBackend):
             }
         infos = (self.inspect(name) for name in sorted(found))
         return [info for info in infos if info is not None]
+
+    def waiters(self) -> list[LeaseWaiter]:
+        """The waits blocked on the server now (see ``_redis_waiters``); none on a cluster."""
+        client = self.client
+        if not hasattr(client, "connection_pool"):
+            return []
+        with Edge(self.alias, "waiters"):
+            listed = client.client_list(_type="normal")
+        kwargs = client.connection_pool.connection_kwargs
+        where = f"redis {kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        return waiters(self.alias, self.prefix, listed, where)
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
         """Compare-and-revoke in one script: the stored counter decides, not a read before."""

@@ -71,7 +71,17 @@ from ._redis_io import (
 )
 from ._redis_nodes import FAILED, Node, Pending, ReplyDrain
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
-from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
+from ._redis_waiters import WaitClock, label, waiters
+from .base import (
+    FORGED,
+    Capability,
+    Grant,
+    LeaseBackend,
+    LeaseInfo,
+    LeaseWaiter,
+    new_secret,
+    not_revoked,
+)
 
 __all__ = ["REVOKE_LUA", "Backend", "node_value"]
 
@@ -156,6 +166,7 @@ class Backend(LeaseBackend):
         self._drain = ReplyDrain(alias)
         self._async: PerLoop[list[Any]] = PerLoop(self._aclients, _aclose_all)
         self._unlocking: set[asyncio.Future[Any]] = set()
+        self._waits = WaitClock()
 
     @property
     def nodes(self) -> list[Node]:
@@ -288,8 +299,10 @@ class Backend(LeaseBackend):
             return False
         started = time.monotonic()
         node = random.choice(self.nodes)
-        command = blpop_command(LeaseKeys.of(self.prefix, name).wake, timeout)
-        reply = node.answer(node.send(command), command, started + timeout)
+        wake = LeaseKeys.of(self.prefix, name).wake
+        command = blpop_command(wake, timeout)
+        named = label(wake, self._waits.since(name, timeout))
+        reply = node.answer(node.send(command, named), command, started + timeout)
         if reply is FAILED:  # the deadline, or a dead node: never a busy retry
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
@@ -380,8 +393,11 @@ class Backend(LeaseBackend):
             return False
         started = time.monotonic()
         client = random.choice(self._async.get())
+        wake = LeaseKeys.of(self.prefix, name).wake
         try:
-            reply = await ablpop(client, LeaseKeys.of(self.prefix, name).wake, timeout)
+            reply = await ablpop(
+                client, wake, timeout, label(wake, self._waits.since(name, timeout))
+            )
         except (redis.RedisError, OSError):
             await asyncio.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
@@ -389,6 +405,18 @@ class Backend(LeaseBackend):
 
     async def aclose(self) -> None:
         await self._async.aclose()
+
+    def waiters(self) -> list[LeaseWaiter]:
+        """The waits blocked on any node now (a waiter waits on one node picked at random);
+        a node that does not answer only hides its own."""
+        found: list[LeaseWaiter] = []
+        for node in self.nodes:
+            try:
+                listed = node.client.client_list(_type="normal")
+            except (redis.RedisError, OSError):
+                continue
+            found += waiters(self.alias, self.prefix, listed, f"redlock node {node.location}")
+        return found
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
         """Compare-and-revoke: the token source decides, then every node gives the grant up.

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
+import re
 from collections.abc import Iterable
 
 from django.core.management.base import CommandError
 from django.db import connections
+from django.utils.dateparse import parse_duration
 
 from leases.errors import InvalidLeaseName
 from leases.keys import validate_name
 
-__all__ = ["at_least", "database", "lease_name", "share_base_options"]
+__all__ = ["at_least", "database", "duration", "lease_name", "share_base_options"]
 
 #: The options Django's ``BaseCommand`` adds to every command's parser.
 _BASE_DESTS = frozenset(
@@ -68,3 +71,25 @@ def lease_name(name: str) -> str:
         return validate_name(name)
     except InvalidLeaseName as exc:
         raise CommandError(str(exc)) from None
+
+
+#: Seconds per unit of a short duration (``90d``, ``12h``, ``30m``, ``45s``).
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(option: str, text: str) -> float:
+    """Seconds in ``text``: ``90d``, ``12h``, ``30m``, ``45s``, a bare number of seconds, or
+    what Django's ``parse_duration`` reads (``P90D``, ``3 12:00:00``); never negative."""
+    short = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if short:
+        seconds = float(short[1]) * _UNITS[short[2] or "s"]
+    else:
+        parsed = parse_duration(text)
+        if parsed is None:
+            raise CommandError(
+                f"{option} must be a duration such as 90d, 12h, 30m or 45s, not {text!r}"
+            )
+        seconds = parsed.total_seconds()
+    if not math.isfinite(seconds):
+        raise CommandError(f"{option} must be finite, not {text!r}")
+    return at_least(option, seconds, 0)

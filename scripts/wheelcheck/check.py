@@ -7,11 +7,19 @@ unnoticed; here the wheel is installed, not linked, into a fresh virtualenv that
 but it and its dependencies, and ``admin_pages.py`` GETs every admin page of both apps from
 there against a real PostgreSQL database.
 
+The test suite runs on one Django series (the project's ``.venv``); the wheel claims more
+(``Django>=5.2,<6.1``). So the wheel is also installed with each further claimed series
+(:data:`MORE_DJANGOS`) into a virtualenv of its own, made with a Python that series supports
+(Django 6 needs 3.12), where the same script migrates, runs ``check`` and ``makemigrations
+--check`` and loads every admin page. A machine without such a Python skips that series and
+says so.
+
 Downloads go through pip's own cache, so after the first run the install is offline-fast.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import secrets
 import shutil
@@ -33,6 +41,10 @@ from devservers import PostgresServer, RedisServer, configured_or_throwaway
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 PACKAGES = ("leases", "idempotency")
+#: Django series the wheel claims besides the test suite's, and the Python each needs.
+MORE_DJANGOS = [("6.0", (3, 12))]
+#: Where Pythons other than the running one are looked for (PATH first).
+PYTHON_GLOBS = ("/root/.pyenv/versions/3.*/bin/python3", "/usr/local/bin/python3.*")
 #: Top-level names a wheel of this project must never contain.
 FORBIDDEN = ("tests", "demo_project", "devservers", "benchmarks", "docs", "scripts")
 
@@ -131,13 +143,36 @@ def check_sdist(sdist: Path) -> None:
         raise SystemExit(f"{sdist.name} lacks {', '.join(missing)}")
 
 
-def fresh_install(wheel: Path, venv: Path) -> Path:
-    """A virtualenv with only the wheel and its dependencies; its Python."""
-    run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+def fresh_install(
+    wheel: Path, venv: Path, base: str = sys.executable, django: str | None = None
+) -> Path:
+    """A virtualenv of ``base`` with only the wheel and its dependencies (``django``: that
+    series of Django, e.g. ``6.0``); its Python."""
+    run([base, "-m", "venv", "--without-pip", str(venv)])
     python = venv / "bin" / "python"
     pip = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check"]
-    run([*pip, "install", "--quiet", f"{wheel}[binary]"], env=outside_env())
+    pinned = [f"Django=={django}.*"] if django else []
+    run([*pip, "install", "--quiet", f"{wheel}[binary]", *pinned], env=outside_env())
     return python
+
+
+def python_at_least(version: tuple[int, int]) -> str | None:
+    """A Python interpreter of at least ``version`` on this machine, if there is one."""
+    names = [f"python3.{minor}" for minor in range(version[1], version[1] + 4)]
+    found = [shutil.which(name) for name in names]
+    candidates = [path for path in found if path]
+    for pattern in PYTHON_GLOBS:
+        candidates += sorted(glob.glob(pattern))
+    for candidate in candidates:
+        done = subprocess.run(
+            [candidate, "-c", "import sys, venv; print(*sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode == 0 and tuple(map(int, done.stdout.split())) >= version:
+            return candidate
+    return None
 
 
 @contextmanager
@@ -178,6 +213,16 @@ def main() -> int:
         pages = "every admin page of leases and idempotency, from the installed wheel"
         with step(pages), scratch_database() as database_url:
             load_admin_pages(python, database_url, work)
+        for series, version in MORE_DJANGOS:
+            base = python_at_least(version)
+            if base is None:
+                print(f"-- SKIPPED Django {series}: no Python {'.'.join(map(str, version))}+")
+                continue
+            venv = work / f"venv-django-{series}"
+            with step(f"install the wheel with Django {series} ({base})"):
+                python = fresh_install(wheel, venv, base, series)
+            with step(f"Django {series}: {pages}"), scratch_database() as database_url:
+                load_admin_pages(python, database_url, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"-- the wheel works ({time.monotonic() - started:.0f} s)", flush=True)

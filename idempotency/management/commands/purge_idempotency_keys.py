@@ -17,6 +17,7 @@ Bad input (``--batch-size 0``, a negative ``--sleep``, an unknown ``--database``
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
@@ -29,11 +30,19 @@ EXPIRED = """
 expires_at < clock_timestamp() AND (state <> 'started' OR locked_until < clock_timestamp())
 """
 COUNT_SQL = f"SELECT count(*) FROM idempotency_key WHERE {EXPIRED}"  # noqa: S608
+#: One batch, oldest first, from where the last one ended (``after``: its newest
+#: ``expires_at``). Without that bound every batch would walk the index entries of the rows the
+#: batches before it deleted (dead until the next VACUUM) before finding live ones: a purge of
+#: millions slowed down batch by batch. Returns the rows deleted and the newest expiry among them.
 PURGE_BATCH_SQL = f"""
-DELETE FROM idempotency_key WHERE id IN (
-    SELECT id FROM idempotency_key WHERE {EXPIRED}
-    ORDER BY expires_at LIMIT %s FOR UPDATE SKIP LOCKED
+WITH gone AS (
+    DELETE FROM idempotency_key WHERE id IN (
+        SELECT id FROM idempotency_key WHERE expires_at >= %(after)s AND {EXPIRED}
+        ORDER BY expires_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+    )
+    RETURNING expires_at
 )
+SELECT count(*), max(expires_at) FROM gone
 """  # noqa: S608
 BAR_WIDTH = 30
 
@@ -67,11 +76,13 @@ class Command(BaseCommand):
         if total == 0:
             return
         deleted = batches = 0
+        after: datetime | str = "-infinity"
         started = time.monotonic()
         while not options["max_batches"] or batches < options["max_batches"]:
             with connections[alias].cursor() as cursor:
-                cursor.execute(PURGE_BATCH_SQL, [batch])
-                count = cursor.rowcount
+                cursor.execute(PURGE_BATCH_SQL, {"after": after, "batch": batch})
+                count, newest = cursor.fetchone()
+            after = newest or after
             deleted += count
             batches += 1
             self._progress(deleted, max(total, deleted), time.monotonic() - started)

@@ -9,6 +9,11 @@ left alone), so the evicted holder's fenced writes are rejected; it needs a user
 lease rows are never deleted, so a busy shop's table has a row for every job name ever used,
 and a terminal (or a script) needs the held ones, not a million released ones.
 
+``prune --older-than 90d`` deletes the rows of names nobody has held for that long, on the
+backends that keep one per name ever used (the database backend), in batches with a progress
+line. A pruned name's next grant still gets a higher token than any it had (the backend keeps
+a floor that new rows start above), so fencing stays safe; see the guide's "At scale" page.
+
 ``list --json`` prints the same rows as one JSON object for scripts (times in ISO 8601, the
 time left in seconds). Bad input (an unknown ``--database``, an empty name, a negative
 ``--interval``) ends with one ``CommandError`` line and exit status 1.
@@ -29,12 +34,20 @@ from django.utils import timezone
 
 from leases import conf, operations
 from leases.backends import get_backend
-from leases.backends.base import LeaseInfo
+from leases.backends.base import PRUNE_BATCH, LeaseInfo
 from leases.errors import LeaseError
-from leases.management._options import at_least, database, lease_name, share_base_options
+from leases.management._options import (
+    at_least,
+    database,
+    duration,
+    lease_name,
+    share_base_options,
+)
 
 #: Leases ``list`` and ``watch`` show unless told otherwise (held first).
 DEFAULT_LIMIT = 100
+#: The prune's progress bar, in characters.
+BAR_WIDTH = 30
 HEADERS = ("KIND", "BACKEND", "NAME", "STATE", "HOLDER", "TOKEN", "EXPIRES IN", "SINCE")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -171,6 +184,19 @@ class Command(BaseCommand):
         watch.add_argument("--interval", type=float, default=2.0)
         watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
         watch.add_argument("--database")
+        prune = sub.add_parser(
+            "prune", help="delete the rows of names unused for a long time (tokens stay safe)"
+        )
+        prune.add_argument(
+            "--older-than",
+            required=True,
+            help="prune names free for at least this long: 90d, 12h, 30m, 45s",
+        )
+        prune.add_argument("--backend", default="default")
+        prune.add_argument(
+            "--batch-size", type=int, default=PRUNE_BATCH, help="rows read per transaction"
+        )
+        prune.add_argument("--dry-run", action="store_true", help="only count what would go")
         for sub_parser in (listing, watch):
             sub_parser.add_argument(
                 "--limit",
@@ -178,7 +204,7 @@ class Command(BaseCommand):
                 default=DEFAULT_LIMIT,
                 help=f"show at most N leases, held first (default {DEFAULT_LIMIT}; 0: all)",
             )
-        share_base_options(parser, [listing, show, release, terminate, watch])
+        share_base_options(parser, [listing, show, release, terminate, watch, prune])
 
     def handle(self, *args: Any, **options: Any) -> None:
         action = options["action"]
@@ -201,6 +227,14 @@ class Command(BaseCommand):
             self.show(options["name"], options["database"])
         elif action == "release":
             self.release(options["name"], options["backend"], options["token"], options["user"])
+        elif action == "prune":
+            self.prune(
+                duration("--older-than", options["older_than"]),
+                options["backend"],
+                int(at_least("--batch-size", options["batch_size"], 1)),
+                options["dry_run"],
+                options["verbosity"] > 0,
+            )
         elif action == "terminate":
             self.terminate(options["pid"], options["user"], options["yes"], options["database"])
         else:
@@ -259,6 +293,36 @@ class Command(BaseCommand):
             f"released {name!r} on {backend!r}: token {record.token} revoked (now "
             f"{record.new_token}); evicted holder {record.holder}"
         )
+
+    def prune(self, older_than: float, backend: str, batch: int, dry_run: bool, talk: bool) -> None:
+        """Through the backend (only it knows what it keeps), with a progress line per batch."""
+        if backend not in conf.get().backends:
+            raise CommandError(f"unknown backend {backend!r}")
+
+        def progress(read: int, pruned: int, total: int) -> None:
+            elapsed = time.monotonic() - started
+            rate = read / elapsed if elapsed > 0 else 0.0
+            eta = f"{(total - read) / rate:.0f}s" if rate else "?"
+            bar = "#" * (BAR_WIDTH * read // total if total else BAR_WIDTH)
+            self.stdout.write(
+                f"[{bar.ljust(BAR_WIDTH, '-')}] {read}/~{total} rows read, {pruned} pruned, "
+                f"{rate:,.0f} rows/s ETA {eta}"
+            )
+
+        started = time.monotonic()
+        try:
+            count = get_backend(backend).prune(
+                older_than,
+                batch_size=batch,
+                progress=progress if talk and not dry_run else None,
+                dry_run=dry_run,
+            )
+        except LeaseError as exc:
+            raise CommandError(str(exc)) from exc
+        if dry_run:
+            self.stdout.write(f"{count} lease row(s) free for {older_than:g}s or more")
+        elif talk:
+            self.stdout.write(self.style.SUCCESS(f"pruned {count} lease row(s) on {backend!r}"))
 
     def terminate(self, pid: int, username: str, confirmed: bool, using: str) -> None:
         """Like the admin's confirmation page: without ``--yes`` it only says what would end."""

@@ -1,0 +1,105 @@
+"""Redis and Redlock waiters are listed (who waits for which name, since when) by the backends
+themselves, and the admin's every-backend page shows them beside the database's."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from leases.backends import get_backend
+from leases.backends._redis_scripts import LeaseKeys
+from leases.backends._redis_waiters import WaitClock, label, waiters
+from leases.backends.base import LeaseWaiter
+from leases.lease import acquire
+from leases.operations import backend_waiters
+from tests.test_admin import EVERY_BACKEND, login
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize("backend", ["redis", "redlock"])
+def test_a_waiter_is_listed_while_it_waits_and_gone_after(backend: str, client: Client) -> None:
+    name = f"waited-{{odd}} name-{uuid.uuid4().hex[:8]}"
+    held = acquire(name, ttl=30, backend=backend, keepalive=False)
+    got: list[Any] = []
+    started = datetime.now(UTC)
+
+    def wait_for_it() -> None:
+        lease = acquire(name, ttl=30, timeout=20, backend=backend, keepalive=False, holder="w")
+        got.append(lease)
+        lease.release()
+
+    waiter = threading.Thread(target=wait_for_it)
+    waiter.start()
+
+    def listed() -> LeaseWaiter:
+        """The one waiter, read while it is blocked (between two BLPOPs it tries again)."""
+        found: list[LeaseWaiter] = []
+
+        def one_listed() -> bool:
+            found[:] = get_backend(backend).waiters()
+            return [w.name for w in found] == [name]
+
+        wait_until(one_listed, 10, f"the waiter to be listed by {backend}")
+        return found[0]
+
+    try:
+        seen = listed()
+        assert seen.backend == backend
+        assert seen.who.split(":")[1:] == [str(os.getpid()), str(waiter.ident)]
+        assert seen.since is not None
+        assert started - timedelta(seconds=2) <= seen.since <= datetime.now(UTC)
+        assert "client 127.0.0.1:" in seen.where
+        # a wait is a loop of BLPOPs: "since" stays when the wait began
+        wait_until(
+            lambda: (datetime.now(UTC) - started).total_seconds() > 2.5, 5, "a few BLPOP loops"
+        )
+        assert listed().since == seen.since
+        assert [w.name for w in backend_waiters() if w.backend == backend] == [name]
+
+        login(client, "view_lease")
+        page = client.get(EVERY_BACKEND).content.decode()
+        assert f'data-backend="{backend}"' in page
+        assert f"waiting on {backend}" in page
+    finally:
+        held.release()
+        waiter.join(30)
+    assert len(got) == 1
+    assert get_backend(backend).waiters() == []
+
+
+def test_nobody_waiting_says_so(client: Client) -> None:
+    login(client, "view_lease")
+    assert "Nobody waits for a lease." in client.get(EVERY_BACKEND).content.decode()
+
+
+def test_only_blocked_connections_of_this_prefix_count() -> None:
+    key = LeaseKeys.of("leases:", "a:{b} c").wake
+    named = label(key, 1_700_000_000)
+    other = label(LeaseKeys.of("other:", "a").wake, 1_700_000_000)
+    listed = [
+        {"name": named, "flags": "b", "addr": "127.0.0.1:1"},
+        {"name": named, "flags": "N", "addr": "127.0.0.1:2"},  # its wait has ended
+        {"name": other, "flags": "b", "addr": "127.0.0.1:3"},  # another backend's prefix
+        {"name": "leases-wait:garbage", "flags": "b", "addr": "127.0.0.1:4"},
+        {"name": "", "flags": "b", "addr": "127.0.0.1:5"},
+    ]
+    (found,) = waiters("redis", "leases:", listed, "redis here")
+    assert found.name == "a:{b} c"
+    assert found.since == datetime.fromtimestamp(1_700_000_000, UTC)
+    assert found.where == "redis here (client 127.0.0.1:1)"
+    assert " " not in named  # a client name may not hold spaces
+
+
+def test_a_wait_clock_keeps_a_loop_of_waits_as_one() -> None:
+    clock = WaitClock()
+    first = clock.since("x", 0.0)
+    assert clock.since("x", 0.0) == first
+    assert clock.since("y", 0.0) >= first
