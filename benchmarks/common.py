@@ -9,6 +9,7 @@ hiccup does not decide a comparison.
 
 from __future__ import annotations
 
+import random
 import statistics
 import sys
 import time
@@ -59,15 +60,22 @@ def interleaved(
     """Median seconds per call of each contender, the contenders taking turns round by round.
 
     On a shared machine load comes in waves; taking turns spreads each wave over every
-    contender instead of letting it land on whoever happened to run then. Rows come back in
-    the order given, ready for :meth:`Report.table` (first one is the baseline).
+    contender instead of letting it land on whoever happened to run then. The order of turns
+    is shuffled every round (seeded, so a run can be repeated): in a fixed order the first
+    contender of every round pays for what the last one left behind (garbage, cold caches,
+    background threads), which made a raw-driver floor look twice as slow as the same two
+    round trips through a backend. Rows come back in the order given, ready for
+    :meth:`Report.table` (first one is the baseline).
     """
     samples: dict[str, list[float]] = {label: [] for label in contenders}
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
+    turns = random.Random(len(contenders))
+    order = list(contenders.items())
     for _ in range(rounds):
-        for label, fn in contenders.items():
+        turns.shuffle(order)
+        for label, fn in order:
             start = time.perf_counter()
             for _ in range(ops):
                 fn()

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -231,10 +231,21 @@ def _link_or_copy(src: str, dst: str) -> object:
 
 
 class PostgresServer:
-    """A PostgreSQL cluster in a temporary directory, owned by this process."""
+    """A PostgreSQL cluster in a temporary directory, owned by this process (with
+    ``replica_of``: an asynchronous streaming standby of that server, promoted with
+    ``SELECT pg_promote()``)."""
 
-    def __init__(self, *, port: int | None = None, base_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        base_dir: str | None = None,
+        env: Mapping[str, str] | None = None,
+        replica_of: PostgresServer | None = None,
+    ) -> None:
         self.port = port or free_port()
+        #: Extra environment for the server process (a fake clock: :mod:`devservers.clock`).
+        self.env = dict(env or {})
         self.user = _unprivileged_user()
         #: Where the binaries were found (the system's, or the pgserver wheel's).
         self.source_bindir = _postgres_bindir()
@@ -244,6 +255,27 @@ class PostgresServer:
         self.log = self.dir / "postgres.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self._chown(self.dir)
+        if replica_of is not None:
+            # A streaming standby of a running server (asynchronous, as most HA setups run):
+            # a base backup that writes standby.signal and primary_conninfo (-R).
+            self._run(
+                [
+                    str(self.bindir / "pg_basebackup"),
+                    "-D",
+                    str(self.data),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(replica_of.port),
+                    "-U",
+                    "postgres",
+                    "-X",
+                    "stream",
+                    "-R",
+                    "--no-sync",
+                ]
+            )
+            return
         self._run(
             [
                 str(self.bindir / "initdb"),
@@ -302,6 +334,7 @@ class PostgresServer:
             stdout=log,
             stderr=log,
             cwd=self.dir,
+            env={**os.environ, **self.env},
             start_new_session=True,
             preexec_fn=_child_setup(signal.SIGQUIT, self.user),
         )
@@ -382,8 +415,16 @@ class PostgresServer:
 class RedisServer:
     """A ``redis-server`` without persistence on a free loopback port, owned by this process."""
 
-    def __init__(self, *, port: int | None = None, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.port = port or free_port()
+        #: Extra environment for the server process (a fake clock: :mod:`devservers.clock`).
+        self.env = dict(env or {})
         self.binary = _redis_binary()
         self.dir = Path(tempfile.mkdtemp(prefix="leases-redis-"))
         self.log = self.dir / "redis.log"
@@ -420,6 +461,7 @@ class RedisServer:
             args + self.extra_args,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
             start_new_session=True,
             preexec_fn=_child_setup(signal.SIGKILL),
         )

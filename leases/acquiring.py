@@ -29,7 +29,7 @@ from .holders import holder_identity
 from .keys import validate_lease_name
 from .retry import SYSTEM_CLOCK, Backoff
 
-__all__ = ["STOP_READERS_EVERY", "acquire"]
+__all__ = ["STOP_READERS_EVERY", "Request", "Timing", "acquire", "prepare"]
 
 #: How often a waiting exclusive acquirer renews its stop sign for new readers (a round trip
 #: of its own): well within the second the backends keep the sign, and not on every retry.
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Timing:
+class Timing:
     """When an acquisition started, and how long it has spent waiting (monotonic seconds)."""
 
     started: float = field(default_factory=SYSTEM_CLOCK.monotonic)
@@ -55,7 +55,7 @@ def _grant(
     holder: str,
     ttl: float,
     timeout: float | None,
-    timing: _Timing,
+    timing: Timing,
     shared: bool = False,
 ) -> Grant:
     """Try; then, in the name's waiting room, wait for a release (or a backoff delay) and
@@ -211,10 +211,10 @@ def _timed_grant(
     ttl: float,
     timeout: float | None,
     shared: bool = False,
-) -> tuple[Grant, _Timing]:
+) -> tuple[Grant, Timing]:
     """:func:`_grant`, timed; giving up is announced with what it cost (``lease_acquired``
     announces success, from :meth:`Lease.start`)."""
-    timing = _Timing()
+    timing = Timing()
     try:
         return _grant(store, name, holder, ttl, timeout, timing, shared), timing
     except Exception as exc:

@@ -18,6 +18,11 @@ Behaviour pinned by the tests (``tests/test_advisory.py``):
 * A session whose connection is killed (``pg_terminate_backend``, a server restart) loses its
   session locks at once; the holder learns it at its next :meth:`AdvisoryLock.ensure_held` or at
   the block's exit, both of which raise :class:`LeaseLost`.
+* A connection that goes silent (a half-open peer, or a middlebox that keeps TCP alive while
+  replies are lost) cannot hang that check: each waits at most :data:`CHECK_TIMEOUT` seconds
+  for its answer, then shuts the connection down (which ends the session and its locks, once
+  the server hears of it) and raises :class:`LeaseLost`. A holder that cannot prove it holds
+  must not go on as if it did.
 
 Names map to keys with :func:`leases.keys.advisory_key` (stable forever). Names are not recorded
 in ``leases_advisory_name`` here (``leases.operations.remember_advisory_names`` does that, once,
@@ -46,8 +51,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.transaction import TransactionManagementError
 from psycopg.pq import TransactionStatus
 
-from . import _advisory_names, conf
+from . import _advisory_names, _session_leaks, conf
 from ._arguments import valid_timeout
+from .backends._pgdeadline import Deadline, armed
 from .errors import (
     BackendNotSupported,
     BackendUnavailable,
@@ -98,6 +104,11 @@ HELD_SQL = (
     " AND objsubid = {objsubid} AND mode = '{mode}')"
 )
 
+#: Seconds :meth:`AdvisoryLock.ensure_held` and a session lock's unlock wait for the server's
+#: answer before they give the session up (see the module's docstring): the bound the
+#: package's own connections get from ``tcp_user_timeout``.
+CHECK_TIMEOUT = 10.0
+
 LOCK_NOT_AVAILABLE = "55P03"
 DEADLOCK_DETECTED = "40P01"
 QUERY_CANCELED = "57014"
@@ -128,10 +139,12 @@ class AdvisoryLock:
     def label(self) -> str:
         return self.name if isinstance(self.name, str) else f"advisory key {self.key}"
 
-    def held(self) -> bool:
+    def held(self, timeout: float | None = None) -> bool:
         """Whether this session holds the lock now, asked of the server (one round trip).
 
-        A dead connection counts as not held: its session, and every lock of it, is gone.
+        A dead connection counts as not held: its session, and every lock of it, is gone; so
+        does one that gives no answer within ``timeout`` seconds (default
+        :data:`CHECK_TIMEOUT`), which is shut down so that the session ends.
         """
         if isinstance(self.key, tuple):
             classid, objid, objsubid = self.key[0] & 0xFFFFFFFF, self.key[1] & 0xFFFFFFFF, 2
@@ -144,19 +157,21 @@ class AdvisoryLock:
             mode="ShareLock" if self.shared else "ExclusiveLock",
         )
         try:
-            return bool(_execute(_database(self.using), sql))
+            bound = CHECK_TIMEOUT if timeout is None else timeout
+            return bool(_execute(_database(self.using), sql, bound=bound))
         except _CONNECTION_ERRORS:
             return False
         except _DRIVER_ERRORS as exc:
             raise _translate(exc, self, None) from exc
 
-    def ensure_held(self) -> None:
+    def ensure_held(self, timeout: float | None = None) -> None:
         """Raise :class:`LeaseLost` unless this session still holds the lock.
 
         Call it before an effect that must not happen unprotected: a session lock dies with its
-        connection, and nothing else tells the holder.
+        connection, and nothing else tells the holder. It returns or raises within ``timeout``
+        seconds (default :data:`CHECK_TIMEOUT`) whatever the network does.
         """
-        if not self.held():
+        if not self.held(timeout):
             raise LeaseLost(self.label, detail="the database session no longer holds the lock")
 
 
@@ -181,15 +196,23 @@ def _timeout_ms(timeout: float | None) -> int | None:
     return math.ceil(seconds * 1000)
 
 
-def _execute(connection: BaseDatabaseWrapper, sql: str, *, raw: bool = False) -> Any:
+def _execute(
+    connection: BaseDatabaseWrapper, sql: str, *, raw: bool = False, bound: float | None = None
+) -> Any:
     """Run ``sql`` through Django's cursor (so debug logging and execute wrappers see it).
 
     ``raw`` uses the driver's cursor instead, for the one statement Django would refuse: an
     unlock in a transaction already marked for rollback. Returns the first column of the last
-    result set, or ``None`` when it has no rows.
+    result set, or ``None`` when it has no rows. With a ``bound`` (seconds; lock calls have
+    none: they wait as long as their ``timeout`` says), the connection is shut down when no
+    answer came in time, and the driver's connection error is raised.
     """
     with connection.connection.cursor() if raw else connection.cursor() as cursor:
-        cursor.execute(sql)
+        if bound is None:
+            cursor.execute(sql)
+        else:
+            with armed(Deadline(connection.connection.fileno(), bound)):
+                cursor.execute(sql)
         while cursor.nextset():
             pass
         row = cursor.fetchone() if cursor.description else None
@@ -384,10 +407,18 @@ def try_xact_lock(name: LockKey, *, shared: bool = False, using: str = DEFAULT_D
 
 
 class _SessionLock(_LockBlock):
-    """``session_lock(...)``."""
+    """``session_lock(...)``: tracked while held, so a lock still held when the request ends
+    is released and reported rather than inherited by the next request on the connection
+    (:mod:`leases._session_leaks`)."""
 
     WAIT, TRY, NEEDS_TRANSACTION = SESSION_LOCK, SESSION_TRY_LOCK, False
     FACTORY = "session_lock"
+
+    def __enter__(self) -> AdvisoryLock:
+        lock = super().__enter__()
+        unlock = CALL_SQL.format(function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key))
+        _session_leaks.track(connections[lock.using], lock.label, unlock)
+        return lock
 
     def __exit__(
         self,
@@ -399,6 +430,7 @@ class _SessionLock(_LockBlock):
 
         The body's own exception always wins; a failed unlock is then logged, not raised.
         """
+        _session_leaks.untrack(connections[self.lock.using], self.lock.label)
         try:
             _unlock(self.lock)
         except LeaseError as error:
@@ -414,7 +446,9 @@ def _unlock(lock: AdvisoryLock) -> None:
         _release_by_closing(connection, lock)
     sql = CALL_SQL.format(function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key))
     try:
-        unlocked = _execute(connection, sql, raw=raw is not None and connection.needs_rollback)
+        unlocked = _execute(
+            connection, sql, raw=raw is not None and connection.needs_rollback, bound=CHECK_TIMEOUT
+        )
     except _CONNECTION_ERRORS as exc:
         raise LeaseLost(
             lock.label,

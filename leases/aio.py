@@ -32,7 +32,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
-from .acquiring import prepare
+from . import signals
+from .acquiring import Timing, prepare
 from .backends import Grant, LeaseBackend
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost
@@ -87,24 +88,29 @@ async def _wait(store: LeaseBackend, name: str, delay: float) -> None:
 
 
 async def _agrant(
-    store: LeaseBackend, name: str, holder: str, ttl: float, timeout: float | None
+    store: LeaseBackend, name: str, holder: str, ttl: float, timeout: float | None, timing: Timing
 ) -> Grant:
-    """Try; then wait for a release (or a backoff delay) and try again, until the deadline."""
-    deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
+    """Try; then wait for a release (or a backoff delay) and try again, until the deadline.
+    How long the waiting took goes into ``timing`` (for the signals), as in the sync loop."""
+    deadline = None if timeout is None else timing.started + timeout
     grant = await _try(store, name, holder, ttl)
     if grant is not None:
         return grant
     if timeout == 0:
         raise LeaseUnavailable(name, timeout)
     backoff = Backoff(deadline=deadline)
-    while True:
-        delay = backoff.next_delay()
-        if delay is None:
-            raise LeaseUnavailable(name, timeout)
-        await _wait(store, name, delay)
-        grant = await _try(store, name, holder, ttl)
-        if grant is not None:
-            return grant
+    waiting_since = SYSTEM_CLOCK.monotonic()
+    try:
+        while True:
+            delay = backoff.next_delay()
+            if delay is None:
+                raise LeaseUnavailable(name, timeout)
+            await _wait(store, name, delay)
+            grant = await _try(store, name, holder, ttl)
+            if grant is not None:
+                return grant
+    finally:
+        timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
 
 
 async def aacquire(
@@ -119,13 +125,32 @@ async def aacquire(
 ) -> Lease:
     """:func:`~leases.acquire` for async code; the caller must ``await lease.arelease()``.
 
-    Arguments, errors and the returned handle are those of ``acquire()``; see the module
-    docstring for what waiting and cancellation do.
+    Arguments, errors, signals (``lease_acquired`` and ``lease_acquire_failed`` with
+    ``elapsed`` and ``waited``) and the returned handle are those of ``acquire()``; see the
+    module docstring for what waiting and cancellation do.
     """
     ask = prepare(name, ttl, backend, timeout, keepalive, holder, task_key)
-    grant = await _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout)
+    timing = Timing()
+    try:
+        grant = await _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing)
+    except Exception as exc:
+        signals.send(
+            signals.lease_acquire_failed,
+            ask.store.alias,
+            name=ask.name,
+            error=exc,
+            elapsed=timing.elapsed(),
+            waited=timing.waited,
+        )
+        raise
     return Lease.start(
-        ask.store, grant, on_lost=on_lost, renew_fraction=ask.renew_fraction, key=ask.key
+        ask.store,
+        grant,
+        on_lost=on_lost,
+        renew_fraction=ask.renew_fraction,
+        key=ask.key,
+        elapsed=timing.elapsed(),
+        waited=timing.waited,
     )
 
 

@@ -7,4 +7,6 @@ class LeasesConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks  # noqa: F401  (registers system checks)
+        from . import _session_leaks, checks  # noqa: F401  (checks registers system checks)
+
+        _session_leaks.install()

@@ -1,11 +1,15 @@
 """System checks: misconfiguration is reported by ``manage.py check``, not at first use.
 
 The plain checks ask each backend's *class* about itself (its options, the databases it needs);
-nothing here names an engine or connects to a store except the ``--deploy`` check.
+nothing here names an engine. Only two checks talk to stores: ``leases.W004`` asks the backends
+that can be set up to lose leases by themselves (an evicting Redis) about that, briefly and
+silently when they do not answer, and the ``--deploy`` check asks every store everything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
@@ -17,6 +21,8 @@ from .backends import LeaseBackend, backend_class
 from .errors import LeaseError
 
 SETTINGS_HINT = "See the settings section of the guide."
+#: Seconds plain ``manage.py check`` waits for one store's answer about its own setup.
+STORE_CHECK_TIMEOUT = 2.0
 
 
 @register(Tags.compatibility)
@@ -125,6 +131,56 @@ def check_backend_stores(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
             continue
         found += [Warning(f"lease backend {alias!r}: {p}", id="leases.W003") for p in problems]
     return found
+
+
+@register(Tags.compatibility)
+def check_store_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """leases.W004: a store is set up to lose leases by itself (a Redis ``maxmemory-policy``
+    that evicts keys: the key of a held lease vanishes, and a second holder gets in).
+
+    A plain check, not only ``--deploy``: the policy is the store's, invisible in the settings,
+    and nothing fails until memory runs short in production. Only backends that override
+    :meth:`LeaseBackend.store_checks` are asked, each for at most
+    :data:`STORE_CHECK_TIMEOUT` seconds on a thread of its own (a silent network could
+    otherwise hang every ``manage.py`` command); a store that does not answer in time, or
+    fails, is left to ``leases.E003`` under ``--deploy``.
+    """
+    if conf.problems():
+        return []
+    found: list[CheckMessage] = []
+    for alias, cls in _classes()[0].items():
+        if cls.store_checks is LeaseBackend.store_checks:
+            continue
+        if cls.check_options(alias, conf.get().backend(alias).options):
+            continue  # leases.E005 says why
+        found += [
+            Warning(
+                f"lease backend {alias!r}: {problem}",
+                hint="Set the store's policy so it never evicts lease keys (on Redis "
+                "maxmemory-policy noeviction, or a server of their own); until then "
+                "expect LeaseLost, and rely on fencing for safety.",
+                id="leases.W004",
+            )
+            for problem in _store_problems(alias)
+        ]
+    return found
+
+
+def _store_problems(alias: str) -> list[str]:
+    """``store_checks()`` of ``alias``'s backend, or nothing if it fails or takes too long."""
+    from .backends import get_backend
+
+    answer: list[str] = []
+
+    def ask() -> None:
+        # Unreachable or broken: leases.E003 (the deploy check) reports it.
+        with contextlib.suppress(Exception):
+            answer.extend(get_backend(alias).store_checks())
+
+    asking = threading.Thread(target=ask, name=f"leases-check-{alias}", daemon=True)
+    asking.start()
+    asking.join(STORE_CHECK_TIMEOUT)
+    return [] if asking.is_alive() else answer
 
 
 @register(Tags.compatibility)

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Self
 
-from . import conf, keepalive, signals, tracing
+from . import _process, conf, keepalive, signals, tracing
 from ._arguments import valid_ttl
 from .backends import Grant, LeaseBackend
 from .errors import LeaseLost, LeaseNotHeld
@@ -64,7 +64,7 @@ class Lease:
         self._store = backend
         self._on_lost = on_lost
         self._drift = (settings.drift_factor, settings.drift_min)
-        self._pid = os.getpid()
+        self._pid = _process.pid()
         self._key: tuple[str, str, str] = (self.backend, self.name, "")
         self._state = threading.Lock()
         self._released = False
@@ -141,7 +141,7 @@ class Lease:
     def remaining(self) -> float:
         """Seconds this holder may still rely on the lease; pessimistic, never negative (0
         while its backend doubts the grant, see :meth:`ensure_held`)."""
-        if self.done or os.getpid() != self._pid or self._store.doubts(self.grant):
+        if self.done or _process.pid() != self._pid or self._store.doubts(self.grant):
             return 0.0
         return max(0.0, self.valid_until - self.clock.monotonic())
 
@@ -161,7 +161,7 @@ class Lease:
     def _ensure_valid(self) -> None:
         """:meth:`ensure_held` without the backend's doubts: what renewing needs (a renewal
         is how a doubted lease is confirmed or found lost)."""
-        if os.getpid() != self._pid:
+        if _process.pid() != self._pid:
             raise LeaseLost(self.name, self.token, f"held by process {self._pid}, not this child")
         if self._released:
             raise LeaseLost(self.name, self.token, "it was released")
@@ -290,7 +290,7 @@ class Lease:
         signals.send(signals.lease_released, self.backend, lease=self)
 
     def _check_owner(self, action: str) -> None:
-        if os.getpid() != self._pid:
+        if _process.pid() != self._pid:
             raise LeaseNotHeld(
                 self.name, f"cannot {action} in a forked child: process {self._pid} holds it"
             )

@@ -4,7 +4,8 @@ A lease store can fail in two ways a load balancer or an on-call engineer should
 before a lease does: it stops answering (every acquire fails), or it answers but is configured
 so that it may break the lease contract (a Redis that evicts keys under memory pressure, a
 PostgreSQL without durable commits, a Redlock with fewer than three nodes): those are what
-each backend's ``deploy_checks()`` reports, the same list ``manage.py check --deploy`` prints.
+each backend's ``store_checks()`` and ``deploy_checks()`` report, the lists ``manage.py check
+--deploy`` prints.
 
 Reachability is one cheap read, ``inspect()`` of a probe name nobody holds, so a check costs a
 round trip and writes nothing. Wire it into django-health-check's view, once per alias::
@@ -49,7 +50,7 @@ class LeaseBackendHealth(HealthCheck):  # type: ignore[misc]  # health_check shi
         try:
             backend = get_backend(self.alias)
             backend.inspect(PROBE_NAME)
-            problems = backend.deploy_checks()
+            problems = backend.store_checks() + backend.deploy_checks()
         except Exception as exc:
             logger.warning(
                 "lease backend %r failed its health check: %s",

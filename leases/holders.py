@@ -8,8 +8,8 @@ means the format can change without the readers drifting from the writer.
 from __future__ import annotations
 
 import os
+import random
 import re
-import secrets
 import socket
 import threading
 from dataclasses import dataclass
@@ -38,13 +38,16 @@ os.register_at_fork(after_in_child=_read_process_identity)
 def holder_identity(holder: str | None) -> str:
     """Who holds a grant: label, host, pid, thread and a random part unique to this grant.
 
+    The random part only tells grants apart (the grant's secret is what proves ownership), so
+    it comes from ``random``, not from a system call per acquire.
+
     Printable only: Redis's Lua truncates at a NUL (the stored holder would never match again,
     leaving a lease nobody can release), PostgreSQL rejects one, and control characters would
     corrupt the admin, the logs and ``manage.py leases``.
     """
     if holder is None:
         label = conf.get().holder_label
-        ident = f"{_this_process}:{threading.get_ident()}:{secrets.token_hex(4)}"
+        ident = f"{_this_process}:{threading.get_ident()}:{random.getrandbits(32):08x}"
         holder = f"{label[:100]}@{ident}" if label else ident
     if not isinstance(holder, str) or not 0 < len(holder) <= MAX_NAME_LENGTH:
         raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")

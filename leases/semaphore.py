@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from . import signals, tracing
-from .acquiring import Request, _Timing, _wait, prepare
+from .acquiring import Request, Timing, _wait, prepare
 from .backends import Grant, LeaseBackend
 from .errors import InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost, holder_key
@@ -96,7 +96,7 @@ def _prepare(
     return ask, limit
 
 
-def _grant(ask: Request, limit: int, timing: _Timing) -> Grant:
+def _grant(ask: Request, limit: int, timing: Timing) -> Grant:
     """Try every slot from a random one; then wait a slice on one held slot; until the
     deadline. Each pass is a fresh random order, so no slot is favoured."""
     deadline = None if ask.timeout is None else timing.started + ask.timeout
@@ -146,7 +146,7 @@ def acquire_slot(
         "leases.ttl": ask.ttl,
         "leases.limit": limit,
     }
-    timing = _Timing()
+    timing = Timing()
     with tracing.span("leases.acquire", attributes) as span:
         try:
             grant = _grant(ask, limit, timing)

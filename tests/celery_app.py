@@ -291,3 +291,55 @@ if os.environ.get("LEASES_TEST_BEAT_QUEUE"):  # for `celery beat` processes star
 @partitioned(key="{account}", partitions=3, queue_prefix=f"leases-tests-part-{os.getpid()}")
 def partitioned_touch(account: str) -> str:
     return account
+
+
+# -- faults: a hard time limit, a pool child lost mid-body ---------------------------------------
+
+
+def _die_on_first_delivery(task_id: str) -> None:
+    """SIGKILL this pool child on the task's first delivery, as the OOM killer would."""
+    if _first_delivery(task_id):
+        os.kill(os.getpid(), 9)
+
+
+def _locked_dying(self: Any, register: str, lease: Lease) -> bool:
+    """A fenced run, then (first delivery only) the pool child dies before the task returns."""
+    written = _fenced_run(register, lease, self.request.id, 0)
+    _die_on_first_delivery(self.request.id)
+    return written
+
+
+#: ``task_reject_on_worker_lost`` both ways: redelivered after the child dies, or failed.
+LOCKED_DYING = {
+    reject: locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, bind=True, acks_late=True,
+                        reject_on_worker_lost=reject, timeout=30,
+                        name=f"tests.locked_dying.{reject}")(_locked_dying)
+    for reject in (True, False)
+}  # fmt: skip
+
+
+def _add_once_dying(self: Any, effect: str) -> int:
+    """The effect in the key's transaction, then (first delivery only) the child dies."""
+    from tests.testapp.models_celery import Effect
+
+    Effect.objects.filter(name=effect).update(count=F("count") + 1)
+    _run(effect, self.request.id, None, 0)
+    _die_on_first_delivery(self.request.id)
+    return Effect.objects.get(name=effect).count
+
+
+ADD_ONCE_DYING = {
+    reject: idempotent_task(lock=3, bind=True, acks_late=True, reject_on_worker_lost=reject,
+                            in_flight_backoff=0.2,
+                            name=f"tests.add_once_dying.{reject}")(_add_once_dying)
+    for reject in (True, False)
+}  # fmt: skip
+
+
+@locked_task(key="celery-test:{register}", ttl=_LEASE_TTL, bind=True, acks_late=True,
+             time_limit=1.5, timeout=30)  # fmt: skip
+def locked_past_time_limit(self: Any, register: str, hold: float, lease: Lease) -> bool:
+    """Holds past its hard ``time_limit`` on its first delivery: the pool child is killed."""
+    return _fenced_run(
+        register, lease, self.request.id, hold if _first_delivery(self.request.id) else 0
+    )

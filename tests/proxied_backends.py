@@ -29,6 +29,9 @@ class Proxied:
     kind: str
     proxies: list[FaultProxy]
     servers: list[Any] = field(default_factory=list)
+    #: The longest one call of ``"proxied"`` may wait when no reply comes: its reply timeout
+    #: plus a reconnection's timeout, as configured below.
+    call_bound: float = 1.0
     alias: str = "proxied"
     direct: str = "direct"
 
@@ -42,12 +45,17 @@ def _database(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Proxied, 
     proxy = FaultProxy(server.port)
     settings = dict(connections.settings[alias])
     settings["PORT"] = str(proxy.port)
+    settings["OPTIONS"] = {**settings.get("OPTIONS", {}), "connect_timeout": 2}
     connections.settings["proxied"] = settings
     backends = {
-        "proxied": {"ENGINE": "leases.backends.database", "DATABASE": "proxied"},
+        "proxied": {
+            "ENGINE": "leases.backends.database",
+            "DATABASE": "proxied",
+            "REQUEST_TIMEOUT": 1.0,
+        },
         "direct": {"ENGINE": "leases.backends.database", "DATABASE": alias},
     }
-    return backends, Proxied("database", [proxy], [server]), "proxied"
+    return backends, Proxied("database", [proxy], [server], call_bound=3.0), "proxied"
 
 
 def _redis(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Proxied, str]:

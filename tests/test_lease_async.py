@@ -16,7 +16,15 @@ from typing import TypeVar
 import pytest
 
 import leases
-from leases import LeaseAlreadyHeld, LeaseLost, LeaseNotHeld, LeaseUnavailable, aacquire, alease
+from leases import (
+    LeaseAlreadyHeld,
+    LeaseLost,
+    LeaseNotHeld,
+    LeaseUnavailable,
+    aacquire,
+    alease,
+    signals,
+)
 from leases.backends import get_backend
 from leases.errors import InvalidLeaseOption
 from tests.lease_backends import lease_backend, lease_name
@@ -294,3 +302,38 @@ def test_keepalive_renews_while_the_loop_is_blocked(lease_backend: str, lease_na
             assert held.remaining() > 0
 
     arun(lease_backend, main)
+
+
+def test_aacquire_reports_elapsed_and_waited_like_acquire(
+    lease_backend: str, lease_name: str
+) -> None:
+    """``lease_acquired`` and ``lease_acquire_failed`` carry what the acquisition cost, as
+    from ``acquire()``: nothing waited for a free name, the holder's time for a taken one."""
+    seen: list[tuple[str, float | None, float | None]] = []
+
+    def on_acquired(sender: str, elapsed: float | None, waited: float | None, **_: object) -> None:
+        seen.append(("acquired", elapsed, waited))
+
+    def on_failed(sender: str, elapsed: float | None, waited: float | None, **_: object) -> None:
+        seen.append(("failed", elapsed, waited))
+
+    async def main() -> None:
+        first = await aacquire(lease_name, ttl=10, backend=lease_backend, keepalive=False)
+        with pytest.raises(LeaseUnavailable):
+            await aacquire(lease_name, ttl=10, backend=lease_backend, timeout=0, holder="c")
+        asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(first.arelease()))
+        second = await aacquire(lease_name, ttl=10, backend=lease_backend, timeout=20, holder="c")
+        await second.arelease()
+
+    signals.lease_acquired.connect(on_acquired, weak=False)
+    signals.lease_acquire_failed.connect(on_failed, weak=False)
+    try:
+        arun(lease_backend, main)
+    finally:
+        signals.lease_acquired.disconnect(on_acquired)
+        signals.lease_acquire_failed.disconnect(on_failed)
+    (free, refused, waited) = seen
+    assert free[0] == "acquired" and free[2] == 0.0 and free[1] is not None and free[1] >= 0
+    assert refused[0] == "failed" and refused[2] == 0.0 and refused[1] is not None
+    assert waited[0] == "acquired" and waited[1] is not None and waited[2] is not None
+    assert 0.2 <= waited[2] <= waited[1] < 15, waited

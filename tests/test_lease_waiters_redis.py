@@ -65,8 +65,16 @@ def test_a_waiter_is_listed_while_it_waits_and_gone_after(backend: str, client: 
         assert [w.name for w in backend_waiters() if w.backend == backend] == [name]
 
         login(client, "view_lease")
-        page = client.get(EVERY_BACKEND).content.decode()
-        assert f'data-backend="{backend}"' in page
+        # The page reads the waiters once; the waiter may be between two BLPOPs at that instant
+        # (and the page asks every backend first), so read it again until it is caught waiting.
+        page = ""
+
+        def page_lists_it() -> bool:
+            nonlocal page
+            page = client.get(EVERY_BACKEND).content.decode()
+            return f'data-backend="{backend}"' in page
+
+        wait_until(page_lists_it, 15, f"the every-backend page to list the {backend} waiter")
         assert f"waiting on {backend}" in page
     finally:
         held.release()

@@ -23,17 +23,32 @@ from types import ModuleType
 
 import pytest
 
+from leases.backends import _redis_async as redis_async
+from leases.backends import _redis_conn as redis_conn
 from leases.backends import _redis_io as redis_io
 from leases.backends import _redis_nodes as redis_nodes
+from leases.backends import _redis_protocol as redis_protocol
 from leases.backends import _redis_scripts as redis_scripts
 from leases.backends import _redis_shared as redis_shared
+from leases.backends import _redlock_async as redlock_async
 from leases.backends import redis as redis_backend
 from leases.backends import redlock as redlock_backend
 
-MODULES = [redis_backend, redlock_backend, redis_io, redis_nodes, redis_scripts, redis_shared]
+MODULES = [
+    redis_backend,
+    redlock_backend,
+    redis_async,
+    redis_conn,
+    redis_io,
+    redis_nodes,
+    redis_protocol,
+    redis_scripts,
+    redis_shared,
+    redlock_async,
+]
 #: The shared-lease scripts and the line of each that ends its check of the grant.
 SHARED_CHECKS = {
-    "SHARED_ACQUIRE_LUA": "return {BUSY, current or ''}",
+    "SHARED_ACQUIRE_LUA": "return {BUSY, current or '', known_run}",
     "SHARED_RENEW_LUA": "return no",
     "SHARED_RELEASE_LUA": "return no",
     "STOP_READERS_LUA": "if current and string.sub(current, -#ARGV[1]) == ARGV[1] then",

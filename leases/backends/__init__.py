@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 
-from .. import conf
+from .. import _process, conf
 from ..errors import LeasesImproperlyConfigured
 from .base import Capability, Grant, LeaseBackend, LeaseInfo
 
@@ -22,7 +21,7 @@ __all__ = [
 
 _lock = threading.Lock()
 _instances: dict[str, LeaseBackend] = {}
-_pid = os.getpid()
+_pid = _process.pid()
 
 
 def backend_class(alias: str) -> type[LeaseBackend]:
@@ -56,9 +55,9 @@ def get_backend(alias: str = "default") -> LeaseBackend:
     """
     global _pid
     with _lock:
-        if os.getpid() != _pid:
+        if _process.pid() != _pid:
             _instances.clear()
-            _pid = os.getpid()
+            _pid = _process.pid()
         backend = _instances.get(alias)
         if backend is None:
             cls = backend_class(alias)

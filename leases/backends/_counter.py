@@ -27,13 +27,26 @@ ON CONFLICT (resource) DO UPDATE SET token = GREATEST(leases_fence.token + 1, EX
 RETURNING token
 """
 
+#: The lowest lease token the server's current timeline may issue: ``(timeline - 1) << 32``,
+#: read from the current WAL file's name (no privilege needed, no I/O). An asynchronous standby
+#: that is promoted may never have received the old primary's last bumps (the lost tail), whose
+#: tokens may already sit in resources elsewhere. Promotion starts a new, higher timeline, and
+#: every token of the old one was below this floor (a name would need 2**32 grants on one
+#: timeline to reach the next), so the new primary's tokens stay higher than every lost one.
+#: Zero on timeline 1: tokens there count 1, 2, 3... as they always did.
+TIMELINE_FLOOR_SQL = (
+    "((('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::bigint - 1) << 32)"
+)
+
 #: Next token of a lease name, in the database backend's own row for the name, so a name's
 #: tokens keep increasing even when it moves between the database and Redlock backends. Only the
 #: counter moves: the row stays free (empty holder) for the database backend. A new row starts
-#: above every pruned token (:data:`~._pruning.FLOOR_SQL`).
+#: above every pruned token (:data:`~._pruning.FLOOR_SQL`); no token is ever below the
+#: timeline's floor (:data:`TIMELINE_FLOOR_SQL`).
 BUMP_LEASE_SQL = f"""
-INSERT INTO leases_lease (name, holder, token, meta) VALUES (%s, '', {FLOOR_SQL}, '{{}}')
-ON CONFLICT (name) DO UPDATE SET token = leases_lease.token + 1
+INSERT INTO leases_lease (name, holder, token, meta)
+VALUES (%s, '', GREATEST({FLOOR_SQL}, {TIMELINE_FLOOR_SQL}), '{{}}')
+ON CONFLICT (name) DO UPDATE SET token = GREATEST(leases_lease.token + 1, {TIMELINE_FLOOR_SQL})
 RETURNING token
 """  # noqa: S608
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ._counter import TIMELINE_FLOOR_SQL
 from ._pruning import FLOOR_SQL
 from .base import Grant
 
@@ -64,16 +65,22 @@ _MINE = "l.meta->'readers'->%(key)s"
 _ENTRY_LIVE = f"({_MINE}->>'h' = %(holder)s AND ({_MINE}->>'e')::float8 > {_NOW})"
 _SECRET = f"({_MINE}->>'s' = encode(sha256(%(secret)s::bytea), 'hex'))"
 
+#: A new row's first token and a held row's next: above every pruned token
+#: (:data:`~._pruning.FLOOR_SQL`) and never below the timeline's floor (a promoted standby,
+#: :data:`~._counter.TIMELINE_FLOOR_SQL`), exactly as the exclusive acquire counts.
+_FIRST = f"GREATEST({FLOOR_SQL}, {TIMELINE_FLOOR_SQL})"
+_NEXT = f"GREATEST(l.token + 1, {TIMELINE_FLOOR_SQL})"
+
 #: Join the live group of ``name``, or start one on a free or expired row, unless a writer
-#: waits; the reader's token is the row's next (a new row's first is above every pruned token,
-#: :data:`~._pruning.FLOOR_SQL`). Like the exclusive acquire, a held row (or a
-#: waiting writer) makes the probe false and nothing is locked or written.
+#: waits; the reader's token is the row's next (:data:`_FIRST`, :data:`_NEXT`). Like the
+#: exclusive acquire, a held row (or a waiting writer) makes the probe false and nothing is
+#: locked or written.
 SHARED_ACQUIRE_SQL = f"""
 INSERT INTO leases_lease AS l
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
-SELECT %(name)s::text, %(group)s::text, {FLOOR_SQL}, clock_timestamp(),
+SELECT %(name)s::text, %(group)s::text, {_FIRST}, clock_timestamp(),
        clock_timestamp() + make_interval(secs => %(ttl)s), NULL,
-       jsonb_build_object('readers', jsonb_build_object(({FLOOR_SQL})::text, {_ENTRY})), NULL
+       jsonb_build_object('readers', jsonb_build_object(({_FIRST})::text, {_ENTRY})), NULL
 WHERE NOT EXISTS (
     SELECT 1 FROM leases_lease AS l
     WHERE l.name = %(name)s::text AND (
@@ -81,12 +88,12 @@ WHERE NOT EXISTS (
         OR {_WRITER_WAITS})
 )
 ON CONFLICT (name) DO UPDATE
-SET holder = EXCLUDED.holder, token = l.token + 1, renewed_at = NULL, secret_hash = NULL,
+SET holder = EXCLUDED.holder, token = {_NEXT}, renewed_at = NULL, secret_hash = NULL,
     acquired_at = CASE WHEN {_LIVE_GROUP} THEN l.acquired_at ELSE clock_timestamp() END,
     expires_at = GREATEST(CASE WHEN {_LIVE_GROUP} THEN l.expires_at END, EXCLUDED.expires_at),
     meta = jsonb_build_object('readers',
         CASE WHEN {_LIVE_GROUP} THEN {_OTHER_LIVE_READERS} ELSE '{{}}'::jsonb END
-        || jsonb_build_object((l.token + 1)::text, {_ENTRY}))
+        || jsonb_build_object(({_NEXT})::text, {_ENTRY}))
 WHERE NOT {_WRITER_WAITS}
   AND (l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp() OR {_LIVE_GROUP})
 RETURNING l.token, to_timestamp((l.meta->'readers'->(l.token)::text->>'e')::float8)

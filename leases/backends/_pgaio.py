@@ -25,7 +25,8 @@ import psycopg
 from psycopg import sql
 
 from ..errors import BackendUnavailable
-from ._pgconn import LISTEN_SQL, SET_ROLE_SQL, connect_params
+from ._pgconn import LISTEN_SQL, SET_ROLE_SQL, connect_params, stale
+from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed
 
 __all__ = ["AsyncListener", "AsyncPrivateConnection", "AsyncState", "aconnect"]
 
@@ -58,27 +59,35 @@ async def _aclose_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:
 class AsyncPrivateConnection:
     """One private async connection for one loop; its tasks take turns on it."""
 
-    def __init__(self, db_alias: str) -> None:
+    def __init__(self, db_alias: str, timeout: float = REQUEST_TIMEOUT) -> None:
         self.db_alias = db_alias
+        self.timeout = timeout
         self._lock = asyncio.Lock()
         self.conn: psycopg.AsyncConnection[Any] | None = None
 
-    async def run(self, statement: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    async def run(
+        self, statement: str, params: Mapping[str, Any], timeout: float | None = None
+    ) -> list[tuple[Any, ...]]:
         """Run one statement and fetch its rows: one round trip on an open connection.
 
-        Raises the driver's error or :class:`BackendUnavailable`, as the sync one does."""
+        Waits for the reply and raises as the sync one does (:meth:`PrivateConnection.run`).
+        """
         async with self._lock:
             conn = self.conn
-            if conn is None or conn.closed or conn.broken:
+            if conn is None or stale(conn):
                 await _aclose_quietly(conn)
                 conn = self.conn = None
                 conn = self.conn = await aconnect(self.db_alias)
+            due = Deadline(conn.fileno(), self.timeout if timeout is None else timeout)
             try:
-                cursor = await conn.execute(statement, params)
-                return await cursor.fetchall() if cursor.description else []
-            except psycopg.Error:
-                if conn.broken or conn.closed:
+                with aarmed(due):
+                    cursor = await conn.execute(statement, params)
+                    return await cursor.fetchall() if cursor.description else []
+            except psycopg.Error as exc:
+                if conn.broken or conn.closed or due.fired:
                     await self.close()
+                if due.fired:
+                    raise BackendUnavailable(self.db_alias, due.why()) from exc
                 raise
             except asyncio.CancelledError:
                 await self.close()  # maybe mid-protocol: never reuse it
@@ -146,8 +155,8 @@ class AsyncState:
     listener for waits, and when each task's last try of each name failed (a release after
     that moment must wake the wait that follows)."""
 
-    def __init__(self, db_alias: str) -> None:
-        self.conn = AsyncPrivateConnection(db_alias)
+    def __init__(self, db_alias: str, timeout: float = REQUEST_TIMEOUT) -> None:
+        self.conn = AsyncPrivateConnection(db_alias, timeout)
         self.listener = AsyncListener(db_alias)
         self.failed_at: dict[tuple[int, str], float] = {}
 

@@ -33,6 +33,7 @@ from django.utils.connection import ConnectionDoesNotExist
 from psycopg import sql
 
 from ..errors import BackendUnavailable, LeasesImproperlyConfigured
+from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
 
 __all__ = [
     "CHANNEL",
@@ -115,7 +116,7 @@ def close_quietly(conn: psycopg.Connection[Any] | None) -> None:
             conn.close()
 
 
-def stale(conn: psycopg.Connection[Any]) -> bool:
+def stale(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     """Whether an idle connection is already dead, without a round trip.
 
     An idle autocommit session that is not listening has nothing to say; if its socket is
@@ -186,8 +187,10 @@ class PrivateConnection:
     it serves (lease rows, counters) lives in tables, not in the session.
     """
 
-    def __init__(self, db_alias: str) -> None:
+    def __init__(self, db_alias: str, timeout: float = REQUEST_TIMEOUT) -> None:
         self.db_alias = db_alias
+        #: Seconds a statement waits for its reply (see :mod:`._pgdeadline`).
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         track(self)
@@ -198,24 +201,33 @@ class PrivateConnection:
         return self._conn
 
     def run(
-        self, statement: str, params: Mapping[str, Any] | Sequence[Any]
+        self,
+        statement: str,
+        params: Mapping[str, Any] | Sequence[Any],
+        timeout: float | None = None,
     ) -> list[tuple[Any, ...]]:
         """Run one statement and fetch its rows: one round trip on an open connection.
 
-        Raises the driver's error (a broken connection is dropped first) or, when no
-        connection can be made, :class:`BackendUnavailable`; callers translate both.
+        The reply is awaited at most ``timeout`` seconds (default :attr:`timeout`), then the
+        connection is dropped. Raises the driver's error (a broken connection is dropped
+        first) or :class:`BackendUnavailable` when no connection can be made or no reply came
+        in time; callers translate both.
         """
         with self._lock:
             conn = self._conn
             if conn is None or stale(conn):
                 self._discard()
                 conn = self._conn = connect(self.db_alias)
+            due = Deadline(conn.fileno(), self.timeout if timeout is None else timeout)
             try:
-                cursor = conn.execute(statement, params)
-                return cursor.fetchall() if cursor.description else []
-            except psycopg.Error:
-                if conn.broken or conn.closed:
+                with armed(due):
+                    cursor = conn.execute(statement, params)
+                    return cursor.fetchall() if cursor.description else []
+            except psycopg.Error as exc:
+                if conn.broken or conn.closed or due.fired:
                     self._discard()
+                if due.fired:
+                    raise BackendUnavailable(self.db_alias, due.why()) from exc
                 raise
 
     def _discard(self) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "ms",
     "positive_problems",
     "prefix_problems",
+    "read_timeout",
     "receive",
     "send",
     "text",
@@ -161,25 +162,28 @@ def aconnect(
 ) -> Any:
     """The ``redis.asyncio`` twin of :func:`connect`, for the running event loop only.
 
-    A URL gives the same client as :func:`connect` (no retries, the same timeouts), async. A
-    django-redis cache alias has no async client of its own, so one is made from the cache's
-    ``LOCATION`` (its first, writable server) and its ``PASSWORD``, ``SOCKET_TIMEOUT`` and
+    A URL gives the same client as :func:`connect` (no retries, the same connect timeout),
+    async. A django-redis cache alias has no async client of its own, so one is made from the
+    cache's ``LOCATION`` (its first, writable server) and its ``PASSWORD`` and
     ``SOCKET_CONNECT_TIMEOUT`` options: the same server the sync client talks to.
+
+    The client has no read timeout (not even redis-py's default): every caller bounds its
+    round trip with ``asyncio.timeout`` instead (``socket_timeout``, or the cache's
+    ``SOCKET_TIMEOUT``, is what :func:`read_timeout` returns for it). A socket timeout would
+    make redis.asyncio wrap each send in ``asyncio.wait_for``, a task and an event-loop turn
+    per command.
     """
     import redis.asyncio
     from redis.asyncio.retry import Retry as AsyncRetry
 
-    timeouts: dict[str, Any] = {
-        "socket_timeout": socket_timeout,
-        "socket_connect_timeout": socket_timeout,
-    }
+    timeouts: dict[str, Any] = {"socket_timeout": None, "socket_connect_timeout": socket_timeout}
     if cache is not None:
         config: dict[str, Any] = settings.CACHES[str(cache)]
         location = config["LOCATION"]
         url = (location if isinstance(location, str) else location[0]).split(",")[0]
         options = config.get("OPTIONS", {})
         timeouts = {
-            "socket_timeout": options.get("SOCKET_TIMEOUT", socket_timeout),
+            "socket_timeout": None,
             "socket_connect_timeout": options.get("SOCKET_CONNECT_TIMEOUT", socket_timeout),
         }
         if options.get("PASSWORD") is not None:
@@ -189,6 +193,15 @@ def aconnect(
 
         return RedisCluster.from_url(str(url), **timeouts)
     return redis.asyncio.Redis.from_url(str(url), retry=AsyncRetry(NoBackoff(), 0), **timeouts)
+
+
+def read_timeout(cache: object, socket_timeout: float) -> float:
+    """How long an async round trip may take (see :func:`aconnect`): a cache alias's own
+    ``SOCKET_TIMEOUT`` when it has one, else ``socket_timeout``."""
+    if cache is None:
+        return socket_timeout
+    config: dict[str, Any] = settings.CACHES[str(cache)]
+    return float(config.get("OPTIONS", {}).get("SOCKET_TIMEOUT") or socket_timeout)
 
 
 async def acall(client: Any, command: tuple[object, ...]) -> Any:
@@ -333,8 +346,8 @@ class Edge:
 
 
 def eviction_problems(alias: str, client: Any) -> list[str]:
-    """Why ``client``'s server could lose lease keys to eviction, if it can (deploy check)."""
-    with Edge(alias, "deploy check"):
+    """Why ``client``'s server could lose lease keys to eviction, if it can (store check)."""
+    with Edge(alias, "store check"):
         client.ping()
         try:
             policy = text(client.config_get("maxmemory-policy").get("maxmemory-policy", ""))

@@ -7,6 +7,7 @@ for (a failed try's unlock) are read by one persistent thread, never a thread pe
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -18,12 +19,19 @@ import redis
 
 from ._redis_io import connect, receive, send
 
-__all__ = ["FAILED", "Node", "Pending", "ReplyDrain"]
+__all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "node_value"]
 
 logger = logging.getLogger("leases")
 
 #: What :meth:`Node.answer` returns for a node that failed or did not answer in time.
 FAILED = object()
+
+
+def node_value(holder: str, secret: str) -> str:
+    """What a grant sets on the nodes: ``sha1(secret):holder``. Unique per grant, and only the
+    secret's owner can prove it is theirs (the scripts hash what renew and release present,
+    as :data:`~leases.backends._redis_scripts.RENEW_LUA` does): the nodes never hold the secret."""
+    return f"{hashlib.sha1(secret.encode(), usedforsecurity=False).hexdigest()}:{holder}"
 
 
 class Node:

@@ -34,22 +34,33 @@ GROUP = "\u241fshared"
 WRITER_INTENT_MS = 1000
 
 #: The next token of a name, in ``epoch`` and ``counter``: ``KEYS[2]`` is the ``:fence`` hash,
-#: ARGV[3] an offered epoch (0: none yet), ARGV[4] the counter limit. Returns early with
-#: ``{NEED_EPOCH, stored}`` when the counter is missing, from another server run, or exhausted
-#: (see the Redis backend's docstring). Needs ``redis.replicate_commands()`` before (INFO).
+#: ARGV[3] an offered epoch (0: none yet), ARGV[4] the counter limit; the script sets the local
+#: ``known_run`` before (the server's replication id as the caller's connection knows it, ''
+#: if it does not). The id is read (``INFO``) only when it is not known or the counter carries
+#: another (see the Redis backend's docstring); ``run`` is the id used, for the reply. Returns
+#: early with ``{NEED_EPOCH, stored, run}`` when the counter is missing, from another server
+#: run, or exhausted.
 NEXT_GRANT_LUA = """
-local run = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
 local state = redis.call('HMGET', KEYS[2], 'epoch', 'counter', 'run')
+local run = known_run
+if run == '' or state[3] ~= run then
+  if redis.replicate_commands then
+    redis.replicate_commands()  -- Redis < 5: allow writes after INFO (no-op since 5)
+  end
+  run = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+end
 local epoch, counter = tonumber(state[1]), tonumber(state[2])
 if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV[4]) then
   local offered = tonumber(ARGV[3])
   if offered <= (epoch or 0) then
-    return {NEED_EPOCH, tostring(epoch or 0)}
+    return {NEED_EPOCH, tostring(epoch or 0), run}
   end
-  epoch, counter = offered, 0
+  epoch, counter = offered, 1
+  redis.call('HSET', KEYS[2], 'epoch', epoch, 'counter', counter, 'run', run)
+else
+  counter = counter + 1
+  redis.call('HSET', KEYS[2], 'counter', counter)
 end
-counter = counter + 1
-redis.call('HSET', KEYS[2], 'epoch', epoch, 'counter', counter, 'run', run)
 """
 
 #: Redis's clock in ms (writes after TIME need effects replication: Redis < 5 asks for it),
@@ -66,14 +77,16 @@ end
 """
 
 #: KEYS: lock, fence, readers, writer. ARGV: holder, ttl ms, offered epoch, counter limit,
-#: secret, group mark (``::␟shared``). Returns {OK, value} | {BUSY, value} | {NEED_EPOCH, epoch}.
+#: secret, group mark (``::␟shared``), the replication id the connection knows ('' if none).
+#: Returns {OK, value, run} | {BUSY, value, run} | {NEED_EPOCH, epoch, run}.
 SHARED_ACQUIRE_LUA = lua(
     _CLOCK_LUA
     + """
+local known_run = ARGV[7] or ''
 local current = redis.call('GET', KEYS[1])
 local group = is_group(current, ARGV[6])
 if (current and not group) or redis.call('EXISTS', KEYS[4]) == 1 then
-  return {BUSY, current or ''}
+  return {BUSY, current or '', known_run}
 end
 """
     + NEXT_GRANT_LUA
@@ -91,7 +104,7 @@ end
 local value = key .. ARGV[6]
 redis.call('SET', KEYS[1], value, 'PX', keep)
 redis.call('PEXPIRE', KEYS[3], keep)
-return {OK, value}
+return {OK, value, run}
 """
 )
 

@@ -10,7 +10,9 @@ Nothing outside ``leases/backends/`` knows which backend it talks to: :class:`~l
 only sees :class:`Grant` values and the errors of :mod:`leases.errors`, and the system checks and
 the admin ask the backend *class* to describe itself (:attr:`LeaseBackend.known_options`,
 :meth:`LeaseBackend.check_options`, :meth:`LeaseBackend.databases`, its capabilities) without
-instantiating it, so ``manage.py check`` connects nowhere. A backend translates its
+instantiating it, so ``manage.py check`` connects nowhere for them; only a store that can be set
+up to lose leases by itself is asked once, briefly (:meth:`LeaseBackend.store_checks`). A
+backend translates its
 driver's errors at this edge (``BackendUnavailable`` for an unreachable store, ``LeaseLost`` for a
 renewal or release the store refused, ``LeaseNotHeld`` for one without the grant's secret).
 """
@@ -354,8 +356,20 @@ class LeaseBackend(abc.ABC):
         """
         return {}
 
+    def store_checks(self) -> list[str]:
+        """How the store itself is set up to lose leases behind everyone's back (a Redis that
+        evicts keys under memory pressure), read in one short round trip.
+
+        Run by plain ``manage.py check`` (``leases.W004``), since such a store loses leases in
+        production while every test passes, and only for backends that override it. The
+        check gives each store a second or two and says nothing of one that does not answer
+        (a build step without its services must still pass): reachability is
+        :meth:`deploy_checks`'s business.
+        """
+        return []
+
     def deploy_checks(self) -> list[str]:
-        """Problems found by talking to the store (reachability, eviction policy).
+        """Problems found by talking to the store (reachability, durability settings).
 
         Run only by ``manage.py check --deploy``, never at import or start-up.
         """

@@ -20,6 +20,11 @@ the server's lock queue, so a release wakes one waiter instead of a herd, and ca
 the room do not overtake it (see :mod:`~leases.backends._waiting_room`: the room is a first
 come, first served queue). Waiters that find no room (too many) sleep on the process's shared
 ``LISTEN`` connection.
+
+A reply lost on a connection that stays open (a NAT, a proxy, a paused server) would hang a
+statement for ever, so each waits at most ``REQUEST_TIMEOUT`` seconds (default 5), a renewal at
+most half of what is left of its grant (see :mod:`~leases.backends._pgdeadline`); then the
+connection is dropped and the call raises :class:`~leases.errors.BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from django.db import connections
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._aio import PerLoop
+from ._counter import TIMELINE_FLOOR_SQL
 from ._pg_shared import (
     GROUP,
     SHARED_ACQUIRE_SQL,
@@ -50,6 +56,7 @@ from ._pg_shared import (
 )
 from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
+from ._pgdeadline import REQUEST_TIMEOUT
 from ._pruning import FLOOR_SQL, Progress, prune_rows
 from ._waiting_room import ROOM_CONNECTIONS, ROOM_GRACE, ROOM_TIMEOUT, WaitingRoom, room_key
 from .base import (
@@ -65,10 +72,12 @@ from .base import (
 
 __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "Backend"]
 
-#: Take ``name`` if it is free or expired, bumping its token; nothing is written when it is held.
+#: Take ``name`` if it is free or expired, bumping its token (never below the timeline's floor);
+#: nothing is written when it is held.
 #: The row keeps only the SHA-256 of the grant's secret, computed here on the server, so the
 #: table (backups, replicas, anyone with SELECT) never holds the credential itself. A new row's
-#: first token is above every pruned one (:data:`~._pruning.FLOOR_SQL`).
+#: first token is above every pruned one (:data:`~._pruning.FLOOR_SQL`), and no token is
+#: below the timeline's floor (:data:`~._counter.TIMELINE_FLOOR_SQL`: a promoted standby).
 #: A caller outside the name's waiting room (``in_room`` false) does not overtake the waiters
 #: in it: it takes the name only if nobody is in or queued for the room (the shared try-lock
 #: fails while an exclusive holder or waiter exists), or if the name has been free for longer
@@ -76,7 +85,8 @@ __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "Backend
 ACQUIRE_SQL = f"""
 INSERT INTO leases_lease AS l
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
-SELECT %(name)s::text, %(holder)s::text, {FLOOR_SQL}, clock_timestamp(),
+SELECT %(name)s::text, %(holder)s::text, GREATEST({FLOOR_SQL}, {TIMELINE_FLOOR_SQL}),
+       clock_timestamp(),
        clock_timestamp() + make_interval(secs => %(ttl)s), NULL, '{{}}', sha256(%(secret)s::bytea)
 WHERE NOT EXISTS (
     SELECT 1 FROM leases_lease
@@ -87,7 +97,8 @@ AND (%(in_room)s::bool OR pg_try_advisory_xact_lock_shared(%(room)s::bigint) OR 
     WHERE name = %(name)s::text AND expires_at > clock_timestamp() - %(grace)s::interval
 ))
 ON CONFLICT (name) DO UPDATE
-SET holder = EXCLUDED.holder, token = l.token + 1, acquired_at = EXCLUDED.acquired_at,
+SET holder = EXCLUDED.holder, token = GREATEST(l.token + 1, {TIMELINE_FLOOR_SQL}),
+    acquired_at = EXCLUDED.acquired_at,
     expires_at = EXCLUDED.expires_at, renewed_at = NULL, secret_hash = EXCLUDED.secret_hash
 WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
@@ -200,6 +211,9 @@ UNION ALL
 (SELECT {_COLUMNS} FROM leases_lease WHERE holder = '' ORDER BY name LIMIT %(limit)s)
 """  # noqa: S608
 
+#: The shortest wait for a renewal's reply, however little of the grant is left.
+MIN_RENEWAL_TIMEOUT = 0.05
+
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
 
 
@@ -279,7 +293,7 @@ class Backend(LeaseBackend):
             Capability.SHARED_LEASES,
         }
     )
-    known_options = frozenset({"DATABASE", "WAITING_ROOM"})
+    known_options = frozenset({"DATABASE", "WAITING_ROOM", "REQUEST_TIMEOUT"})
 
     @classmethod
     def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
@@ -290,6 +304,11 @@ class Backend(LeaseBackend):
             problems.append(f'LEASES["BACKENDS"][{alias!r}]["DATABASE"] must be a database alias')
         if not isinstance(options.get("WAITING_ROOM", True), bool):
             problems.append(f'LEASES["BACKENDS"][{alias!r}]["WAITING_ROOM"] must be True or False')
+        timeout = options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            problems.append(
+                f'LEASES["BACKENDS"][{alias!r}]["REQUEST_TIMEOUT"] must be a positive number'
+            )
         return problems
 
     @classmethod
@@ -309,26 +328,31 @@ class Backend(LeaseBackend):
                 f"the database lease backend needs PostgreSQL; {self.db_alias!r} uses {engine}"
             )
         self._lock = threading.Lock()
-        self._conn = PrivateConnection(self.db_alias)
+        #: Seconds a statement waits for its reply before its connection is dropped.
+        self.request_timeout = float(self.options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT))
+        self._conn = PrivateConnection(self.db_alias, self.request_timeout)
         self._listener: Listener | None = None
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
         self._room = WaitingRoom(self.db_alias, alias, enabled=enabled)
         self._async: PerLoop[AsyncState] = PerLoop(
-            lambda: AsyncState(self.db_alias), lambda state: state.close()
+            lambda: AsyncState(self.db_alias, self.request_timeout), lambda state: state.close()
         )
         track(self)
 
     # -- the connection -------------------------------------------------------------------
 
-    def _run(self, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    def _run(
+        self, sql: str, params: Mapping[str, Any], timeout: float | None = None
+    ) -> list[tuple[Any, ...]]:
         """Run one statement on the backend's own connection: one round trip.
 
-        Driver errors become :class:`BackendUnavailable`; a broken connection is dropped and
+        Driver errors become :class:`BackendUnavailable`; a broken connection, or one whose
+        reply did not come within ``timeout`` (default ``REQUEST_TIMEOUT``), is dropped and
         the next call reconnects (lease state lives in the table, not in the session).
         """
         try:
-            return self._conn.run(sql, params)
+            return self._conn.run(sql, params, timeout)
         except psycopg.Error as exc:
             raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
 
@@ -358,10 +382,18 @@ class Backend(LeaseBackend):
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
+        timeout = self._renewal_timeout(grant, sent_at)
         if grant.extra.get("shared"):
-            rows = self._run(SHARED_RENEW_SQL, shared_params(grant, ttl=ttl))
+            rows = self._run(SHARED_RENEW_SQL, shared_params(grant, ttl=ttl), timeout)
             return _renewed(grant, ttl, sent_at, rows)
-        return _renewed(grant, ttl, sent_at, self._run(RENEW_SQL, {**_owner(grant), "ttl": ttl}))
+        params = {**_owner(grant), "ttl": ttl}
+        return _renewed(grant, ttl, sent_at, self._run(RENEW_SQL, params, timeout))
+
+    def _renewal_timeout(self, grant: Grant, now: float) -> float:
+        """At most half the grant's time left, so a renewal whose reply is lost leaves time
+        to retry on a new connection before the lease runs out (a false loss otherwise)."""
+        left = grant.sent_at + grant.ttl - now
+        return min(self.request_timeout, max(MIN_RENEWAL_TIMEOUT, left / 2))
 
     def release(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
@@ -405,9 +437,11 @@ class Backend(LeaseBackend):
 
     # -- async: psycopg's AsyncConnection, one set per event loop (see ``_pgaio``) ----------
 
-    async def _arun(self, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    async def _arun(
+        self, sql: str, params: Mapping[str, Any], timeout: float | None = None
+    ) -> list[tuple[Any, ...]]:
         try:
-            return await self._async.get().conn.run(sql, params)
+            return await self._async.get().conn.run(sql, params, timeout)
         except psycopg.Error as exc:
             raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
 
@@ -425,9 +459,8 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):  # shared leases are taken by sync code only, so far
             return await super().arenew(grant, ttl)
         sent_at = time.monotonic()
-        return _renewed(
-            grant, ttl, sent_at, await self._arun(RENEW_SQL, {**_owner(grant), "ttl": ttl})
-        )
+        params, timeout = {**_owner(grant), "ttl": ttl}, self._renewal_timeout(grant, sent_at)
+        return _renewed(grant, ttl, sent_at, await self._arun(RENEW_SQL, params, timeout))
 
     async def arelease(self, grant: Grant) -> None:
         if grant.extra.get("shared"):

@@ -8,9 +8,10 @@ Configuration (``LEASES["BACKENDS"][alias]``)::
 Options: ``CACHE`` or ``URL`` (one of them), ``PREFIX`` (default ``"leases:"``),
 ``EPOCH_DATABASE`` (the Django database alias epochs come from, default ``"default"``),
 ``SOCKET_TIMEOUT`` (seconds, ``URL`` only), ``CLUSTER`` (``True``: the URL names a node of
-a Redis Cluster). A cache alias keeps its own connection settings:
-give it a socket timeout, and mind that redis-py retries failed commands by default (a ``URL``
-client here never retries, so a timed-out release is not retried into a false "lost").
+a Redis Cluster). A cache alias keeps its own connection settings (give it a socket timeout);
+the scripts are sent on connections of its pool, never through redis-py's retrying command
+path, so a timed-out release is not retried into a false "lost" (a ``URL`` client never
+retries anything).
 
 Keys of one name share a Redis Cluster hash tag, ``<prefix>{<name>}``: ``:lock`` (the grant,
 value ``epoch:counter:sha1(secret):holder``, expiring by Redis's clock), ``:fence`` (the name's
@@ -30,24 +31,29 @@ for a new epoch, which the database guarantees is higher than every epoch handed
 the next token is higher than every earlier one. This costs one extra database statement for the
 first grant of a name after such an event; if the database is unreachable then, the grant is
 refused with :class:`~leases.errors.FencingUnavailable` instead of risking a repeated token.
+
+Reading the replication id (``INFO``) costs the server more than the rest of an acquire, so a
+connection remembers the one it last learned and the script reads it only when the connection
+does not know it or the counter carries another: a connection forgets it when it reconnects (a
+restart or a failover is always a new connection), after an error, and 50 ms after learning it
+(:mod:`~leases.backends._redis_conn` says why that bounds the rest). Each connection knows its
+own server: a process-wide memory could carry one server's id to a failed-over successor that
+still holds the counters it replicated.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
-from ..errors import FencingUnavailable, LeaseLost, LeaseNotHeld
-from ._aio import PerLoop
+from ..errors import FencingUnavailable, LeaseNotHeld
 from ._counter import DurableCounter
+from ._redis_async import AsyncRedis
+from ._redis_conn import Script, run_script, server_run
 from ._redis_io import (
     Edge,
-    ablpop,
-    aconnect,
     blpop,
     cache_problems,
     connect,
@@ -59,10 +65,24 @@ from ._redis_io import (
     text,
     url_problems,
 )
+from ._redis_protocol import (
+    ACQUIRE_LUA,
+    COUNTER_BITS,
+    FORCE_RELEASE_LUA,
+    MAX_COUNTER,
+    MAX_EPOCH,
+    acquired,
+    owner_args,
+    pack_token,
+    release_call,
+    released,
+    renew_call,
+    renewed,
+    token_of,
+)
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 from ._redis_shared import (
     GROUP,
-    NEXT_GRANT_LUA,
     SHARED_ACQUIRE_LUA,
     SHARED_RELEASE_LUA,
     SHARED_RENEW_LUA,
@@ -71,7 +91,6 @@ from ._redis_shared import (
 )
 from ._redis_waiters import WaitClock, label, waiters
 from .base import (
-    FORGED,
     Capability,
     Grant,
     LeaseBackend,
@@ -83,100 +102,33 @@ from .base import (
 
 __all__ = [
     "ACQUIRE_LUA",
+    "COUNTER_BITS",
     "FORCE_RELEASE_LUA",
+    "MAX_COUNTER",
+    "MAX_EPOCH",
     "RELEASE_LUA",
     "RENEW_LUA",
     "Backend",
     "LeaseKeys",
     "Reply",
     "lua",
+    "owner_args",
+    "token_of",
 ]
 
-#: Epochs and counters are packed into one signed 64-bit token (``FencedModel``'s bigint).
-COUNTER_BITS = 32
-MAX_COUNTER = 2**COUNTER_BITS - 1
-MAX_EPOCH = 2**31 - 1
-
-
-#: KEYS[1] lock, KEYS[2] fence. ARGV[1] holder, ARGV[2] ttl ms, ARGV[3] offered epoch (0: none
-#: yet), ARGV[4] counter limit (a counter there needs a new epoch), ARGV[5] the grant's secret.
-#: The value is ``epoch:counter:sha1(secret):holder``: Redis never holds the secret itself.
-#: Returns {OK, value} | {BUSY, value} | {NEED_EPOCH, stored epoch}.
-ACQUIRE_LUA = lua(
-    """
-if redis.replicate_commands then
-  redis.replicate_commands()  -- Redis < 5: allow writes after INFO (no-op since 5)
-end
-local current = redis.call('GET', KEYS[1])
-if current then
-  return {BUSY, current}
-end
-"""
-    + NEXT_GRANT_LUA
-    + """
-local value = string.format('%d:%d:%s:%s', epoch, counter, redis.sha1hex(ARGV[5]), ARGV[1])
-redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
-return {OK, value}
-"""
-)
-
-#: KEYS: lock, wake, fence. ARGV: epoch, counter (the token to revoke), wake ttl ms, the lock
-#: value's prefix for that token (``epoch:counter:``).
-#: Compare-and-revoke: only while the stored token is still the one given, free the name (if
-#: that grant still holds it), advance the counter so the evicted holder's renewals fail, and
-#: wake one waiter. Returns {OK, epoch, new counter} | {LOST, stored epoch, stored counter}.
-FORCE_RELEASE_LUA = lua("""
-local state = redis.call('HMGET', KEYS[3], 'epoch', 'counter')
-if tonumber(state[1]) ~= tonumber(ARGV[1]) or tonumber(state[2]) ~= tonumber(ARGV[2]) then
-  return {LOST, state[1], state[2]}
-end
-if string.sub(redis.call('GET', KEYS[1]) or '', 1, #ARGV[4]) == ARGV[4] then
-  redis.call('DEL', KEYS[1])
-end
-local counter = redis.call('HINCRBY', KEYS[3], 'counter', 1)
-redis.call('RPUSH', KEYS[2], '1')
-redis.call('LTRIM', KEYS[2], 0, 0)
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return {OK, state[1], counter}
-""")
-
-
-def token_of(value: str) -> tuple[int, str]:
-    """``(token, holder)`` from a lock value ``epoch:counter:secret hash:holder``."""
-    epoch, counter, _, holder = value.split(":", 3)
-    return int(epoch) << COUNTER_BITS | int(counter), holder
-
-
-def _token(epoch: bytes | str | int, counter: bytes | str | int) -> int:
-    return int(epoch) << COUNTER_BITS | int(counter)
-
-
-def owner_args(grant: Grant) -> list[object]:
-    """What renew and release present (see :data:`_OWNER_LUA`): the grant's token prefix,
-    holder and secret, so a stale grant (other token) or a forged one (no secret) never
-    matches the key."""
-    prefix = f"{grant.token >> COUNTER_BITS}:{grant.token & MAX_COUNTER}:"
-    return [prefix, grant.holder, grant.secret]
-
-
-def refusal(grant: Grant, code: object, what: str) -> LeaseLost | LeaseNotHeld:
-    """The error for a renewal or release the store refused with ``code``."""
-    if code == Reply.NOT_OWNER:
-        return LeaseNotHeld(grant.name, FORGED)
-    return LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
-
-
-def _acquired(reply: Any, attempt: Grant) -> Grant | int | None:
-    """What an acquire script's reply means: the grant, ``None`` (held by someone else), or
-    the stored epoch when the script asks for a new one."""
-    code, value = reply
-    if code == Reply.OK:
-        token = token_of(text(value))[0]
-        return replace(attempt, token=token, expires_at=expires(attempt.ttl))
-    if code == Reply.BUSY:
-        return None
-    return int(value)
-
+#: The scripts by the name :meth:`Backend._run` is given.
+SCRIPTS = {
+    "acquire": ACQUIRE_LUA,
+    "renew": RENEW_LUA,
+    "release": RELEASE_LUA,
+    "force_release": FORCE_RELEASE_LUA,
+    "shared_acquire": SHARED_ACQUIRE_LUA,
+    "shared_renew": SHARED_RENEW_LUA,
+    "shared_release": SHARED_RELEASE_LUA,
+    "stop_readers": STOP_READERS_LUA,
+}
+#: The scripts that take a token: given the replication id the connection knows, last.
+_TOKEN_SCRIPTS = frozenset({"acquire", "shared_acquire"})
 
 #: The end of a readers' group's lock value (see :mod:`._redis_shared`).
 _MARK = f"::{GROUP}"
@@ -189,26 +141,6 @@ def _reader_args(grant: Grant) -> list[object]:
         grant.holder,
         grant.secret,
     ]
-
-
-def _renew_call(prefix: str, grant: Grant, ttl: float) -> tuple[list[str], list[object]]:
-    return [LeaseKeys.of(prefix, grant.name).lock], [*owner_args(grant), ms(ttl)]
-
-
-def _release_call(prefix: str, grant: Grant) -> tuple[list[str], list[object]]:
-    keys = LeaseKeys.of(prefix, grant.name)
-    return [keys.lock, keys.wake], [*owner_args(grant), WAKE_TTL_MS]
-
-
-def _renewed(grant: Grant, ttl: float, sent_at: float, code: object) -> Grant:
-    if code != Reply.OK:
-        raise refusal(grant, code, "renewal")
-    return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
-
-
-def _released(grant: Grant, code: object) -> None:
-    if code != Reply.OK:
-        raise refusal(grant, code, "release")
 
 
 class Backend(LeaseBackend):
@@ -224,13 +156,14 @@ class Backend(LeaseBackend):
     )
 
     known_options = frozenset(
-        {"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT"}
+        {"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT", "TRUST_SERVER_ID"}
     )
 
     @classmethod
     def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
         """Also: exactly one of ``CACHE`` (a django-redis alias in ``CACHES``) and ``URL``
-        (well formed), a usable ``PREFIX`` and a positive ``SOCKET_TIMEOUT``."""
+        (well formed), a usable ``PREFIX``, a positive ``SOCKET_TIMEOUT`` and a
+        ``TRUST_SERVER_ID`` of zero or more seconds (see :mod:`._redis_conn`)."""
         problems = super().check_options(alias, options)
         cache, url = options.get("CACHE"), options.get("URL")
         if (cache is None) == (url is None):
@@ -244,6 +177,9 @@ class Backend(LeaseBackend):
             problems += url_problems(alias, "URL", str(url))
         problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
         problems += positive_problems(alias, "SOCKET_TIMEOUT", options.get("SOCKET_TIMEOUT", 5.0))
+        trust = options.get("TRUST_SERVER_ID", 0)
+        if trust != 0:
+            problems += positive_problems(alias, "TRUST_SERVER_ID", trust)
         return problems
 
     @classmethod
@@ -254,48 +190,71 @@ class Backend(LeaseBackend):
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
         super().__init__(alias, options)
         self.prefix: str = options.get("PREFIX", "leases:")
+        #: Seconds a connection may reuse the replication id it learned (0: read it per acquire).
+        self.trust_server_id = float(options.get("TRUST_SERVER_ID", 0))
         (epochs,) = self.databases(options)
         self.epochs = DurableCounter(alias, epochs)
         self.epoch_resource = f"leases.redis-epoch:{self.prefix}"
+        self.scripts = {name: Script(lua_text) for name, lua_text in SCRIPTS.items()}
         self._lock = threading.Lock()
         self._client: Any = None
-        self._scripts: dict[str, Any] = {}
         self._waits = WaitClock()
-        self._async: PerLoop[tuple[Any, dict[str, Any]]] = PerLoop(
-            self._aclient, lambda made: made[0].aclose()
-        )
+        self._cluster: dict[str, Any] = {}
+        self._async = AsyncRedis(self)
+
+    def connect_options(self) -> dict[str, Any]:
+        """What :func:`~leases.backends._redis_io.connect` (and its async twin) are given."""
+        options = self.options
+        return {
+            "alias": self.alias,
+            "cache": options.get("CACHE"),
+            "url": options.get("URL"),
+            "socket_timeout": float(options.get("SOCKET_TIMEOUT", 5.0)),
+            "cluster": bool(options.get("CLUSTER", False)),
+        }
 
     @property
     def client(self) -> Any:
-        """The redis-py client, made on first use (never at import), with its own scripts."""
+        """The redis-py client, made on first use (never at import)."""
         with self._lock:
             if self._client is None:
-                options = self.options
-                client = connect(
-                    self.alias,
-                    options.get("CACHE"),
-                    options.get("URL"),
-                    float(options.get("SOCKET_TIMEOUT", 5.0)),
-                    cluster=bool(options.get("CLUSTER", False)),
-                )
-                # Registered per client: a Script object is bound to the client that made it.
-                self._scripts = {
-                    "acquire": client.register_script(ACQUIRE_LUA),
-                    "renew": client.register_script(RENEW_LUA),
-                    "release": client.register_script(RELEASE_LUA),
-                    "force_release": client.register_script(FORCE_RELEASE_LUA),
-                    "shared_acquire": client.register_script(SHARED_ACQUIRE_LUA),
-                    "shared_renew": client.register_script(SHARED_RENEW_LUA),
-                    "shared_release": client.register_script(SHARED_RELEASE_LUA),
-                    "stop_readers": client.register_script(STOP_READERS_LUA),
-                }
+                client = connect(**self.connect_options())
+                if not hasattr(client, "connection_pool"):
+                    # A cluster client routes each command by key itself: its scripts run
+                    # through redis-py, registered per client (a Script is bound to its client).
+                    self._cluster = {
+                        name: client.register_script(lua_text) for name, lua_text in SCRIPTS.items()
+                    }
                 self._client = client
             return self._client
 
     def _run(self, script: str, keys: list[str], args: list[object]) -> Any:
+        """One round trip: ``script`` on a pooled connection checked out here.
+
+        The acquire script is given the replication id the connection knows (see
+        :mod:`~leases.backends._redis_conn`) and tells which one it used. A Redis Cluster
+        client gives none, so every acquire there reads it (one ``INFO`` on the node).
+        """
         client = self.client
         with Edge(self.alias, script):
-            return self._scripts[script](keys=keys, args=args, client=client)
+            if self._cluster:
+                return self._cluster[script](keys=keys, args=args, client=client)
+            pool = client.connection_pool
+            connection = pool.get_connection()
+            try:
+                connection.connect()
+                if script not in _TOKEN_SCRIPTS:
+                    return run_script(connection, self.scripts[script], keys, args)
+                known = server_run(connection)
+                sent = known.current(self.trust_server_id)
+                reply = run_script(connection, self.scripts[script], keys, [*args, sent])
+                known.learn(sent, text(reply[2]))
+                return reply
+            except BaseException:
+                connection.disconnect()  # and so forget what it knew of its server
+                raise
+            finally:
+                pool.release(connection)
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         keys = LeaseKeys.of(self.prefix, name)
@@ -318,23 +277,22 @@ class Backend(LeaseBackend):
     ) -> Grant | None:
         """Run an acquire script, taking a new epoch from the database when it asks."""
         offered, secret = 0, new_secret()
-        shared = {"shared": True} if script == "shared_acquire" else {}
+        shared = {"shared": True} if script == "shared_acquire" else None
         for _ in range(3):
             sent_at = time.monotonic()
             args = [holder, ms(ttl), offered, MAX_COUNTER, secret, *extra]
             reply = self._run(script, keys, args)
-            attempt = Grant(name, holder, 0, ttl, sent_at, extra=shared, secret=secret)
-            outcome = _acquired(reply, attempt)
+            outcome = acquired(reply, name, holder, ttl, sent_at, secret, shared)
             if not isinstance(outcome, int):
                 return outcome
-            offered = self._next_epoch(outcome)
+            offered = self.next_epoch(outcome)
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
 
     def stop_new_readers(self, name: str) -> None:
         keys = LeaseKeys.of(self.prefix, name)
         self._run("stop_readers", [keys.lock, keys.writer], [_MARK, WRITER_INTENT_MS])
 
-    def _next_epoch(self, stored: int) -> int:
+    def next_epoch(self, stored: int) -> int:
         """A new epoch above ``stored``, from the database (see the module's docstring)."""
         offered = self.epochs.bump_fence(self.epoch_resource, stored + 1)
         if offered > MAX_EPOCH:
@@ -346,22 +304,19 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):
             keys = LeaseKeys.of(self.prefix, grant.name)
             args = [*_reader_args(grant), ms(ttl), _MARK]
-            return _renewed(
-                grant, ttl, sent_at, self._run("shared_renew", [keys.lock, keys.readers], args)
-            )
-        return _renewed(
-            grant, ttl, sent_at, self._run("renew", *_renew_call(self.prefix, grant, ttl))
+            reply = self._run("shared_renew", [keys.lock, keys.readers], args)
+            return renewed(grant, ttl, sent_at, reply)
+        return renewed(
+            grant, ttl, sent_at, self._run("renew", *renew_call(self.prefix, grant, ttl))
         )
 
     def release(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
             keys = LeaseKeys.of(self.prefix, grant.name)
             args = [*_reader_args(grant), _MARK, WAKE_TTL_MS]
-            _released(
-                grant, self._run("shared_release", [keys.lock, keys.readers, keys.wake], args)
-            )
+            released(grant, self._run("shared_release", [keys.lock, keys.readers, keys.wake], args))
             return
-        _released(grant, self._run("release", *_release_call(self.prefix, grant)))
+        released(grant, self._run("release", *release_call(self.prefix, grant)))
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` the name's wake-up list: one blocked request, no polling.
@@ -377,68 +332,26 @@ class Backend(LeaseBackend):
         with Edge(self.alias, "wait"):
             return blpop(self.client, wake, timeout, named) is not None
 
-    # -- async: the same scripts through redis.asyncio, one client per event loop ---------
+    # -- async: the same scripts through redis.asyncio (leases/backends/_redis_async.py) ---
 
     async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
-        """:meth:`try_acquire` over ``redis.asyncio``; the rare new epoch (a database
-        statement, after a Redis restart or failover) is taken on a worker thread."""
-        keys = LeaseKeys.of(self.prefix, name)
-        offered, secret = 0, new_secret()
-        for _ in range(3):
-            sent_at = time.monotonic()
-            args = [holder, ms(ttl), offered, MAX_COUNTER, secret]
-            reply = await self._arun("acquire", [keys.lock, keys.fence], args)
-            outcome = _acquired(reply, Grant(name, holder, 0, ttl, sent_at, secret=secret))
-            if not isinstance(outcome, int):
-                return outcome
-            offered = await asyncio.to_thread(self._next_epoch, outcome)
-        raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
+        return await self._async.try_acquire(name, holder, ttl)
 
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
         if grant.extra.get("shared"):  # shared leases are taken by sync code only, so far
             return await super().arenew(grant, ttl)
-        sent_at = time.monotonic()
-        reply = await self._arun("renew", *_renew_call(self.prefix, grant, ttl))
-        return _renewed(grant, ttl, sent_at, reply)
+        return await self._async.renew(grant, ttl)
 
     async def arelease(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
             return await super().arelease(grant)
-        _released(grant, await self._arun("release", *_release_call(self.prefix, grant)))
+        await self._async.release(grant)
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
-        if timeout < 0.001:
-            return False
-        client, _ = self._async.get()
-        wake = LeaseKeys.of(self.prefix, name).wake
-        named = label(wake, self._waits.since(name, timeout))
-        with Edge(self.alias, "wait"):
-            return await ablpop(client, wake, timeout, named) is not None
+        return await self._async.wait_for_release(name, timeout)
 
     async def aclose(self) -> None:
         await self._async.aclose()
-
-    def _aclient(self) -> tuple[Any, dict[str, Any]]:
-        """A ``redis.asyncio`` client for the running loop, with its own scripts."""
-        options = self.options
-        client = aconnect(
-            self.alias,
-            options.get("CACHE"),
-            options.get("URL"),
-            float(options.get("SOCKET_TIMEOUT", 5.0)),
-            cluster=bool(options.get("CLUSTER", False)),
-        )
-        scripts = {
-            "acquire": client.register_script(ACQUIRE_LUA),
-            "renew": client.register_script(RENEW_LUA),
-            "release": client.register_script(RELEASE_LUA),
-        }
-        return client, scripts
-
-    async def _arun(self, script: str, keys: list[str], args: list[object]) -> Any:
-        client, scripts = self._async.get()
-        with Edge(self.alias, script):
-            return await scripts[script](keys=keys, args=args, client=client)
 
     def inspect(self, name: str) -> LeaseInfo | None:
         keys = LeaseKeys.of(self.prefix, name)
@@ -452,7 +365,7 @@ class Backend(LeaseBackend):
             return LeaseInfo(name, holder, token, True, self.alias, expires_at=at)
         if epoch is None or counter is None:
             return None
-        return LeaseInfo(name, "", _token(epoch, counter), False, self.alias)
+        return LeaseInfo(name, "", pack_token(epoch, counter), False, self.alias)
 
     def inspect_all(self) -> list[LeaseInfo]:
         """Every name with a counter, by ``SCAN`` (never ``KEYS``): operators' views only."""
@@ -484,16 +397,21 @@ class Backend(LeaseBackend):
         args = [epoch, counter, WAKE_TTL_MS, f"{epoch}:{counter}:"]
         code, epoch, counter = self._run("force_release", [keys.lock, keys.wake, keys.fence], args)
         if code != Reply.OK:
-            current = None if epoch is None or counter is None else _token(epoch, counter)
+            current = None if epoch is None or counter is None else pack_token(epoch, counter)
             raise LeaseNotHeld(name, not_revoked(token, current))
-        return LeaseInfo(name, "", _token(epoch, counter), False, self.alias)
+        return LeaseInfo(name, "", pack_token(epoch, counter), False, self.alias)
+
+    def store_checks(self) -> list[str]:
+        return eviction_problems(self.alias, self.client)
 
     def deploy_checks(self) -> list[str]:
-        return eviction_problems(self.alias, self.client)
+        with Edge(self.alias, "deploy check"):
+            self.client.ping()
+        return []
 
     def close(self) -> None:
         with self._lock:
-            client, self._client, self._scripts = self._client, None, {}
+            client, self._client, self._cluster = self._client, None, {}
         if client is not None and self.options.get("URL") is not None:
             client.close()
         self.epochs.close()

@@ -40,8 +40,7 @@ is unavailable, the quorum is given back and the grant refused with
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
+import contextlib
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -53,12 +52,9 @@ from django.utils.module_loading import import_string
 
 from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
-from ._aio import PerLoop
 from ._counter import DurableCounter
 from ._redis_io import (
-    ablpop,
-    acall,
-    aconnect,
+    Edge,
     blpop_command,
     cache_problems,
     eviction_problems,
@@ -69,9 +65,10 @@ from ._redis_io import (
     text,
     url_problems,
 )
-from ._redis_nodes import FAILED, Node, Pending, ReplyDrain
+from ._redis_nodes import FAILED, Node, Pending, ReplyDrain, node_value
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 from ._redis_waiters import WaitClock, label, waiters
+from ._redlock_async import AsyncRedlock
 from .base import (
     FORGED,
     Capability,
@@ -99,18 +96,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return LOST
 """)
-
-
-async def _aclose_all(clients: list[Any]) -> None:
-    for client in clients:
-        await client.aclose()
-
-
-def node_value(holder: str, secret: str) -> str:
-    """What a grant sets on the nodes: ``sha1(secret):holder``. Unique per grant, and only the
-    secret's owner can prove it is theirs (the scripts hash what renew and release present,
-    as :data:`~leases.backends._redis_scripts.RENEW_LUA` does): the nodes never hold the secret."""
-    return f"{hashlib.sha1(secret.encode(), usedforsecurity=False).hexdigest()}:{holder}"
 
 
 class Backend(LeaseBackend):
@@ -164,8 +149,7 @@ class Backend(LeaseBackend):
         )
         self._nodes: list[Node] | None = None
         self._drain = ReplyDrain(alias)
-        self._async: PerLoop[list[Any]] = PerLoop(self._aclients, _aclose_all)
-        self._unlocking: set[asyncio.Future[Any]] = set()
+        self._async = AsyncRedlock(self)
         self._waits = WaitClock()
 
     @property
@@ -206,14 +190,14 @@ class Backend(LeaseBackend):
         self._drain.put(self._send_all(command))
         return []
 
-    def _refusal(self, grant: Grant, answers: list[Any], what: str) -> LeaseLost | LeaseNotHeld:
+    def refusal(self, grant: Grant, answers: list[Any], what: str) -> LeaseLost | LeaseNotHeld:
         """Why a quorum refused. The nodes know holders but no tokens, so "holder matches,
         secret does not" is a forged grant only if ``grant`` is still valid by its own clock and
         its token is the name's current one (one more statement, on this failure path only);
         otherwise another grant, perhaps of the same holder name, took over: the lease was lost.
         """
         if sum(answer == Reply.NOT_OWNER for answer in answers) >= self.quorum and (
-            self._valid(grant)
+            self.valid(grant)
             and (
                 not self._source_is_database
                 or self.counter.current_lease(grant.name) == grant.token
@@ -222,7 +206,7 @@ class Backend(LeaseBackend):
             return LeaseNotHeld(grant.name, FORGED)
         return LeaseLost(grant.name, grant.token, f"a quorum of nodes refused the {what}")
 
-    def _valid(self, grant: Grant) -> bool:
+    def valid(self, grant: Grant) -> bool:
         settings = conf.get()
         return time.monotonic() < grant.valid_until(settings.drift_factor, settings.drift_min)
 
@@ -239,12 +223,12 @@ class Backend(LeaseBackend):
                 self._unlock_everywhere(attempt, confirm=False)
                 raise
             grant = replace(attempt, token=token, expires_at=expires(ttl))
-            if self._valid(grant):
+            if self.valid(grant):
                 return grant
-        self._lost_try(attempt, answers, self._unlock_everywhere)
+        self.lost_try(attempt, answers, self._unlock_everywhere)
         return None
 
-    def _lost_try(self, attempt: Grant, answers: list[Any], unlock: Callable[..., object]) -> None:
+    def lost_try(self, attempt: Grant, answers: list[Any], unlock: Callable[..., object]) -> None:
         """Give back what a failed try may hold: a node that said no has nothing to undo, one
         that said yes or timed out might. No node answering is an unreachable store."""
         if any(answer is True or answer is FAILED for answer in answers):
@@ -259,10 +243,10 @@ class Backend(LeaseBackend):
         owner = ("", grant.holder, grant.secret)
         answers = self._fan_out("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
-        if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
+        if sum(answer == Reply.OK for answer in answers) >= self.quorum and self.valid(renewed):
             return renewed
         self._unless_refused(answers, "renewal")
-        refusal = self._refusal(grant, answers, "renewal")
+        refusal = self.refusal(grant, answers, "renewal")
         if isinstance(refusal, LeaseLost):
             self._unlock_everywhere(grant, confirm=False)
         raise refusal
@@ -271,7 +255,7 @@ class Backend(LeaseBackend):
         answers = self._unlock_everywhere(grant)
         if sum(answer == Reply.OK for answer in answers) < self.quorum:
             self._unless_refused(answers, "release")
-            raise self._refusal(grant, answers, "release")
+            raise self.refusal(grant, answers, "release")
 
     def _unless_refused(self, answers: list[Any], what: str) -> None:
         """``BackendUnavailable`` unless a quorum of nodes answered and refused.
@@ -308,100 +292,19 @@ class Backend(LeaseBackend):
             return False
         return reply is not None
 
-    # -- async: redis.asyncio clients per event loop, every node at once (asyncio.gather) ---
-
-    def _aclients(self) -> list[Any]:
-        return [
-            aconnect(
-                self.alias,
-                None if "://" in loc else loc,
-                loc if "://" in loc else None,
-                self.node_timeout,
-            )
-            for loc in self.locations
-        ]
-
-    async def _afan_out(self, *command: object) -> list[Any]:
-        """:meth:`_fan_out` on the event loop: every node asked concurrently, every answer
-        bounded by one node timeout; a node that fails or is late answers :data:`FAILED`."""
-
-        async def ask(client: Any) -> Any:
-            try:
-                async with asyncio.timeout(self.node_timeout):
-                    return await acall(client, command)
-            except (redis.RedisError, OSError, TimeoutError):
-                return FAILED
-
-        return list(await asyncio.gather(*(ask(client) for client in self._async.get())))
-
-    def _aunlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> Any:
-        """:meth:`_unlock_everywhere`, async; without ``confirm`` it runs as a task nobody
-        awaits (kept referenced until it ends), so hung nodes cost the caller nothing."""
-        keys = LeaseKeys.of(self.prefix, grant.name)
-        owner = ("", grant.holder, grant.secret)
-        unlock = self._afan_out("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
-        if confirm:
-            return unlock
-        task = asyncio.ensure_future(unlock)
-        self._unlocking.add(task)
-        task.add_done_callback(self._unlocking.discard)
-        return None
+    # -- async: redis.asyncio, every node at once (leases/backends/_redlock_async.py) -------
 
     async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
-        """:meth:`try_acquire` with the nodes asked concurrently; the token (one database
-        statement per grant, through the blocking token source) is taken on a worker thread."""
-        keys = LeaseKeys.of(self.prefix, name)
-        secret = new_secret()
-        sent_at = time.monotonic()
-        value = node_value(holder, secret)
-        answers = await self._afan_out("SET", keys.lock, value, "NX", "PX", ms(ttl))
-        attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
-        if sum(answer is True for answer in answers) >= self.quorum:
-            try:
-                token = await asyncio.to_thread(self.next_token, name)
-            except BaseException:
-                self._aunlock_everywhere(attempt, confirm=False)
-                raise
-            grant = replace(attempt, token=token, expires_at=expires(ttl))
-            if self._valid(grant):
-                return grant
-        self._lost_try(attempt, answers, self._aunlock_everywhere)
-        return None
+        return await self._async.try_acquire(name, holder, ttl)
 
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
-        keys = LeaseKeys.of(self.prefix, grant.name)
-        sent_at = time.monotonic()
-        owner = ("", grant.holder, grant.secret)
-        answers = await self._afan_out("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
-        renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
-        if sum(answer == Reply.OK for answer in answers) >= self.quorum and self._valid(renewed):
-            return renewed
-        refusal = await asyncio.to_thread(self._refusal, grant, answers, "renewal")
-        if isinstance(refusal, LeaseLost):
-            self._aunlock_everywhere(grant, confirm=False)
-        raise refusal
+        return await self._async.renew(grant, ttl)
 
     async def arelease(self, grant: Grant) -> None:
-        answers = await self._aunlock_everywhere(grant)
-        if sum(answer == Reply.OK for answer in answers) < self.quorum:
-            raise await asyncio.to_thread(self._refusal, grant, answers, "release")
+        await self._async.release(grant)
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
-        """``BLPOP`` on one node picked at random, bounded by ``timeout`` (see
-        :meth:`wait_for_release`); a dead node sleeps out the wait instead of spinning."""
-        if timeout < 0.001:
-            return False
-        started = time.monotonic()
-        client = random.choice(self._async.get())
-        wake = LeaseKeys.of(self.prefix, name).wake
-        try:
-            reply = await ablpop(
-                client, wake, timeout, label(wake, self._waits.since(name, timeout))
-            )
-        except (redis.RedisError, OSError):
-            await asyncio.sleep(max(0.0, timeout - (time.monotonic() - started)))
-            return False
-        return reply is not None
+        return await self._async.wait_for_release(name, timeout)
 
     async def aclose(self) -> None:
         await self._async.aclose()
@@ -472,16 +375,26 @@ class Backend(LeaseBackend):
         infos = (self.inspect(name) for name in sorted(names))
         return [info for info in infos if info is not None]
 
+    def store_checks(self) -> list[str]:
+        """Per-node eviction policies, of the nodes that answer."""
+        problems: list[str] = []
+        for node in self.nodes:
+            with contextlib.suppress(BackendUnavailable):
+                found = eviction_problems(self.alias, node.client)
+                problems += [f"node {node.location}: {problem}" for problem in found]
+        return problems
+
     def deploy_checks(self) -> list[str]:
-        """Per-node eviction policies; an error when fewer than a quorum of nodes answer."""
+        """Nodes that do not answer; an error when fewer than a quorum do."""
         problems: list[str] = []
         down = 0
         for node in self.nodes:
             try:
-                found = eviction_problems(self.alias, node.client)
+                with Edge(self.alias, "deploy check"):
+                    node.client.ping()
             except BackendUnavailable as exc:
-                found, down = [str(exc)], down + 1
-            problems += [f"node {node.location}: {problem}" for problem in found]
+                problems.append(f"node {node.location}: {exc}")
+                down += 1
         if len(self.locations) - down < self.quorum:
             raise BackendUnavailable(self.alias, f"fewer than {self.quorum} nodes answer")
         if len(self.locations) < 3:

@@ -1,0 +1,102 @@
+"""Session locks still held when a request ends: released and reported, never inherited.
+
+A session lock belongs to the database *session*, and a session outlives its request whenever
+Django keeps connections (``CONN_MAX_AGE > 0``) or pools them (``OPTIONS={"pool": ...}``,
+Django 5.1+). A ``session_lock`` whose block never exited (entered by hand, a suspended
+generator, a thread killed mid-block) would then hold the lock for whatever request gets the
+connection next, silently: that request could not take the lock itself and would not know why,
+and every other process would wait behind a lock no code holds.
+
+So :func:`track` remembers, per Django connection object, which session locks this package
+took on it and has not yet unlocked (nothing is asked of the server: a request that took no
+session lock pays nothing). When the request finishes, :func:`release_leaked` unlocks what is
+left on that connection and logs an error naming each lock (``event: advisory_lock_leaked``).
+Releasing, not raising: the response is already sent, and the one thing that must not happen
+is the next request inheriting the lock. It runs *before* Django's own ``close_old_connections``
+(which would hand a pooled connection back with the lock still on it); see :func:`install`.
+Locks taken with raw SQL (``SELECT pg_advisory_lock(...)``) are not tracked.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from django.core.signals import request_finished
+from django.db import close_old_connections, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+__all__ = ["install", "release_leaked", "track", "untrack"]
+
+logger = logging.getLogger("leases.advisory")
+
+#: Per Django connection object (one per thread or async context and alias): the unlock
+#: statement of each session lock taken on it and not yet unlocked, with the lock's label.
+_held: weakref.WeakKeyDictionary[BaseDatabaseWrapper, list[tuple[str, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def track(connection: BaseDatabaseWrapper, label: str, unlock_sql: str) -> None:
+    """A session lock was taken on ``connection``; ``unlock_sql`` releases it once."""
+    _held.setdefault(connection, []).append((label, unlock_sql))
+
+
+def untrack(connection: BaseDatabaseWrapper, label: str) -> None:
+    """The block of a session lock ended (unlocked, or found lost): forget one entry."""
+    held = _held.get(connection)
+    if not held:
+        return
+    for index in range(len(held) - 1, -1, -1):
+        if held[index][0] == label:
+            del held[index]
+            break
+
+
+def release_leaked(**kwargs: Any) -> None:
+    """At the end of a request: unlock every tracked session lock still held, and say so."""
+    for connection in connections.all(initialized_only=True):
+        held = _held.pop(connection, None)
+        if not held:
+            continue
+        labels = [label for label, _ in held]
+        released = connection.connection is not None and _unlock(connection, held)
+        logger.error(
+            "leases: session_lock(%s) still held on database %r when the request ended; %s",
+            ", ".join(repr(label) for label in labels),
+            connection.alias,
+            "released it so the next request on this connection does not inherit it"
+            if released
+            else "its connection is gone, and with it the lock",
+            extra={
+                "event": "advisory_lock_leaked",
+                "locks": labels,
+                "database": connection.alias,
+                "released": released,
+            },
+        )
+
+
+def _unlock(connection: BaseDatabaseWrapper, held: list[tuple[str, str]]) -> bool:
+    """Unlock on the driver's connection (Django's cursor would refuse inside a broken
+    transaction); if even that fails, end the session, the release of last resort."""
+    try:
+        with connection.connection.cursor() as cursor:
+            for _, sql in reversed(held):
+                cursor.execute(sql)
+    except Exception as exc:  # the driver's error, whatever the state of the session
+        logger.warning("leases: could not unlock a leaked session lock (%s); closing", exc)
+        connection.close()
+    return True
+
+
+def install(
+    signal: Any = request_finished, closer: Callable[..., None] = close_old_connections
+) -> None:
+    """Run :func:`release_leaked` at the end of every request, before Django closes or pools
+    the request's connections (its ``close_old_connections`` is moved after ours)."""
+    signal.disconnect(closer)
+    signal.connect(release_leaked, dispatch_uid="leases.release_leaked_session_locks")
+    signal.connect(closer)

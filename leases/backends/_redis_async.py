@@ -1,0 +1,130 @@
+"""The Redis backend's async round trips: the same scripts through ``redis.asyncio``.
+
+One client per event loop (:class:`~leases.backends._aio.PerLoop`), and the same connection-level
+sending and per-connection replication id as the blocking half (see
+:mod:`~leases.backends._redis_conn`). Only :mod:`leases.backends.redis` uses this module: it is
+that backend's ``atry_acquire``, ``arenew``, ``arelease`` and ``await_for_release``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from ..errors import FencingUnavailable
+from ._aio import PerLoop
+from ._redis_conn import arun_script, server_run
+from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
+from ._redis_protocol import (
+    acquire_call,
+    acquired,
+    release_call,
+    released,
+    renew_call,
+    renewed,
+)
+from ._redis_scripts import LeaseKeys
+from ._redis_waiters import label
+from .base import Grant, new_secret
+
+if TYPE_CHECKING:
+    from .redis import Backend
+
+__all__ = ["AsyncRedis"]
+
+#: Per event loop: the client, and (Redis Cluster only) its registered scripts.
+_Client = tuple[Any, dict[str, Any]]
+
+
+async def _aclose(made: _Client) -> None:
+    await made[0].aclose()
+
+
+class AsyncRedis:
+    """``backend``'s round trips on the running event loop."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._clients: PerLoop[_Client] = PerLoop(self._make, _aclose)
+        options = backend.connect_options()
+        self._timeout = read_timeout(options["cache"], options["socket_timeout"])
+
+    def _make(self) -> _Client:
+        """A ``redis.asyncio`` client for the running loop (and a cluster client's scripts)."""
+        client = aconnect(**self.backend.connect_options())
+        if hasattr(client, "connection_pool"):
+            return client, {}
+        scripts = {name: client.register_script(s.text) for name, s in self.backend.scripts.items()}
+        return client, scripts
+
+    async def _run(self, script: str, keys: list[str], args: list[object]) -> Any:
+        """:meth:`Backend._run <leases.backends.redis.Backend._run>` on the event loop; a
+        cancelled round trip drops its connection (its reply was never read)."""
+        client, cluster = self._clients.get()
+        with Edge(self.backend.alias, script):
+            try:
+                async with asyncio.timeout(self._timeout):
+                    if cluster:
+                        return await cluster[script](keys=keys, args=args, client=client)
+                    return await self._on_connection(client, script, keys, args)
+            except TimeoutError as exc:  # the client has no read timeout of its own
+                raise redis.TimeoutError(f"no reply within {self._timeout} s") from exc
+
+    async def _on_connection(
+        self, client: Any, script: str, keys: list[str], args: list[object]
+    ) -> Any:
+        """One script round trip on a connection checked out here (see ``_redis_conn``)."""
+        pool = client.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.connect()
+            lua = self.backend.scripts[script]
+            if script != "acquire":
+                return await arun_script(connection, lua, keys, args)
+            known = server_run(connection)
+            sent = known.current(self.backend.trust_server_id)
+            reply = await arun_script(connection, lua, keys, [*args, sent])
+            known.learn(sent, text(reply[2]))
+            return reply
+        except BaseException:
+            await connection.disconnect()
+            raise
+        finally:
+            await pool.release(connection)
+
+    async def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """The rare new epoch (a database statement, after a Redis restart or failover) is
+        taken on a worker thread."""
+        keys = LeaseKeys.of(self.backend.prefix, name)
+        offered, secret = 0, new_secret()
+        for _ in range(3):
+            sent_at = time.monotonic()
+            reply = await self._run("acquire", *acquire_call(keys, holder, ttl, offered, secret))
+            outcome = acquired(reply, name, holder, ttl, sent_at, secret)
+            if not isinstance(outcome, int):
+                return outcome
+            offered = await asyncio.to_thread(self.backend.next_epoch, outcome)
+        raise FencingUnavailable(self.backend.alias, f"no stable epoch for {name!r} after 3 tries")
+
+    async def renew(self, grant: Grant, ttl: float) -> Grant:
+        sent_at = time.monotonic()
+        reply = await self._run("renew", *renew_call(self.backend.prefix, grant, ttl))
+        return renewed(grant, ttl, sent_at, reply)
+
+    async def release(self, grant: Grant) -> None:
+        released(grant, await self._run("release", *release_call(self.backend.prefix, grant)))
+
+    async def wait_for_release(self, name: str, timeout: float) -> bool:
+        if timeout < 0.001:
+            return False
+        client, _ = self._clients.get()
+        wake = LeaseKeys.of(self.backend.prefix, name).wake
+        named = label(wake, self.backend._waits.since(name, timeout))
+        with Edge(self.backend.alias, "wait"):
+            return await ablpop(client, wake, timeout, named) is not None
+
+    async def aclose(self) -> None:
+        await self._clients.aclose()

@@ -1,0 +1,162 @@
+"""What the Redis backend sends and what the replies mean, shared by its sync and async halves.
+
+No I/O here: the acquire and revoke scripts, how a token packs an epoch and a counter, the
+arguments renew and release present, and what each reply means. :mod:`leases.backends.redis`
+runs them on blocking connections, :mod:`leases.backends._redis_async` on ``redis.asyncio``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..errors import LeaseLost, LeaseNotHeld
+from ._redis_io import expires, ms, text
+from ._redis_scripts import WAKE_TTL_MS, LeaseKeys, Reply, lua
+from ._redis_shared import NEXT_GRANT_LUA
+from .base import FORGED, Grant
+
+__all__ = [
+    "ACQUIRE_LUA",
+    "COUNTER_BITS",
+    "FORCE_RELEASE_LUA",
+    "MAX_COUNTER",
+    "MAX_EPOCH",
+    "acquire_call",
+    "acquired",
+    "owner_args",
+    "pack_token",
+    "refusal",
+    "release_call",
+    "released",
+    "renew_call",
+    "renewed",
+    "token_of",
+]
+
+#: Epochs and counters are packed into one signed 64-bit token (``FencedModel``'s bigint).
+COUNTER_BITS = 32
+MAX_COUNTER = 2**COUNTER_BITS - 1
+MAX_EPOCH = 2**31 - 1
+
+#: KEYS[1] lock, KEYS[2] fence. ARGV[1] holder, ARGV[2] ttl ms, ARGV[3] offered epoch (0: none
+#: yet), ARGV[4] counter limit (a counter there needs a new epoch), ARGV[5] the grant's secret,
+#: ARGV[6] the server's replication id as this connection last learned it ('' or absent: not
+#: known, read it now). The value is ``epoch:counter:sha1(secret):holder``: Redis never holds
+#: the secret itself.
+#:
+#: The replication id is read (``INFO``) only when the caller does not know it or the counter
+#: was stamped with another one; otherwise the caller's is trusted (see the Redis backend's
+#: module docstring for when a connection's knowledge is renewed). Every reply ends with the id
+#: the script used, for the caller to remember. The token step is the shared acquire's too
+#: (:data:`~leases.backends._redis_shared.NEXT_GRANT_LUA`).
+#: Returns {OK, value, run} | {BUSY, value, run} | {NEED_EPOCH, stored epoch, run}.
+ACQUIRE_LUA = lua(
+    """
+local known_run = ARGV[6] or ''
+local current = redis.call('GET', KEYS[1])
+if current then
+  return {BUSY, current, known_run}
+end
+"""
+    + NEXT_GRANT_LUA
+    + """
+local value = string.format('%d:%d:%s:%s', epoch, counter, redis.sha1hex(ARGV[5]), ARGV[1])
+redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
+return {OK, value, run}
+"""
+)
+
+#: KEYS: lock, wake, fence. ARGV: epoch, counter (the token to revoke), wake ttl ms, the lock
+#: value's prefix for that token (``epoch:counter:``).
+#: Compare-and-revoke: only while the stored token is still the one given, free the name (if
+#: that grant still holds it), advance the counter so the evicted holder's renewals fail, and
+#: wake one waiter. Returns {OK, epoch, new counter} | {LOST, stored epoch, stored counter}.
+FORCE_RELEASE_LUA = lua("""
+local state = redis.call('HMGET', KEYS[3], 'epoch', 'counter')
+if tonumber(state[1]) ~= tonumber(ARGV[1]) or tonumber(state[2]) ~= tonumber(ARGV[2]) then
+  return {LOST, state[1], state[2]}
+end
+if string.sub(redis.call('GET', KEYS[1]) or '', 1, #ARGV[4]) == ARGV[4] then
+  redis.call('DEL', KEYS[1])
+end
+local counter = redis.call('HINCRBY', KEYS[3], 'counter', 1)
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('LTRIM', KEYS[2], 0, 0)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {OK, state[1], counter}
+""")
+
+
+def token_of(value: str) -> tuple[int, str]:
+    """``(token, holder)`` from a lock value ``epoch:counter:secret hash:holder``."""
+    epoch, counter, _, holder = value.split(":", 3)
+    return int(epoch) << COUNTER_BITS | int(counter), holder
+
+
+def pack_token(epoch: bytes | str | int, counter: bytes | str | int) -> int:
+    return int(epoch) << COUNTER_BITS | int(counter)
+
+
+def owner_args(grant: Grant) -> list[object]:
+    """What renew and release present (see :data:`_OWNER_LUA`): the grant's token prefix,
+    holder and secret, so a stale grant (other token) or a forged one (no secret) never
+    matches the key."""
+    prefix = f"{grant.token >> COUNTER_BITS}:{grant.token & MAX_COUNTER}:"
+    return [prefix, grant.holder, grant.secret]
+
+
+def refusal(grant: Grant, code: object, what: str) -> LeaseLost | LeaseNotHeld:
+    """The error for a renewal or release the store refused with ``code``."""
+    if code == Reply.NOT_OWNER:
+        return LeaseNotHeld(grant.name, FORGED)
+    return LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
+
+
+def acquire_call(
+    keys: LeaseKeys, holder: str, ttl: float, offered: int, secret: str
+) -> tuple[list[str], list[object]]:
+    """The acquire script's keys and arguments, but for the replication id (the caller's)."""
+    return [keys.lock, keys.fence], [holder, ms(ttl), offered, MAX_COUNTER, secret]
+
+
+def acquired(
+    reply: Any,
+    name: str,
+    holder: str,
+    ttl: float,
+    sent_at: float,
+    secret: str,
+    extra: Mapping[str, Any] | None = None,
+) -> Grant | int | None:
+    """What an acquire script's reply means: the :class:`Grant` (with ``extra``: a shared
+    grant's mark), ``None`` (held by someone else), or the stored epoch (an ``int``) when the
+    script asks for a new one."""
+    code, value = reply[0], reply[1]
+    if code == Reply.OK:
+        won = token_of(text(value))[0]
+        return Grant(name, holder, won, ttl, sent_at, expires(ttl), extra or {}, secret=secret)
+    if code == Reply.BUSY:
+        return None
+    return int(value)
+
+
+def renew_call(prefix: str, grant: Grant, ttl: float) -> tuple[list[str], list[object]]:
+    return [LeaseKeys.of(prefix, grant.name).lock], [*owner_args(grant), ms(ttl)]
+
+
+def release_call(prefix: str, grant: Grant) -> tuple[list[str], list[object]]:
+    keys = LeaseKeys.of(prefix, grant.name)
+    return [keys.lock, keys.wake], [*owner_args(grant), WAKE_TTL_MS]
+
+
+def renewed(grant: Grant, ttl: float, sent_at: float, code: object) -> Grant:
+    if code != Reply.OK:
+        raise refusal(grant, code, "renewal")
+    return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
+
+
+def released(grant: Grant, code: object) -> None:
+    if code != Reply.OK:
+        raise refusal(grant, code, "release")

@@ -1,0 +1,149 @@
+"""The Redlock backend's async round trips: ``redis.asyncio``, every node asked at once.
+
+One set of node clients per event loop (:class:`~leases.backends._aio.PerLoop`); a request goes
+to every node concurrently (``asyncio.gather``) and each answer is bounded by one node timeout,
+so hung nodes cost a try at most that, however many. Only :mod:`leases.backends.redlock` uses
+this module: it is that backend's ``atry_acquire``, ``arenew``, ``arelease`` and
+``await_for_release``, deciding with the backend's own quorum and validity rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from ..errors import LeaseLost
+from ._aio import PerLoop
+from ._redis_io import ablpop, acall, aconnect, expires, ms
+from ._redis_nodes import FAILED, node_value
+from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply
+from ._redis_waiters import label
+from .base import Grant, new_secret
+
+if TYPE_CHECKING:
+    from .redlock import Backend
+
+__all__ = ["AsyncRedlock"]
+
+
+async def _aclose_all(clients: list[Any]) -> None:
+    for client in clients:
+        await client.aclose()
+
+
+class AsyncRedlock:
+    """``backend``'s round trips on the running event loop."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._clients: PerLoop[list[Any]] = PerLoop(self._make, _aclose_all)
+        #: Unlocks nobody awaits (a failed try's), referenced until they end.
+        self._unlocking: set[asyncio.Future[Any]] = set()
+
+    def _make(self) -> list[Any]:
+        timeout = self.backend.node_timeout
+        return [
+            aconnect(
+                self.backend.alias,
+                None if "://" in loc else loc,
+                loc if "://" in loc else None,
+                timeout,
+            )
+            for loc in self.backend.locations
+        ]
+
+    async def _fan_out(self, *command: object) -> list[Any]:
+        """The backend's ``_fan_out`` on the event loop: every node asked concurrently, every
+        answer bounded by one node timeout; a node that fails or is late answers ``FAILED``."""
+        timeout = self.backend.node_timeout
+
+        async def ask(client: Any) -> Any:
+            try:
+                async with asyncio.timeout(timeout):
+                    return await acall(client, command)
+            except (redis.RedisError, OSError, TimeoutError):
+                return FAILED
+
+        return list(await asyncio.gather(*(ask(client) for client in self._clients.get())))
+
+    def _unlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> Any:
+        """Compare-and-delete on every node; without ``confirm`` it runs as a task nobody
+        awaits (kept referenced until it ends), so hung nodes cost the caller nothing."""
+        keys = LeaseKeys.of(self.backend.prefix, grant.name)
+        owner = ("", grant.holder, grant.secret)
+        unlock = self._fan_out("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
+        if confirm:
+            return unlock
+        task = asyncio.ensure_future(unlock)
+        self._unlocking.add(task)
+        task.add_done_callback(self._unlocking.discard)
+        return None
+
+    async def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """The token (one database statement per grant, through the blocking token source) is
+        taken on a worker thread."""
+        backend = self.backend
+        keys = LeaseKeys.of(backend.prefix, name)
+        secret = new_secret()
+        sent_at = time.monotonic()
+        value = node_value(holder, secret)
+        answers = await self._fan_out("SET", keys.lock, value, "NX", "PX", ms(ttl))
+        attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
+        if sum(answer is True for answer in answers) >= backend.quorum:
+            try:
+                token = await asyncio.to_thread(backend.next_token, name)
+            except BaseException:
+                self._unlock_everywhere(attempt, confirm=False)
+                raise
+            grant = replace(attempt, token=token, expires_at=expires(ttl))
+            if backend.valid(grant):
+                return grant
+        backend.lost_try(attempt, answers, self._unlock_everywhere)
+        return None
+
+    async def renew(self, grant: Grant, ttl: float) -> Grant:
+        backend = self.backend
+        keys = LeaseKeys.of(backend.prefix, grant.name)
+        sent_at = time.monotonic()
+        owner = ("", grant.holder, grant.secret)
+        answers = await self._fan_out("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
+        renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
+        if sum(answer == Reply.OK for answer in answers) >= backend.quorum and backend.valid(
+            renewed
+        ):
+            return renewed
+        backend._unless_refused(answers, "renewal")  # unanswered is not refused: not a loss
+        refusal = await asyncio.to_thread(backend.refusal, grant, answers, "renewal")
+        if isinstance(refusal, LeaseLost):
+            self._unlock_everywhere(grant, confirm=False)
+        raise refusal
+
+    async def release(self, grant: Grant) -> None:
+        answers = await self._unlock_everywhere(grant)
+        if sum(answer == Reply.OK for answer in answers) < self.backend.quorum:
+            self.backend._unless_refused(answers, "release")
+            raise await asyncio.to_thread(self.backend.refusal, grant, answers, "release")
+
+    async def wait_for_release(self, name: str, timeout: float) -> bool:
+        """``BLPOP`` on one node picked at random, bounded by ``timeout`` (see the backend's
+        ``wait_for_release``); a dead node sleeps out the wait instead of spinning."""
+        if timeout < 0.001:
+            return False
+        started = time.monotonic()
+        client = random.choice(self._clients.get())
+        wake = LeaseKeys.of(self.backend.prefix, name).wake
+        named = label(wake, self.backend._waits.since(name, timeout))
+        try:
+            reply = await ablpop(client, wake, timeout, named)
+        except (redis.RedisError, OSError):
+            await asyncio.sleep(max(0.0, timeout - (time.monotonic() - started)))
+            return False
+        return reply is not None
+
+    async def aclose(self) -> None:
+        await self._clients.aclose()

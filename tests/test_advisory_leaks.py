@@ -1,0 +1,132 @@
+"""A session lock left held by a request is released and reported when the request ends.
+
+Django keeps the request's connection (``CONN_MAX_AGE > 0``) or hands it back to its pool
+(``OPTIONS={"pool": ...}``), so a lock left on the session would otherwise ride into whichever
+request gets the connection next. The views here leak on purpose (a block entered by hand and
+never exited); the next request must find the lock free and its own session holding nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.core.handlers.wsgi import WSGIHandler
+from django.core.signals import request_finished
+from django.db import connections
+from django.http import HttpRequest, HttpResponse
+from django.test import override_settings
+from django.urls import path
+
+from leases import advisory
+from leases.keys import advisory_key
+
+HELD_ADVISORY_SQL = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+)
+
+
+def leak(request: HttpRequest, alias: str) -> HttpResponse:
+    advisory.session_lock("leaked-by-a-view", using=alias).__enter__()
+    return HttpResponse("leaked")
+
+
+def held_here(request: HttpRequest, alias: str) -> HttpResponse:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(HELD_ADVISORY_SQL)
+        return HttpResponse(str(cursor.fetchone()[0]))
+
+
+urlpatterns = [path("leak/<str:alias>", leak), path("held/<str:alias>", held_here)]
+
+
+def serve(path: str) -> bytes:
+    """One GET as a WSGI server makes it: Django's request signals with their real receivers
+    (the test ``Client`` keeps connections open on purpose), then ``close()``."""
+    environ = {
+        "REQUEST_METHOD": "GET",
+        "PATH_INFO": path,
+        "SERVER_NAME": "testserver",
+        "SERVER_PORT": "80",
+        "wsgi.url_scheme": "http",
+        "wsgi.input": io.BytesIO(b""),
+        "wsgi.errors": io.StringIO(),
+    }
+    response = WSGIHandler()(environ, lambda status, headers: None)
+    try:
+        return b"".join(response)
+    finally:
+        response.close()
+
+
+def free_elsewhere(alias: str, name: str) -> bool:
+    """Whether a session of another thread can take ``name`` now (and gives it back)."""
+    box: list[bool] = []
+
+    def run() -> None:
+        try:
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT pg_try_advisory_lock(%s)", [advisory_key(name)])
+                box.append(bool(cursor.fetchone()[0]))
+                cursor.execute("SELECT pg_advisory_unlock_all()")
+        finally:
+            connections[alias].close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    return bool(box and box[0])
+
+
+@pytest.fixture
+def reused_alias(
+    request: pytest.FixtureRequest, django_db_setup: None, django_db_blocker: Any
+) -> Iterator[str]:
+    """A database alias whose connections outlive the request: persistent, or pooled."""
+    settings = dict(connections.settings["default"])
+    if request.param == "pool":
+        settings["CONN_MAX_AGE"] = 0
+        settings["OPTIONS"] = {
+            **settings.get("OPTIONS", {}),
+            "pool": {"min_size": 1, "max_size": 1},
+        }
+    else:
+        settings["CONN_MAX_AGE"] = 600
+    settings["NAME"] = connections["default"].settings_dict["NAME"]  # the test database
+    connections.settings["reused"] = settings
+    try:
+        with override_settings(ROOT_URLCONF=__name__), django_db_blocker.unblock():
+            yield "reused"
+    finally:
+        with django_db_blocker.unblock():
+            connections["reused"].close()
+            if request.param == "pool":
+                connections["reused"].close_pool()
+        del connections["reused"]
+        connections.settings.pop("reused", None)
+
+
+@pytest.mark.parametrize("reused_alias", ["persistent", "pool"], indirect=True)
+def test_a_session_lock_left_by_a_request_is_released_and_reported(
+    reused_alias: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="leases.advisory"):
+        assert serve(f"/leak/{reused_alias}") == b"leaked"
+    (record,) = [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
+    assert record.locks == ["leaked-by-a-view"] and record.released
+    assert free_elsewhere("default", "leaked-by-a-view")
+    # The next request gets the kept (or pooled) connection: its session holds nothing.
+    assert serve(f"/held/{reused_alias}") == b"0"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_session_lock_block_that_ends_is_not_reported(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR, logger="leases.advisory"):
+        with advisory.session_lock("well-behaved"):
+            pass
+        request_finished.send(sender=None)
+    assert not [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]

@@ -1,0 +1,127 @@
+"""A session lock on a connection that goes silent, and the TCP settings that bound it.
+
+The holder's Django connection goes through :class:`devservers.proxy.FaultProxy`; a blackhole
+there is a half-open peer as the client sees it (no reply, no FIN, no RST). The holder must
+learn within the documented bound (:data:`leases.advisory.CHECK_TIMEOUT`), and the server
+must then release the lock for others. The package's own connections carry keepalive and
+``tcp_user_timeout`` settings; the last test reads them back from the sockets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connections
+
+from devservers.proxy import FaultProxy
+from leases import LeaseLost, advisory
+from leases.backends._pgconn import connect
+from leases.keys import advisory_key
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
+
+
+@pytest.fixture
+def half_open(
+    fault_database: tuple[str, Any], django_db_blocker: Any
+) -> Iterator[tuple[str, str, FaultProxy]]:
+    """Alias ``"halfopen"`` (through a proxy) and the direct alias, on one server of our own."""
+    direct, server = fault_database
+    proxy = FaultProxy(server.port)
+    settings = dict(connections.settings[direct])
+    settings["PORT"] = str(proxy.port)
+    connections.settings["halfopen"] = settings
+    with django_db_blocker.unblock():
+        try:
+            yield "halfopen", direct, proxy
+        finally:
+            proxy.pass_through()
+            for alias in ("halfopen", direct):
+                with contextlib.suppress(Exception):  # the cut connection is already gone
+                    connections[alias].close()
+            proxy.close()
+            del connections["halfopen"]
+            connections.settings.pop("halfopen", None)
+
+
+def taken_elsewhere(alias: str, name: str) -> Callable[[], bool]:
+    """Whether another session (``alias``, in a thread of its own) can take ``name`` now."""
+
+    def attempt() -> bool:
+        box: list[bool] = []
+
+        def run() -> None:
+            try:
+                with connections[alias].cursor() as cursor:
+                    cursor.execute("SELECT pg_try_advisory_lock(%s)", [advisory_key(name)])
+                    box.append(bool(cursor.fetchone()[0]))
+                    cursor.execute("SELECT pg_advisory_unlock_all()")
+            finally:
+                connections[alias].close()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(10)
+        return bool(box and box[0])
+
+    return attempt
+
+
+def test_a_silent_connection_under_a_session_lock_is_learnt_within_the_bound(
+    half_open: tuple[str, str, FaultProxy],
+) -> None:
+    alias, direct, proxy = half_open
+    name = "half-open-check"
+    with pytest.raises(LeaseLost), advisory.session_lock(name, using=alias) as lock:
+        lock.ensure_held(timeout=1)
+        assert not taken_elsewhere(direct, name)()
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(LeaseLost):
+            lock.ensure_held(timeout=1)
+        assert time.monotonic() - started < 1 + 3  # slack for a loaded machine
+    # Once the server hears of the shut-down connection, the session and its lock are gone.
+    proxy.pass_through()
+    wait_until(taken_elsewhere(direct, name), 10, "the server to release the lock")
+
+
+def test_a_session_lock_exit_on_a_silent_connection_is_bounded(
+    half_open: tuple[str, str, FaultProxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alias, direct, proxy = half_open
+    monkeypatch.setattr(advisory, "CHECK_TIMEOUT", 1.0)
+    started = time.monotonic()
+    with (
+        pytest.raises(LeaseLost, match="session ended"),
+        advisory.session_lock("half-open-exit", using=alias),
+    ):
+        proxy.blackhole()
+    assert time.monotonic() - started < 1 + 3
+    proxy.pass_through()
+    wait_until(taken_elsewhere(direct, "half-open-exit"), 10, "the server to release the lock")
+
+
+def test_the_packages_connections_carry_their_keepalive_and_user_timeout(
+    half_open: tuple[str, str, FaultProxy],
+) -> None:
+    """Read back from the socket, not from the parameters: what the kernel will enforce."""
+    conn = connect(half_open[1])
+    try:
+        sock = socket.socket(fileno=conn.fileno())
+        try:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 2
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 10_000
+        finally:
+            sock.detach()  # the descriptor is psycopg's
+    finally:
+        conn.close()

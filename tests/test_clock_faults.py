@@ -1,0 +1,205 @@
+"""Clock faults: the lock server's wall clock steps forward or backward while leases are held.
+
+Each test owns its servers, started under libfaketime (:class:`devservers.clock.FakeClock`):
+only their ``CLOCK_REALTIME`` moves, as with an NTP step, and the client's clocks are true.
+Every write goes through the shared fenced register, so "the old holder could not harm its
+successor" is checked on the history.
+
+What the servers do, observed here (and written in ``docs/operating/hazards.md``):
+
+- PostgreSQL: the database backend decides expiry with ``clock_timestamp()``, the wall clock,
+  so a forward step expires grants early and a backward step stretches them.
+- Redis 7 (7.0.15 here): a key's ``PX`` deadline is an absolute wall-clock time, so the same:
+  a forward step of 2 x TTL deletes the lock key at once (``PTTL`` -2), a backward step of one hour
+  adds an hour to ``PTTL``. The monotonic clock Redis uses for timers does not help leases.
+- Redlock: each node has its own clock; one node's step is outvoted by the others, a step on a
+  majority acts as on a single Redis.
+
+A forward step therefore lets a successor in while the old holder still believes it holds
+(no client can know the server's clock jumped): the safety that remains is the fencing token,
+which these tests check is higher and enforced, and the old holder learning its loss at its next
+renewal. A backward step only delays a successor (the holder's grant lasts longer on the server
+than the holder believes), by at most the size of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from django.test import override_settings
+
+from devservers import PostgresServer, RedisServer
+from devservers.clock import FakeClock, libfaketime
+from leases import LeaseLost, LeaseUnavailable, acquire
+from leases.backends import get_backend
+from tests import checker
+from tests.lease_backends import lease_name
+from tests.waiting import wait_until
+
+__all__ = ["lease_name"]
+
+pytestmark = [pytest.mark.fault]
+
+#: The alias of the backend under test (a holder and its successor both use it).
+CLOCKED = "clocked"
+
+
+@dataclass
+class Clocked:
+    """Servers of one backend kind, each with the clock a test steps."""
+
+    kind: str
+    clocks: list[FakeClock]
+    servers: list[Any] = field(default_factory=list)
+
+    def jump(self, seconds: float, nodes: int | None = None) -> None:
+        """Step the wall clock of the first ``nodes`` servers (default: all) by ``seconds``."""
+        for clock in self.clocks[: len(self.clocks) if nodes is None else nodes]:
+            clock.jump(seconds)
+
+
+@pytest.fixture
+def clock() -> Iterator[FakeClock]:
+    if libfaketime() is None:
+        pytest.skip("libfaketime is not installed (apt-get install libfaketime faketime)")
+    with FakeClock() as made:
+        yield made
+
+
+@pytest.fixture
+def pg_server(clock: FakeClock) -> Iterator[PostgresServer]:
+    """The harness's ``pg_server`` (which ``fault_database`` migrates), under ``clock``."""
+    server = PostgresServer(env=clock.env()).start()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+def _redis_under(clocks: list[FakeClock]) -> list[RedisServer]:
+    return [RedisServer(env=c.env()).start() for c in clocks]
+
+
+@pytest.fixture(params=["database", "redis", "redlock"])
+def clocked(request: pytest.FixtureRequest, transactional_db: None) -> Iterator[Clocked]:
+    """Backend ``"clocked"`` of one kind on servers whose wall clocks the test steps."""
+    kind: str = request.param
+    servers: list[Any] = []
+    clocks: list[FakeClock] = []
+    if kind == "database":
+        alias, server = request.getfixturevalue("fault_database")
+        config: dict[str, Any] = {"ENGINE": "leases.backends.database", "DATABASE": alias}
+        clocks, servers = [request.getfixturevalue("clock")], [server]
+    else:
+        if libfaketime() is None:
+            pytest.skip("libfaketime is not installed (apt-get install libfaketime faketime)")
+        clocks = [FakeClock() for _ in range(1 if kind == "redis" else 3)]
+        servers = _redis_under(clocks)
+        if kind == "redis":
+            config = {"ENGINE": "leases.backends.redis", "URL": servers[0].url}
+        else:
+            nodes = [s.url for s in servers]
+            config = {"ENGINE": "leases.backends.redlock", "NODES": nodes, "NODE_TIMEOUT": 0.5}
+    override = override_settings(
+        LEASES={"BACKENDS": {"default": {"ENGINE": "leases.backends.database"}, CLOCKED: config}}
+    )
+    override.enable()
+    try:
+        yield Clocked(kind, clocks, servers)
+    finally:
+        override.disable()
+        if kind != "database":
+            for made in servers:
+                made.destroy()
+            for c in clocks:
+                c.destroy()
+
+
+def holder_of(name: str) -> tuple[str, int] | None:
+    info = get_backend(CLOCKED).inspect(name)
+    return (info.holder, info.token) if info is not None and info.held else None
+
+
+def test_forward_jump_lets_a_successor_in_and_the_old_holder_is_fenced(
+    clocked: Clocked, lease_name: str
+) -> None:
+    """The server's clock steps forward 2 x TTL: its grant is gone at once, a successor gets a
+    higher token while the old holder still believes it holds; the old holder's write after
+    the successor's is refused, and its next renewal tells it that it lost."""
+    ttl, register = 3.0, checker.new_register()
+    fired: list[object] = []
+    old = acquire(lease_name, ttl=ttl, backend=CLOCKED, holder="old", on_lost=fired.append)
+    assert checker.record_write(register, old, "old")
+    clocked.jump(2 * ttl)
+    jumped_at = time.monotonic()
+    new = acquire(lease_name, ttl=30, backend=CLOCKED, timeout=ttl, holder="new")
+    assert new.token > old.token
+    assert checker.record_write(register, new, "new")
+    assert not checker.record_write(register, old, "old")  # stale, or it already knows
+    assert not checker.record_write(register, old.token, "old")  # the bare token: stale
+    # The old holder learns at its next renewal (every TTL/3), never later than its validity.
+    assert old.lost.wait(ttl + 2.0), "the old holder never learned that it lost"
+    assert time.monotonic() - jumped_at <= ttl + 2.0
+    wait_until(lambda: fired, 5, "on_lost to be called")
+    with pytest.raises(LeaseLost):
+        old.ensure_held()
+    assert holder_of(lease_name) == ("new", new.token)
+    new.release()
+    summary = checker.check_history(register, [old.token, new.token])
+    assert summary.accepted == 2 and summary.stale + summary.lost == 2
+
+
+def test_backward_jump_only_delays_a_successor(clocked: Clocked, lease_name: str) -> None:
+    """The server's clock steps back J seconds under a holder that then vanishes (no renewal,
+    no release): no successor gets in before the TTL, and one gets in within TTL + J (plus
+    slack). On Redlock one node's step is outvoted: the successor waits only the TTL."""
+    ttl, step = 2.0, 3.0
+    abandoned = acquire(lease_name, ttl=ttl, backend=CLOCKED, keepalive=False, holder="gone")
+    started = abandoned.grant.sent_at
+    clocked.jump(-step, nodes=1)
+    with pytest.raises(LeaseUnavailable):  # well inside the TTL: still held
+        acquire(lease_name, ttl=ttl, backend=CLOCKED, timeout=0, holder="early")
+    successor = acquire(lease_name, ttl=ttl, backend=CLOCKED, timeout=ttl + step + 10, holder="b")
+    waited = time.monotonic() - started
+    assert successor.token > abandoned.token
+    delay = 0.0 if clocked.kind == "redlock" else step
+    assert waited >= ttl, f"a successor got in {waited:.2f}s after the grant, TTL {ttl}s"
+    assert waited >= ttl + delay - 0.5, f"the step of {step}s did not delay ({waited:.2f}s)"
+    assert waited <= ttl + delay + 5.0, f"waited {waited:.2f}s, bound {ttl + delay}s + slack"
+    successor.release()
+
+
+@pytest.mark.parametrize("clocked", ["redlock"], indirect=True)
+def test_redlock_one_node_jump_is_outvoted_a_majority_jump_is_fenced(
+    clocked: Clocked, lease_name: str
+) -> None:
+    """One of three nodes steps forward 2 x TTL: its key expires, but the two others still hold,
+    so no successor gets a quorum and the holder keeps its lease through renewals. A second
+    node steps too: the majority has forgotten the grant, a successor acquires with a higher
+    token, and the fence refuses the old holder."""
+    ttl, register = 3.0, checker.new_register()
+    old = acquire(lease_name, ttl=ttl, backend=CLOCKED, holder="old")
+    assert checker.record_write(register, old, "old")
+    clocked.jump(2 * ttl, nodes=1)
+    with pytest.raises(LeaseUnavailable):
+        acquire(lease_name, ttl=ttl, backend=CLOCKED, timeout=ttl / 2, holder="outvoted")
+    renewed_after = time.monotonic()
+    wait_until(
+        lambda: old.grant.sent_at > renewed_after or old.lost.is_set(),
+        2 * ttl,
+        "a renewal after the first node's step",
+    )
+    old.ensure_held()
+    assert checker.record_write(register, old, "old")
+    clocked.clocks[1].jump(2 * ttl)
+    new = acquire(lease_name, ttl=30, backend=CLOCKED, timeout=ttl, holder="new")
+    assert new.token > old.token
+    assert checker.record_write(register, new, "new")
+    assert not checker.record_write(register, old.token, "old")
+    assert old.lost.wait(ttl + 2.0), "the old holder never learned that it lost"
+    new.release()
+    checker.check_history(register, [old.token, new.token])
