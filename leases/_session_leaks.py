@@ -9,8 +9,12 @@ and every other process would wait behind a lock no code holds.
 
 So :func:`track` remembers, per Django connection object, which session locks this package
 took on it and has not yet unlocked (nothing is asked of the server: a request that took no
-session lock pays nothing). When the request finishes, :func:`release_leaked` unlocks what is
-left on that connection and logs an error naming each lock (``event: advisory_lock_leaked``).
+session lock pays nothing). When a request starts, :func:`mark_start` notes how many were
+already held on each connection: those belong to whoever holds them around the request (a
+test or a command serving requests through Django's test ``Client`` on its own thread and
+connection), not to the request. When the request finishes, :func:`release_leaked` unlocks what
+the request took and left on that connection, and logs an error naming each lock
+(``event: advisory_lock_leaked``).
 Releasing, not raising: the response is already sent, and the one thing that must not happen
 is the next request inheriting the lock. It runs *before* Django's own ``close_old_connections``
 (which would hand a pooled connection back with the lock still on it); see :func:`install`.
@@ -24,11 +28,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from django.core.signals import request_finished
+from django.core.signals import request_finished, request_started
 from django.db import close_old_connections, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-__all__ = ["install", "release_leaked", "track", "untrack"]
+__all__ = ["install", "mark_start", "release_leaked", "track", "untrack"]
 
 logger = logging.getLogger("leases.advisory")
 
@@ -37,6 +41,11 @@ logger = logging.getLogger("leases.advisory")
 _held: weakref.WeakKeyDictionary[BaseDatabaseWrapper, list[tuple[str, str]]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+#: Per Django connection object: how many of its tracked locks were held when the current
+#: request started (they are not the request's to release).
+_before: weakref.WeakKeyDictionary[BaseDatabaseWrapper, int] = weakref.WeakKeyDictionary()
 
 
 def track(connection: BaseDatabaseWrapper, label: str, unlock_sql: str) -> None:
@@ -55,10 +64,20 @@ def untrack(connection: BaseDatabaseWrapper, label: str) -> None:
             break
 
 
-def release_leaked(**kwargs: Any) -> None:
-    """At the end of a request: unlock every tracked session lock still held, and say so."""
+def mark_start(**kwargs: Any) -> None:
+    """At the start of a request: what is held now was taken outside it."""
     for connection in connections.all(initialized_only=True):
+        _before[connection] = len(_held.get(connection, ()))
+
+
+def release_leaked(**kwargs: Any) -> None:
+    """At the end of a request: unlock every session lock the request took and left held,
+    and say so."""
+    for connection in connections.all(initialized_only=True):
+        kept = _before.pop(connection, 0)
         held = _held.pop(connection, None)
+        if held and kept:
+            _held[connection], held = held[:kept], held[kept:]
         if not held:
             continue
         labels = [label for label, _ in held]
@@ -95,8 +114,10 @@ def _unlock(connection: BaseDatabaseWrapper, held: list[tuple[str, str]]) -> boo
 def install(
     signal: Any = request_finished, closer: Callable[..., None] = close_old_connections
 ) -> None:
-    """Run :func:`release_leaked` at the end of every request, before Django closes or pools
-    the request's connections (its ``close_old_connections`` is moved after ours)."""
+    """Run :func:`mark_start` when a request starts and :func:`release_leaked` when it ends,
+    before Django closes or pools the request's connections (its ``close_old_connections`` is
+    moved after ours)."""
+    request_started.connect(mark_start, dispatch_uid="leases.mark_session_locks_at_start")
     signal.disconnect(closer)
     signal.connect(release_leaked, dispatch_uid="leases.release_leaked_session_locks")
     signal.connect(closer)

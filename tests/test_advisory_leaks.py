@@ -19,7 +19,7 @@ from django.core.handlers.wsgi import WSGIHandler
 from django.core.signals import request_finished
 from django.db import connections
 from django.http import HttpRequest, HttpResponse
-from django.test import override_settings
+from django.test import Client, override_settings
 from django.urls import path
 
 from leases import advisory
@@ -130,3 +130,22 @@ def test_a_session_lock_block_that_ends_is_not_reported(caplog: pytest.LogCaptur
             pass
         request_finished.send(sender=None)
     assert not [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_session_lock_taken_before_a_request_is_not_the_requests_to_release(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A test, command or task that holds a session lock and then serves a request on the same
+    thread and connection (Django's test ``Client``) keeps its lock: only what the request took
+    is the request's to release. Found by the built-wheel check, which loads the admin pages
+    while it holds a session lock."""
+    with (
+        caplog.at_level(logging.ERROR, logger="leases.advisory"),
+        advisory.session_lock("taken-before") as held,
+    ):
+        with override_settings(ROOT_URLCONF=__name__):
+            assert Client().get("/held/default").content == b"1"
+        held.ensure_held()  # still ours, on the same session
+    assert not [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
+    assert free_elsewhere("default", "taken-before")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import hashlib
 import itertools
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -22,6 +24,7 @@ from django.test import override_settings
 
 from leases import LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured, LeaseUnavailable, acquire
 from leases.backends import _waiting_room, get_backend
+from leases.backends.base import Grant, new_secret
 from leases.backends.database import (
     ACQUIRE_SQL,
     RELEASE_SQL,
@@ -96,6 +99,43 @@ def test_acquire_renew_release_are_one_round_trip_each(lease_name: str) -> None:
     assert round_trips(held[0].renew) == 1
     assert round_trips(held[0].release) == 1
     assert round_trips(lambda: database_backend().try_acquire(lease_name, "x", 1)) == 1
+
+
+def test_a_refused_release_asks_why_in_a_second_statement(lease_name: str) -> None:
+    """The release is one plain ``UPDATE``; only a refusal (rare) costs a second, read-only
+    statement that tells a forged grant (the lease stays held) from a lost one, sync and
+    async alike."""
+    backend = database_backend()
+    held = acquire(lease_name, ttl=5, keepalive=False)
+    forged = Grant(lease_name, held.holder, held.token, 5.0, time.monotonic(), secret=new_secret())
+
+    def release_forged() -> None:
+        with pytest.raises(LeaseNotHeld, match="secret"):
+            backend.release(forged)
+
+    assert round_trips(release_forged) == 2
+
+    async def arelease(grant: Grant) -> None:
+        try:
+            await backend.arelease(grant)
+        finally:
+            await backend.aclose()
+
+    with pytest.raises(LeaseNotHeld, match="secret"):
+        asyncio.run(arelease(forged))
+    info = backend.inspect(lease_name)
+    assert info is not None and info.held and info.token == held.token
+    grant = held.grant
+    held.release()
+    successor = acquire(lease_name, ttl=5, keepalive=False, holder="successor")
+    for late in (grant, replace(grant, token=successor.token)):
+        with pytest.raises(LeaseLost):
+            backend.release(late)
+        with pytest.raises(LeaseLost):
+            asyncio.run(arelease(late))
+    info = backend.inspect(lease_name)
+    assert info is not None and info.held and info.holder == "successor"
+    successor.release()
 
 
 def test_failed_try_assigns_no_transaction_id(lease_name: str) -> None:

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.django_db
 CREATE_ROLES_SQL = [
     "CREATE ROLE {owner} NOLOGIN",
     "GRANT SELECT, INSERT, UPDATE ON leases_lease, leases_fence TO {owner}",
+    # new rows start above the pruned names' floor (``leases prune``): acquire reads it
+    "GRANT SELECT ON leases_token_floor TO {owner}",
     "CREATE ROLE {login} LOGIN NOINHERIT IN ROLE {owner}",
 ]
 DROP_ROLES_SQL = [

@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from django.db import connections
@@ -131,7 +131,11 @@ WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
 """
 
 #: Free a grant that is still ours, keeping the token counter, and wake waiters (same trip).
-#: One row back: ``true`` when freed, ``false`` for a forged grant (as in :data:`RENEW_SQL`).
+#: One row back when freed; none when refused, and only then does :data:`RELEASE_REFUSED_SQL`
+#: say why (a refusal is rare: the common release is one plain ``UPDATE``, no second scan).
+#: The secret is hashed here, on the server, as :data:`ACQUIRE_SQL` stored it: the client
+#: does not send the hash it could compute, since then the hash (which the table, backups and
+#: replicas hold) would be the credential.
 #: The release alone commits without waiting for its WAL flush (``synchronous_commit`` off
 #: for this transaction only): losing it in a crash leaves the row held by its old grant,
 #: which then expires by its TTL, and the token is untouched. Any later grant commits
@@ -140,20 +144,21 @@ WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
 #: The second column says whether waiters are in or queued for the name's room: then the
 #: releaser's own next try would be refused (it may not overtake them), so it skips it.
 RELEASE_SQL = """
-WITH freed AS (
-    UPDATE leases_lease SET holder = '', expires_at = clock_timestamp(), secret_hash = NULL
-    WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
-      AND secret_hash = sha256(%(secret)s::bytea) AND expires_at > clock_timestamp()
-    RETURNING name
-)
-SELECT pg_notify('leases_released', name)::text IS NOT NULL
-       AND set_config('synchronous_commit', 'off', true) IS NOT NULL,
-       NOT pg_try_advisory_xact_lock_shared(%(room)s::bigint)
-FROM freed
-UNION ALL
-SELECT false, false FROM leases_lease
+UPDATE leases_lease SET holder = '', expires_at = clock_timestamp(), secret_hash = NULL
 WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
-  AND secret_hash IS DISTINCT FROM sha256(%(secret)s::bytea) AND NOT EXISTS (SELECT FROM freed)
+  AND secret_hash = sha256(%(secret)s::bytea) AND expires_at > clock_timestamp()
+RETURNING pg_notify('leases_released', name)::text IS NOT NULL
+          AND set_config('synchronous_commit', 'off', true) IS NOT NULL,
+          NOT pg_try_advisory_xact_lock_shared(%(room)s::bigint)
+"""
+
+#: Why :data:`RELEASE_SQL` refused, read only after it did: a row (``true``) when holder and
+#: token are the current grant's but the secret is not (a forged grant: the lease stays held,
+#: as in :data:`RENEW_SQL`), else the grant expired or was taken over. Read-only, so a forger
+#: retrying it costs no write.
+RELEASE_REFUSED_SQL = """
+SELECT secret_hash IS DISTINCT FROM sha256(%(secret)s::bytea) FROM leases_lease
+WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
 """
 
 #: Compare-and-revoke: only if ``name``'s stored token is still ``token``, advance it (so the
@@ -244,8 +249,15 @@ def _renewed(grant: Grant, ttl: float, sent_at: float, rows: list[tuple[Any, ...
     return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=rows[0][0])
 
 
+def _refused(grant: Grant, rows: list[tuple[Any, ...]]) -> NoReturn:
+    """Why :data:`RELEASE_SQL` refused the release, from :data:`RELEASE_REFUSED_SQL`'s rows."""
+    if rows and rows[0][0]:
+        raise LeaseNotHeld(grant.name, FORGED)
+    raise LeaseLost(grant.name, grant.token, "expired or taken over before release")
+
+
 def _released(grant: Grant, rows: list[tuple[Any, ...]]) -> None:
-    """Why :data:`RELEASE_SQL`'s rows refused the release, if they did."""
+    """Why a shared release's rows refused it, if they did (as :data:`RENEW_SQL`'s)."""
     if not rows:
         raise LeaseLost(grant.name, grant.token, "expired or taken over before release")
     if not rows[0][0]:
@@ -398,7 +410,8 @@ class Backend(LeaseBackend):
             _released(grant, self._run(SHARED_RELEASE_SQL, shared_params(grant)))
             return
         rows = self._run(RELEASE_SQL, {**_owner(grant), "room": room_key(grant.name)})
-        _released(grant, rows)
+        if not rows:
+            _refused(grant, self._run(RELEASE_REFUSED_SQL, _owner(grant)))
         if rows[0][1]:
             self._queued()[grant.name] = time.monotonic()
 
@@ -458,7 +471,8 @@ class Backend(LeaseBackend):
             _released(grant, await self._arun(SHARED_RELEASE_SQL, shared_params(grant)))
             return
         params = {**_owner(grant), "room": room_key(grant.name)}
-        _released(grant, await self._arun(RELEASE_SQL, params))
+        if not await self._arun(RELEASE_SQL, params):
+            _refused(grant, await self._arun(RELEASE_REFUSED_SQL, _owner(grant)))
 
     async def atry_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         sent_at, secret = time.monotonic(), new_secret()
