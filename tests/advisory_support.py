@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import psycopg
-from django.db import connection
+from django.db import connection, connections
 
 from leases.keys import advisory_key, split_key
 
@@ -40,3 +41,23 @@ def holders(other: psycopg.Connection[Any], name: str, *, granted: bool = True) 
     ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def free_elsewhere(alias: str, name: str, wait: float = 10) -> bool:
+    """Whether a session of another thread (Django alias ``alias``) can take the session lock
+    ``name`` now; it gives the lock back at once."""
+    box: list[bool] = []
+
+    def run() -> None:
+        try:
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT pg_try_advisory_lock(%s)", [advisory_key(name)])
+                box.append(bool(cursor.fetchone()[0]))
+                cursor.execute("SELECT pg_advisory_unlock_all()")
+        finally:
+            connections[alias].close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(wait)
+    return bool(box and box[0])

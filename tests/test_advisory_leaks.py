@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +22,7 @@ from django.test import Client, override_settings
 from django.urls import path
 
 from leases import advisory
-from leases.keys import advisory_key
+from tests.advisory_support import free_elsewhere
 
 HELD_ADVISORY_SQL = (
     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
@@ -61,25 +60,6 @@ def serve(path: str) -> bytes:
         return b"".join(response)
     finally:
         response.close()
-
-
-def free_elsewhere(alias: str, name: str) -> bool:
-    """Whether a session of another thread can take ``name`` now (and gives it back)."""
-    box: list[bool] = []
-
-    def run() -> None:
-        try:
-            with connections[alias].cursor() as cursor:
-                cursor.execute("SELECT pg_try_advisory_lock(%s)", [advisory_key(name)])
-                box.append(bool(cursor.fetchone()[0]))
-                cursor.execute("SELECT pg_advisory_unlock_all()")
-        finally:
-            connections[alias].close()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(30)
-    return bool(box and box[0])
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ must then release the lock for others. The package's own connections carry keepa
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,7 +22,7 @@ from django.db import connections
 from devservers.proxy import FaultProxy
 from leases import LeaseLost, advisory
 from leases.backends._pgconn import connect
-from leases.keys import advisory_key
+from tests.advisory_support import free_elsewhere
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
@@ -53,25 +53,7 @@ def half_open(
 
 def taken_elsewhere(alias: str, name: str) -> Callable[[], bool]:
     """Whether another session (``alias``, in a thread of its own) can take ``name`` now."""
-
-    def attempt() -> bool:
-        box: list[bool] = []
-
-        def run() -> None:
-            try:
-                with connections[alias].cursor() as cursor:
-                    cursor.execute("SELECT pg_try_advisory_lock(%s)", [advisory_key(name)])
-                    box.append(bool(cursor.fetchone()[0]))
-                    cursor.execute("SELECT pg_advisory_unlock_all()")
-            finally:
-                connections[alias].close()
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join(10)
-        return bool(box and box[0])
-
-    return attempt
+    return functools.partial(free_elsewhere, alias, name)
 
 
 def test_a_silent_connection_under_a_session_lock_is_learnt_within_the_bound(
