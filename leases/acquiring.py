@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from . import conf, signals, tracing
 from ._arguments import valid_timeout, valid_ttl, warn_if_too_short
@@ -29,11 +30,22 @@ from .holders import holder_identity
 from .keys import validate_lease_name
 from .retry import SYSTEM_CLOCK, Backoff
 
-__all__ = ["STOP_READERS_EVERY", "Request", "Timing", "acquire", "prepare"]
+__all__ = [
+    "STOP_READERS_EVERY",
+    "Request",
+    "Timing",
+    "acquire",
+    "announce_failure",
+    "prepare",
+    "start",
+]
 
 #: How often a waiting exclusive acquirer renews its stop sign for new readers (a round trip
 #: of its own): well within the second the backends keep the sign, and not on every retry.
 STOP_READERS_EVERY = 0.4
+
+#: What :func:`start` starts: a :class:`Lease`, or a subclass (a semaphore's ``Slot``).
+HandleT = TypeVar("HandleT", bound=Lease)
 
 logger = logging.getLogger(__name__)
 
@@ -184,18 +196,42 @@ def acquire(
     the name excludes them all, and a waiting exclusive acquirer stops new readers.
     """
     ask = prepare(name, ttl, backend, timeout, keepalive, holder, holder_key, shared)
-    attributes: tracing.Attributes = {
+
+    def grant(timing: Timing) -> Grant:
+        return _grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing, shared)
+
+    return start(ask, grant, Lease, on_lost)
+
+
+def start(
+    ask: Request,
+    grant: Callable[[Timing], Grant],
+    handle: type[HandleT],
+    on_lost: OnLost | None,
+    attributes: tracing.Attributes | None = None,
+) -> HandleT:
+    """Win ``grant`` (given the :class:`Timing` to fill) inside the ``leases.acquire`` span and
+    start ``handle`` on it: the one way ``acquire`` and ``acquire_slot`` hold, trace and time a
+    name. Giving up is announced with what it cost (:func:`announce_failure`;
+    ``lease_acquired`` announces success, from :meth:`Lease.start`)."""
+    spanned: tracing.Attributes = {
         "leases.name": ask.name,
         "leases.backend": ask.store.alias,
         "leases.ttl": ask.ttl,
+        **(attributes or {}),
     }
-    with tracing.span("leases.acquire", attributes) as span:
-        grant, timing = _timed_grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, shared)
+    with tracing.span("leases.acquire", spanned) as span:
+        timing = Timing()
+        try:
+            won = grant(timing)
+        except Exception as exc:
+            announce_failure(ask, exc, timing)
+            raise
         if span is not None:
-            span.set_attributes({"leases.token": grant.token, "leases.outcome": "acquired"})
-        return Lease.start(
+            span.set_attributes({"leases.token": won.token, "leases.outcome": "acquired"})
+        return handle.start(
             ask.store,
-            grant,
+            won,
             on_lost=on_lost,
             renew_fraction=ask.renew_fraction,
             key=ask.key,
@@ -204,26 +240,13 @@ def acquire(
         )
 
 
-def _timed_grant(
-    store: LeaseBackend,
-    name: str,
-    holder: str,
-    ttl: float,
-    timeout: float | None,
-    shared: bool = False,
-) -> tuple[Grant, Timing]:
-    """:func:`_grant`, timed; giving up is announced with what it cost (``lease_acquired``
-    announces success, from :meth:`Lease.start`)."""
-    timing = Timing()
-    try:
-        return _grant(store, name, holder, ttl, timeout, timing, shared), timing
-    except Exception as exc:
-        signals.send(
-            signals.lease_acquire_failed,
-            store.alias,
-            name=name,
-            error=exc,
-            elapsed=timing.elapsed(),
-            waited=timing.waited,
-        )
-        raise
+def announce_failure(ask: Request, error: Exception, timing: Timing) -> None:
+    """``lease_acquire_failed`` for ``ask``, with what trying cost (sync and async alike)."""
+    signals.send(
+        signals.lease_acquire_failed,
+        ask.store.alias,
+        name=ask.name,
+        error=error,
+        elapsed=timing.elapsed(),
+        waited=timing.waited,
+    )

@@ -32,8 +32,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
-from . import signals
-from .acquiring import STOP_READERS_EVERY, Timing, prepare
+from .acquiring import STOP_READERS_EVERY, Timing, announce_failure, prepare
 from .backends import Capability, Grant, LeaseBackend
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost
@@ -161,14 +160,7 @@ async def aacquire(
     try:
         grant = await _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing, shared)
     except Exception as exc:
-        signals.send(
-            signals.lease_acquire_failed,
-            ask.store.alias,
-            name=ask.name,
-            error=exc,
-            elapsed=timing.elapsed(),
-            waited=timing.waited,
-        )
+        announce_failure(ask, exc, timing)
         raise
     return Lease.start(
         ask.store,

@@ -22,12 +22,12 @@ the highest limit any live holder used, never more; new acquirers only take slot
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from typing import Any, TypeVar, cast, overload
 
-from . import signals, tracing
-from .acquiring import Request, Timing, _wait, prepare
+from .acquiring import Request, Timing, _wait, prepare, start
 from .backends import Grant, LeaseBackend
 from .errors import InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost, holder_key
@@ -167,37 +167,8 @@ def acquire_slot(
     :class:`~leases.errors.LeaseUnavailable` within the timeout.
     """
     ask, limit = prepare_slots(name, limit, ttl, backend, timeout, keepalive, holder)
-    attributes: tracing.Attributes = {
-        "leases.name": ask.name,
-        "leases.backend": ask.store.alias,
-        "leases.ttl": ask.ttl,
-        "leases.limit": limit,
-    }
-    timing = Timing()
-    with tracing.span("leases.acquire", attributes) as span:
-        try:
-            grant = _grant(ask, limit, timing)
-        except Exception as exc:
-            signals.send(
-                signals.lease_acquire_failed,
-                ask.store.alias,
-                name=ask.name,
-                error=exc,
-                elapsed=timing.elapsed(),
-                waited=timing.waited,
-            )
-            raise
-        if span is not None:
-            span.set_attributes({"leases.token": grant.token, "leases.outcome": "acquired"})
-        return Slot.start(
-            ask.store,
-            grant,
-            on_lost=on_lost,
-            renew_fraction=ask.renew_fraction,
-            key=ask.key,
-            elapsed=timing.elapsed(),
-            waited=timing.waited,
-        )
+    grant = functools.partial(_grant, ask, limit)
+    return start(ask, grant, Slot, on_lost, {"leases.limit": limit})
 
 
 class _SemaphoreBlock(_LeaseBlock):
