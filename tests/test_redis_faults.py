@@ -11,13 +11,17 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 from django.test import override_settings
+from django.utils.module_loading import import_string
 
 from devservers import RedisServer
+from devservers.proxy import FaultProxy
 from leases.backends import get_backend
-from leases.errors import LeaseLost, LeaseUnavailable
+from leases.errors import LeaseError, LeaseLost, LeaseUnavailable
 from leases.lease import Lease, acquire
 from tests import checker
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -124,3 +128,63 @@ def test_redlock_three_of_five_killed_is_unavailable_promptly(
     servers[2].stop("kill")
     with pytest.raises(LeaseUnavailable):
         acquire(name, ttl=10, backend="rl5", timeout=0.5)
+
+
+def script_calls(server: RedisServer) -> int:
+    """How many scripts ``server`` has run (``EVAL`` and ``EVALSHA``)."""
+    client = redis.Redis.from_url(server.url, socket_timeout=5)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(
+        stats.get(f"cmdstat_{command}", {}).get("calls", 0) for command in ("eval", "evalsha")
+    )
+
+
+@pytest.mark.parametrize("engine", ["redis", "redlock"])
+def test_a_renewal_racing_close_fails_with_a_lease_error(
+    engine: str, redis_servers: Callable[[int], list[RedisServer]]
+) -> None:
+    """A worker shutting down closes the backend while its keepalive waits for a renewal's
+    reply: ``close()`` drops the connection under the read. The renewal must fail with a
+    :class:`LeaseError` the keepalive handles, never redis-py's ``ValueError`` (its buffer closed
+    mid-read) or ``AttributeError`` (its buffer already gone)."""
+    servers = redis_servers(1 if engine == "redis" else 3)
+    proxies = [FaultProxy(server.port) for server in servers]
+    options: dict[str, object] = (
+        {"URL": proxies[0].url(), "SOCKET_TIMEOUT": 30}
+        if engine == "redis"
+        else {"NODES": [proxy.url() for proxy in proxies], "NODE_TIMEOUT": 30}
+    )
+    backend = import_string(f"leases.backends.{engine}.Backend")("racing-close", options)
+    try:
+        grant = backend.try_acquire(unique(), "worker", 60)
+        assert grant is not None
+        before = [script_calls(server) for server in servers]
+        for proxy in proxies:
+            proxy.blackhole(replies_only=True)  # the renewal lands; its reply never comes
+        outcome: list[BaseException | None] = []
+
+        def renew() -> None:
+            try:
+                backend.renew(grant, 60)
+                outcome.append(None)
+            except BaseException as exc:  # handed back to the test
+                outcome.append(exc)
+
+        renewing = threading.Thread(target=renew, daemon=True)
+        renewing.start()
+        wait_until(
+            lambda: all(script_calls(s) > n for s, n in zip(servers, before, strict=True)),
+            20,
+            "the renewal on every server",
+        )
+        backend.close()  # the renewal is now waiting for replies that will never come
+        renewing.join(20)
+        assert outcome, "the renewal outlived close()"
+        assert isinstance(outcome[0], LeaseError), repr(outcome[0])
+    finally:
+        backend.close()
+        for proxy in proxies:
+            proxy.close()

@@ -30,6 +30,8 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from ._redis_io import CLOSED_UNDER, closed_under
+
 __all__ = ["Script", "ServerRun", "arun_script", "run_script", "server_run"]
 
 
@@ -91,17 +93,22 @@ def run_script(connection: Any, script: Script, keys: list[str], args: list[obje
 
     No health check before sending: it could reconnect, to another server, after the caller
     read what the connection knew. ``NOSCRIPT`` (a restarted server, ``SCRIPT FLUSH``) loads
-    the script on the same connection and runs it again.
+    the script on the same connection and runs it again. A connection closed under the read
+    (the backend closed on another thread) raises ``redis.ConnectionError`` (see
+    :data:`~._redis_io.CLOSED_UNDER`).
     """
     command = script.command(keys, args)
     connection.send_command(*command, check_health=False)
     try:
-        return connection.read_response()
-    except NoScriptError:
-        connection.send_command("SCRIPT", "LOAD", script.text, check_health=False)
-        connection.read_response()
-        connection.send_command(*command, check_health=False)
-        return connection.read_response()
+        try:
+            return connection.read_response()
+        except NoScriptError:
+            connection.send_command("SCRIPT", "LOAD", script.text, check_health=False)
+            connection.read_response()
+            connection.send_command(*command, check_health=False)
+            return connection.read_response()
+    except CLOSED_UNDER as exc:
+        raise closed_under(exc) from exc
 
 
 async def arun_script(connection: Any, script: Script, keys: list[str], args: list[object]) -> Any:

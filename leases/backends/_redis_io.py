@@ -26,6 +26,7 @@ from ..errors import BackendUnavailable, LeasesImproperlyConfigured
 
 __all__ = [
     "BLPOP_SLACK",
+    "CLOSED_UNDER",
     "Edge",
     "ablpop",
     "acall",
@@ -33,6 +34,7 @@ __all__ = [
     "blpop",
     "blpop_command",
     "cache_problems",
+    "closed_under",
     "connect",
     "eviction_problems",
     "expires",
@@ -242,6 +244,21 @@ async def ablpop(client: Any, key: str, wait: float, label: str | None = None) -
         return None
 
 
+#: What redis-py raises when a connection is closed under a thread reading from it (the
+#: backend's ``close()`` on another thread: a pool's ``disconnect()`` drops connections in use
+#: too): the parser's buffer closed mid-read (``ValueError``) or already gone (``AttributeError``).
+CLOSED_UNDER = (ValueError, AttributeError)
+
+
+def closed_under(exc: BaseException) -> redis.ConnectionError:
+    """The ``ConnectionError`` a read of a connection closed under it (:data:`CLOSED_UNDER`)
+    stands for, so it meets the same handling as any lost connection: a node's
+    :data:`~._redis_nodes.FAILED`, or :class:`~leases.errors.BackendUnavailable` at the
+    :class:`Edge`, never a raw ``ValueError`` out of a renewal racing ``close()``."""
+    detail = f"{type(exc).__name__}: {exc}"
+    return redis.ConnectionError(f"the connection was closed while a reply was awaited ({detail})")
+
+
 def send(client: Any, command: tuple[object, ...], label: str | None = None) -> Any:
     """Send ``command`` on a pooled connection without waiting for the reply.
 
@@ -261,9 +278,11 @@ def send(client: Any, command: tuple[object, ...], label: str | None = None) -> 
             connection.send_packed_command(connection.pack_commands([named, command]))
             with contextlib.suppress(redis.ResponseError):  # the name's OK: ``command`` is sent
                 connection.read_response()
-    except BaseException:
+    except BaseException as exc:
         connection.disconnect()
         pool.release(connection)
+        if isinstance(exc, CLOSED_UNDER):
+            raise closed_under(exc) from exc
         raise
     return connection
 
@@ -281,8 +300,10 @@ def receive(
             response = connection.read_response()
         else:
             response = connection.read_response(timeout=timeout)
-    except BaseException:
+    except BaseException as exc:
         connection.disconnect()
+        if isinstance(exc, CLOSED_UNDER):
+            raise closed_under(exc) from exc
         raise
     finally:
         client.connection_pool.release(connection)
