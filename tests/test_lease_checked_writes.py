@@ -8,8 +8,11 @@ newer has written; a lease-checked write refuses it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.db import connection, connections, transaction
+from django.db.models.signals import pre_delete
 from django.test.utils import CaptureQueriesContext
 
 from leases import (
@@ -119,24 +122,66 @@ def test_bulk_update_under_a_lost_lease_changes_nothing(held: Lease) -> None:
     assert set(FencedDoc.objects.values_list("title", flat=True)) == {"d0", "d1", "d2", "d3"}
 
 
+def test_a_held_lease_deletes_and_a_lost_one_deletes_nothing(held: Lease) -> None:
+    kept, gone = FencedDoc.objects.create(title="kept"), FencedDoc.objects.create(title="gone")
+    assert FencedDoc.objects.filter(pk=gone.pk).under_lease(held).delete()[0] == 1
+    assert FencedDoc.objects.filter(pk=-1).under_lease(held).delete()[0] == 0
+    expire_on_the_database_clock(held)
+    with pytest.raises(LeaseCheckFailed) as refused:
+        FencedDoc.objects.filter(pk=kept.pk).under_lease(held).delete()
+    assert refused.value.name == held.name and refused.value.token == held.token
+    with pytest.raises(LeaseCheckFailed):  # fenced too: the check still refuses
+        FencedDoc.objects.filter(pk=kept.pk).fenced(held).under_lease(held).delete()
+    assert list(FencedDoc.objects.values_list("title", flat=True)) == ["kept"]
+
+
+def test_a_delete_whose_lease_is_lost_midway_is_undone(held: Lease) -> None:
+    """A child row of multi-table inheritance is deleted in several statements (the child's
+    and the parent's rows, by primary key) after the rows were selected under the check; the
+    lease expires in between, so the final check refuses and every statement is undone."""
+    part = FencedDocPart.objects.create(title="kept", part="p")
+
+    def expire_midway(sender: type[Any], instance: Any, **kwargs: Any) -> None:
+        if instance.pk == part.pk:
+            expire_on_the_database_clock(held)
+
+    pre_delete.connect(expire_midway, sender=FencedDocPart)
+    try:
+        with transaction.atomic():
+            with pytest.raises(LeaseCheckFailed):
+                FencedDocPart.objects.filter(pk=part.pk).under_lease(held).delete()
+            FencedDoc.objects.create(title="after the refusal")  # the transaction is usable
+    finally:
+        pre_delete.disconnect(expire_midway, sender=FencedDocPart)
+    assert FencedDocPart.objects.filter(pk=part.pk).exists()
+    assert FencedDoc.objects.filter(pk=part.pk).exists()
+
+
 def test_a_lease_kept_elsewhere_is_refused_before_any_query(lease_name: str) -> None:
     """Redis keeps no lease rows: the statement cannot see the lease, so it is not attempted."""
     elsewhere = acquire(lease_name, ttl=30, backend="redis", keepalive=False)
+    doc = FencedDoc.objects.create(title="kept")
     try:
         with CaptureQueriesContext(connection) as queries:
             with pytest.raises(LeaseCheckUnavailable):
                 FencedDoc(title="x").save(lease=elsewhere)
             with pytest.raises(LeaseCheckUnavailable):
                 FencedDoc.objects.under_lease(elsewhere).update(title="x")
+            with pytest.raises(LeaseCheckUnavailable):
+                FencedDoc.objects.under_lease(elsewhere).delete()
         assert len(queries) == 0
     finally:
         elsewhere.release()
+    assert FencedDoc.objects.filter(pk=doc.pk).exists()
     assert get_backend("redis").inspect(lease_name) is not None
 
 
 def test_a_lease_lost_locally_fails_before_any_query(lease_name: str) -> None:
     held = acquire(lease_name, ttl=30, keepalive=False)
     held.release()
-    with CaptureQueriesContext(connection) as queries, pytest.raises(LeaseLost):
-        FencedDoc(title="x").save(lease=held)
+    with CaptureQueriesContext(connection) as queries:
+        with pytest.raises(LeaseLost):
+            FencedDoc(title="x").save(lease=held)
+        with pytest.raises(LeaseLost):
+            FencedDoc.objects.under_lease(held).delete()
     assert len(queries) == 0

@@ -13,9 +13,10 @@ same statement that makes the change (a separate check would be a race of its ow
   ``leases_fence`` table.
 - A write fenced with a *lease* (not a bare int) is also refused once an operator revoked that
   grant (:mod:`leases.revocation`), in the same statement.
-- Lease-checked writes (:mod:`.checked`): ``obj.save(lease=held)`` and
-  ``qs.under_lease(held).update()`` check in the writing statement that the lease row is still
-  this grant and unexpired by the database clock, when the lease rows live in that database.
+- Lease-checked writes (:mod:`.checked`): ``obj.save(lease=held)``,
+  ``qs.under_lease(held).update()`` and ``.delete()`` check in the writing statement that the
+  lease row is still this grant and unexpired by the database clock, when the lease rows live
+  in that database.
 
 Equal tokens are accepted (one holder writes many times), lower ones never. A rejection raises
 :class:`~leases.errors.StaleFencingToken`, sends ``fence_rejected`` (``sender`` is the model

@@ -68,12 +68,13 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
     _lease_check: LeaseCheck | None = None
 
     def under_lease(self, held: FenceHolder) -> Self:
-        """A clone whose ``update()`` and ``bulk_update()`` write only while ``held`` is held.
+        """A clone whose ``update()``, ``bulk_update()`` and ``delete()`` write only while
+        ``held`` is held.
 
-        The UPDATE itself checks that the lease row is still this grant and unexpired by the
-        database clock (:mod:`.checked`): a lease that expired writes nothing and raises
-        :class:`~leases.errors.LeaseCheckFailed`, even if no one else has taken it. Needs a
-        backend whose lease rows are in this database
+        The UPDATE (or DELETE) itself checks that the lease row is still this grant and
+        unexpired by the database clock (:mod:`.checked`): a lease that expired writes nothing
+        and raises :class:`~leases.errors.LeaseCheckFailed`, even if no one else has taken it.
+        Needs a backend whose lease rows are in this database
         (:class:`~leases.errors.LeaseCheckUnavailable` otherwise). Combines with ``fenced()``.
         """
         if not isinstance(held, FenceHolder):
@@ -154,11 +155,10 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
         return updated
 
     def delete(self) -> tuple[int, dict[str, int]]:
-        """Unfenced: Django's delete. Fenced: all or nothing, like a fenced ``update()``."""
+        """Unfenced: Django's delete. Fenced: all or nothing, like a fenced ``update()``.
+        Under a lease: only while the lease is held, like a lease-checked ``update()``."""
         if self._lease is not None:
-            raise TypeError(
-                "under_lease() guards update() and bulk_update(); delete with fenced() instead"
-            )
+            return self._checked_delete(self._lease)
         if self._fence is None:
             refuse_unfenced(self.model, "delete()")
             return super().delete()
@@ -181,6 +181,29 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
 
     delete.alters_data = True  # type: ignore[attr-defined]
     delete.queryset_only = True  # type: ignore[attr-defined]
+
+    def _checked_delete(self, held: FenceHolder) -> tuple[int, dict[str, int]]:
+        """``delete()`` with the lease check in the statement that selects the rows (a fast
+        delete's one ``DELETE``, else the collector's ``SELECT``), and once more after the last
+        deleting statement, inside one savepoint.
+
+        Django deletes related rows (cascades) and then the rows themselves by primary key, in
+        statements that cannot carry the check; every one of them runs between two statements
+        that found the lease held, and a lease lost meanwhile undoes them all
+        (:class:`~leases.errors.LeaseCheckFailed`, nothing deleted). The final check costs one
+        statement on every call, unlike an update's (asked only when nothing changed): a
+        cascading delete is several statements, not one. No matching rows with the lease held
+        is simply 0.
+        """
+        self._for_write = True
+        check = lease_check(held, self.db)
+        with transaction.atomic(using=self.db):
+            rows = self.filter(check.condition())
+            rows._lease, rows._lease_check = None, check
+            deleted, per_model = rows.delete()
+            if not check.holds(self.db):
+                raise check.refused(f"{self.model._meta.label}(under lease {check.name!r})")
+        return deleted, per_model
 
     def _unrevoked(self, offer: Offer) -> models.QuerySet[_M]:
         """The plain rows of this model, narrowed to "the offer's grant is not revoked".
