@@ -10,11 +10,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from django.test import Client
+import redis
+from django.test import Client, override_settings
 
+from devservers import RedisServer
 from leases.backends import get_backend
 from leases.backends._redis_scripts import LeaseKeys
-from leases.backends._redis_waiters import WaitClock, label, waiters
+from leases.backends._redis_waiters import LABEL_PREFIX, WaitClock, label, waiters
 from leases.backends.base import LeaseWaiter
 from leases.lease import acquire
 from leases.operations import backend_waiters
@@ -111,3 +113,56 @@ def test_a_wait_clock_keeps_a_loop_of_waits_as_one() -> None:
     first = clock.since("x", 0.0)
     assert clock.since("x", 0.0) == first
     assert clock.since("y", 0.0) >= first
+
+
+@pytest.mark.parametrize("engine", ["redis", "redlock"])
+def test_a_woken_waiters_connection_goes_back_to_the_pool_under_its_own_name(
+    engine: str, redis_server: RedisServer
+) -> None:
+    """A wait names its connection (``CLIENT SETNAME``) to be listed; on a django-redis cache
+    the connection is the application's, and a woken wait gives it back to the pool. The name
+    the application gave its connections must be back on it, so its later commands are not
+    listed as a lease wait (``CLIENT LIST``) and ``CLIENT GETNAME`` says what it set."""
+    import django_redis  # type: ignore[import-untyped]
+
+    caches = {
+        "shared": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": redis_server.url,
+            "OPTIONS": {"CONNECTION_POOL_KWARGS": {"client_name": "shop-cache"}},
+        }
+    }
+    store = (
+        {"ENGINE": "leases.backends.redis", "CACHE": "shared"}
+        if engine == "redis"
+        else {"ENGINE": "leases.backends.redlock", "NODES": ["shared"]}
+    )
+    backends = {"default": {"ENGINE": "leases.backends.database"}, "shared-lease": store}
+    name = f"pooled-{uuid.uuid4().hex[:8]}"
+    direct = redis.Redis.from_url(redis_server.url)
+    with override_settings(CACHES=caches, LEASES={"BACKENDS": backends}):
+        held = acquire(name, ttl=30, backend="shared-lease", keepalive=False)
+        got: list[Any] = []
+
+        def wait_for_it() -> None:
+            got.append(acquire(name, ttl=30, timeout=20, backend="shared-lease", keepalive=False))
+            got[0].release()
+
+        waiter = threading.Thread(target=wait_for_it)
+        waiter.start()
+        try:
+            wait_until(
+                lambda: [w.name for w in get_backend("shared-lease").waiters()] == [name],
+                10,
+                "the waiter blocked in its named BLPOP",
+            )
+        finally:
+            held.release()  # wakes the BLPOP: its connection goes back to the cache's pool
+            waiter.join(30)
+        assert got, "the waiter never got the lease"
+        user = django_redis.get_redis_connection("shared")
+        assert user.client_getname() == "shop-cache"
+        names = [str(entry.get("name", "")) for entry in direct.client_list()]
+        assert not [n for n in names if n.startswith(LABEL_PREFIX)], names
+        assert "shop-cache" in names
+    direct.close()

@@ -229,13 +229,16 @@ async def ablpop(client: Any, key: str, wait: float, label: str | None = None) -
     """:func:`blpop` for ``redis.asyncio``: at most ``wait`` seconds, ``None`` when nothing was
     pushed. The caller's deadline ends the wait (``asyncio.timeout``), not the server's timer
     (:data:`BLPOP_SLACK`); redis-py drops a connection whose command was cancelled. ``label``
-    names the connection first, in the same round trip (see :func:`send`)."""
+    names the connection first, and its own name is given back after, in the same round trip
+    (see :func:`send`)."""
     try:
         async with asyncio.timeout(wait):
             if label is None or not hasattr(client, "connection_pool"):
                 return await client.blpop([key], timeout=wait + BLPOP_SLACK)
+            own = client.connection_pool.connection_kwargs.get("client_name") or ""
             pipe = client.pipeline(transaction=False)
             pipe.client_setname(label).blpop([key], timeout=wait + BLPOP_SLACK)
+            pipe.client_setname(own)
             reply = (await pipe.execute(raise_on_error=False))[1]
             if isinstance(reply, Exception):  # the wait's own error; the name's is ignored
                 raise reply
@@ -267,6 +270,12 @@ def send(client: Any, command: tuple[object, ...], label: str | None = None) -> 
     ``label`` names the connection first (``CLIENT SETNAME``, in the same packet), so
     ``CLIENT LIST`` can tell who waits (see ``_redis_waiters``); a server that refuses the name
     (an ACL) still runs ``command``.
+
+    A labelled ``command`` is followed, in the same packet, by ``CLIENT SETNAME`` of the
+    connection's own name (its pool's ``client_name``, else none), which the server runs once
+    ``command`` is done and :func:`receive` reads after its reply: the connection may be a
+    django-redis cache's, and goes back to the application's pool without the wait's name
+    (``CLIENT LIST`` would show the application's later commands as a lease wait).
     """
     pool = client.connection_pool
     connection = pool.get_connection()
@@ -275,9 +284,11 @@ def send(client: Any, command: tuple[object, ...], label: str | None = None) -> 
             connection.send_command(*command)
         else:
             named = ("CLIENT", "SETNAME", label)
-            connection.send_packed_command(connection.pack_commands([named, command]))
+            own = ("CLIENT", "SETNAME", getattr(connection, "client_name", None) or "")
+            connection.send_packed_command(connection.pack_commands([named, command, own]))
             with contextlib.suppress(redis.ResponseError):  # the name's OK: ``command`` is sent
                 connection.read_response()
+            connection._leases_name_back_due = True
     except BaseException as exc:
         connection.disconnect()
         pool.release(connection)
@@ -294,12 +305,18 @@ def receive(
 
     ``timeout`` (seconds) replaces the socket timeout for this one read (``None`` keeps it);
     the reply is parsed as redis-py's method for the command would (``SET`` gives ``True``).
+    After a labelled command (see :func:`send`) the reply of the name given back is read too,
+    so no reply is left for the connection's next user.
     """
+    name_back_due = connection.__dict__.pop("_leases_name_back_due", False)
     try:
         if timeout is None:
             response = connection.read_response()
         else:
             response = connection.read_response(timeout=timeout)
+        if name_back_due:  # sent right behind ``command``: its reply is due at once
+            with contextlib.suppress(redis.ResponseError):  # an ACL refused both names
+                connection.read_response(timeout=timeout or connection.socket_timeout)
     except BaseException as exc:
         connection.disconnect()
         if isinstance(exc, CLOSED_UNDER):
