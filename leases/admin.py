@@ -282,7 +282,7 @@ class BackendLeaseAdmin(_ReadOnlyAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
-        infos, errors = operations.all_leases(BACKEND_PAGE_LIMIT)
+        infos, errors, backend_waiters = operations.backend_overview(BACKEND_PAGE_LIMIT)
         now = timezone.now()
         rows = []
         for info in infos:
@@ -300,7 +300,7 @@ class BackendLeaseAdmin(_ReadOnlyAdmin):
             rows=rows,
             limit=BACKEND_PAGE_LIMIT if len(infos) >= BACKEND_PAGE_LIMIT else None,
             waiters=waiters,
-            backend_waiters=operations.backend_waiters(),
+            backend_waiters=backend_waiters,
             errors=errors,
             can_release=request.user.has_perm(operations.FORCE_RELEASE_PERMISSION),
         )

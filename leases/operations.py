@@ -11,6 +11,7 @@ lease away safe at all.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -20,8 +21,9 @@ from django.db import connections
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from . import conf, revocation
-from .backends import get_backend
+from . import revocation
+from ._asking import ANSWER_BOUND, ask_every_backend
+from .backends import LeaseBackend, get_backend
 from .backends.base import LeaseInfo, LeaseWaiter
 from .databases import migrated_databases
 from .errors import InvalidFencingToken, LeaseError, LeaseNotHeld
@@ -38,6 +40,7 @@ __all__ = [
     "advisory_databases",
     "advisory_locks",
     "all_leases",
+    "backend_overview",
     "backend_waiters",
     "force_release",
     "lease_state",
@@ -178,16 +181,23 @@ def lease_waiters(using: str | None = None) -> list[AdvisoryLockRow]:
     return [row for row in advisory_locks(using) if row.room_of]
 
 
-def backend_waiters() -> list[LeaseWaiter]:
+def backend_waiters(bound: float = ANSWER_BOUND) -> list[LeaseWaiter]:
     """Waiters every configured backend reports itself (Redis and Redlock: the connections
-    blocked waiting), longest waiting first. A backend that is down hides only its own."""
-    found: list[LeaseWaiter] = []
-    for alias in conf.get().backends:
-        try:
-            found.extend(get_backend(alias).waiters())
-        except LeaseError as exc:
-            logger.debug("leases: waiters of backend %r unavailable: %s", alias, exc)
-    return sorted(found, key=lambda w: (w.since is None, w.since, w.name, w.backend))
+    blocked waiting), longest waiting first. Backends are asked at once, each for at most
+    ``bound`` seconds; one that is down or does not answer hides only its own."""
+    answers, errors = ask_every_backend("waiters", _waiters_of, bound)
+    for alias, exc in errors.items():
+        logger.debug("leases: waiters of backend %r unavailable: %s", alias, exc)
+    return _longest_waiting_first(answers.values())
+
+
+def _waiters_of(backend: LeaseBackend) -> list[LeaseWaiter]:
+    return backend.waiters()
+
+
+def _longest_waiting_first(found: Iterable[list[LeaseWaiter]]) -> list[LeaseWaiter]:
+    every = [waiter for waiters in found for waiter in waiters]
+    return sorted(every, key=lambda w: (w.since is None, w.since, w.name, w.backend))
 
 
 def _advisory_row(row: tuple[Any, ...], rooms: dict[int, str]) -> AdvisoryLockRow:
@@ -223,36 +233,71 @@ def _waiting_rooms() -> dict[int, str]:
 
     A backend that is down only loses its labels: the page must still show the locks.
     """
+    answers, _ = ask_every_backend("rooms", _rooms_of)
     rooms: dict[int, str] = {}
-    for alias in conf.get().backends:
-        try:
-            rooms.update(get_backend(alias).internal_advisory_locks())
-        except (LeaseError, NotImplementedError):
-            continue
+    for found in answers.values():
+        rooms.update(found)
     return rooms
 
 
-def all_leases(limit: int | None = None) -> tuple[list[LeaseInfo], dict[str, str]]:
+def _rooms_of(backend: LeaseBackend) -> dict[int, str]:
+    return backend.internal_advisory_locks()
+
+
+def all_leases(
+    limit: int | None = None, bound: float = ANSWER_BOUND
+) -> tuple[list[LeaseInfo], dict[str, str]]:
     """Leases on every configured backend, held first, and the error of each backend that
     failed; at most ``limit`` of them (``None``: all).
 
     A backend that is down must not hide the others from an operator in the middle of an
-    incident, so errors are collected per alias instead of raised. Names are never deleted,
-    so a store may know millions: with a ``limit`` each backend is asked only for its first
-    ``limit`` (:meth:`~leases.backends.base.LeaseBackend.inspect_held_first`).
+    incident, nor make them wait for its timeouts: backends are asked at once, each for at
+    most ``bound`` seconds, and errors (a backend that did not answer in time is unreachable)
+    are collected per alias instead of raised. Names are never deleted, so a store may know
+    millions: with a ``limit`` each backend is asked only for its first ``limit``
+    (:meth:`~leases.backends.base.LeaseBackend.inspect_held_first`).
     """
-    found: list[LeaseInfo] = []
-    errors: dict[str, str] = {}
-    for alias in conf.get().backends:
+    answers, errors = ask_every_backend(("leases", limit), _LeasesOf(limit), bound)
+    return _held_first(answers.values(), limit), {a: str(e) for a, e in errors.items()}
+
+
+def backend_overview(
+    limit: int, bound: float = ANSWER_BOUND
+) -> tuple[list[LeaseInfo], dict[str, str], list[LeaseWaiter]]:
+    """:func:`all_leases` and :func:`backend_waiters` in one question to every backend, so a
+    view that shows both waits for an unreachable store once (``bound``), not twice."""
+    leases_of = _LeasesOf(limit)
+
+    def both(backend: LeaseBackend) -> tuple[list[LeaseInfo], list[LeaseWaiter]]:
+        infos = leases_of(backend)
         try:
-            backend = get_backend(alias)
-            found.extend(
-                backend.inspect_all() if limit is None else backend.inspect_held_first(limit)
-            )
-        except (LeaseError, NotImplementedError) as exc:
-            errors[alias] = str(exc)
-    found.sort(key=lambda info: (*info.rank, info.backend))
-    return found[:limit], errors
+            return infos, backend.waiters()
+        except LeaseError as exc:
+            logger.debug("leases: waiters of backend %r unavailable: %s", backend.alias, exc)
+            return infos, []
+
+    answers, errors = ask_every_backend(("overview", limit), both, bound)
+    infos = _held_first((found for found, _ in answers.values()), limit)
+    waiters = _longest_waiting_first(found for _, found in answers.values())
+    return infos, {alias: str(exc) for alias, exc in errors.items()}, waiters
+
+
+@dataclass(frozen=True)
+class _LeasesOf:
+    """The question :func:`all_leases` asks each backend."""
+
+    limit: int | None
+
+    def __call__(self, backend: LeaseBackend) -> list[LeaseInfo]:
+        if self.limit is None:
+            return backend.inspect_all()
+        return backend.inspect_held_first(self.limit)
+
+
+def _held_first(found: Iterable[list[LeaseInfo]], limit: int | None) -> list[LeaseInfo]:
+    every = [info for infos in found for info in infos]
+    every.sort(key=lambda info: (*info.rank, info.backend))
+    return every[:limit]
 
 
 #: The three states an operator sees, in the order the admin's filter offers them.

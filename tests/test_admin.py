@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission
-from django.test import Client
+from django.test import Client, override_settings
 from django.urls import reverse
 
+from leases._asking import ANSWER_BOUND
 from leases.backends import get_backend
 from leases.models import ForceRelease
 from leases.operations import advisory_locks
@@ -132,6 +135,58 @@ def test_every_backend_page_lists_and_releases(client: Client, lock_scene: LockS
     assert info is not None and not info.held and info.token > grant.token
     record = ForceRelease.objects.get(name=grant.name)
     assert (record.backend, record.via, record.token) == ("redis", "admin", grant.token)
+
+
+@pytest.fixture
+def silent() -> Iterator[socket.socket]:
+    """A port that takes connections (the kernel completes the handshake) and never answers:
+    a store behind a firewall that drops its replies, or a paused server. Closing it resets
+    the connections waiting in it, which ends the calls stuck on them."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    try:
+        yield listener
+    finally:
+        listener.close()
+
+
+def test_every_backend_page_shows_stores_that_do_not_answer_as_unreachable(
+    client: Client, lock_scene: LockScene, silent: socket.socket
+) -> None:
+    """An etcd and a ZooKeeper that never answer, whose own timeouts (30 s and 8 s) are far
+    above the page's bound: backends are asked at once, so the page comes back in about the
+    bound, not after the sum of their timeouts, and shows both unreachable beside the leases of
+    the backend that answered. (ZooKeeper's is shorter only because closing its backend at the
+    end waits for a client still starting.)"""
+    hung, silent_port = 30.0, silent.getsockname()[1]
+    backends = {
+        "default": {"ENGINE": "leases.backends.database"},
+        "etcd-down": {
+            "ENGINE": "leases.backends.etcd",
+            "ENDPOINTS": [f"http://127.0.0.1:{silent_port}"],
+            "CONNECT_TIMEOUT": hung,
+            "REQUEST_TIMEOUT": hung,
+        },
+        "zookeeper-down": {
+            "ENGINE": "leases.backends.zookeeper",
+            "HOSTS": f"127.0.0.1:{silent_port}",
+            "CONNECT_TIMEOUT": 8.0,
+            "REQUEST_TIMEOUT": 8.0,
+        },
+    }
+    login(client, "view_lease")
+    with override_settings(LEASES={"BACKENDS": backends}):
+        started = time.monotonic()
+        page = client.get(EVERY_BACKEND).content.decode()
+        took = time.monotonic() - started
+        silent.close()  # the stuck calls end before their backends are closed
+    # A bound with slack for a loaded machine, well below one store's own timeout.
+    assert took < ANSWER_BOUND + 15, f"the page took {took:.1f}s"
+    assert lock_scene.held in page
+    for alias in ("etcd-down", "zookeeper-down"):
+        assert f"Backend {alias}: lease backend &#x27;{alias}&#x27; is unavailable" in page
+    assert page.count(f"unreachable: no answer within {ANSWER_BOUND:g}s") == 2
 
 
 def test_advisory_page_shows_names_holders_and_waiters(
