@@ -6,6 +6,7 @@ strength of the recorded revocation alone, in the statement that would write.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +14,14 @@ from django.contrib.auth.models import Permission
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from leases import FencingTokenRevoked, LeaseNotHeld, StaleFencingToken, acquire, check_fence
+from leases import (
+    FencingTokenRevoked,
+    LeaseLost,
+    LeaseNotHeld,
+    StaleFencingToken,
+    acquire,
+    check_fence,
+)
 from leases.backends import get_backend
 from leases.lease import Lease
 from leases.models import ForceRelease, Revocation
@@ -33,18 +41,35 @@ def operator(db: None) -> Any:
     return user
 
 
-def evict(held: Lease, operator: Any) -> None:
-    force_release(held.name, backend=held.backend, token=held.token, user=operator, via="test")
+Evict = Callable[[Lease], None]
+
+
+@pytest.fixture
+def evict(operator: Any) -> Iterator[Evict]:
+    """Force-release a lease as an operator. At the end each evicted holder gives its lease up
+    and learns it was lost: left to the watchdog, its loss would be reported when its TTL ran
+    out, in the middle of a later test (and its log capture)."""
+    evicted: list[Lease] = []
+
+    def evict_one(held: Lease) -> None:
+        force_release(held.name, backend=held.backend, token=held.token, user=operator, via="test")
+        evicted.append(held)
+
+    yield evict_one
+    for held in evicted:
+        with pytest.raises(LeaseLost):
+            held.release()
+        assert held.done
 
 
 def test_evicted_lease_cannot_write_although_nobody_newer_did(
-    lease_backend: str, lease_name: str, operator: Any
+    lease_backend: str, lease_name: str, evict: Evict
 ) -> None:
     held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
     doc = FencedDoc(title="before")
     doc.save(fence=held)
     check_fence(f"file:{lease_name}", held)
-    evict(held, operator)
+    evict(held)
     held.ensure_held()  # the holder does not know yet: only the resource can refuse
 
     doc.title = "after"
@@ -66,10 +91,10 @@ def test_evicted_lease_cannot_write_although_nobody_newer_did(
 
 
 def test_evicted_lease_cannot_insert_new_rows(
-    lease_backend: str, lease_name: str, operator: Any
+    lease_backend: str, lease_name: str, evict: Evict
 ) -> None:
     held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
-    evict(held, operator)
+    evict(held)
     with pytest.raises(FencingTokenRevoked):
         FencedDoc(title=f"auto pk {lease_name}").save(fence=held)  # plain INSERT
     with pytest.raises(FencingTokenRevoked):
@@ -83,14 +108,14 @@ def test_evicted_lease_cannot_insert_new_rows(
 
 
 def test_revocation_survives_the_callers_rollback_and_keeps_its_transaction_usable(
-    lease_backend: str, lease_name: str, operator: Any
+    lease_backend: str, lease_name: str, evict: Evict
 ) -> None:
     held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
     doc = FencedDoc(title="before")
     doc.save(fence=held)
     with transaction.atomic():
         sid = transaction.savepoint()
-        evict(held, operator)
+        evict(held)
         transaction.savepoint_rollback(sid)
         doc.title = "after"
         with pytest.raises(FencingTokenRevoked):
@@ -100,12 +125,12 @@ def test_revocation_survives_the_callers_rollback_and_keeps_its_transaction_usab
 
 
 def test_successor_writes_normally_after_a_revocation(
-    lease_backend: str, lease_name: str, operator: Any
+    lease_backend: str, lease_name: str, evict: Evict
 ) -> None:
     register = new_register()
     first = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
     assert record_write(register, first, "first")
-    evict(first, operator)
+    evict(first)
     assert not record_write(register, first, "first")  # refused by the resource
     second = acquire(lease_name, ttl=5, backend=lease_backend, timeout=5, holder="successor")
     try:
@@ -125,13 +150,13 @@ def test_successor_writes_normally_after_a_revocation(
 
 
 def test_bare_int_fences_name_no_lease_so_revocation_cannot_reach_them(
-    lease_backend: str, lease_name: str, operator: Any
+    lease_backend: str, lease_name: str, evict: Evict
 ) -> None:
     """The documented limit: ``fence=lease`` is the form revocation protects."""
     held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
     doc = FencedDoc(title="before")
     doc.save(fence=held)
-    evict(held, operator)
+    evict(held)
     doc.title = "by a bare token"
     doc.save(fence=int(held))
     doc.refresh_from_db()
@@ -139,14 +164,14 @@ def test_bare_int_fences_name_no_lease_so_revocation_cannot_reach_them(
 
 
 def test_a_lease_that_changed_hands_is_not_released_or_revoked(
-    lease_backend: str, lease_name: str, operator: Any
+    lease_backend: str, lease_name: str, evict: Evict
 ) -> None:
     seen = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
     seen.release()
     successor = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
     try:
         with pytest.raises(LeaseNotHeld, match=f"now {successor.token}, not {seen.token}"):
-            evict(seen, operator)
+            evict(seen)
         info = get_backend(lease_backend).inspect(lease_name)
         assert info is not None and info.held and info.token == successor.token
         assert not Revocation.objects.filter(backend=lease_backend, name=lease_name).exists()
@@ -157,12 +182,12 @@ def test_a_lease_that_changed_hands_is_not_released_or_revoked(
 
 
 def test_revocation_does_not_leak_into_another_backend_or_name(
-    lease_backend: str, lease_name: str, operator: Any
+    lease_backend: str, lease_name: str, evict: Evict
 ) -> None:
     held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
     other = acquire(f"{lease_name}-other", ttl=30, backend=lease_backend, keepalive=False)
     try:
-        evict(held, operator)
+        evict(held)
         FencedDoc(title="other name").save(fence=other)
         Revocation.objects.create(backend="not-this-backend", name=other.name, token=10**9)
         FencedDoc(title="other backend's revocation").save(fence=other)
