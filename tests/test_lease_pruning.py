@@ -22,7 +22,7 @@ from django.contrib.auth.models import Permission
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from leases import BackendNotSupported, FencingTokenRevoked, LeaseNotHeld, acquire
+from leases import BackendNotSupported, FencingTokenRevoked, LeaseLost, LeaseNotHeld, acquire
 from leases.backends import get_backend
 from leases.backends._counter import DurableCounter
 from leases.backends._pgconn import connect
@@ -261,6 +261,8 @@ def test_a_revoked_then_pruned_name_stays_fenced(operator: Any) -> None:
     successor.release()
     with pytest.raises(LeaseNotHeld):
         force_release(held.name, backend="default", token=held.token, user=operator, via="test")
+    with pytest.raises(LeaseLost):  # now, not from the watchdog inside a later test
+        held.release()
 
 
 def test_the_command_prunes_with_a_progress_line() -> None:
