@@ -28,6 +28,7 @@ from django.test import override_settings
 from leases import LeaseUnavailable, acquire
 from leases.backends import get_backend
 from leases.backends.database import Backend
+from leases.handle import Lease
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.fault
@@ -109,6 +110,7 @@ def test_a_grant_after_a_release_survives_the_crash_and_so_does_the_release(
     with override_settings(LEASES=crash_backends(alias)):
         backend = get_backend("crash")
         tokens: list[int] = []
+        kept: list[Lease] = []
 
         def release_then_grant() -> None:
             first = acquire("crash-grant", ttl=TTL, backend="crash", keepalive=False)
@@ -117,6 +119,7 @@ def test_a_grant_after_a_release_survives_the_crash_and_so_does_the_release(
                 "crash-grant", ttl=TTL, backend="crash", keepalive=False, holder="second"
             )
             tokens.extend([first.token, second.token])
+            kept.append(second)
 
         _crash_after(server, release_then_grant)
         info = backend.inspect("crash-grant")
@@ -125,6 +128,7 @@ def test_a_grant_after_a_release_survives_the_crash_and_so_does_the_release(
         assert tokens[1] > tokens[0]
         with pytest.raises(LeaseUnavailable):
             acquire("crash-grant", ttl=TTL, backend="crash", timeout=0, holder="third")
+        kept[0].release()  # not left to the watchdog, which would report it lost in a later test
 
 
 def test_releases_then_crashes_never_regress_tokens_or_grant_twice(
