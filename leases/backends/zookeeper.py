@@ -330,9 +330,13 @@ class Backend(LeaseBackend):
 
     def release(self, grant: Grant) -> None:
         """Delete our node (the path proves the secret) and write the name node, in one
-        multi; the deletion wakes only the next in line (its watch on us)."""
+        multi; the deletion wakes only the next in line (its watch on us). A reconnection is
+        bounded by the grant's validity left, as for :meth:`renew`."""
         path = self._node_path(grant)
-        with Edge(self.alias, "release"):
+        # The name is free by the end of the grant's validity anyway (its TTL, or its dead
+        # session's expiry): a client found dead is not waited for longer than that.
+        left = grant.sent_at + grant.ttl - time.monotonic()
+        with Edge(self.alias, "release"), self.zk.bounded(left):
             if path is None:
                 self._refuse(grant, "release")
             try:
