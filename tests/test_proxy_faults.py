@@ -22,10 +22,10 @@ from django.db.utils import load_backend
 
 from devservers.proxy import FaultProxy
 from leases import BackendUnavailable, LeaseError, LeaseLost, aacquire, acquire
-from leases.backends import get_backend
+from leases.backends import Capability, get_backend
 from leases.handle import Lease
 from tests import checker
-from tests.lease_backends import lease_name
+from tests.lease_backends import lease_name, require
 from tests.proxied_backends import Proxied, proxied
 from tests.waiting import wait_until
 
@@ -404,3 +404,43 @@ def test_a_fenced_write_delayed_in_the_network_past_the_ttl_is_refused(
     new.release()
     summary = checker.check_history(register, [old.token, new.token])
     assert (summary.accepted, summary.stale) == (2, 1)
+
+
+def test_blackholed_shared_renewal_reports_loss_within_the_ttl_and_is_fenced(
+    proxied: Proxied, lease_name: str
+) -> None:
+    """A reader (``shared=True``) is renewed like an exclusive holder: its renewals vanish past
+    the TTL, ``on_lost`` fires within it and ``ensure_held()`` raises; a writer then gets the
+    name with a higher token and the fence refuses the lost reader's write after the writer's."""
+    require(proxied.alias, Capability.SHARED_LEASES)
+    ttl, register = 1.5, checker.new_register()
+    fired: list[float] = []
+    reader = acquire(
+        lease_name,
+        ttl=ttl,
+        backend="proxied",
+        shared=True,
+        holder="reader",
+        on_lost=lambda _: fired.append(0),
+    )
+    assert reader.shared
+    assert checker.record_write(register, reader, "reader")
+    blackholed_at = time.monotonic()
+    proxied.each(FaultProxy.blackhole)
+    assert reader.lost.wait(ttl + 1.0), "on_lost never fired"
+    assert time.monotonic() - blackholed_at <= ttl + 0.5
+    wait_until(lambda: fired, 5, "on_lost to be called (lost is set just before)")
+    assert reader.remaining() == 0
+    with pytest.raises(LeaseLost):
+        reader.ensure_held()
+    writer = acquire(lease_name, ttl=10, backend=proxied.direct, timeout=ttl + 5, holder="writer")
+    assert writer.token > reader.token and not writer.shared
+    assert checker.record_write(register, writer, "writer")
+    assert not checker.record_write(register, reader, "reader")  # it knows it lost
+    assert not checker.record_write(register, reader.token, "reader")  # the fence refuses it
+    proxied.each(FaultProxy.pass_through)  # the held renewals reach the server now
+    time.sleep(0.3)
+    assert holder_of(lease_name) == ("writer", writer.token)
+    writer.release()
+    summary = checker.check_history(register, [reader.token, writer.token])
+    assert (summary.lost, summary.stale) == (1, 1)
