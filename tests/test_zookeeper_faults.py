@@ -290,3 +290,22 @@ def test_an_acquire_finding_its_client_dead_waits_no_longer_than_its_ttl(
             took = time.monotonic() - started
             assert took <= ttl + 3.0, f"acquire(timeout={timeout}) waited {took:.1f}s"
         proxy.pass_through()
+
+
+def test_a_connection_slower_than_one_calls_bound_serves_the_next_call(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """The ensemble's answers are held past what a 1 s acquisition may wait for a connection:
+    that call fails, but its client goes on connecting, and once the answers come the next
+    call uses it. Throwing it away would make every call start over, and on a network slower
+    than the TTL none would ever succeed."""
+    with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
+        backends(zk_slow=f"127.0.0.1:{proxy.port}", session=10.0, request=5.0)
+        name = f"zk-slow-{time.monotonic_ns()}"
+        proxy.blackhole()
+        with pytest.raises(BackendUnavailable):
+            acquire(name, ttl=1.0, backend="zk_slow", timeout=0)
+        proxy.pass_through()
+        held = acquire(name, ttl=10.0, backend="zk_slow", timeout=0, keepalive=False)
+        assert proxy.accepted == 1, f"{proxy.accepted} connections: a client was thrown away"
+        held.release()

@@ -91,6 +91,9 @@ class Session:
         self.connect_timeout = float(options.get("CONNECT_TIMEOUT", 10.0))
         self._lock = threading.Lock()
         self._client: Any = None
+        #: A client still connecting after its caller stopped waiting, and its start event.
+        self._connecting: Any = None
+        self._started: Any = None
         #: Set by :meth:`close`, for good: a closed backend never opens a client again.
         self._closed = False
         #: Per thread: the monotonic time past which the caller's call is useless (see
@@ -168,26 +171,44 @@ class Session:
         within = self._connect_within()
         if within <= 0:
             raise BackendUnavailable(self.alias, "connect: no time left to reconnect")
-        client = KazooClient(
-            hosts=self.hosts,
-            timeout=self.session_timeout,
-            auth_data=[tuple(pair) for pair in self.options.get("AUTH", [])],
-            connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
-        )
-        client.add_listener(self._on_state)
+        client = self._connecting
+        if client is None:  # a client left connecting by an earlier call is waited for again
+            client = KazooClient(
+                hosts=self.hosts,
+                timeout=self.session_timeout,
+                auth_data=[tuple(pair) for pair in self.options.get("AUTH", [])],
+                connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
+            )
+            client.add_listener(self._on_state)
+            self._connecting, self._started = client, client.start_async()
+        self._started.wait(within)
+        if self._closed:  # closed while we waited: close() could not take the lock from us
+            self._connecting = None
+            client.stop()
+            client.close()
+            raise BackendUnavailable(self.alias, "connect: the backend was closed")
+        if not client.connected:
+            # Only this caller's wait ends: kazoo goes on connecting in its own thread, so a
+            # connection slower than one call's bound still serves the next call.
+            raise BackendUnavailable(
+                self.alias, f"connect: not connected within {within:.3g}s (still trying)"
+            )
+        self._connecting = None
         with Edge(self.alias, "connect"):
             try:
-                client.start(timeout=within)
-                client.ensure_path(f"{self.prefix}/names")
-                client.ensure_path(f"{self.prefix}/clock")
-                if self._closed:  # closed while we connected: close() left it to us
-                    raise BackendUnavailable(self.alias, "connect: the backend was closed")
+                self.get(client.ensure_path_async(f"{self.prefix}/names"))
+                self.get(client.ensure_path_async(f"{self.prefix}/clock"))
             except BaseException:
                 client.stop()
                 client.close()
                 raise
         self.state = KazooState.CONNECTED
         self._client = client
+        if self._closed:  # closed meanwhile, and close() could not take the lock from us
+            self._client = None
+            client.stop()
+            client.close()
+            raise BackendUnavailable(self.alias, "connect: the backend was closed")
         return client
 
     def _on_state(self, state: str) -> None:
@@ -338,16 +359,18 @@ class Session:
         return self._client
 
     def close(self) -> None:
-        """Stop the client, for good. A thread connecting meanwhile keeps the lock: it sees
-        the flag before it publishes its new client and stops that client itself, so close
-        never waits out someone else's connection."""
+        """Stop the client, for good. A thread waiting for a connection keeps the lock: it
+        sees the flag when its wait ends and stops that client itself, so close never waits
+        out someone else's connection."""
         self._closed = True
-        if not self._lock.acquire(timeout=self.request_timeout):
+        if not self._lock.acquire(timeout=0.1):
             return
         try:
-            client, self._client = self._client, None
+            clients = [self._client, self._connecting]
+            self._client = self._connecting = None
         finally:
             self._lock.release()
-        if client is not None:
-            client.stop()
-            client.close()
+        for client in clients:
+            if client is not None:
+                client.stop()
+                client.close()
