@@ -25,8 +25,10 @@ than the holder believes), by at most the size of the step.
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import pytest
@@ -34,7 +36,9 @@ from django.test import override_settings
 
 from devservers import PostgresServer, RedisServer
 from devservers.clock import FakeClock, libfaketime
-from leases import LeaseLost, LeaseUnavailable, acquire
+from devservers.etcd import EtcdCluster, etcd_binary
+from devservers.zookeeper import ZooKeeperEnsemble, zookeeper_classpath
+from leases import LeaseError, LeaseLost, LeaseUnavailable, acquire
 from leases.backends import get_backend
 from tests import checker
 from tests.lease_backends import lease_name
@@ -46,6 +50,8 @@ pytestmark = [pytest.mark.fault]
 
 #: The alias of the backend under test (a holder and its successor both use it).
 CLOCKED = "clocked"
+#: How far ahead etcd is started to see whether libfaketime moves its clock (one day).
+_PROBE_OFFSET = 86400.0
 
 
 @dataclass
@@ -84,15 +90,84 @@ def _redis_under(clocks: list[FakeClock]) -> list[RedisServer]:
     return [RedisServer(env=c.env()).start() for c in clocks]
 
 
-@pytest.fixture(params=["database", "redis", "redlock"])
+@pytest.fixture(scope="module")
+def zookeeper_under_clock() -> Iterator[tuple[FakeClock, ZooKeeperEnsemble]]:
+    """A standalone ZooKeeper server of this module's own under a fake clock (the session's
+    shared ensemble is never stepped). One server, not three, started once for the module:
+    the JVM runs several times slower under libfaketime, whose wrappers see every one of its
+    many clock reads. Each test puts the clock back when it ends."""
+    if libfaketime() is None:
+        pytest.skip("libfaketime is not installed (apt-get install libfaketime faketime)")
+    if zookeeper_classpath() is None:
+        pytest.skip("ZooKeeper: apt-get install zookeeper default-jre-headless")
+    with FakeClock() as clock:
+        server = ZooKeeperEnsemble(size=1, env=clock.env())
+        try:
+            server.start(timeout=300)
+            yield clock, server
+        finally:
+            server.destroy()
+
+
+def _etcd_under_clock() -> tuple[FakeClock, EtcdCluster]:
+    """A one-member etcd under a fake clock, if libfaketime can move etcd's clock at all: it
+    is started one day ahead and asked the time (its HTTP ``Date`` header). Go reads the wall
+    clock through the vDSO, not through libc's ``clock_gettime``, so the preloaded library never
+    sees the call: the test skips, saying what etcd answered."""
+    if libfaketime() is None:
+        pytest.skip("libfaketime is not installed (apt-get install libfaketime faketime)")
+    if etcd_binary() is None:
+        pytest.skip("etcd: no etcd binary installed (apt-get install etcd-server)")
+    clock = FakeClock()
+    clock.set(_PROBE_OFFSET)
+    cluster = EtcdCluster(size=1, env=clock.env())
+    try:
+        cluster.start()
+        url = f"{cluster.endpoints[0]}/version"
+        with urllib.request.urlopen(url, timeout=10) as reply:  # our own member
+            date = reply.headers["Date"]
+        served = parsedate_to_datetime(date).timestamp() - time.time()
+    except BaseException:
+        cluster.destroy()
+        clock.destroy()
+        raise
+    if served < _PROBE_OFFSET / 2:
+        cluster.destroy()
+        clock.destroy()
+        pytest.skip(
+            f"etcd: libfaketime cannot step its clock. Started {_PROBE_OFFSET:.0f} s ahead, it "
+            f"answered Date: {date} ({served:+.0f} s from the real time): Go reads the wall "
+            "clock through the vDSO, never through libc, so LD_PRELOAD cannot intercept it. "
+            "(etcd expires leases on Go's monotonic clock, which a wall-clock step does not move.)"
+        )
+    clock.set(0)
+    return clock, cluster
+
+
+@pytest.fixture(params=["database", "redis", "redlock", "zookeeper", "etcd"])
 def clocked(request: pytest.FixtureRequest, transactional_db: None) -> Iterator[Clocked]:
     """Backend ``"clocked"`` of one kind on servers whose wall clocks the test steps."""
     kind: str = request.param
     servers: list[Any] = []
     clocks: list[FakeClock] = []
-    if kind == "database":
+    owned = kind not in ("database", "zookeeper")  # servers and clocks destroyed at the end
+    if kind == "zookeeper":
+        clock, server = request.getfixturevalue("zookeeper_under_clock")
+        clocks, servers = [clock], [server]
+        config: dict[str, Any] = {
+            "ENGINE": "leases.backends.zookeeper",
+            "HOSTS": server.hosts,
+            "SESSION_TIMEOUT": 6.0,
+            "REQUEST_TIMEOUT": 2.0,
+            "CONNECT_TIMEOUT": 60.0,  # the JVM under libfaketime is slow to answer at first
+        }
+    elif kind == "etcd":
+        clock, cluster = _etcd_under_clock()
+        clocks, servers = [clock], [cluster]
+        config = {"ENGINE": "leases.backends.etcd", "ENDPOINTS": cluster.endpoints}
+    elif kind == "database":
         alias, server = request.getfixturevalue("fault_database")
-        config: dict[str, Any] = {"ENGINE": "leases.backends.database", "DATABASE": alias}
+        config = {"ENGINE": "leases.backends.database", "DATABASE": alias}
         clocks, servers = [request.getfixturevalue("clock")], [server]
     else:
         if libfaketime() is None:
@@ -109,14 +184,28 @@ def clocked(request: pytest.FixtureRequest, transactional_db: None) -> Iterator[
     )
     override.enable()
     try:
+        if kind == "zookeeper":
+            # Connected before the test (a first acquire's connection is bounded by its TTL),
+            # to a JVM that libfaketime slows down most while it warms up.
+            wait_until(_answers, 120, "the ZooKeeper server under libfaketime to answer")
         yield Clocked(kind, clocks, servers)
     finally:
         override.disable()
-        if kind != "database":
+        if owned:
             for made in servers:
                 made.destroy()
             for c in clocks:
                 c.destroy()
+        elif kind == "zookeeper":
+            clocks[0].set(0)  # the module's server: back to the true time for the next test
+
+
+def _answers() -> bool:
+    try:
+        get_backend(CLOCKED).inspect("warm-up")
+    except LeaseError:
+        return False
+    return True
 
 
 def holder_of(name: str) -> tuple[str, int] | None:

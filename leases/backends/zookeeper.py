@@ -8,8 +8,9 @@ Options: ``HOSTS`` (kazoo's connection string, a chroot suffix ``/path`` allowed
 ``host:port``), ``PREFIX`` (the znode under which names live, default ``"/leases"``),
 ``SESSION_TIMEOUT`` (seconds, default 10; must lie within the servers' min/max session timeout,
 2 and 20 ticks by default, or the server negotiates another and the client cannot see it),
-``CONNECT_TIMEOUT`` and ``REQUEST_TIMEOUT`` (seconds, default 10 and 5), ``AUTH`` (a list of
-``(scheme, credential)`` pairs handed to kazoo, e.g. ``[("digest", "user:password")]``).
+``CONNECT_TIMEOUT`` and ``REQUEST_TIMEOUT`` (seconds, default 10 and 5; a renewal or release
+waits for a new connection at most its grant's validity left, an acquisition its TTL), ``AUTH``
+(a list of ``(scheme, credential)`` pairs handed to kazoo, e.g. ``[("digest", "user:pw")]``).
 
 Layout: ``<prefix>/names/<quoted name>`` is a persistent *name node*; its ephemeral sequential
 children ``c-<guid>-<sequence>`` are the *line* of contenders (:mod:`._zookeeper_line`), and the
