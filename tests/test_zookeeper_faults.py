@@ -18,7 +18,7 @@ from django.test import override_settings
 
 from devservers.proxy import FaultProxy
 from devservers.zookeeper import ZooKeeperEnsemble, zookeeper_classpath
-from leases import LeaseLost, acquire
+from leases import LeaseLost, LeaseUnavailable, acquire
 from leases.backends import get_backend
 from leases.errors import BackendUnavailable
 from tests.checker import check_history, new_register, record_write
@@ -223,13 +223,17 @@ def test_a_closed_backend_never_opens_a_client_again(
 
 
 def _dead_client_behind_a_blackhole(
-    ensemble: ZooKeeperEnsemble, backends: Any, proxy: FaultProxy, alias: str
+    ensemble: ZooKeeperEnsemble,
+    backends: Any,
+    proxy: FaultProxy,
+    alias: str,
+    session: float = SESSION,
 ) -> Any:
     """A backend on ``proxy`` whose kazoo client ended (as kazoo ends it on an unexpected
     error), with every byte to the ensemble then held: the next call must make a new client,
     and that client can never connect. ``CONNECT_TIMEOUT`` is long (20 s) so that a call that
     waits it out is told apart from one that stops at its own bound."""
-    backends(**{alias: f"127.0.0.1:{proxy.port}"}, connect=20.0)
+    backends(**{alias: f"127.0.0.1:{proxy.port}"}, session=session, connect=20.0)
     store = get_backend(alias)
     store.inspect("warm-up")  # connected
     return store
@@ -309,3 +313,42 @@ def test_a_connection_slower_than_one_calls_bound_serves_the_next_call(
         held = acquire(name, ttl=10.0, backend="zk_slow", timeout=0, keepalive=False)
         assert proxy.accepted == 1, f"{proxy.accepted} connections: a client was thrown away"
         held.release()
+
+
+def test_a_waiter_finding_its_client_dead_waits_no_longer_than_its_deadline(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """A waiter queued in the name's line (the holder is elsewhere) finds its client ended and
+    the network silent: its reconnection is bounded by the acquisition's deadline (2 s), not
+    by its TTL (10 s) nor ``CONNECT_TIMEOUT`` (20 s)."""
+    with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
+        backends(zk_holding=ensemble.hosts, session=10.0)
+        store = _dead_client_behind_a_blackhole(ensemble, backends, proxy, "zk_waiting", 10.0)
+        name = f"zk-dead-wait-{time.monotonic_ns()}"
+        holder = acquire(name, ttl=10.0, backend="zk_holding")
+        outcome: list[BaseException | object] = []
+        timeout = 2.0
+
+        def wait() -> None:
+            try:
+                outcome.append(acquire(name, ttl=10.0, backend="zk_waiting", timeout=timeout))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        started = time.monotonic()
+        waiter.start()
+        placed = f"{store.prefix}/names/{name}"  # type: ignore[attr-defined]
+        wait_until(
+            lambda: len(get_backend("zk_holding").client.get_children(placed)) == 2,  # type: ignore[attr-defined]
+            timeout / 2,
+            "the waiter to queue behind the holder",
+        )
+        store.zk.opened.stop()  # type: ignore[attr-defined]
+        proxy.blackhole()
+        waiter.join(30)
+        took = time.monotonic() - started
+        assert outcome and isinstance(outcome[0], BackendUnavailable | LeaseUnavailable), outcome
+        assert took <= timeout + 3.0, f"the waiter gave up after {took:.1f}s, deadline {timeout}s"
+        proxy.pass_through()
+        holder.release()
