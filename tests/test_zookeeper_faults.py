@@ -325,7 +325,7 @@ def test_a_waiter_finding_its_client_dead_waits_no_longer_than_its_deadline(
         backends(zk_holding=ensemble.hosts, session=10.0)
         store = _dead_client_behind_a_blackhole(ensemble, backends, proxy, "zk_waiting", 10.0)
         name = f"zk-dead-wait-{time.monotonic_ns()}"
-        holder = acquire(name, ttl=10.0, backend="zk_holding")
+        holder = acquire(name, ttl=10.0, backend="zk_holding", keepalive=False)
         outcome: list[BaseException | object] = []
         timeout = 2.0
 
