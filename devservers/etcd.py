@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,13 +110,17 @@ class _Member:
 class EtcdCluster:
     """Three ``etcd`` processes forming one cluster, owned by this process."""
 
-    def __init__(self, size: int = 3, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, size: int = 3, tls: TlsFiles | None = None, env: Mapping[str, str] | None = None
+    ) -> None:
         """``tls``: serve clients over HTTPS with these files and require a client certificate
-        signed by their CA (peers keep plain HTTP on loopback)."""
+        signed by their CA (peers keep plain HTTP on loopback). ``env``: extra environment for
+        every member (a fake clock: :mod:`devservers.clock`)."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("no etcd binary: apt-get install etcd-server (or set ETCD_BINARY)")
         self.binary = binary
+        self.env = dict(env or {})
         shm = _SHM if os.access(_SHM, os.W_OK) else None
         self.dir = Path(tempfile.mkdtemp(prefix="leases-etcd-", dir=shm))
         self.tls = tls
@@ -163,6 +168,7 @@ class EtcdCluster:
             self._args(member, state),
             stdout=log,
             stderr=log,
+            env={**os.environ, **self.env},
             start_new_session=True,
             preexec_fn=_child_setup(signal.SIGKILL),
         )

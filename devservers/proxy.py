@@ -78,6 +78,8 @@ class FaultProxy:
         self._closed = threading.Event()
         self.dropped = 0
         self.accepted = 0
+        #: Chunks held by the blackhole right now (a test waits for its request to be in flight).
+        self.holding = 0
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -191,14 +193,21 @@ class FaultProxy:
                 self._drop_replies -= 1
                 self.dropped += 1
                 return False
-            while True:
-                mode = self._mode
-                held = mode.hold_replies if reply else mode.hold_requests
-                due = deadline if held else arrived + mode.delay
-                now = time.monotonic()
-                if now >= due or link.closed.is_set() or self._closed.is_set():
-                    return not held or now >= deadline
-                self._changed.wait(min(due - now, 0.25))
+            counted = False
+            try:
+                while True:
+                    mode = self._mode
+                    held = mode.hold_replies if reply else mode.hold_requests
+                    if held and not counted:
+                        self.holding, counted = self.holding + 1, True
+                    due = deadline if held else arrived + mode.delay
+                    now = time.monotonic()
+                    if now >= due or link.closed.is_set() or self._closed.is_set():
+                        return not held or now >= deadline
+                    self._changed.wait(min(due - now, 0.25))
+            finally:
+                if counted:
+                    self.holding -= 1
 
     def close(self) -> None:
         self._closed.set()

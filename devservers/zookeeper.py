@@ -19,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from devservers.servers import _child_setup, free_port
@@ -83,7 +84,11 @@ def wait_serving(hosts: str, timeout: float = 90.0) -> None:
 class ZooKeeperEnsemble:
     """Three ZooKeeper members (ids 1-3) on loopback, each with its own data dir and myid."""
 
-    def __init__(self, size: int = 3, tick_ms: int = 500) -> None:
+    def __init__(
+        self, size: int = 3, tick_ms: int = 500, env: Mapping[str, str] | None = None
+    ) -> None:
+        """``env``: extra environment for every member's JVM (a fake clock:
+        :mod:`devservers.clock`)."""
         classpath = zookeeper_classpath()
         if classpath is None:
             raise RuntimeError(
@@ -91,6 +96,7 @@ class ZooKeeperEnsemble:
                 "(or set LEASES_ZOOKEEPER_HOSTS)"
             )
         self.classpath = classpath
+        self.env = dict(env or {})
         self.dir = Path(tempfile.mkdtemp(prefix="leases-zk-"))
         self.ids = list(range(1, size + 1))
         self.ports = {i: free_port() for i in self.ids}
@@ -141,6 +147,7 @@ class ZooKeeperEnsemble:
                 stdout=log,
                 stderr=log,
                 cwd=data,
+                env={**os.environ, **self.env},
                 start_new_session=True,
                 preexec_fn=_child_setup(signal.SIGKILL),
             )

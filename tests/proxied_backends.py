@@ -142,10 +142,12 @@ def _zookeeper(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Proxied,
         },
         "direct": direct,
     }
-    # A call that finds its kazoo client gone (closed under it, or ended by kazoo) starts a new
-    # one, which waits up to CONNECT_TIMEOUT: that, not REQUEST_TIMEOUT, bounds such a call.
-    # (A renewal racing close() outlived the 1 s + 3 s bound this fixture gave before.)
-    bound = backends["proxied"]["CONNECT_TIMEOUT"]
+    # A call waits for at most two requests (a renewal's read and write). It never starts a
+    # new client after close(), and a renewal or release that finds its client ended waits
+    # for a new one no longer than its grant's validity (SESSION_TIMEOUT at most): that, no
+    # longer CONNECT_TIMEOUT, bounds the calls these tests time.
+    proxied = backends["proxied"]
+    bound = max(2 * proxied["REQUEST_TIMEOUT"], proxied["SESSION_TIMEOUT"])
     return backends, Proxied("zookeeper", proxies, call_bound=bound), ""
 
 

@@ -25,8 +25,10 @@ than the holder believes), by at most the size of the step.
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import pytest
@@ -34,7 +36,9 @@ from django.test import override_settings
 
 from devservers import PostgresServer, RedisServer
 from devservers.clock import FakeClock, libfaketime
-from leases import LeaseLost, LeaseUnavailable, acquire
+from devservers.etcd import EtcdCluster, etcd_binary
+from devservers.zookeeper import ZooKeeperEnsemble, zookeeper_classpath
+from leases import LeaseError, LeaseLost, LeaseUnavailable, acquire
 from leases.backends import get_backend
 from tests import checker
 from tests.lease_backends import lease_name
@@ -46,6 +50,8 @@ pytestmark = [pytest.mark.fault]
 
 #: The alias of the backend under test (a holder and its successor both use it).
 CLOCKED = "clocked"
+#: How far ahead etcd is started to see whether libfaketime moves its clock (one day).
+_PROBE_OFFSET = 86400.0
 
 
 @dataclass
@@ -55,6 +61,9 @@ class Clocked:
     kind: str
     clocks: list[FakeClock]
     servers: list[Any] = field(default_factory=list)
+    #: Extra seconds a successor may need: a ZooKeeper JVM under libfaketime answers each
+    #: request in about 0.3 s (5 ms without it; the library wraps its every clock read).
+    slack: float = 0.0
 
     def jump(self, seconds: float, nodes: int | None = None) -> None:
         """Step the wall clock of the first ``nodes`` servers (default: all) by ``seconds``."""
@@ -84,15 +93,84 @@ def _redis_under(clocks: list[FakeClock]) -> list[RedisServer]:
     return [RedisServer(env=c.env()).start() for c in clocks]
 
 
-@pytest.fixture(params=["database", "redis", "redlock"])
+@pytest.fixture(scope="module")
+def zookeeper_under_clock() -> Iterator[tuple[FakeClock, ZooKeeperEnsemble]]:
+    """A standalone ZooKeeper server of this module's own under a fake clock (the session's
+    shared ensemble is never stepped). One server, not three, started once for the module:
+    the JVM runs several times slower under libfaketime, whose wrappers see every one of its
+    many clock reads. Each test puts the clock back when it ends."""
+    if libfaketime() is None:
+        pytest.skip("libfaketime is not installed (apt-get install libfaketime faketime)")
+    if zookeeper_classpath() is None:
+        pytest.skip("ZooKeeper: apt-get install zookeeper default-jre-headless")
+    with FakeClock() as clock:
+        server = ZooKeeperEnsemble(size=1, env=clock.env())
+        try:
+            server.start(timeout=300)
+            yield clock, server
+        finally:
+            server.destroy()
+
+
+def _etcd_under_clock() -> tuple[FakeClock, EtcdCluster]:
+    """A one-member etcd under a fake clock, if libfaketime can move etcd's clock at all: it
+    is started one day ahead and asked the time (its HTTP ``Date`` header). Go reads the wall
+    clock through the vDSO, not through libc's ``clock_gettime``, so the preloaded library never
+    sees the call: the test skips, saying what etcd answered."""
+    if libfaketime() is None:
+        pytest.skip("libfaketime is not installed (apt-get install libfaketime faketime)")
+    if etcd_binary() is None:
+        pytest.skip("etcd: no etcd binary installed (apt-get install etcd-server)")
+    clock = FakeClock()
+    clock.set(_PROBE_OFFSET)
+    cluster = EtcdCluster(size=1, env=clock.env())
+    try:
+        cluster.start()
+        url = f"{cluster.endpoints[0]}/version"
+        with urllib.request.urlopen(url, timeout=10) as reply:  # our own member
+            date = reply.headers["Date"]
+        served = parsedate_to_datetime(date).timestamp() - time.time()
+    except BaseException:
+        cluster.destroy()
+        clock.destroy()
+        raise
+    if served < _PROBE_OFFSET / 2:
+        cluster.destroy()
+        clock.destroy()
+        pytest.skip(
+            f"etcd: libfaketime cannot step its clock. Started {_PROBE_OFFSET:.0f} s ahead, it "
+            f"answered Date: {date} ({served:+.0f} s from the real time): Go reads the wall "
+            "clock through the vDSO, never through libc, so LD_PRELOAD cannot intercept it. "
+            "(etcd expires leases on Go's monotonic clock, which a wall-clock step does not move.)"
+        )
+    clock.set(0)
+    return clock, cluster
+
+
+@pytest.fixture(params=["database", "redis", "redlock", "zookeeper", "etcd"])
 def clocked(request: pytest.FixtureRequest, transactional_db: None) -> Iterator[Clocked]:
     """Backend ``"clocked"`` of one kind on servers whose wall clocks the test steps."""
     kind: str = request.param
     servers: list[Any] = []
     clocks: list[FakeClock] = []
-    if kind == "database":
+    owned = kind not in ("database", "zookeeper")  # servers and clocks destroyed at the end
+    if kind == "zookeeper":
+        clock, server = request.getfixturevalue("zookeeper_under_clock")
+        clocks, servers = [clock], [server]
+        config: dict[str, Any] = {
+            "ENGINE": "leases.backends.zookeeper",
+            "HOSTS": server.hosts,
+            "SESSION_TIMEOUT": 6.0,
+            "REQUEST_TIMEOUT": 2.0,
+            "CONNECT_TIMEOUT": 60.0,  # the JVM under libfaketime is slow to answer at first
+        }
+    elif kind == "etcd":
+        clock, cluster = _etcd_under_clock()
+        clocks, servers = [clock], [cluster]
+        config = {"ENGINE": "leases.backends.etcd", "ENDPOINTS": cluster.endpoints}
+    elif kind == "database":
         alias, server = request.getfixturevalue("fault_database")
-        config: dict[str, Any] = {"ENGINE": "leases.backends.database", "DATABASE": alias}
+        config = {"ENGINE": "leases.backends.database", "DATABASE": alias}
         clocks, servers = [request.getfixturevalue("clock")], [server]
     else:
         if libfaketime() is None:
@@ -109,14 +187,28 @@ def clocked(request: pytest.FixtureRequest, transactional_db: None) -> Iterator[
     )
     override.enable()
     try:
-        yield Clocked(kind, clocks, servers)
+        if kind == "zookeeper":
+            # Connected before the test (a first acquire's connection is bounded by its TTL),
+            # to a JVM that libfaketime slows down most while it warms up.
+            wait_until(_answers, 120, "the ZooKeeper server under libfaketime to answer")
+        yield Clocked(kind, clocks, servers, slack=10.0 if kind == "zookeeper" else 0.0)
     finally:
         override.disable()
-        if kind != "database":
+        if owned:
             for made in servers:
                 made.destroy()
             for c in clocks:
                 c.destroy()
+        elif kind == "zookeeper":
+            clocks[0].set(0)  # the module's server: back to the true time for the next test
+
+
+def _answers() -> bool:
+    try:
+        get_backend(CLOCKED).inspect("warm-up")
+    except LeaseError:
+        return False
+    return True
 
 
 def holder_of(name: str) -> tuple[str, int] | None:
@@ -136,7 +228,7 @@ def test_forward_jump_lets_a_successor_in_and_the_old_holder_is_fenced(
     assert checker.record_write(register, old, "old")
     clocked.jump(2 * ttl)
     jumped_at = time.monotonic()
-    new = acquire(lease_name, ttl=30, backend=CLOCKED, timeout=ttl, holder="new")
+    new = acquire(lease_name, ttl=30, backend=CLOCKED, timeout=ttl + clocked.slack, holder="new")
     assert new.token > old.token
     assert checker.record_write(register, new, "new")
     assert not checker.record_write(register, old, "old")  # stale, or it already knows
@@ -163,13 +255,16 @@ def test_backward_jump_only_delays_a_successor(clocked: Clocked, lease_name: str
     clocked.jump(-step, nodes=1)
     with pytest.raises(LeaseUnavailable):  # well inside the TTL: still held
         acquire(lease_name, ttl=ttl, backend=CLOCKED, timeout=0, holder="early")
-    successor = acquire(lease_name, ttl=ttl, backend=CLOCKED, timeout=ttl + step + 10, holder="b")
+    successor = acquire(
+        lease_name, ttl=ttl, backend=CLOCKED, timeout=ttl + step + 10 + clocked.slack, holder="b"
+    )
     waited = time.monotonic() - started
     assert successor.token > abandoned.token
     delay = 0.0 if clocked.kind == "redlock" else step
     assert waited >= ttl, f"a successor got in {waited:.2f}s after the grant, TTL {ttl}s"
     assert waited >= ttl + delay - 0.5, f"the step of {step}s did not delay ({waited:.2f}s)"
-    assert waited <= ttl + delay + 5.0, f"waited {waited:.2f}s, bound {ttl + delay}s + slack"
+    bound = ttl + delay + 5.0 + clocked.slack
+    assert waited <= bound, f"waited {waited:.2f}s, bound {ttl + delay}s + slack"
     successor.release()
 
 
@@ -203,3 +298,20 @@ def test_redlock_one_node_jump_is_outvoted_a_majority_jump_is_fenced(
     assert old.lost.wait(ttl + 2.0), "the old holder never learned that it lost"
     new.release()
     checker.check_history(register, [old.token, new.token])
+
+
+@pytest.mark.parametrize("clocked", ["zookeeper"], indirect=True)
+def test_zookeeper_session_outlives_clock_steps(clocked: Clocked, lease_name: str) -> None:
+    """ZooKeeper expires sessions on its monotonic clock: steps of the server's wall clock (a
+    minute forward, then two back) move the ``mtime`` it stamps, but leave the session, and
+    with it the znodes of every grant made on it, alive past the session timeout."""
+    store = get_backend(CLOCKED)
+    session = store.zk.session()  # type: ignore[attr-defined]
+    session_timeout = store.zk.session_timeout  # type: ignore[attr-defined]
+    for step in (60.0, -120.0):
+        clocked.jump(step)
+        stamped = store.zk.server_now() / 1000 - time.time()  # type: ignore[attr-defined]
+        assert abs(stamped - clocked.clocks[0].offset) < 10, "the server's clock did not move"
+        time.sleep(session_timeout + 1)  # an expiry on the wall clock would have happened
+        assert store.zk.session() == session  # type: ignore[attr-defined]
+        assert store.inspect(lease_name) is None  # and the session still serves

@@ -64,6 +64,7 @@ def test_blackhole_answers_nothing_and_closes_nothing(proxy: FaultProxy) -> None
     raw.sendall(b"PING\r\n")
     with pytest.raises(TimeoutError):
         raw.recv(10)
+    assert proxy.holding == 2  # both requests, held on their way to the server
     raw.close()
 
 
@@ -84,9 +85,11 @@ def test_blackholed_replies_are_delivered_late_when_it_lifts(
     assert direct.get("held") == b"1", "the request never reached the server"
     thread.join(0.3)
     assert thread.is_alive() and not got, "the reply got through the blackhole"
+    assert proxy.holding == 1  # the reply, held
     proxy.pass_through()
     thread.join(5)
     assert got == [True]
+    assert proxy.holding == 0
 
 
 def test_drop_next_reply_loses_exactly_one(proxy: FaultProxy) -> None:

@@ -12,18 +12,20 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.utils import load_backend
 
 from devservers.proxy import FaultProxy
 from leases import BackendUnavailable, LeaseError, LeaseLost, aacquire, acquire
-from leases.backends import get_backend
+from leases.backends import Capability, get_backend
 from leases.handle import Lease
 from tests import checker
-from tests.lease_backends import lease_name
+from tests.lease_backends import lease_name, require
 from tests.proxied_backends import Proxied, proxied
 from tests.waiting import wait_until
 
@@ -243,6 +245,14 @@ def test_calls_on_a_silent_live_connection_are_bounded(proxied: Proxied, lease_n
     stuck.join(bound)
     assert not stuck.is_alive()
     proxied.each(FaultProxy.pass_through)
+    if proxied.kind == "zookeeper":
+        # close() ended the kazoo session, and with it every grant made on it; a closed
+        # ZooKeeper backend never opens a client again, so the retry is refused at once, and
+        # the name is free once the ensemble has the session's end (or expires it).
+        with pytest.raises(BackendUnavailable, match="closed"):
+            held.release()
+        wait_until(lambda: holder_of(lease_name) is None, 15, "the closed session's znode to go")
+        return
     retry_safely(held, lease_name)
 
 
@@ -316,3 +326,124 @@ def test_backend_recovers_after_a_dropped_reply(proxied: Proxied, lease_name: st
         return True
 
     wait_until(acquired, 15, "the backend to serve again after one dropped reply")
+
+
+#: The alias under which the late writer reaches the resource through a proxy.
+LATE = "resource_late"
+
+
+@pytest.fixture
+def late_resource(proxied: Proxied) -> Iterator[tuple[FaultProxy, Callable[[], Any]]]:
+    """The resource the holders write to: the shared fenced register in the test database,
+    and a proxy of this test's own in front of its server, which delays only the writes sent
+    that way (the server itself is never faulted). ``(proxy, connect)``: ``connect()`` gives
+    the calling thread a connection :data:`LATE` through the proxy (a connection made at run
+    time, as Django's test case allows a thread to open)."""
+    resource = connections[DEFAULT_DB_ALIAS].settings_dict
+    if resource["HOST"] not in ("127.0.0.1", "localhost") or not resource["PORT"]:
+        pytest.skip(f"the test database ({resource['HOST']}) is not on loopback TCP")
+    proxy = FaultProxy(int(resource["PORT"]))
+
+    def connect() -> Any:
+        wrapper = load_backend(resource["ENGINE"]).DatabaseWrapper(
+            {**resource, "HOST": "127.0.0.1", "PORT": str(proxy.port)}, LATE
+        )
+        connections[LATE] = wrapper  # this thread's only
+        wrapper.ensure_connection()
+        return wrapper
+
+    try:
+        yield proxy, connect
+    finally:
+        proxy.pass_through()
+        proxy.close()
+
+
+def test_a_fenced_write_delayed_in_the_network_past_the_ttl_is_refused(
+    proxied: Proxied, late_resource: tuple[FaultProxy, Callable[[], Any]], lease_name: str
+) -> None:
+    """Kleppmann's delayed packet on the way to the resource: the holder checks its lease and
+    sends a fenced write, which the network holds past the TTL; meanwhile a successor acquires
+    (a higher token) and writes. When the old write finally arrives, the resource refuses it,
+    whatever the lease store: the fence, not the lease's own clock, is what protects it."""
+    network, connect = late_resource
+    ttl, register = 3.0, checker.new_register()
+    old = acquire(lease_name, ttl=ttl, backend=proxied.direct, keepalive=False, holder="old")
+    assert checker.record_write(register, old, "old")
+    connected, send = threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def write_late() -> None:
+        try:
+            connection = connect()  # connected before the network stalls
+        except BaseException as exc:  # handed back to the test
+            outcome.append(exc)
+            return
+        try:
+            connected.set()
+            send.wait(30)
+            outcome.append(checker.record_write(register, old, "old-late", using=LATE))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            connection.close()
+
+    writer = threading.Thread(target=write_late, daemon=True)
+    writer.start()
+    assert connected.wait(30), outcome
+    network.blackhole()
+    send.set()
+    wait_until(lambda: network.holding > 0 or outcome, ttl, "the old write to be in the network")
+    assert not outcome, f"the old write never left (lease checked too late?): {outcome}"
+    new = acquire(lease_name, ttl=30, backend=proxied.direct, timeout=ttl + 10, holder="new")
+    assert new.token > old.token
+    assert old.remaining() == 0
+    assert checker.record_write(register, new, "new")
+    network.pass_through()  # the old write arrives now, after the successor's
+    writer.join(30)
+    assert outcome == [False], outcome
+    late = [a for a in checker.history(register) if a.writer == "old-late"]
+    assert [a.outcome for a in late] == [checker.STALE], late
+    new.release()
+    summary = checker.check_history(register, [old.token, new.token])
+    assert (summary.accepted, summary.stale) == (2, 1)
+
+
+def test_blackholed_shared_renewal_reports_loss_within_the_ttl_and_is_fenced(
+    proxied: Proxied, lease_name: str
+) -> None:
+    """A reader (``shared=True``) is renewed like an exclusive holder: its renewals vanish past
+    the TTL, ``on_lost`` fires within it and ``ensure_held()`` raises; a writer then gets the
+    name with a higher token and the fence refuses the lost reader's write after the writer's."""
+    require(proxied.alias, Capability.SHARED_LEASES)
+    ttl, register = 1.5, checker.new_register()
+    fired: list[float] = []
+    reader = acquire(
+        lease_name,
+        ttl=ttl,
+        backend="proxied",
+        shared=True,
+        holder="reader",
+        on_lost=lambda _: fired.append(0),
+    )
+    assert reader.shared
+    assert checker.record_write(register, reader, "reader")
+    blackholed_at = time.monotonic()
+    proxied.each(FaultProxy.blackhole)
+    assert reader.lost.wait(ttl + 1.0), "on_lost never fired"
+    assert time.monotonic() - blackholed_at <= ttl + 0.5
+    wait_until(lambda: fired, 5, "on_lost to be called (lost is set just before)")
+    assert reader.remaining() == 0
+    with pytest.raises(LeaseLost):
+        reader.ensure_held()
+    writer = acquire(lease_name, ttl=10, backend=proxied.direct, timeout=ttl + 5, holder="writer")
+    assert writer.token > reader.token and not writer.shared
+    assert checker.record_write(register, writer, "writer")
+    assert not checker.record_write(register, reader, "reader")  # it knows it lost
+    assert not checker.record_write(register, reader.token, "reader")  # the fence refuses it
+    proxied.each(FaultProxy.pass_through)  # the held renewals reach the server now
+    time.sleep(0.3)
+    assert holder_of(lease_name) == ("writer", writer.token)
+    writer.release()
+    summary = checker.check_history(register, [reader.token, writer.token])
+    assert (summary.lost, summary.stale) == (1, 1)

@@ -18,7 +18,7 @@ from django.test import override_settings
 
 from devservers.proxy import FaultProxy
 from devservers.zookeeper import ZooKeeperEnsemble, zookeeper_classpath
-from leases import LeaseLost, acquire
+from leases import LeaseLost, LeaseUnavailable, acquire
 from leases.backends import get_backend
 from leases.errors import BackendUnavailable
 from tests.checker import check_history, new_register, record_write
@@ -47,7 +47,9 @@ def backends(ensemble: ZooKeeperEnsemble) -> Iterator[Any]:
     (``session=`` seconds, default ``SESSION``)."""
     stack: list[Any] = []
 
-    def configure(session: float = SESSION, request: float = 1.0, **aliases: str) -> None:
+    def configure(
+        session: float = SESSION, request: float = 1.0, connect: float = 10.0, **aliases: str
+    ) -> None:
         configured = dict(settings.LEASES["BACKENDS"])
         for alias, hosts in aliases.items():
             configured[alias] = {
@@ -55,6 +57,7 @@ def backends(ensemble: ZooKeeperEnsemble) -> Iterator[Any]:
                 "HOSTS": hosts,
                 "SESSION_TIMEOUT": session,
                 "REQUEST_TIMEOUT": request,
+                "CONNECT_TIMEOUT": connect,
             }
         override = override_settings(LEASES={**settings.LEASES, "BACKENDS": configured})
         override.enable()
@@ -197,3 +200,155 @@ def test_connection_lost_during_create_finds_its_own_node_and_leaves_no_orphan(
         assert grant.token == stat.czxid
         store.release(grant)
         assert direct.client.get_children(line) == []  # type: ignore[attr-defined]
+
+
+def test_a_closed_backend_never_opens_a_client_again(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """After ``close()`` (settings changed, interpreter exit) a renewal still in flight, or any
+    later call, fails at once with the package's error: it must not open a new kazoo client
+    (a new session nobody will close, and a wait of up to ``CONNECT_TIMEOUT``)."""
+    backends(zk_closing=ensemble.hosts)
+    store = get_backend("zk_closing")
+    name = f"zk-closed-{time.monotonic_ns()}"
+    held = acquire(name, ttl=SESSION, backend="zk_closing", keepalive=False)
+    store.close()
+    with pytest.raises(BackendUnavailable, match="closed"):
+        store.renew(held.grant, SESSION)
+    with pytest.raises(BackendUnavailable, match="closed"):
+        store.inspect(name)
+    with pytest.raises(BackendUnavailable, match="closed"):
+        store.try_acquire(f"{name}-other", "other", SESSION)
+    assert store.zk.opened is None  # type: ignore[attr-defined]
+
+
+def _dead_client_behind_a_blackhole(
+    ensemble: ZooKeeperEnsemble,
+    backends: Any,
+    proxy: FaultProxy,
+    alias: str,
+    session: float = SESSION,
+) -> Any:
+    """A backend on ``proxy`` whose kazoo client ended (as kazoo ends it on an unexpected
+    error), with every byte to the ensemble then held: the next call must make a new client,
+    and that client can never connect. ``CONNECT_TIMEOUT`` is long (20 s) so that a call that
+    waits it out is told apart from one that stops at its own bound."""
+    backends(**{alias: f"127.0.0.1:{proxy.port}"}, session=session, connect=20.0)
+    store = get_backend(alias)
+    store.inspect("warm-up")  # connected
+    return store
+
+
+def test_a_renewal_finding_its_client_dead_waits_no_longer_than_its_validity(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """The renewal finds its client ended and the network silent: it gives up within the
+    grant's remaining validity (the holder must assume the lease gone then anyway), not after
+    ``CONNECT_TIMEOUT``, and with the package's error."""
+    with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
+        store = _dead_client_behind_a_blackhole(ensemble, backends, proxy, "zk_dead")
+        name = f"zk-dead-renew-{time.monotonic_ns()}"
+        held = acquire(name, ttl=SESSION, backend="zk_dead", keepalive=False)
+        store.zk.opened.stop()  # type: ignore[attr-defined]
+        proxy.blackhole()
+        started = time.monotonic()
+        outcome: list[BaseException | object] = []
+
+        def renew() -> None:
+            try:
+                outcome.append(store.renew(held.grant, SESSION))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=renew, daemon=True)
+        thread.start()
+        thread.join(30)
+        took = time.monotonic() - started
+        assert outcome, "the renewal never returned"
+        assert isinstance(outcome[0], BackendUnavailable), outcome
+        # Its validity ends SESSION after it was sent (less by now); 3 s of slack for a loaded
+        # machine stays far below the 20 s of CONNECT_TIMEOUT.
+        assert took <= SESSION + 3.0, f"the renewal waited {took:.1f}s, validity {SESSION}s"
+        proxy.pass_through()
+
+
+def test_an_acquire_finding_its_client_dead_waits_no_longer_than_its_ttl(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """An acquisition's reconnection is bounded by its TTL: a grant whose reply came later
+    would have no validity left."""
+    with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
+        store = _dead_client_behind_a_blackhole(ensemble, backends, proxy, "zk_dead_acquire")
+        store.zk.opened.stop()  # type: ignore[attr-defined]
+        proxy.blackhole()
+        ttl = 1.5
+        for timeout in (0.0, 2.0):
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailable):
+                acquire(
+                    f"zk-dead-acquire-{time.monotonic_ns()}",
+                    ttl=ttl,
+                    backend="zk_dead_acquire",
+                    timeout=timeout,
+                )
+            took = time.monotonic() - started
+            assert took <= ttl + 3.0, f"acquire(timeout={timeout}) waited {took:.1f}s"
+        proxy.pass_through()
+
+
+def test_a_connection_slower_than_one_calls_bound_serves_the_next_call(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """The ensemble's answers are held past what a 1 s acquisition may wait for a connection:
+    that call fails, but its client goes on connecting, and once the answers come the next
+    call uses it. Throwing it away would make every call start over, and on a network slower
+    than the TTL none would ever succeed."""
+    with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
+        backends(zk_slow=f"127.0.0.1:{proxy.port}", session=10.0, request=5.0)
+        name = f"zk-slow-{time.monotonic_ns()}"
+        proxy.blackhole()
+        with pytest.raises(BackendUnavailable):
+            acquire(name, ttl=1.0, backend="zk_slow", timeout=0)
+        proxy.pass_through()
+        held = acquire(name, ttl=10.0, backend="zk_slow", timeout=0, keepalive=False)
+        assert proxy.accepted == 1, f"{proxy.accepted} connections: a client was thrown away"
+        held.release()
+
+
+def test_a_waiter_finding_its_client_dead_waits_no_longer_than_its_deadline(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """A waiter queued in the name's line (the holder is elsewhere) finds its client ended and
+    the network silent: its reconnection is bounded by the acquisition's deadline (2 s), not
+    by its TTL (10 s) nor ``CONNECT_TIMEOUT`` (20 s)."""
+    with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
+        backends(zk_holding=ensemble.hosts, session=10.0)
+        store = _dead_client_behind_a_blackhole(ensemble, backends, proxy, "zk_waiting", 10.0)
+        name = f"zk-dead-wait-{time.monotonic_ns()}"
+        holder = acquire(name, ttl=10.0, backend="zk_holding", keepalive=False)
+        outcome: list[BaseException | object] = []
+        timeout = 2.0
+
+        def wait() -> None:
+            try:
+                outcome.append(acquire(name, ttl=10.0, backend="zk_waiting", timeout=timeout))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        started = time.monotonic()
+        waiter.start()
+        placed = f"{store.prefix}/names/{name}"  # type: ignore[attr-defined]
+        wait_until(
+            lambda: len(get_backend("zk_holding").client.get_children(placed)) == 2,  # type: ignore[attr-defined]
+            timeout / 2,
+            "the waiter to queue behind the holder",
+        )
+        store.zk.opened.stop()  # type: ignore[attr-defined]
+        proxy.blackhole()
+        waiter.join(30)
+        took = time.monotonic() - started
+        assert outcome and isinstance(outcome[0], BackendUnavailable | LeaseUnavailable), outcome
+        assert took <= timeout + 3.0, f"the waiter gave up after {took:.1f}s, deadline {timeout}s"
+        proxy.pass_through()
+        holder.release()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
@@ -88,12 +88,41 @@ class Session:
         self.prefix: str = options.get("PREFIX", "/leases")
         self.session_timeout = float(options.get("SESSION_TIMEOUT", 10.0))
         self.request_timeout = float(options.get("REQUEST_TIMEOUT", 5.0))
+        self.connect_timeout = float(options.get("CONNECT_TIMEOUT", 10.0))
         self._lock = threading.Lock()
         self._client: Any = None
+        #: A client still connecting after its caller stopped waiting, and its start event.
+        self._connecting: Any = None
+        self._started: Any = None
+        #: Set by :meth:`close`, for good: a closed backend never opens a client again.
+        self._closed = False
+        #: Per thread: the monotonic time past which the caller's call is useless (see
+        #: :meth:`bounded`), so a reconnection never waits past it.
+        self._bound = threading.local()
         #: kazoo's connection state, kept by its listener (``CONNECTED``/``SUSPENDED``/``LOST``).
         self.state: str = KazooState.LOST
         #: ``(name, guid)`` of creates whose outcome a connection loss hid: swept later.
         self._orphans: set[tuple[str, str]] = set()
+
+    @contextlib.contextmanager
+    def bounded(self, seconds: float) -> Iterator[None]:
+        """Within the block, a reconnection this thread makes waits at most ``seconds`` (and
+        never longer than ``CONNECT_TIMEOUT``): a renewal must not wait past its grant's
+        validity, nor an acquisition past its deadline. Nested bounds keep the earliest."""
+        outer: float | None = getattr(self._bound, "until", None)
+        until = time.monotonic() + seconds
+        self._bound.until = until if outer is None else min(outer, until)
+        try:
+            yield
+        finally:
+            self._bound.until = outer
+
+    def _connect_within(self) -> float:
+        """How long this thread may wait to (re)connect now: ``CONNECT_TIMEOUT`` or less."""
+        until: float | None = getattr(self._bound, "until", None)
+        if until is None:
+            return self.connect_timeout
+        return min(self.connect_timeout, until - time.monotonic())
 
     @property
     def client(self) -> Any:
@@ -108,34 +137,79 @@ class Session:
         replaced: it would never reconnect, and every later call would fail until a restart.
         Its session, and with it every grant made on it, is over (:meth:`Backend.doubts`
         compares session ids); the server expires its znodes after the session timeout.
+
+        Making a client waits at most ``CONNECT_TIMEOUT``, less within :meth:`bounded` (the
+        wait for another thread that is connecting included); after :meth:`close` no client
+        is made again and every call fails at once with :class:`BackendUnavailable`.
         """
-        with self._lock:
-            dead = self._client
-            if dead is not None and dead.client_state == KeeperState.CLOSED:
-                self._client = None
-                with contextlib.suppress(Exception):  # already stopped: only release it
-                    dead.stop()
-                    dead.close()
-            if self._client is None:
-                client = KazooClient(
-                    hosts=self.hosts,
-                    timeout=self.session_timeout,
-                    auth_data=[tuple(pair) for pair in self.options.get("AUTH", [])],
-                    connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
-                )
-                client.add_listener(self._on_state)
-                with Edge(self.alias, "connect"):
-                    try:
-                        client.start(timeout=float(self.options.get("CONNECT_TIMEOUT", 10.0)))
-                        client.ensure_path(f"{self.prefix}/names")
-                        client.ensure_path(f"{self.prefix}/clock")
-                    except BaseException:
-                        client.stop()
-                        client.close()
-                        raise
-                self.state = KazooState.CONNECTED
-                self._client = client
+        if self._closed:
+            raise BackendUnavailable(self.alias, "connect: the backend was closed")
+        client = self._client
+        if client is not None and client.client_state != KeeperState.CLOSED:
+            return client  # the common case: no lock, no wait
+        if not self._lock.acquire(timeout=max(self._connect_within(), 0.0)):
+            raise BackendUnavailable(
+                self.alias, "connect: another thread is still connecting, and time is up"
+            )
+        try:
+            return self._connected()
+        finally:
+            self._lock.release()
+
+    def _connected(self) -> Any:
+        """:attr:`client`'s work, under the lock."""
+        if self._closed:
+            raise BackendUnavailable(self.alias, "connect: the backend was closed")
+        dead = self._client
+        if dead is not None and dead.client_state == KeeperState.CLOSED:
+            self._client = None
+            with contextlib.suppress(Exception):  # already stopped: only release it
+                dead.stop()
+                dead.close()
+        if self._client is not None:
             return self._client
+        within = self._connect_within()
+        if within <= 0:
+            raise BackendUnavailable(self.alias, "connect: no time left to reconnect")
+        client = self._connecting
+        if client is None:  # a client left connecting by an earlier call is waited for again
+            client = KazooClient(
+                hosts=self.hosts,
+                timeout=self.session_timeout,
+                auth_data=[tuple(pair) for pair in self.options.get("AUTH", [])],
+                connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
+            )
+            client.add_listener(self._on_state)
+            self._connecting, self._started = client, client.start_async()
+        self._started.wait(within)
+        if self._closed:  # closed while we waited: close() could not take the lock from us
+            self._connecting = None
+            client.stop()
+            client.close()
+            raise BackendUnavailable(self.alias, "connect: the backend was closed")
+        if not client.connected:
+            # Only this caller's wait ends: kazoo goes on connecting in its own thread, so a
+            # connection slower than one call's bound still serves the next call.
+            raise BackendUnavailable(
+                self.alias, f"connect: not connected within {within:.3g}s (still trying)"
+            )
+        self._connecting = None
+        with Edge(self.alias, "connect"):
+            try:
+                self.get(client.ensure_path_async(f"{self.prefix}/names"))
+                self.get(client.ensure_path_async(f"{self.prefix}/clock"))
+            except BaseException:
+                client.stop()
+                client.close()
+                raise
+        self.state = KazooState.CONNECTED
+        self._client = client
+        if self._closed:  # closed meanwhile, and close() could not take the lock from us
+            self._client = None
+            client.stop()
+            client.close()
+            raise BackendUnavailable(self.alias, "connect: the backend was closed")
+        return client
 
     def _on_state(self, state: str) -> None:
         """kazoo's listener (its thread; must not block): remember the state for :meth:`doubts`."""
@@ -285,8 +359,18 @@ class Session:
         return self._client
 
     def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.stop()
-            client.close()
+        """Stop the client, for good. A thread waiting for a connection keeps the lock: it
+        sees the flag when its wait ends and stops that client itself, so close never waits
+        out someone else's connection."""
+        self._closed = True
+        if not self._lock.acquire(timeout=0.1):
+            return
+        try:
+            clients = [self._client, self._connecting]
+            self._client = self._connecting = None
+        finally:
+            self._lock.release()
+        for client in clients:
+            if client is not None:
+                client.stop()
+                client.close()

@@ -8,8 +8,9 @@ Options: ``HOSTS`` (kazoo's connection string, a chroot suffix ``/path`` allowed
 ``host:port``), ``PREFIX`` (the znode under which names live, default ``"/leases"``),
 ``SESSION_TIMEOUT`` (seconds, default 10; must lie within the servers' min/max session timeout,
 2 and 20 ticks by default, or the server negotiates another and the client cannot see it),
-``CONNECT_TIMEOUT`` and ``REQUEST_TIMEOUT`` (seconds, default 10 and 5), ``AUTH`` (a list of
-``(scheme, credential)`` pairs handed to kazoo, e.g. ``[("digest", "user:password")]``).
+``CONNECT_TIMEOUT`` and ``REQUEST_TIMEOUT`` (seconds, default 10 and 5; a renewal or release
+waits for a new connection at most its grant's validity left, an acquisition its TTL), ``AUTH``
+(a list of ``(scheme, credential)`` pairs handed to kazoo, e.g. ``[("digest", "user:pw")]``).
 
 Layout: ``<prefix>/names/<quoted name>`` is a persistent *name node*; its ephemeral sequential
 children ``c-<guid>-<sequence>`` are the *line* of contenders (:mod:`._zookeeper_line`), and the
@@ -173,7 +174,8 @@ class Backend(LeaseBackend):
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         granted = min(ttl, self.session_timeout)
         place = self._place(name)
-        with Edge(self.alias, "acquire"):
+        # A reconnection longer than the TTL would make a grant with no validity left.
+        with Edge(self.alias, "acquire"), self.zk.bounded(granted):
             if place is not None:
                 return self._claim(place, holder, granted)
             secret = new_secret()
@@ -273,15 +275,25 @@ class Backend(LeaseBackend):
         self, name: str, timeout: float | None
     ) -> contextlib.AbstractContextManager[None]:
         """A place in the name's line for this thread while it waits: tries cost nothing until
-        the predecessor changes, and a release wakes only the next in line."""
-        return self._queued(name)
+        the predecessor changes, and a release wakes only the next in line. A reconnection
+        inside it never waits past the acquisition's deadline."""
+        return self._room(name, timeout)
+
+    @contextlib.contextmanager
+    def _room(self, name: str, timeout: float | None) -> Iterator[None]:
+        bound = contextlib.nullcontext() if timeout is None else self.zk.bounded(timeout)
+        with bound, self._queued(name):
+            yield
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         """One round trip: a read of our node pipelined with its write. The leader accepts the
         write only on a live session; the read says whether it had lapsed just before."""
         granted = min(ttl, self.session_timeout)
         path = self._node_path(grant)
-        with Edge(self.alias, "renew"):
+        # Past its validity the renewal is useless (the holder must assume the lease gone):
+        # a client found dead is not waited for longer than that.
+        left = grant.sent_at + grant.ttl - time.monotonic()
+        with Edge(self.alias, "renew"), self.zk.bounded(left):
             if path is None:
                 self._refuse(grant, "renewal")
             data = node_data(held=True, ttl_ms=ms(granted), holder=grant.holder)
@@ -319,9 +331,13 @@ class Backend(LeaseBackend):
 
     def release(self, grant: Grant) -> None:
         """Delete our node (the path proves the secret) and write the name node, in one
-        multi; the deletion wakes only the next in line (its watch on us)."""
+        multi; the deletion wakes only the next in line (its watch on us). A reconnection is
+        bounded by the grant's validity left, as for :meth:`renew`."""
         path = self._node_path(grant)
-        with Edge(self.alias, "release"):
+        # The name is free by the end of the grant's validity anyway (its TTL, or its dead
+        # session's expiry): a client found dead is not waited for longer than that.
+        left = grant.sent_at + grant.ttl - time.monotonic()
+        with Edge(self.alias, "release"), self.zk.bounded(left):
             if path is None:
                 self._refuse(grant, "release")
             try:
