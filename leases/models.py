@@ -32,14 +32,16 @@ class Lease(models.Model):
         ordering = ["name"]
         #: Rows with a holder (held, or expired without a release): the few that operators'
         #: pages, the held-names query and ``leases list`` look for among millions of released
-        #: rows, found without reading a released one. ``expires_at`` is included so "held
-        #: now" is decided from the index alone.
+        #: rows, found without reading a released one. It carries every column a listing shows
+        #: (all but ``meta``, which has no size bound), so "held now" is decided, and the held
+        #: names are listed, from the index alone: the held rows sit one per table page among
+        #: the released ones, and reading those pages was what a listing of a big table cost.
         indexes = [
             models.Index(
                 fields=["name"],
-                include=["expires_at"],
+                include=["expires_at", "holder", "token", "acquired_at", "renewed_at"],
                 condition=~models.Q(holder=""),
-                name="leases_lease_holder_set",
+                name="leases_lease_holder_cover",
             )
         ]
         permissions = [

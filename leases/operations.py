@@ -10,8 +10,9 @@ lease away safe at all.
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -298,6 +299,26 @@ def _held_first(found: Iterable[list[LeaseInfo]], limit: int | None) -> list[Lea
     every = [info for infos in found for info in infos]
     every.sort(key=lambda info: (*info.rank, info.backend))
     return every[:limit]
+
+
+def stream_leases(errors: dict[str, str]) -> Iterator[LeaseInfo]:
+    """Every lease on every configured backend in :func:`all_leases`' order, read lazily
+    (:meth:`~leases.backends.base.LeaseBackend.iter_held_first`): ``leases list --limit 0``
+    holds a few batches in memory, not a million rows.
+
+    The backends' streams are merged as they come; a backend that fails (at its start or
+    half-way) ends its own stream and its error lands in ``errors``, the others go on.
+    """
+
+    def guarded(alias: str) -> Iterator[tuple[tuple[int, str], str, LeaseInfo]]:
+        try:
+            for info in get_backend(alias).iter_held_first():
+                yield info.rank, alias, info
+        except (LeaseError, NotImplementedError) as exc:
+            errors[alias] = str(exc)
+
+    for _, _, info in heapq.merge(*(guarded(alias) for alias in conf.get().backends)):
+        yield info
 
 
 #: The three states an operator sees, in the order the admin's filter offers them.

@@ -179,6 +179,40 @@ def test_purge_works_in_bounded_batches_with_progress() -> None:
     call_command("purge_idempotency_keys", batch_size=10, max_batches=1, stdout=io.StringIO())
 
 
+def test_purge_counts_up_to_a_bound_and_estimates_past_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counting every expired key before a purge of ten million scanned them all (seconds of
+    both cores beside the requests the purge must not slow): past a bound, the progress bar's
+    total is the planner's estimate, marked ``~``, and the last line is exact."""
+    _rows(**{f"k{i}": ("completed", "-1 second", None) for i in range(25)})
+    _rows(live=("completed", "1 hour", None))
+    sql("ANALYZE idempotency_key")
+    monkeypatch.setattr(purge_idempotency_keys, "EXACT_BELOW", 10)
+    out = io.StringIO()
+    with CaptureQueriesContext(connection) as queries:
+        call_command("purge_idempotency_keys", batch_size=10, stdout=out)
+    counts = [q["sql"] for q in queries.captured_queries if "count(*)" in q["sql"].lower()]
+    assert counts and all("LIMIT 10" in statement for statement in counts), counts
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("~") and lines[0].endswith(" expired idempotency key(s)")
+    progress = [line.split()[1] for line in lines if line.startswith("[")]
+    assert all("/~" in step for step in progress[:-1]) and progress[-1] == "25/25"
+    assert list(IdempotencyKey.objects.values_list("key", flat=True)) == ["live"]
+
+
+def test_purge_sizes_batches_to_a_time() -> None:
+    """A slow batch makes the next smaller in proportion; a quick one at most doubles it, up to
+    ``--batch-size``; none goes below the smallest useful batch (or ``--batch-size``)."""
+    next_size = purge_idempotency_keys.next_size
+    smallest = purge_idempotency_keys.SMALLEST_BATCH
+    assert next_size(1000, took=0.2, target=0.05, largest=1000) == 250
+    assert next_size(250, took=0.01, target=0.05, largest=1000) == 500
+    assert next_size(800, took=0.01, target=0.05, largest=1000) == 1000
+    assert next_size(100, took=10.0, target=0.05, largest=1000) == smallest
+    assert next_size(10, took=10.0, target=0.05, largest=10) == 10
+
+
 @pytest.mark.django_db(transaction=True)
 def test_purge_skips_a_row_a_request_is_taking_over_instead_of_waiting() -> None:
     _rows(busy=("completed", "-1 second", None), idle=("completed", "-1 second", None))

@@ -6,10 +6,12 @@ These are the correctness parts of ``./scripts/bench scale``; the benchmark meas
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ from benchmarks.bench_scale import (
     FILL_LEASES_SQL,
 )
 from leases import admin as leases_admin
+from leases.backends import database as database_backend
+from leases.backends.base import LIST_BATCH
 from leases.paginator import EstimatedCountPaginator
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -120,6 +124,79 @@ def test_leases_list_limit_0_lists_every_row(big_tables: None) -> None:
     assert "for more" not in out.getvalue()
 
 
+def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _plan_nodes(child)
+
+
+def test_the_held_first_listing_reads_held_names_from_the_index_alone(big_tables: None) -> None:
+    """The held rows sit one per table page among the released ones: a listing that read
+    their pages cost, on a million rows, a page per name listed. The covering index answers
+    alone, and once the held names fill the page the released rows are not read at all."""
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM ANALYZE leases_lease")  # the visibility map an index-only scan reads
+        cursor.execute(
+            f"EXPLAIN (ANALYZE, FORMAT JSON) {database_backend.INSPECT_HELD_FIRST_SQL}",
+            {"limit": 5},
+        )
+        (plan,) = cursor.fetchone()[0]
+    scans = [node for node in _plan_nodes(plan["Plan"]) if node.get("Relation Name")]
+    ran = [node for node in scans if node["Actual Loops"]]
+    assert [node["Node Type"] for node in ran] == ["Index Only Scan"], scans
+    assert ran[0]["Index Name"] == "leases_lease_holder_cover"
+    assert ran[0]["Actual Rows"] == 5
+
+
+class _Terminal:
+    """A command's stdout that notes how many lease rows the backend had read at each write."""
+
+    def __init__(self, read: list[int]) -> None:
+        self.read = read
+        self.seen_at: list[int] = []
+        self.text = StringIO()
+
+    def write(self, text: str) -> None:
+        self.seen_at.append(self.read[0])
+        self.text.write(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fmt", [[], ["--json"]], ids=["table", "json"])
+def test_leases_list_limit_0_writes_as_it_reads(
+    big_tables: None, fmt: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole listing of a big table is streamed: its first lines are out after a batch or
+    two was read, not after the whole table was loaded (a million rows took a GiB)."""
+    read = [0]
+    run = database_backend.Backend._run
+
+    def counting(self: Any, sql: str, params: Any, timeout: float | None = None) -> Any:
+        rows = run(self, sql, params, timeout)
+        read[0] += len(rows)
+        return rows
+
+    monkeypatch.setattr(database_backend.Backend, "_run", counting)
+    terminal = _Terminal(read)
+    call_command("leases", "list", "--limit", "0", *fmt, stdout=terminal)
+    assert read[0] >= ROWS
+    assert terminal.seen_at[0] <= 2 * LIST_BATCH < ROWS, terminal.seen_at[:5]
+    output = terminal.text.getvalue()
+    if fmt:
+        leases = json.loads(output)["leases"]
+        names = [row["name"] for row in leases if row["backend"] == "default"]
+        states = [row["state"] for row in leases if row["backend"] == "default"]
+    else:
+        rows = _lease_lines(output, "default")
+        names, states = [row[2] for row in rows], [row[3] for row in rows]
+    assert len(names) == len(set(names)) == ROWS
+    held = ROWS // BIG_LEASES_EVERY
+    assert states[:held] == ["held"] * held and "held" not in states[held:]
+    assert names[held:] == sorted(names[held:])
+
+
 def test_every_backend_page_is_cut_at_its_limit_held_first(
     big_tables: None, operator: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,7 +211,7 @@ def test_every_backend_page_is_cut_at_its_limit_held_first(
 @pytest.mark.parametrize(
     ("table", "index", "predicate"),
     [
-        ("leases_lease", "leases_lease_holder_set", "holder"),
+        ("leases_lease", "leases_lease_holder_cover", "holder"),
         ("idempotency_key", "idempotency_key_created", None),
         ("idempotency_key", "idempotency_key_started", "state"),
     ],

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import enum
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -34,6 +34,7 @@ from ..errors import BackendNotSupported, LeasesImproperlyConfigured
 
 __all__ = [
     "FORGED",
+    "LIST_BATCH",
     "PRUNE_BATCH",
     "Capability",
     "Grant",
@@ -48,6 +49,8 @@ __all__ = [
 #: Rows a prune reads (and may delete) per transaction by default: small, because a batch holds
 #: up the writes of the store's table while it runs (a few milliseconds).
 PRUNE_BATCH = 250
+#: Rows a whole listing (``manage.py leases list --limit 0``) reads per round trip.
+LIST_BATCH = 1000
 
 
 class Capability(enum.StrEnum):
@@ -313,6 +316,17 @@ class LeaseBackend(abc.ABC):
         cost follows ``limit`` and the number of held names, not the number ever used.
         """
         return sorted(self.inspect_all(), key=lambda info: info.rank)[:limit]
+
+    def iter_held_first(self, batch: int = LIST_BATCH) -> Iterator[LeaseInfo]:
+        """Every name in :attr:`LeaseInfo.rank` order, read lazily: a whole listing that
+        holds a few batches in memory, not the store (``leases list --limit 0``).
+
+        This default sorts :meth:`inspect_all` (stores that forget free names keep few); the
+        database backend, whose table keeps a row per name ever used, reads ``batch`` rows a
+        round trip. Listings need not carry :attr:`LeaseInfo.meta` (the database backend's
+        leave it empty, so its held names come from an index alone); :meth:`inspect` has it.
+        """
+        yield from sorted(self.inspect_all(), key=lambda info: info.rank)
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
         """Revoke the grant of ``name`` with ``token`` by advancing the token (operators only).

@@ -33,7 +33,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, NoReturn
@@ -61,6 +61,7 @@ from ._pruning import FLOOR_SQL, Progress, prune_rows
 from ._waiting_room import ROOM_CONNECTIONS, ROOM_GRACE, ROOM_TIMEOUT, WaitingRoom, room_key
 from .base import (
     FORGED,
+    LIST_BATCH,
     PRUNE_BATCH,
     Capability,
     Grant,
@@ -197,18 +198,33 @@ INSPECT_ALL_SQL = f"""
 SELECT {_COLUMNS}
 FROM leases_lease ORDER BY name
 """  # noqa: S608
-#: Held-first listing for operators: the rows with a holder come from the partial index
-#: ``leases_lease_holder_set`` (no released row read) in name order, held ones and expired ones
-#: apart (so neither is sorted whole), then the first free names by the primary key; each part
-#: is cut at ``limit``, so a million rows cost what ``limit`` do.
+#: What operators' listings show: every column but ``meta`` (no listing prints it, and it has no
+#: size bound, so no index can carry it). For a row with a holder these all come from the
+#: covering partial index ``leases_lease_holder_cover``: listing the held names reads no table
+#: page of a row whose page is all-visible (an index-only scan), so a million rows scattered
+#: over as many pages cost what a few pages do.
+_LISTED = """name, holder, token, acquired_at, LEAST(expires_at, '9999-12-30 00:00:00+00'),
+       renewed_at, NULL::jsonb, holder <> '' AND expires_at > clock_timestamp()"""
+_HELD = "holder <> '' AND expires_at > clock_timestamp()"
+#: Held-first listing for operators: the held names from the covering index in name order,
+#: then the others (expired or free) in name order by the primary key. The outer ``LIMIT``
+#: stops the second part from running at all once the held names fill the page (an Append
+#: runs its parts in turn): a million rows cost what ``limit`` held ones do.
 INSPECT_HELD_FIRST_SQL = f"""
-(SELECT {_COLUMNS} FROM leases_lease WHERE holder <> '' AND expires_at > clock_timestamp()
- ORDER BY name LIMIT %(limit)s)
+(SELECT {_LISTED} FROM leases_lease WHERE {_HELD} ORDER BY name LIMIT %(limit)s)
 UNION ALL
-(SELECT {_COLUMNS} FROM leases_lease
- WHERE holder <> '' AND (expires_at > clock_timestamp()) IS NOT TRUE ORDER BY name LIMIT %(limit)s)
-UNION ALL
-(SELECT {_COLUMNS} FROM leases_lease WHERE holder = '' ORDER BY name LIMIT %(limit)s)
+(SELECT {_LISTED} FROM leases_lease WHERE ({_HELD}) IS NOT TRUE ORDER BY name LIMIT %(limit)s)
+LIMIT %(limit)s
+"""  # noqa: S608
+#: The whole listing in batches, by name from where the last batch ended (keyset: no cursor,
+#: transaction or snapshot stays open while a terminal reads): the held names, then the rest.
+LIST_HELD_BATCH_SQL = f"""
+SELECT {_LISTED} FROM leases_lease WHERE name > %(after)s::text AND {_HELD}
+ORDER BY name LIMIT %(batch)s
+"""  # noqa: S608
+LIST_REST_BATCH_SQL = f"""
+SELECT {_LISTED} FROM leases_lease WHERE name > %(after)s::text AND ({_HELD}) IS NOT TRUE
+ORDER BY name LIMIT %(batch)s
 """  # noqa: S608
 
 #: The shortest wait for a renewal's reply, however little of the grant is left.
@@ -508,8 +524,24 @@ class Backend(LeaseBackend):
         return [_info(row, self.alias) for row in self._run(INSPECT_ALL_SQL, {})]
 
     def inspect_held_first(self, limit: int) -> list[LeaseInfo]:
+        """Without ``meta``: see :data:`INSPECT_HELD_FIRST_SQL`."""
         rows = self._run(INSPECT_HELD_FIRST_SQL, {"limit": limit})
         return sorted((_info(row, self.alias) for row in rows), key=lambda i: i.rank)[:limit]
+
+    def iter_held_first(self, batch: int = LIST_BATCH) -> Iterator[LeaseInfo]:
+        """Every row, held first, ``batch`` rows a round trip, without ``meta``.
+
+        Not a snapshot: each batch is read as of its own moment, so a name that changes state
+        while the listing runs may be shown twice or not at all (as in any live view).
+        """
+        for sql in (LIST_HELD_BATCH_SQL, LIST_REST_BATCH_SQL):
+            after = ""
+            while True:
+                rows = self._run(sql, {"after": after, "batch": batch})
+                yield from (_info(row, self.alias) for row in rows)
+                if len(rows) < batch:
+                    break
+                after = rows[-1][0]
 
     def internal_advisory_locks(self) -> dict[int, str]:
         """The waiting rooms of the names held now (a waiter only waits for a held name)."""

@@ -22,8 +22,9 @@ time left in seconds). Bad input (an unknown ``--database``, an empty name, a ne
 from __future__ import annotations
 
 import json
+import textwrap
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -50,28 +51,30 @@ DEFAULT_LIMIT = 100
 BAR_WIDTH = 30
 HEADERS = ("KIND", "BACKEND", "NAME", "STATE", "HOLDER", "TOKEN", "EXPIRES IN", "SINCE")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
+#: Lines of a listing formatted and written at a time: ``list --limit 0`` of a million rows
+#: streams (its backends read in batches too), holding no more than this many in memory.
+CHUNK = 500
+
+
+def lease_row(info: LeaseInfo, now: datetime) -> tuple[str, ...]:
+    delta = operations.expires_in(info, now)
+    left = None if delta is None else delta.total_seconds()
+    since = info.acquired_at  # when this grant began; a renewal does not start it anew
+    return (
+        "lease",
+        info.backend,
+        info.name,
+        operations.lease_state(info),
+        info.holder or "-",
+        str(info.token),
+        "-" if left is None or not info.holder else f"{left:.1f}s",
+        since.isoformat(timespec="seconds") if since else "-",
+    )
 
 
 def lease_rows(infos: Iterable[LeaseInfo]) -> list[tuple[str, ...]]:
     now = timezone.now()
-    rows: list[tuple[str, ...]] = []
-    for info in infos:
-        delta = operations.expires_in(info, now)
-        left = None if delta is None else delta.total_seconds()
-        since = info.acquired_at  # when this grant began; a renewal does not start it anew
-        rows.append(
-            (
-                "lease",
-                info.backend,
-                info.name,
-                operations.lease_state(info),
-                info.holder or "-",
-                str(info.token),
-                "-" if left is None or not info.holder else f"{left:.1f}s",
-                since.isoformat(timespec="seconds") if since else "-",
-            )
-        )
-    return rows
+    return [lease_row(info, now) for info in infos]
 
 
 def advisory_rows(locks: Iterable[operations.AdvisoryLockRow], using: str) -> list[tuple[str, ...]]:
@@ -94,30 +97,45 @@ def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment else None
 
 
+def _lease_json(info: LeaseInfo, now: datetime) -> dict[str, Any]:
+    left = operations.expires_in(info, now)
+    return {
+        "backend": info.backend,
+        "name": info.name,
+        "state": operations.lease_state(info),
+        "holder": info.holder or None,
+        "token": info.token,
+        "expires_in": None if left is None else left.total_seconds(),
+        "acquired_at": _iso(info.acquired_at),
+        "renewed_at": _iso(info.renewed_at),
+        "expires_at": _iso(info.expires_at),
+    }
+
+
 def json_listing(
     infos: Iterable[LeaseInfo],
-    locks: Iterable[operations.AdvisoryLockRow],
+    locks: Callable[[], Iterable[operations.AdvisoryLockRow]],
     using: str,
     errors: dict[str, str],
-) -> str:
-    """``list --json``: typed values, not the table's strings, so scripts need not parse."""
+) -> Iterator[str]:
+    """``list --json``: typed values, not the table's strings, so scripts need not parse.
+
+    The text of ``json.dumps(..., indent=2)`` of one object, in pieces of :data:`CHUNK`
+    leases as ``infos`` yields them (a whole listing is never held in memory); ``locks()`` and
+    ``errors`` are read after the last lease (a backend that failed half-way is in them).
+    """
     now = timezone.now()
-    leases = []
+    yield '{\n  "leases": ['
+    pieces: list[str] = []
+    listed = 0
     for info in infos:
-        left = operations.expires_in(info, now)
-        leases.append(
-            {
-                "backend": info.backend,
-                "name": info.name,
-                "state": operations.lease_state(info),
-                "holder": info.holder or None,
-                "token": info.token,
-                "expires_in": None if left is None else left.total_seconds(),
-                "acquired_at": _iso(info.acquired_at),
-                "renewed_at": _iso(info.renewed_at),
-                "expires_at": _iso(info.expires_at),
-            }
-        )
+        item = textwrap.indent(json.dumps(_lease_json(info, now), indent=2), "    ")
+        pieces.append(("," if listed else "") + "\n" + item)
+        listed += 1
+        if len(pieces) >= CHUNK:
+            yield "".join(pieces)
+            pieces = []
+    yield "".join(pieces) + ("\n  ]" if listed else "]")
     advisory = [
         {
             "database": using,
@@ -130,21 +148,40 @@ def json_listing(
             "client": row.client,
             "since": _iso(row.since),
         }
-        for row in locks
+        for row in locks()
     ]
-    return json.dumps(
-        {"leases": leases, "advisory_locks": advisory, "unavailable_backends": errors}, indent=2
-    )
+    rest = json.dumps({"advisory_locks": advisory, "unavailable_backends": errors}, indent=2)
+    yield ",\n" + rest[len("{\n") :]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [
-        max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)
-    ]
-    return "\n".join(
-        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in [headers, *rows]
-    )
+    return "\n".join(table_lines(headers, rows))
+
+
+def table_lines(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> Iterator[str]:
+    """The table's text, :data:`CHUNK` lines at a time: columns as wide as their widest cell
+    so far. A table of up to :data:`CHUNK` rows is aligned throughout; a longer one (a whole
+    listing, streamed) widens a column where a later chunk has a wider cell."""
+    widths = [0] * len(headers)
+    chunk: list[Sequence[str]] = [headers]
+    done = False
+    iterator = iter(rows)
+    while not done:
+        for row in iterator:
+            chunk.append(row)
+            if len(chunk) >= CHUNK:
+                break
+        else:
+            done = True
+        widths = [
+            max(width, *(len(str(line[i])) for line in chunk)) for i, width in enumerate(widths)
+        ]
+        if chunk:
+            yield "\n".join(
+                "  ".join(str(cell).ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+                for line in chunk
+            )
+        chunk = []
 
 
 class Command(BaseCommand):
@@ -218,11 +255,14 @@ class Command(BaseCommand):
         if action in ("list", "watch"):
             self.limit = int(at_least("--limit", options["limit"], 0)) or None
         if action == "list" and options["json"]:
-            infos, errors = operations.all_leases(self.limit)
-            locks = operations.advisory_locks(options["database"])
-            self.stdout.write(json_listing(infos, locks, options["database"], errors))
+            infos, errors = self.leases()
+            using = options["database"]
+            locks = lambda: operations.advisory_locks(using)  # noqa: E731 - read after the leases
+            for piece in json_listing(infos, locks, using, errors):
+                self.stdout.write(piece, ending="")
+            self.stdout.write("")
         elif action == "list":
-            self.stdout.write(self.listing(options["database"]))
+            self.write_listing(options["database"])
         elif action == "show":
             self.show(options["name"], options["database"])
         elif action == "release":
@@ -240,14 +280,33 @@ class Command(BaseCommand):
         else:
             self.watch(options["interval"], options["count"], options["database"])
 
-    def listing(self, using: str) -> str:
-        infos, errors = operations.all_leases(self.limit)
-        rows = lease_rows(infos) + advisory_rows(operations.advisory_locks(using), using)
-        lines = [format_table(HEADERS, rows)]
-        if self.limit is not None and len(infos) >= self.limit:
-            lines.append(f"(the first {self.limit} leases, held first: --limit N or 0 for more)")
-        lines += [f"backend {alias} unavailable: {error}" for alias, error in errors.items()]
-        return "\n".join(lines)
+    def leases(self) -> tuple[Iterable[LeaseInfo], dict[str, str]]:
+        """Up to ``--limit`` leases, held first; with ``--limit 0`` all of them as a stream."""
+        if self.limit is not None:
+            return operations.all_leases(self.limit)
+        errors: dict[str, str] = {}
+        return operations.stream_leases(errors), errors
+
+    def write_listing(self, using: str) -> None:
+        infos, errors = self.leases()
+        listed = 0
+
+        def rows() -> Iterator[tuple[str, ...]]:
+            nonlocal listed
+            now = timezone.now()
+            for info in infos:
+                listed += 1
+                yield lease_row(info, now)
+            yield from advisory_rows(operations.advisory_locks(using), using)
+
+        for lines in table_lines(HEADERS, rows()):
+            self.stdout.write(lines)
+        if self.limit is not None and listed >= self.limit:
+            self.stdout.write(
+                f"(the first {self.limit} leases, held first: --limit N or 0 for more)"
+            )
+        for alias, error in errors.items():
+            self.stdout.write(f"backend {alias} unavailable: {error}")
 
     def show(self, name: str, using: str) -> None:
         found = False
@@ -343,7 +402,8 @@ class Command(BaseCommand):
         done = 0
         while True:
             stamp = timezone.now().isoformat(timespec="seconds")
-            self.stdout.write(f"{CLEAR_SCREEN}leases at {stamp}\n{self.listing(using)}")
+            self.stdout.write(f"{CLEAR_SCREEN}leases at {stamp}")
+            self.write_listing(using)
             self.stdout.flush()
             done += 1
             if count and done >= count:
