@@ -29,6 +29,7 @@ connection is dropped and the call raises :class:`~leases.errors.BackendUnavaila
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -224,6 +225,10 @@ MIN_RENEWAL_TIMEOUT = 0.05
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
 
 
+#: A name's room key (a hash) for every acquire and release: the same few names recur.
+_room_of = functools.lru_cache(maxsize=4096)(room_key)
+
+
 def _asking(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
     """What :data:`ACQUIRE_SQL` takes, for a caller outside the name's waiting room."""
     return {
@@ -231,7 +236,7 @@ def _asking(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
         "holder": holder,
         "ttl": ttl,
         "secret": secret,
-        "room": room_key(name),
+        "room": _room_of(name),
         "grace": ROOM_GRACE,
         "in_room": False,
     }
@@ -420,7 +425,7 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):
             _released(grant, self._run(SHARED_RELEASE_SQL, shared_params(grant)))
             return
-        rows = self._run(PREPARED_RELEASE, {**_owner(grant), "room": room_key(grant.name)})
+        rows = self._run(PREPARED_RELEASE, {**_owner(grant), "room": _room_of(grant.name)})
         if not rows:
             _refused(grant, self._run(RELEASE_REFUSED_SQL, _owner(grant)))
         if rows[0][1]:
@@ -481,7 +486,7 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):
             _released(grant, await self._arun(SHARED_RELEASE_SQL, shared_params(grant)))
             return
-        params = {**_owner(grant), "room": room_key(grant.name)}
+        params = {**_owner(grant), "room": _room_of(grant.name)}
         if not await self._arun(RELEASE_SQL, params):
             _refused(grant, await self._arun(RELEASE_REFUSED_SQL, _owner(grant)))
 
