@@ -6,6 +6,7 @@ text."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -13,6 +14,7 @@ import pytest
 
 from leases import acquire
 from leases.backends import get_backend
+from leases.backends._pgconn import PrivateConnection, connect
 from leases.backends._pgprepared import Prepared
 from leases.backends.database import (
     ACQUIRE_SQL,
@@ -135,3 +137,31 @@ def test_prepared_statements_option_must_be_a_bool() -> None:
     problems = Backend.check_options("x", {"PREPARED_STATEMENTS": "yes"})
     assert problems == ['LEASES["BACKENDS"][\'x\']["PREPARED_STATEMENTS"] must be True or False']
     assert Backend.check_options("x", {"PREPARED_STATEMENTS": False}) == []
+
+
+def test_a_plan_a_migration_made_stale_is_prepared_anew() -> None:
+    """A column's type changed under a prepared statement: the session refuses its plan
+    ("cached plan must not change result type") until it is made again, so it is."""
+    probe = Prepared("probe", "SELECT value FROM leases_prepared_probe WHERE id = %(id)s::int")
+    conn = PrivateConnection("default")
+    with own_autocommit() as ddl:
+        ddl.execute("DROP TABLE IF EXISTS leases_prepared_probe")
+        ddl.execute("CREATE TABLE leases_prepared_probe (id int PRIMARY KEY, value int)")
+        ddl.execute("INSERT INTO leases_prepared_probe VALUES (1, 7)")
+        try:
+            assert conn.run(probe, {"id": 1}) == [(7,)]
+            assert conn.run(probe, {"id": 1}) == [(7,)]  # by name now
+            ddl.execute("ALTER TABLE leases_prepared_probe ALTER value TYPE text")
+            assert conn.run(probe, {"id": 1}) == [("7",)]
+        finally:
+            conn.close()
+            ddl.execute("DROP TABLE leases_prepared_probe")
+
+
+@contextmanager
+def own_autocommit() -> Iterator[psycopg.Connection[Any]]:
+    ddl = connect("default")
+    try:
+        yield ddl
+    finally:
+        ddl.close()

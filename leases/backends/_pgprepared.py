@@ -21,7 +21,9 @@ A session that does not have the statement (a new connection, a pooler's other s
 executed in one simple query (one implicit transaction, so on one server session even behind a
 transaction pooler). A session that has it although this connection did not prepare it answers
 42P05 to the ``PREPARE``, which aborts the query before its ``EXECUTE``; the statement is then
-only executed. Both refusals happen before the statement runs, so sending it again is safe;
+only executed. A migration that changes a returned column's type makes the session refuse
+the statement's plan (0A000) until it is made again: it is deallocated and prepared anew.
+These refusals happen before the statement runs, so sending it again is safe;
 after :data:`ATTEMPTS` of them the plain text is sent instead. Option ``PREPARED_STATEMENTS``
 ``False`` always sends the plain text.
 """
@@ -42,8 +44,10 @@ __all__ = ["ATTEMPTS", "Prepared", "run_prepared"]
 
 #: Refusals (26000, 42P05) tolerated for one call before its plain text is sent instead.
 ATTEMPTS = 3
-_NOT_PREPARED = "26000"
+_NOT_PREPARED = b"26000"
 _ALREADY_PREPARED = "42P05"
+#: "cached plan must not change result type", raised before the statement runs.
+_STALE_PLAN = b"0A000"
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
 
@@ -104,7 +108,7 @@ def run_prepared(
             rows = _bound(conn, statement, params)
             if rows is not None:
                 return rows
-            prepared.discard(statement.name)  # the session lost it: nothing ran
+            prepared.discard(statement.name)  # lost, or dropped as stale: nothing ran
             continue
         try:
             rows = _prepared_and_run(conn, statement, params)
@@ -139,7 +143,13 @@ def _bound(
         return transformer.load_rows(0, result.ntuples, tuple)
     if result.status == pq.ExecStatus.COMMAND_OK:
         return []
-    if result.error_field(pq.DiagnosticField.SQLSTATE) == _NOT_PREPARED.encode():
+    sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE)
+    if sqlstate == _NOT_PREPARED:
+        return None
+    if sqlstate == _STALE_PLAN:
+        # A migration changed a returned column's type: the session keeps refusing the plan
+        # until the statement is made again (nothing ran).
+        conn.execute(f"DEALLOCATE {statement.name}")
         return None
     raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
 
