@@ -3,12 +3,12 @@
 1. Uncontended acquire + release per operation. The baseline is what one would write by hand
    (a naive upsert and a release conditional on holder and token) through Django's cursor;
    the backend's own two statements (``ACQUIRE_SQL`` then ``RELEASE_SQL``) through Django's
-   cursor and psycopg show what the SQL itself costs: Django's cursor binds client-side and
-   so parses and plans the long statements on every call, while the backend's connection
-   prepares them, so a floor of "the backend's statements through Django" flatters the
-   backend (the project once reported 1.05-1.14x against it; an outside check against the
-   naive statements measured 1.38-1.41x). Round trips are counted from libpq's trace. The
-   ceiling for one name (round trip and ``fdatasync`` measured here) is printed after it.
+   cursor and psycopg show what the SQL itself costs sent as text, parsed and planned on every
+   call (the project once reported 1.05-1.14x against that floor, which flattered the backend
+   then; an outside check against the naive statements measured 1.38-1.41x). The backend
+   sends them prepared, run by name without a cursor (``leases/backends/_pgprepared.py``), so
+   it now beats both floors. Round trips are counted from libpq's trace. The ceiling for one
+   name (round trip and ``fdatasync`` measured here) is printed after it.
 2. Contended throughput: 8 processes acquiring and releasing one name as fast as they can,
    ours vs django-pglock (``advisory(xact=True)``: a transaction-scoped Postgres lock, which
    protects nothing outside its transaction and has no fencing token) vs python-redis-lock.

@@ -71,13 +71,14 @@ def database_backend() -> Backend:
     return backend
 
 
-def round_trips(action: Callable[[], object]) -> int:
-    """How many times ``action`` waited for the server on the backend's connection.
+def round_trips(action: Callable[[], object], backend: Backend | None = None) -> int:
+    """How many times ``action`` waited for the server on the connection of ``backend``
+    (default: the ``default`` alias's).
 
     Counted from libpq's own protocol trace: every extended-protocol ``Sync`` and every simple
     ``Query`` the client sends ends a round trip.
     """
-    backend = database_backend()
+    backend = backend or database_backend()
     backend.inspect("warm-up")  # opens the connection
     conn = backend.connection()
     assert conn is not None

@@ -28,6 +28,7 @@ from leases.backends._counter import DurableCounter
 from leases.backends._pgconn import connect
 from leases.backends._pruning import LOCK_SQL, PRUNE_BATCH_SQL, prune_batch
 from leases.backends.base import Grant
+from leases.backends.database import PREPARED_ACQUIRE
 from leases.models import Lease, TokenFloor
 from leases.operations import force_release
 from tests.factories import UserFactory
@@ -182,7 +183,13 @@ def acquire_while_a_batch_commits(name: str, *, lock: bool) -> int:
 
 
 def test_a_prune_committing_while_an_acquire_waits_cannot_lower_the_token() -> None:
+    """Also when the acquire is the backend's prepared statement: the ``INSERT`` an ``EXECUTE``
+    runs takes its snapshot after its table locks, as the plain statement does."""
     last = grant_cycles("prune:race", 3)
+    own = get_backend("default").connection()  # type: ignore[attr-defined]
+    assert own is not None
+    prepared = own.execute("SELECT name FROM pg_prepared_statements").fetchall()
+    assert (PREPARED_ACQUIRE.name,) in prepared
     age("prune:race")
     assert acquire_while_a_batch_commits("prune:race", lock=True) > last.token
 

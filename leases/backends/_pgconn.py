@@ -34,6 +34,7 @@ from psycopg import sql
 
 from ..errors import BackendUnavailable, LeasesImproperlyConfigured
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
+from ._pgprepared import Prepared, run_prepared
 
 __all__ = [
     "CHANNEL",
@@ -184,15 +185,21 @@ class PrivateConnection:
     """One private connection to ``db_alias``, shared by threads, opened on first use.
 
     A dead one (server restart, ``pg_terminate_backend``) is replaced at the next call: what
-    it serves (lease rows, counters) lives in tables, not in the session.
+    it serves (lease rows, counters) lives in tables, not in the session. A
+    :class:`~._pgprepared.Prepared` statement is sent prepared unless ``prepared`` is false.
     """
 
-    def __init__(self, db_alias: str, timeout: float = REQUEST_TIMEOUT) -> None:
+    def __init__(
+        self, db_alias: str, timeout: float = REQUEST_TIMEOUT, *, prepared: bool = True
+    ) -> None:
         self.db_alias = db_alias
         #: Seconds a statement waits for its reply (see :mod:`._pgdeadline`).
         self.timeout = timeout
+        self.prepared = prepared
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
+        #: The prepared statements the open connection's session is known to have.
+        self._names: set[str] = set()
         track(self)
 
     @property
@@ -202,7 +209,7 @@ class PrivateConnection:
 
     def run(
         self,
-        statement: str,
+        statement: str | Prepared,
         params: Mapping[str, Any] | Sequence[Any],
         timeout: float | None = None,
     ) -> list[tuple[Any, ...]]:
@@ -221,7 +228,12 @@ class PrivateConnection:
             due = Deadline(conn.fileno(), self.timeout if timeout is None else timeout)
             try:
                 with armed(due):
-                    cursor = conn.execute(statement, params)
+                    if not isinstance(statement, Prepared):
+                        cursor = conn.execute(statement, params)
+                    elif self.prepared and isinstance(params, Mapping):
+                        return run_prepared(conn, statement, params, self._names)
+                    else:
+                        cursor = conn.execute(statement.sql, params)
                     return cursor.fetchall() if cursor.description else []
             except psycopg.Error as exc:
                 if conn.broken or conn.closed or due.fired:
@@ -232,6 +244,7 @@ class PrivateConnection:
 
     def _discard(self) -> None:
         conn, self._conn = self._conn, None
+        self._names = set()
         close_quietly(conn)
 
     def close(self) -> None:
@@ -242,6 +255,7 @@ class PrivateConnection:
         self._lock = threading.Lock()
         inherit(self._conn)
         self._conn = None
+        self._names = set()
 
 
 class Listener:

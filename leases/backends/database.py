@@ -29,6 +29,7 @@ connection is dropped and the call raises :class:`~leases.errors.BackendUnavaila
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -57,6 +58,7 @@ from ._pg_shared import (
 from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
 from ._pgdeadline import REQUEST_TIMEOUT
+from ._pgprepared import Prepared
 from ._pruning import FLOOR_SQL, Progress, prune_rows
 from ._waiting_room import ROOM_CONNECTIONS, ROOM_GRACE, ROOM_TIMEOUT, WaitingRoom, room_key
 from .base import (
@@ -227,10 +229,20 @@ SELECT {_LISTED} FROM leases_lease WHERE name > %(after)s::text AND ({_HELD}) IS
 ORDER BY name LIMIT %(batch)s
 """  # noqa: S608
 
+#: The statements of every uncontended acquire, renewal and release, sent prepared (parsed and
+#: planned once per session, see :mod:`~._pgprepared`) on the backend's own connection.
+PREPARED_ACQUIRE = Prepared("acquire", ACQUIRE_SQL)
+PREPARED_RENEW = Prepared("renew", RENEW_SQL)
+PREPARED_RELEASE = Prepared("release", RELEASE_SQL)
+
 #: The shortest wait for a renewal's reply, however little of the grant is left.
 MIN_RENEWAL_TIMEOUT = 0.05
 
 DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('leases_lease')"
+
+
+#: A name's room key (a hash) for every acquire and release: the same few names recur.
+_room_of = functools.lru_cache(maxsize=4096)(room_key)
 
 
 def _asking(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
@@ -240,7 +252,7 @@ def _asking(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
         "holder": holder,
         "ttl": ttl,
         "secret": secret,
-        "room": room_key(name),
+        "room": _room_of(name),
         "grace": ROOM_GRACE,
         "in_room": False,
     }
@@ -319,7 +331,9 @@ class Backend(LeaseBackend):
             Capability.SHARED_LEASES,
         }
     )
-    known_options = frozenset({"DATABASE", "WAITING_ROOM", "REQUEST_TIMEOUT"})
+    known_options = frozenset(
+        {"DATABASE", "WAITING_ROOM", "REQUEST_TIMEOUT", "PREPARED_STATEMENTS"}
+    )
 
     @classmethod
     def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
@@ -328,8 +342,9 @@ class Backend(LeaseBackend):
         problems = super().check_options(alias, options)
         if not isinstance(options.get("DATABASE", "default"), str):
             problems.append(f'LEASES["BACKENDS"][{alias!r}]["DATABASE"] must be a database alias')
-        if not isinstance(options.get("WAITING_ROOM", True), bool):
-            problems.append(f'LEASES["BACKENDS"][{alias!r}]["WAITING_ROOM"] must be True or False')
+        for flag in ("WAITING_ROOM", "PREPARED_STATEMENTS"):
+            if not isinstance(options.get(flag, True), bool):
+                problems.append(f'LEASES["BACKENDS"][{alias!r}]["{flag}"] must be True or False')
         timeout = options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             problems.append(
@@ -356,7 +371,8 @@ class Backend(LeaseBackend):
         self._lock = threading.Lock()
         #: Seconds a statement waits for its reply before its connection is dropped.
         self.request_timeout = float(self.options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT))
-        self._conn = PrivateConnection(self.db_alias, self.request_timeout)
+        prepared = bool(self.options.get("PREPARED_STATEMENTS", True))
+        self._conn = PrivateConnection(self.db_alias, self.request_timeout, prepared=prepared)
         self._listener: Listener | None = None
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
@@ -369,7 +385,7 @@ class Backend(LeaseBackend):
     # -- the connection -------------------------------------------------------------------
 
     def _run(
-        self, sql: str, params: Mapping[str, Any], timeout: float | None = None
+        self, sql: str | Prepared, params: Mapping[str, Any], timeout: float | None = None
     ) -> list[tuple[Any, ...]]:
         """Run one statement on the backend's own connection: one round trip.
 
@@ -399,7 +415,7 @@ class Backend(LeaseBackend):
         params = _asking(name, holder, ttl, secret)
         rows = self._room.run_inside(name, ROOM_ACQUIRE_SQL, {**params, "in_room": True})
         if rows is None:
-            rows = self._run(ACQUIRE_SQL, params)
+            rows = self._run(PREPARED_ACQUIRE, params)
         if not rows:
             self._failed_at()[name] = sent_at
             return None
@@ -413,7 +429,7 @@ class Backend(LeaseBackend):
             rows = self._run(SHARED_RENEW_SQL, shared_params(grant, ttl=ttl), timeout)
             return _renewed(grant, ttl, sent_at, rows)
         params = {**_owner(grant), "ttl": ttl}
-        return _renewed(grant, ttl, sent_at, self._run(RENEW_SQL, params, timeout))
+        return _renewed(grant, ttl, sent_at, self._run(PREPARED_RENEW, params, timeout))
 
     def _renewal_timeout(self, grant: Grant, now: float) -> float:
         """At most half the grant's time left, so a renewal whose reply is lost leaves time
@@ -425,7 +441,7 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):
             _released(grant, self._run(SHARED_RELEASE_SQL, shared_params(grant)))
             return
-        rows = self._run(RELEASE_SQL, {**_owner(grant), "room": room_key(grant.name)})
+        rows = self._run(PREPARED_RELEASE, {**_owner(grant), "room": _room_of(grant.name)})
         if not rows:
             _refused(grant, self._run(RELEASE_REFUSED_SQL, _owner(grant)))
         if rows[0][1]:
@@ -486,7 +502,7 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):
             _released(grant, await self._arun(SHARED_RELEASE_SQL, shared_params(grant)))
             return
-        params = {**_owner(grant), "room": room_key(grant.name)}
+        params = {**_owner(grant), "room": _room_of(grant.name)}
         if not await self._arun(RELEASE_SQL, params):
             _refused(grant, await self._arun(RELEASE_REFUSED_SQL, _owner(grant)))
 

@@ -1,0 +1,167 @@
+"""The database backend's acquire, renew and release run as prepared statements of its own
+names, and every way a session can disagree with what the connection believes (lost them, has
+them already) still runs the statement exactly once; ``PREPARED_STATEMENTS`` off sends plain
+text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+
+from leases import acquire
+from leases.backends import get_backend
+from leases.backends._pgconn import PrivateConnection, connect
+from leases.backends._pgprepared import Prepared
+from leases.backends.database import (
+    ACQUIRE_SQL,
+    PREPARED_ACQUIRE,
+    PREPARED_RELEASE,
+    PREPARED_RENEW,
+    RELEASE_SQL,
+    RENEW_SQL,
+    Backend,
+)
+from tests.lease_backends import lease_name
+from tests.test_lease_database import round_trips
+
+__all__ = ["lease_name"]
+
+pytestmark = pytest.mark.django_db
+
+OURS = {PREPARED_ACQUIRE.name, PREPARED_RENEW.name, PREPARED_RELEASE.name}
+
+
+def session_statements(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    """The backend's statements prepared in ``conn``'s session -> times run with a plan."""
+    rows = conn.execute(
+        "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements"
+        " WHERE name LIKE 'leases\\_%%'"
+    ).fetchall()
+    return dict(rows)
+
+
+def own_connection(backend: Backend) -> psycopg.Connection[Any]:
+    backend.inspect("warm-up")  # opens the connection
+    conn = backend.connection()
+    assert conn is not None
+    return conn
+
+
+@pytest.fixture
+def fresh() -> Iterator[Backend]:
+    """A database backend with a connection of its own, new to every statement."""
+    backend = Backend("prepared-test", {})
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+def test_acquire_renew_release_run_prepared(lease_name: str) -> None:
+    held = acquire(lease_name, ttl=5, keepalive=False)
+    held.renew()
+    held.release()
+    backend = get_backend("default")
+    assert isinstance(backend, Backend)
+    ran = session_statements(own_connection(backend))
+    assert set(ran) >= OURS
+    assert all(ran[name] >= 1 for name in OURS)
+
+
+def test_names_are_the_text_so_no_session_runs_another_text() -> None:
+    """Behind a pooler one server session serves many clients: a name it already has must
+    stand for the very same text, so the name is derived from the text."""
+    assert Prepared("acquire", ACQUIRE_SQL).name == PREPARED_ACQUIRE.name
+    assert Prepared("acquire", ACQUIRE_SQL + " ").name != PREPARED_ACQUIRE.name
+    assert len({PREPARED_ACQUIRE.name, PREPARED_RENEW.name, PREPARED_RELEASE.name}) == 3
+    assert (PREPARED_RENEW.sql, PREPARED_RELEASE.sql) == (RENEW_SQL, RELEASE_SQL)
+
+
+def test_a_session_that_lost_the_statements_prepares_them_again(
+    lease_name: str, fresh: Backend
+) -> None:
+    """``DISCARD ALL`` (or a pooler's other session): the refused ``EXECUTE`` ran nothing, so
+    the token moves on by exactly one per grant, at one more round trip."""
+    first = fresh.try_acquire(lease_name, "discarded", 5.0)
+    assert first is not None
+    fresh.release(first)
+    conn = own_connection(fresh)
+    conn.execute("DEALLOCATE ALL")
+    grants = []
+    # The refused EXECUTE, then PREPARE and EXECUTE in one query.
+    assert round_trips(lambda: grants.append(fresh.try_acquire(lease_name, "d", 5.0)), fresh) == 2
+    (second,) = grants
+    assert second is not None and second.token == first.token + 1
+    conn.execute("DEALLOCATE ALL")
+    fresh.release(second)
+    info = fresh.inspect(lease_name)
+    assert info is not None and not info.held and info.token == second.token
+    assert set(session_statements(conn)) == {PREPARED_RELEASE.name}  # the one run since
+
+
+def test_a_session_that_already_has_the_statement_runs_it_once(
+    lease_name: str, fresh: Backend
+) -> None:
+    """Another client of a pooler prepared it in this session: the ``PREPARE`` is refused
+    before the ``EXECUTE`` in its query runs, then the ``EXECUTE`` alone runs it once."""
+    conn = own_connection(fresh)
+    conn.execute(PREPARED_ACQUIRE.prepare_sql)
+    conn.execute(PREPARED_RELEASE.prepare_sql)
+    tokens = []
+    for _ in range(2):
+        grant = fresh.try_acquire(lease_name, "pooled", 5.0)
+        assert grant is not None
+        tokens.append(grant.token)
+        fresh.release(grant)
+    assert tokens[1] == tokens[0] + 1
+    ran = session_statements(conn)
+    assert ran[PREPARED_ACQUIRE.name] == 2 and ran[PREPARED_RELEASE.name] == 2
+
+
+def test_prepared_statements_off_sends_plain_text(lease_name: str) -> None:
+    backend = Backend("plain-test", {"PREPARED_STATEMENTS": False})
+    try:
+        grant = backend.try_acquire(lease_name, "plain", 5.0)
+        assert grant is not None
+        backend.release(backend.renew(grant, 5.0))
+        assert session_statements(own_connection(backend)) == {}
+    finally:
+        backend.close()
+
+
+def test_prepared_statements_option_must_be_a_bool() -> None:
+    problems = Backend.check_options("x", {"PREPARED_STATEMENTS": "yes"})
+    assert problems == ['LEASES["BACKENDS"][\'x\']["PREPARED_STATEMENTS"] must be True or False']
+    assert Backend.check_options("x", {"PREPARED_STATEMENTS": False}) == []
+
+
+def test_a_plan_a_migration_made_stale_is_prepared_anew() -> None:
+    """A column's type changed under a prepared statement: the session refuses its plan
+    ("cached plan must not change result type") until it is made again, so it is."""
+    probe = Prepared("probe", "SELECT value FROM leases_prepared_probe WHERE id = %(id)s::int")
+    conn = PrivateConnection("default")
+    with own_autocommit() as ddl:
+        ddl.execute("DROP TABLE IF EXISTS leases_prepared_probe")
+        ddl.execute("CREATE TABLE leases_prepared_probe (id int PRIMARY KEY, value int)")
+        ddl.execute("INSERT INTO leases_prepared_probe VALUES (1, 7)")
+        try:
+            assert conn.run(probe, {"id": 1}) == [(7,)]
+            assert conn.run(probe, {"id": 1}) == [(7,)]  # by name now
+            ddl.execute("ALTER TABLE leases_prepared_probe ALTER value TYPE text")
+            assert conn.run(probe, {"id": 1}) == [("7",)]
+        finally:
+            conn.close()
+            ddl.execute("DROP TABLE leases_prepared_probe")
+
+
+@contextmanager
+def own_autocommit() -> Iterator[psycopg.Connection[Any]]:
+    ddl = connect("default")
+    try:
+        yield ddl
+    finally:
+        ddl.close()
