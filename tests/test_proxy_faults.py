@@ -382,4 +382,6 @@ def test_blackholed_waiting_room_connection_does_not_outlast_the_deadline(
         holder.release()
         if ahead is not None:
             ahead.join(30)
-    assert holder_of(lease_name) is None
+    # A try held in the proxy may reach the server once it passes again, after the release:
+    # granted to a waiter that gave up, it ends by its TTL.
+    wait_until(lambda: holder_of(lease_name) is None, 15, "a lost grant to expire")

@@ -14,6 +14,11 @@ queued for the room, or when the name has been free for longer than :data:`ROOM_
 process that has just released cannot take the name straight back while others wait (it goes
 to the back of the queue), and a waiter is served after those that queued before it.
 
+Every statement on a room connection waits at most ``REQUEST_TIMEOUT`` for its reply (queueing:
+its ``lock_timeout`` more), as on the backend's own connection (:mod:`._pgdeadline`): a room
+connection gone silent (a NAT, a proxy, a paused server) is dropped, and its waiter carries on
+without a room, so it still gives up by its deadline.
+
 Best effort throughout: queueing lasts at most :data:`ROOM_TIMEOUT` at a time (a paused waiter
 inside must not hold the queue back for longer: the waiter retries, which succeeds once the
 name has been free for :data:`ROOM_GRACE`, then queues again at the back), the connections per
@@ -39,6 +44,7 @@ from psycopg import pq, sql
 from ..errors import BackendUnavailable
 from ..keys import advisory_key
 from ._pgconn import close_quietly, connect, inherit, stale, track
+from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
 
 __all__ = ["ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "WaitingRoom", "room_key"]
 
@@ -90,13 +96,35 @@ class _Visit:
     held: bool = False
 
 
+def _execute(
+    conn: psycopg.Connection[Any],
+    statement: Any,
+    params: Mapping[str, Any] | None,
+    timeout: float,
+) -> psycopg.Cursor[Any]:
+    """Run ``statement`` on a room connection, waiting at most ``timeout`` for the reply
+    (then the connection is cut, and the driver's error raised: the caller drops it)."""
+    due = Deadline(conn.fileno(), timeout)
+    with armed(due):
+        return conn.execute(statement, params)
+
+
 class WaitingRoom:
     """The rooms of one backend alias on database ``db_alias``, per process."""
 
-    def __init__(self, db_alias: str, alias: str, *, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        db_alias: str,
+        alias: str,
+        *,
+        enabled: bool = True,
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> None:
         self.db_alias = db_alias
         self.alias = alias
         self.enabled = enabled
+        #: Seconds a room statement waits for its reply (the backend's ``REQUEST_TIMEOUT``).
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._local = threading.local()
         self._idle: list[psycopg.Connection[Any]] = []
@@ -160,7 +188,7 @@ class WaitingRoom:
             visit.held = False
             return []  # held when we got inside, and no release has woken us since
         try:
-            rows = visit.conn.execute(statement, params).fetchall()
+            rows = _execute(visit.conn, statement, params, self.timeout).fetchall()
         except psycopg.Error as exc:
             logger.debug("leases: retrying outside the room of %r: %s", name, exc)
             if visit.conn.broken or visit.conn.closed:
@@ -193,8 +221,7 @@ class WaitingRoom:
         self._lock_room(visit)
         return visit.inside
 
-    @staticmethod
-    def _lock_room(visit: _Visit) -> None:
+    def _lock_room(self, visit: _Visit) -> None:
         left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
         queue_for = min(left, ROOM_TIMEOUT)
         if queue_for <= 0:
@@ -205,7 +232,7 @@ class WaitingRoom:
             name=sql.Literal(visit.name),
         )
         try:
-            cursor = visit.conn.execute(statement)
+            cursor = _execute(visit.conn, statement, None, queue_for + self.timeout)
         except psycopg.errors.LockNotAvailable:
             return  # queued long enough: try once, then queue again
         cursor.nextset()
@@ -234,11 +261,13 @@ class WaitingRoom:
                 # Sent without waiting for the reply, which the next user of the connection
                 # collects (:func:`_settle`): the new holder returns a round trip sooner.
                 if not _send(conn, ROOM_UNLISTEN_SQL):
-                    conn.execute(ROOM_UNLISTEN_SQL.encode())
+                    _execute(conn, ROOM_UNLISTEN_SQL.encode(), None, self.timeout)
                 else:
                     with self._lock:
                         self._unsettled.add(conn)
-            elif conn.execute(ROOM_LEAVE_SQL.format(key=visit.key).encode()).fetchone() != (True,):
+            elif _execute(
+                conn, ROOM_LEAVE_SQL.format(key=visit.key).encode(), None, self.timeout
+            ).fetchone() != (True,):
                 # The unlock ran on another server session (a transaction-pooling proxy):
                 # the room cannot work here, so stop using it rather than leak locks.
                 self.enabled = False

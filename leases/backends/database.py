@@ -344,7 +344,9 @@ class Backend(LeaseBackend):
         self._listener: Listener | None = None
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
-        self._room = WaitingRoom(self.db_alias, alias, enabled=enabled)
+        self._room = WaitingRoom(
+            self.db_alias, alias, enabled=enabled, timeout=self.request_timeout
+        )
         self._async: PerLoop[AsyncState] = PerLoop(
             lambda: AsyncState(self.db_alias, self.request_timeout), lambda state: state.close()
         )
