@@ -27,8 +27,8 @@ from leases import (
     aacquire,
     acquire,
 )
-from leases.backends._waiting_room import room_key
 from leases.backends import get_backend
+from leases.backends._waiting_room import room_key
 from leases.handle import Lease
 from leases.keys import split_key
 from tests import checker

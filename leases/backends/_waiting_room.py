@@ -43,6 +43,7 @@ from psycopg import pq, sql
 
 from ..errors import BackendUnavailable
 from ..keys import advisory_key
+from ._pg_shared import GROUP
 from ._pgconn import close_quietly, connect, inherit, stale, track
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
 
@@ -50,16 +51,21 @@ __all__ = ["ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "WaitingRoom", "roo
 
 logger = logging.getLogger("leases")
 
-#: Enter (and queue again after :data:`ROOM_TIMEOUT`): listen, then queue on the name's room
-#: lock, ``lock_timeout`` bounding the queueing; once inside, say whether the name is held, so
-#: the waiter skips a try bound to fail (it is listening: that holder's release will wake it).
-#: A timeout rolls the ``LISTEN`` back with the rest, so each queueing listens again.
-#: Leave: unlock and stop listening. Each is one simple-protocol round trip (two statements,
-#: values formatted in as literals: no parameters are allowed there).
-ROOM_ENTER_SQL = """LISTEN leases_released;
-SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key}),
-       EXISTS (SELECT 1 FROM leases_lease
-               WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp())"""
+#: Enter (and queue again after :data:`ROOM_TIMEOUT`): listen (committed first: ``LISTEN``
+#: takes effect at commit, and a release while we queue must not go unheard), then queue on
+#: the name's room lock, ``lock_timeout`` bounding the queueing; once inside, say whether the
+#: name is held (``'shared'`` by readers, ``'held'`` by one holder, NULL: free), so the waiter
+#: skips a try bound to fail (it is listening: that holder's release will wake it), and stops
+#: new readers only when readers hold the name. That look is a statement of its own, so its
+#: snapshot is taken once inside (a statement's snapshot is taken when it starts: one taken
+#: before queueing would call a name held whose release was announced before we listened).
+#: Leave: unlock and stop listening. Each is one simple-protocol round trip (several
+#: statements, values formatted in as literals: no parameters are allowed there).
+ROOM_ENTER_SQL = """BEGIN; LISTEN leases_released; COMMIT;
+SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key});
+SELECT (SELECT CASE WHEN holder = {group} AND secret_hash IS NULL THEN 'shared' ELSE 'held' END
+        FROM leases_lease
+        WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp())"""
 ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
 #: Leave after the grant statement unlocked the room already.
 ROOM_UNLISTEN_SQL = "UNLISTEN *"
@@ -94,6 +100,8 @@ class _Visit:
     inside: bool = False
     #: The name was held when this waiter got inside: its next try is bound to fail.
     held: bool = False
+    #: Readers held the name at this waiter's last look (entering, or a failed try).
+    shared: bool = False
 
 
 def _execute(
@@ -163,6 +171,11 @@ class WaitingRoom:
         The room connection listens since entering and buffers what arrived since, so a
         release between the failed try and this wait is not missed. A waiter queued out of the
         room queues again (the caller's next try decides whether the one inside is stuck).
+
+        Inside, the waiter waits for the release's ``NOTIFY`` (up to :data:`ROOM_TIMEOUT`
+        within its deadline, whatever shorter ``timeout`` its backoff asked for): a try before
+        then is bound to fail, so it would only poll. A holder gone without releasing is found
+        by the try after that (its grant expires by its TTL; no ``NOTIFY`` announces it).
         """
         visit = self._visit(name)
         if visit is None:
@@ -170,6 +183,8 @@ class WaitingRoom:
         try:
             if not visit.inside:
                 return self._queue(visit)
+            left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
+            timeout = max(timeout, min(left, ROOM_TIMEOUT))
             for note in visit.conn.notifies(timeout=max(0.0, timeout)):
                 if note.payload == name:
                     return True
@@ -180,7 +195,9 @@ class WaitingRoom:
 
     def run_inside(self, name: str, statement: str, params: Mapping[str, Any]) -> list[Any] | None:
         """Run ``statement`` on the room connection if this thread is inside ``name``'s room
-        (else ``None``); rows back mean the statement also unlocked the room (a grant)."""
+        (else ``None``); a row with a token means the statement also unlocked the room (a
+        grant). A failed try returns no rows (its one token-less row, if any, says readers
+        hold the name: :meth:`readers_hold`)."""
         visit = self._visit(name)
         if visit is None or not visit.inside:
             return None
@@ -195,9 +212,17 @@ class WaitingRoom:
                 visit.inside = False  # the session is gone, and its room lock with it
                 self._local.visit = None
             return None
-        if rows:
+        if rows and rows[0][0] is not None:
             visit.inside = False
-        return rows
+            return rows
+        visit.shared = bool(rows)
+        return []
+
+    def readers_hold(self, name: str) -> bool | None:
+        """Whether readers held ``name`` at this thread's last look from inside its room;
+        ``None`` when not inside (unknown)."""
+        visit = self._visit(name)
+        return visit.shared if visit is not None and visit.inside else None
 
     def _visit(self, name: str) -> _Visit | None:
         visit: _Visit | None = getattr(self._local, "visit", None)
@@ -230,15 +255,18 @@ class WaitingRoom:
             timeout_ms=sql.Literal(f"{max(1, int(queue_for * 1000))}ms"),
             key=sql.Literal(visit.key),
             name=sql.Literal(visit.name),
+            group=sql.Literal(GROUP),
         )
         try:
             cursor = _execute(visit.conn, statement, None, queue_for + self.timeout)
         except psycopg.errors.LockNotAvailable:
             return  # queued long enough: try once, then queue again
-        cursor.nextset()
+        while cursor.nextset():  # past BEGIN, LISTEN, COMMIT and the lock, to the last look
+            pass
         row = cursor.fetchone()
         visit.inside = True
-        visit.held = bool(row and row[2])
+        visit.held = bool(row and row[0])
+        visit.shared = bool(row and row[0] == "shared")
 
     def _connection(self) -> psycopg.Connection[Any]:
         while True:
@@ -249,6 +277,11 @@ class WaitingRoom:
                 unsettled = conn in self._unsettled
                 self._unsettled.discard(conn)
             if (not unsettled or _settle(conn)) and not stale(conn):
+                # Releases heard on its last visit (read with a later reply) are over: kept,
+                # each would wake this visit for a try bound to fail.
+                backlog = getattr(conn, "_notifies_backlog", None)
+                if backlog:
+                    backlog.clear()
                 return conn
             close_quietly(conn)
         return connect(self.db_alias)

@@ -45,6 +45,7 @@ from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproper
 from ._aio import PerLoop
 from ._counter import TIMELINE_FLOOR_SQL
 from ._pg_shared import (
+    GROUP,
     SHARED_ACQUIRE_SQL,
     SHARED_RELEASE_SQL,
     SHARED_RENEW_SQL,
@@ -106,9 +107,15 @@ RETURNING l.token, l.expires_at
 
 #: The waiter inside the room takes the name and, when granted, leaves the room in the same
 #: trip: the next waiter in the server's lock queue is inside before this grant even commits.
+#: Refused, it gets one token-less row back when readers hold the name (else none): only then
+#: does it need to stop new readers (a round trip of its own) before its next try.
 ROOM_ACQUIRE_SQL = f"""
 WITH granted AS ({ACQUIRE_SQL})
 SELECT token, expires_at, pg_advisory_unlock(%(room)s::bigint) FROM granted
+UNION ALL
+SELECT NULL, NULL, NULL FROM leases_lease
+WHERE name = %(name)s::text AND holder = %(group)s::text AND secret_hash IS NULL
+  AND expires_at > clock_timestamp() AND NOT EXISTS (SELECT FROM granted)
 """  # noqa: S608
 
 #: Extend a grant that is still ours (holder, token and secret) and still valid on the server's
@@ -227,6 +234,7 @@ def _asking(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
         "room": room_key(name),
         "grace": ROOM_GRACE,
         "in_room": False,
+        "group": GROUP,
     }
 
 
@@ -426,8 +434,14 @@ class Backend(LeaseBackend):
             return None
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
-    def stop_new_readers(self, name: str) -> None:
+    def stop_new_readers(self, name: str) -> bool:
+        """Stop new readers, unless this waiter is inside the name's room and readers did not
+        hold it at its last look (entering, or its last try): then there are none to stop,
+        and no round trip is spent (``False``: ask again before the next try)."""
+        if self._room.readers_hold(name) is False:
+            return False
         self._run(STOP_READERS_SQL, stop_readers_params(name))
+        return True
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())
