@@ -28,12 +28,14 @@ it: the acquire statement alone decides who holds the name.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import logging
 import select
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,10 +46,18 @@ from psycopg import pq, sql
 from ..errors import BackendUnavailable
 from ..keys import advisory_key
 from ._pg_shared import GROUP
+from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
-from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
+from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
 
-__all__ = ["ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "WaitingRoom", "room_key"]
+__all__ = [
+    "ROOM_CONNECTIONS",
+    "ROOM_GRACE",
+    "ROOM_TIMEOUT",
+    "AsyncWaitingRoom",
+    "WaitingRoom",
+    "room_key",
+]
 
 logger = logging.getLogger("leases")
 
@@ -378,3 +388,209 @@ def _settle(conn: psycopg.Connection[Any]) -> bool:
         return ok and pgconn.transaction_status == pq.TransactionStatus.IDLE
     except (psycopg.Error, OSError):
         return False
+
+
+@dataclass
+class _AsyncVisit:
+    """One task's stay in one name's room (the async twin of :class:`_Visit`)."""
+
+    name: str
+    key: int
+    conn: psycopg.AsyncConnection[Any]
+    deadline: float | None
+    inside: bool = False
+    held: bool = False
+    shared: bool = False
+    #: Just got inside: the next wait acts on the look taken then (free: try at once).
+    fresh: bool = False
+
+
+class AsyncWaitingRoom:
+    """The rooms of one backend alias on one event loop: :class:`WaitingRoom` for tasks.
+
+    The same queue (the server's lock queue on the same room lock, so sync and async waiters
+    of a name queue together), the same statements, the same reply deadlines, awaited on
+    psycopg's ``AsyncConnection``: a waiting task holds a connection of its own (at most
+    :data:`ROOM_CONNECTIONS` per loop; the rest wait without a room) but never blocks the loop.
+    A task cancelled in the room drops its connection (it may be mid-protocol), which ends
+    the session and its room lock with it.
+    """
+
+    def __init__(
+        self, db_alias: str, alias: str, *, enabled: bool = True, timeout: float = REQUEST_TIMEOUT
+    ) -> None:
+        self.db_alias = db_alias
+        self.alias = alias
+        self.enabled = enabled
+        self.timeout = timeout
+        self._idle: list[psycopg.AsyncConnection[Any]] = []
+        self._in_use = 0
+        #: The current task's visit; a context variable, so the tasks a waiter starts for
+        #: its tries (``aacquire`` shields each in a task of its own) see it too.
+        self._current: contextvars.ContextVar[_AsyncVisit | None] = contextvars.ContextVar(
+            f"leases_room_{id(self)}", default=None
+        )
+
+    @contextlib.asynccontextmanager
+    async def enter(self, name: str, timeout: float | None) -> AsyncIterator[None]:
+        """Queue on the name's room lock, then wait inside it (see :meth:`WaitingRoom.enter`)."""
+        if not self.enabled or self._in_use >= ROOM_CONNECTIONS:
+            yield
+            return
+        self._in_use += 1
+        visit = None
+        current = self._current.set(None)
+        try:
+            visit = await self._enter(name, timeout)
+            self._current.set(visit)
+            yield
+        except BaseException:
+            if visit is not None:  # maybe mid-protocol: never reuse it
+                await _aclose_quietly(visit.conn)
+                visit = None
+            raise
+        finally:
+            self._current.reset(current)
+            self._in_use -= 1
+            if visit is not None and not visit.conn.closed:
+                await self._leave(visit)
+
+    def _visit(self, name: str) -> _AsyncVisit | None:
+        visit = self._current.get()
+        if visit is None or visit.name != name or visit.conn.closed:
+            return None
+        return visit
+
+    async def wait(self, name: str, timeout: float) -> bool | None:
+        """:meth:`WaitingRoom.wait`, awaited: woken by the release's ``NOTIFY``."""
+        visit = self._visit(name)
+        if visit is None:
+            return None
+        try:
+            if not visit.inside:
+                await self._lock_room(visit)
+                if not visit.inside:
+                    return False  # queued out: try (the waiter inside may be stuck)
+            fresh, visit.fresh = visit.fresh, False
+            if fresh and not visit.held:
+                return True  # free when we got inside: try at once
+            visit.held = False  # held then: the release that wakes us is worth a try
+            left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
+            timeout = max(timeout, min(left, ROOM_TIMEOUT))
+            # Closed here, not left to the loop's finalizer: a suspended ``notifies()`` holds
+            # the connection's lock, and the try that follows needs it.
+            notes = visit.conn.notifies(timeout=max(0.0, timeout))
+            async with contextlib.aclosing(notes):
+                async for note in notes:
+                    if note.payload == name:
+                        return True
+        except psycopg.Error:
+            visit.inside = False  # the session is gone (and its room lock with it)
+            await _aclose_quietly(visit.conn)
+        return False
+
+    async def run_inside(
+        self, name: str, statement: str, params: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """:meth:`WaitingRoom.run_inside`, awaited."""
+        visit = self._visit(name)
+        if visit is None or not visit.inside:
+            return None
+        if visit.held:
+            visit.held = False
+            return []
+        due = Deadline(visit.conn.fileno(), self.timeout)
+        try:
+            with aarmed(due):
+                cursor = await visit.conn.execute(statement, params)
+                rows = await cursor.fetchall()
+        except psycopg.Error as exc:
+            logger.debug("leases: retrying outside the room of %r: %s", name, exc)
+            if visit.conn.broken or visit.conn.closed or due.fired:
+                visit.inside = False
+                await _aclose_quietly(visit.conn)
+            return None
+        if rows and rows[0][0] is not None:
+            visit.inside = False
+            return rows
+        visit.shared = bool(rows)
+        return []
+
+    def readers_hold(self, name: str) -> bool | None:
+        visit = self._visit(name)
+        return visit.shared if visit is not None and visit.inside else None
+
+    async def _enter(self, name: str, timeout: float | None) -> _AsyncVisit | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = None
+        try:
+            conn = await self._connection()
+            visit = _AsyncVisit(name, room_key(name), conn, deadline)
+            await self._lock_room(visit)
+            return visit
+        except (psycopg.Error, BackendUnavailable) as exc:
+            logger.debug("leases: waiting without a room for %r: %s", name, exc)
+            await _aclose_quietly(conn)
+            return None
+
+    async def _lock_room(self, visit: _AsyncVisit) -> None:
+        left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
+        queue_for = min(left, ROOM_TIMEOUT)
+        if queue_for <= 0:
+            return
+        statement = sql.SQL(ROOM_ENTER_SQL).format(
+            timeout_ms=sql.Literal(f"{max(1, int(queue_for * 1000))}ms"),
+            key=sql.Literal(visit.key),
+            name=sql.Literal(visit.name),
+            group=sql.Literal(GROUP),
+        )
+        due = Deadline(visit.conn.fileno(), queue_for + self.timeout)
+        try:
+            with aarmed(due):
+                cursor = await visit.conn.execute(statement)
+                while cursor.nextset():  # to the last look, as in the sync room
+                    pass
+                row = await cursor.fetchone()
+        except psycopg.errors.LockNotAvailable:
+            return
+        visit.inside = visit.fresh = True
+        visit.held = bool(row and row[0])
+        visit.shared = bool(row and row[0] == "shared")
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        while self._idle:
+            conn = self._idle.pop()
+            if not stale(conn):
+                backlog = getattr(conn, "_notifies_backlog", None)
+                if backlog:
+                    backlog.clear()
+                return conn
+            await _aclose_quietly(conn)
+        return await aconnect(self.db_alias)
+
+    async def _leave(self, visit: _AsyncVisit) -> None:
+        conn = visit.conn
+        statement = ROOM_LEAVE_SQL.format(key=visit.key) if visit.inside else ROOM_UNLISTEN_SQL
+        due = Deadline(conn.fileno(), self.timeout)
+        try:
+            with aarmed(due):
+                cursor = await conn.execute(statement.encode())
+                row = await cursor.fetchone() if visit.inside else (True,)
+        except psycopg.Error:
+            await _aclose_quietly(conn)  # closing the session releases its room lock
+            return
+        except asyncio.CancelledError:
+            await _aclose_quietly(conn)
+            raise
+        if row != (True,):
+            self.enabled = False
+            logger.warning("leases: waiting room disabled on %r: unlock failed", self.alias)
+        if len(self._idle) < _IDLE_ROOM_CONNECTIONS:
+            self._idle.append(conn)
+        else:
+            await _aclose_quietly(conn)
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await _aclose_quietly(conn)

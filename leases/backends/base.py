@@ -25,7 +25,7 @@ import contextlib
 import enum
 import secrets
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
@@ -257,9 +257,9 @@ class LeaseBackend(abc.ABC):
         """:meth:`try_acquire_shared` without blocking the event loop."""
         return await asyncio.to_thread(self.try_acquire_shared, name, holder, ttl)
 
-    async def astop_new_readers(self, name: str) -> None:
+    async def astop_new_readers(self, name: str) -> bool | None:
         """:meth:`stop_new_readers` without blocking the event loop."""
-        await asyncio.to_thread(self.stop_new_readers, name)
+        return await asyncio.to_thread(self.stop_new_readers, name)
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
         """:meth:`wait_for_release` without blocking the event loop; cancelling it stops the
@@ -284,6 +284,11 @@ class LeaseBackend(abc.ABC):
         backend must stop queueing after a short while rather than let a paused waiter hold
         the others back. Safety never depends on it.
         """
+        return contextlib.nullcontext()
+
+    def awaiting_room(self, name: str, timeout: float | None) -> AbstractAsyncContextManager[None]:
+        """:meth:`waiting_room` for async waiters (``async with``); the default admits
+        everyone at once."""
         return contextlib.nullcontext()
 
     def doubts(self, grant: Grant) -> str | None:

@@ -34,7 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -59,7 +59,14 @@ from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
 from ._pgdeadline import REQUEST_TIMEOUT
 from ._pruning import FLOOR_SQL, Progress, prune_rows
-from ._waiting_room import ROOM_CONNECTIONS, ROOM_GRACE, ROOM_TIMEOUT, WaitingRoom, room_key
+from ._waiting_room import (
+    ROOM_CONNECTIONS,
+    ROOM_GRACE,
+    ROOM_TIMEOUT,
+    AsyncWaitingRoom,
+    WaitingRoom,
+    room_key,
+)
 from .base import (
     FORGED,
     PRUNE_BATCH,
@@ -358,6 +365,12 @@ class Backend(LeaseBackend):
         self._async: PerLoop[AsyncState] = PerLoop(
             lambda: AsyncState(self.db_alias, self.request_timeout), lambda state: state.close()
         )
+        self._aroom: PerLoop[AsyncWaitingRoom] = PerLoop(
+            lambda: AsyncWaitingRoom(
+                self.db_alias, alias, enabled=self._room.enabled, timeout=self.request_timeout
+            ),
+            lambda room: room.close(),
+        )
         track(self)
 
     # -- the connection -------------------------------------------------------------------
@@ -465,12 +478,18 @@ class Backend(LeaseBackend):
             raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
 
     async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """:meth:`try_acquire`, awaited: inside the name's room on the task's room
+        connection, else on the loop's own connection."""
         sent_at, secret = time.monotonic(), new_secret()
-        rows = await self._arun(ACQUIRE_SQL, _asking(name, holder, ttl, secret))
+        params = _asking(name, holder, ttl, secret)
+        room = self._aroom.get()
+        rows = await room.run_inside(name, ROOM_ACQUIRE_SQL, {**params, "in_room": True})
+        if rows is None:
+            rows = await self._arun(ACQUIRE_SQL, params)
         if not rows:
             self._async.get().failed(name, sent_at)
             return None
-        token, expires_at = rows[0]
+        token, expires_at = rows[0][:2]
         return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
 
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
@@ -499,16 +518,29 @@ class Backend(LeaseBackend):
             return None
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
-    async def astop_new_readers(self, name: str) -> None:
+    async def astop_new_readers(self, name: str) -> bool:
+        """:meth:`stop_new_readers`, awaited (skipped, too, when no reader holds the name)."""
+        if self._aroom.get().readers_hold(name) is False:
+            return False
         await self._arun(STOP_READERS_SQL, stop_readers_params(name))
+        return True
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
-        """Woken by the release's ``NOTIFY`` on the loop's listening connection."""
+        """Woken by the release's ``NOTIFY``: in the name's room on the task's room connection,
+        else on the loop's listening connection."""
         state = self._async.get()
         since = state.failed_since(name)
+        woken = await self._aroom.get().wait(name, timeout)
+        if woken is not None:
+            return woken
         return await state.listener.wait(name, since, max(0.0, timeout))
 
+    def awaiting_room(self, name: str, timeout: float | None) -> AbstractAsyncContextManager[None]:
+        """:meth:`waiting_room` for tasks: the same queue, on async connections."""
+        return self._aroom.get().enter(name, timeout)
+
     async def aclose(self) -> None:
+        await self._aroom.aclose()
         await self._async.aclose()
 
     def waiting_room(self, name: str, timeout: float | None) -> AbstractContextManager[None]:
