@@ -120,6 +120,8 @@ async def _agrant(
     writer = not shared and Capability.SHARED_LEASES in store.capabilities
     waiting_since = stop_readers_at = SYSTEM_CLOCK.monotonic()
     room = contextlib.nullcontext() if shared else store.awaiting_room(name, timeout)
+    # Only a store with a waiting room of its own may wait past the backoff's delay.
+    queued = not shared and type(store).awaiting_room is not LeaseBackend.awaiting_room
     try:
         async with room:
             while True:
@@ -133,7 +135,8 @@ async def _agrant(
                 ):
                     stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
                 left = backoff.remaining()
-                await _wait(store, name, delay, _LONGEST_WAIT if left is None else left)
+                bound = (_LONGEST_WAIT if left is None else left) if queued else 0.0
+                await _wait(store, name, delay, bound)
                 grant = await _try(store, name, holder, ttl, shared)
                 if grant is not None:
                     return grant
