@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import math
 import select
 import threading
 import time
@@ -64,7 +65,8 @@ logger = logging.getLogger("leases")
 #: Enter (and queue again after :data:`ROOM_TIMEOUT`): listen (committed first: ``LISTEN``
 #: takes effect at commit, and a release while we queue must not go unheard), then queue on
 #: the name's room lock, ``lock_timeout`` bounding the queueing; once inside, say whether the
-#: name is held (``'shared'`` by readers, ``'held'`` by one holder, NULL: free), so the waiter
+#: name is held (``'shared'`` by readers, ``'held'`` by one holder; no row: free) and for how
+#: many seconds more unless renewed, so the waiter
 #: skips a try bound to fail (it is listening: that holder's release will wake it), and stops
 #: new readers only when readers hold the name. That look is a statement of its own, so its
 #: snapshot is taken once inside (a statement's snapshot is taken when it starts: one taken
@@ -73,9 +75,10 @@ logger = logging.getLogger("leases")
 #: statements, values formatted in as literals: no parameters are allowed there).
 ROOM_ENTER_SQL = """BEGIN; LISTEN leases_released; COMMIT;
 SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key});
-SELECT (SELECT CASE WHEN holder = {group} AND secret_hash IS NULL THEN 'shared' ELSE 'held' END
-        FROM leases_lease
-        WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp())"""
+SELECT CASE WHEN holder = {group} AND secret_hash IS NULL THEN 'shared' ELSE 'held' END,
+       extract(epoch FROM expires_at - clock_timestamp())::float8
+FROM leases_lease
+WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp()"""
 ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
 #: Leave after the grant statement unlocked the room already.
 ROOM_UNLISTEN_SQL = "UNLISTEN *"
@@ -110,6 +113,9 @@ class _Visit:
     inside: bool = False
     #: The name was held when this waiter got inside: its next try is bound to fail.
     held: bool = False
+    #: When (monotonic) the grant seen at the last look runs out unless renewed: a holder
+    #: gone without releasing is announced by no ``NOTIFY``, so the wait ends then.
+    expires: float = math.inf
     #: Readers held the name at this waiter's last look (entering, or a failed try).
     shared: bool = False
 
@@ -185,7 +191,8 @@ class WaitingRoom:
         Inside, the waiter waits for the release's ``NOTIFY`` (up to :data:`ROOM_TIMEOUT`
         within its deadline, whatever shorter ``timeout`` its backoff asked for): a try before
         then is bound to fail, so it would only poll. A holder gone without releasing is found
-        by the try after that (its grant expires by its TTL; no ``NOTIFY`` announces it).
+        by a try when the grant seen on entering runs out (no ``NOTIFY`` announces an expiry;
+        a renewed grant costs one failed try), or after :data:`ROOM_TIMEOUT` at the latest.
         """
         visit = self._visit(name)
         if visit is None:
@@ -194,7 +201,7 @@ class WaitingRoom:
             if not visit.inside:
                 return self._queue(visit)
             left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
-            timeout = max(timeout, min(left, ROOM_TIMEOUT))
+            timeout = max(timeout, min(left, ROOM_TIMEOUT, visit.expires - time.monotonic()))
             for note in visit.conn.notifies(timeout=max(0.0, timeout)):
                 if note.payload == name:
                     return True
@@ -226,6 +233,7 @@ class WaitingRoom:
             visit.inside = False
             return rows
         visit.shared = bool(rows)
+        visit.expires = math.inf  # renewed, or taken by another: wait for its release
         return []
 
     def readers_hold(self, name: str) -> bool | None:
@@ -277,6 +285,8 @@ class WaitingRoom:
         visit.inside = True
         visit.held = bool(row and row[0])
         visit.shared = bool(row and row[0] == "shared")
+        # A hint only (the server's clock, a round trip old): the try then decides.
+        visit.expires = time.monotonic() + row[1] if row else math.inf
 
     def _connection(self) -> psycopg.Connection[Any]:
         while True:
@@ -400,6 +410,9 @@ class _AsyncVisit:
     deadline: float | None
     inside: bool = False
     held: bool = False
+    #: When (monotonic) the grant seen at the last look runs out unless renewed: a holder
+    #: gone without releasing is announced by no ``NOTIFY``, so the wait ends then.
+    expires: float = math.inf
     shared: bool = False
     #: Just got inside: the next wait acts on the look taken then (free: try at once).
     fresh: bool = False
@@ -476,7 +489,7 @@ class AsyncWaitingRoom:
                 return True  # free when we got inside: try at once
             visit.held = False  # held then: the release that wakes us is worth a try
             left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
-            timeout = max(timeout, min(left, ROOM_TIMEOUT))
+            timeout = max(timeout, min(left, ROOM_TIMEOUT, visit.expires - time.monotonic()))
             # Closed here, not left to the loop's finalizer: a suspended ``notifies()`` holds
             # the connection's lock, and the try that follows needs it.
             notes = visit.conn.notifies(timeout=max(0.0, timeout))
@@ -514,6 +527,7 @@ class AsyncWaitingRoom:
             visit.inside = False
             return rows
         visit.shared = bool(rows)
+        visit.expires = math.inf  # renewed, or taken by another: wait for its release
         return []
 
     def readers_hold(self, name: str) -> bool | None:
@@ -556,6 +570,8 @@ class AsyncWaitingRoom:
         visit.inside = visit.fresh = True
         visit.held = bool(row and row[0])
         visit.shared = bool(row and row[0] == "shared")
+        # A hint only (the server's clock, a round trip old): the try then decides.
+        visit.expires = time.monotonic() + row[1] if row else math.inf
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         while self._idle:
