@@ -62,19 +62,20 @@ __all__ = [
 
 logger = logging.getLogger("leases")
 
-#: Enter (and queue again after :data:`ROOM_TIMEOUT`): listen (committed first: ``LISTEN``
-#: takes effect at commit, and a release while we queue must not go unheard), then queue on
-#: the name's room lock, ``lock_timeout`` bounding the queueing; once inside, say whether the
-#: name is held (``'shared'`` by readers, ``'held'`` by one holder; no row: free) and for how
-#: many seconds more unless renewed, so the waiter
-#: skips a try bound to fail (it is listening: that holder's release will wake it), and stops
-#: new readers only when readers hold the name. That look is a statement of its own, so its
-#: snapshot is taken once inside (a statement's snapshot is taken when it starts: one taken
-#: before queueing would call a name held whose release was announced before we listened).
+#: Enter (and queue again after :data:`ROOM_TIMEOUT`): queue on the name's room lock,
+#: ``lock_timeout`` bounding the queueing; once inside, listen (committed at once: ``LISTEN``
+#: takes effect at commit), then look at the name in a statement of its own (its snapshot is
+#: taken after the ``LISTEN`` took effect, so a release is either seen by the look or
+#: announced to us). The look says whether the name is held (``'shared'`` by readers,
+#: ``'held'`` by one holder; no row: free) and for how many seconds more unless renewed, so
+#: the waiter skips a try bound to fail (that holder's release will wake it), and stops new
+#: readers only when readers hold the name. Only the waiter inside listens: a session queued
+#: on the lock would be signalled by every release of every name for nothing. A timeout
+#: ends the round trip before the ``LISTEN``.
 #: Leave: unlock and stop listening. Each is one simple-protocol round trip (several
 #: statements, values formatted in as literals: no parameters are allowed there).
-ROOM_ENTER_SQL = """BEGIN; LISTEN leases_released; COMMIT;
-SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key});
+ROOM_ENTER_SQL = """SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key});
+BEGIN; LISTEN leases_released; COMMIT;
 SELECT CASE WHEN holder = {group} AND secret_hash IS NULL THEN 'shared' ELSE 'held' END,
        extract(epoch FROM expires_at - clock_timestamp())::float8
 FROM leases_lease
@@ -279,7 +280,7 @@ class WaitingRoom:
             cursor = _execute(visit.conn, statement, None, queue_for + self.timeout)
         except psycopg.errors.LockNotAvailable:
             return  # queued long enough: try once, then queue again
-        while cursor.nextset():  # past BEGIN, LISTEN, COMMIT and the lock, to the last look
+        while cursor.nextset():  # past the lock, BEGIN, LISTEN and COMMIT, to the look
             pass
         row = cursor.fetchone()
         visit.inside = True
