@@ -15,9 +15,11 @@ watchdog, signals and ``ensure_held()`` are the ones sync code gets (see
   raised;
 - "already held" is per task, not per thread: coroutines of one event loop share its thread
   but contend for a name like threads do (``LeaseAlreadyHeld`` only when the same task
-  re-enters). The sync waiting room is not used: the per-name queue holds a blocking
-  connection per waiter, which async code has no use for; waiters back off and are woken by
-  the release (``WAIT_WITHOUT_POLLING`` backends) instead.
+  re-enters). Exclusive waiters queue in the backend's waiting room as sync ones do
+  (:meth:`~leases.backends.LeaseBackend.awaiting_room`: on the database backend, the same
+  per-name queue on async connections, so a release wakes the one task inside, in arrival
+  order); backends without one back off and are woken by the release
+  (``WAIT_WITHOUT_POLLING`` backends).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ AsyncFunc = Callable[P, Coroutine[Any, Any, R]]
 
 #: How far past its own bound a backend's wait may run before ``asyncio.timeout`` cuts it.
 _WAIT_SLACK = 0.05
+#: The longest one wait of a waiter without a deadline (a waiting room's wait for the
+#: release lasts up to its own queueing bound, a second: this only guards against more).
+_LONGEST_WAIT = 5.0
 
 
 def task_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
@@ -78,12 +83,14 @@ async def _try(
         raise
 
 
-async def _wait(store: LeaseBackend, name: str, delay: float) -> None:
-    """Wait up to ``delay`` for a release; as in the sync loop, a failed wait only costs the
-    wake-up (the next try decides and reports a store that is really gone)."""
+async def _wait(store: LeaseBackend, name: str, delay: float, bound: float = 0.0) -> None:
+    """Wait up to ``delay`` for a release (a waiting room may wait longer, up to ``bound``:
+    a waiter inside it is woken by the release, not by its backoff); as in the sync loop, a
+    failed wait only costs the wake-up (the next try decides and reports a store that is
+    really gone)."""
     started = SYSTEM_CLOCK.monotonic()
     try:
-        async with asyncio.timeout(delay + _WAIT_SLACK):
+        async with asyncio.timeout(max(delay, bound) + _WAIT_SLACK):
             await store.await_for_release(name, delay)
     except (BackendUnavailable, TimeoutError) as exc:
         logger.debug("leases: waiting for %r failed, retrying after the delay: %s", name, exc)
@@ -112,28 +119,39 @@ async def _agrant(
     backoff = Backoff(deadline=deadline)
     writer = not shared and Capability.SHARED_LEASES in store.capabilities
     waiting_since = stop_readers_at = SYSTEM_CLOCK.monotonic()
+    room = contextlib.nullcontext() if shared else store.awaiting_room(name, timeout)
+    # Only a store with a waiting room of its own may wait past the backoff's delay.
+    queued = not shared and type(store).awaiting_room is not LeaseBackend.awaiting_room
     try:
-        while True:
-            delay = backoff.next_delay()
-            if delay is None:
-                raise LeaseUnavailable(name, timeout)
-            if writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at:
-                await _stop_new_readers(store, name)
-                stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
-            await _wait(store, name, delay)
-            grant = await _try(store, name, holder, ttl, shared)
-            if grant is not None:
-                return grant
+        async with room:
+            while True:
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise LeaseUnavailable(name, timeout)
+                if (
+                    writer
+                    and SYSTEM_CLOCK.monotonic() >= stop_readers_at
+                    and await _stop_new_readers(store, name)
+                ):
+                    stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
+                left = backoff.remaining()
+                bound = (_LONGEST_WAIT if left is None else left) if queued else 0.0
+                await _wait(store, name, delay, bound)
+                grant = await _try(store, name, holder, ttl, shared)
+                if grant is not None:
+                    return grant
     finally:
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
 
 
-async def _stop_new_readers(store: LeaseBackend, name: str) -> None:
-    """Best effort, like the sync one: fairness saves readers' turns, the next try decides."""
+async def _stop_new_readers(store: LeaseBackend, name: str) -> bool:
+    """Best effort, like the sync one: fairness saves readers' turns, the next try decides.
+    Whether the stop was asked for (``False``: the store knew of no readers to stop)."""
     try:
-        await store.astop_new_readers(name)
+        return await store.astop_new_readers(name) is not False
     except BackendUnavailable as exc:
         logger.debug("leases: could not stop new readers of %r: %s", name, exc)
+        return True
 
 
 async def aacquire(

@@ -22,7 +22,7 @@ from django.db import connections
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from . import revocation
+from . import conf, revocation
 from ._asking import ANSWER_BOUND, ask_every_backend
 from .backends import LeaseBackend, get_backend
 from .backends.base import LeaseInfo, LeaseWaiter

@@ -22,7 +22,14 @@ from django.conf import settings
 from django.db import connection, connections
 from django.test import override_settings
 
-from leases import LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured, LeaseUnavailable, acquire
+from leases import (
+    LeaseLost,
+    LeaseNotHeld,
+    LeasesImproperlyConfigured,
+    LeaseUnavailable,
+    aacquire,
+    acquire,
+)
 from leases.backends import _waiting_room, get_backend
 from leases.backends.base import Grant, new_secret
 from leases.backends.database import (
@@ -440,3 +447,142 @@ def test_contending_threads_are_served_in_turn(lease_name: str, patient_room: No
     contended = order[: total - 2 * threads]  # the tail has fewer contenders left
     repeats = sum(a == b for a, b in itertools.pairwise(contended))
     assert repeats <= len(contended) // 2, f"{repeats} repeats in {order}"
+
+
+def waiting_behind_a_holder(name: str) -> tuple[Any, threading.Thread, list[int]]:
+    """Hold ``name`` and start one thread that waits for it (then releases it); returns once
+    that waiter is inside the name's room."""
+    holder = acquire(name, ttl=30, keepalive=False, holder="holder")
+    tokens: list[int] = []
+
+    def wait() -> None:
+        held = acquire(name, ttl=5, timeout=30, keepalive=False)
+        tokens.append(held.token)
+        held.release()
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    wait_until(lambda: room_locks(name) == {True: 1}, 15, "the waiter inside the room")
+    return holder, waiter, tokens
+
+
+def test_the_waiter_in_the_room_is_woken_by_the_release_not_by_polling(
+    lease_name: str, patient_room: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the name stays held, the waiter inside the room sends no try (each would fail);
+    the release's NOTIFY wakes it, and its one try then takes the name. Tries (the only
+    statements with parameters there) are counted from libpq's trace of the room connection."""
+    traced_conns: list[Any] = []
+    connection_for = _waiting_room.WaitingRoom._connection
+    with tempfile.TemporaryFile("w+") as trace:
+
+        def traced(room: Any) -> Any:
+            conn = connection_for(room)
+            conn.pgconn.trace(trace.fileno())
+            conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+            traced_conns.append(conn)
+            return conn
+
+        def tries() -> int:
+            trace.seek(0)
+            lines = trace.read().splitlines()
+            return sum(1 for line in lines if line.startswith("F\t") and "\tSync" in line)
+
+        monkeypatch.setattr(_waiting_room.WaitingRoom, "_connection", traced)
+        try:
+            holder, waiter, tokens = waiting_behind_a_holder(lease_name)
+            before = tries()
+            time.sleep(1.0)  # room for a polling waiter to show itself (backoff starts at 5 ms)
+            assert tries() == before, f"{tries() - before} tries while the name was held"
+            holder.release()
+            waiter.join(15)
+            assert len(tokens) == 1 and tokens[0] > holder.token
+            assert tries() == before + 1
+        finally:
+            for conn in traced_conns:
+                if not conn.closed:
+                    conn.pgconn.untrace()
+
+
+def test_an_exclusive_waiter_does_not_stop_readers_of_a_name_no_reader_holds(
+    lease_name: str, patient_room: None
+) -> None:
+    """Stopping new readers is a round trip on the backend's connection; while one exclusive
+    holder keeps the name, the waiter inside the room knows no reader holds it and sends none
+    (it used to every 0.4 s)."""
+    holder, waiter, tokens = waiting_behind_a_holder(lease_name)
+    assert round_trips(lambda: time.sleep(1.0)) == 0
+    holder.release()
+    waiter.join(15)
+    assert len(tokens) == 1
+
+
+def test_async_waiters_queue_in_the_room_in_arrival_order_and_are_woken_by_the_release(
+    lease_name: str, patient_room: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aacquire`` waiters queue in the same room as sync ones (one inside, the others in
+    the server's lock queue), are served in the order they arrived, and the one inside sends
+    no try while the name stays held: the release's NOTIFY wakes it. Tries (the only
+    statements with parameters on a room connection) are counted from libpq's trace."""
+    connection_for = _waiting_room.AsyncWaitingRoom._connection
+    traced_conns: list[Any] = []
+    holder = acquire(lease_name, ttl=30, keepalive=False, holder="holder")
+    with tempfile.TemporaryFile("w+") as trace, own_connection() as own:
+
+        async def traced(room: Any) -> Any:
+            conn = await connection_for(room)
+            conn.pgconn.trace(trace.fileno())
+            conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+            traced_conns.append(conn)
+            return conn
+
+        def tries() -> int:
+            trace.seek(0)
+            lines = trace.read().splitlines()
+            return sum(1 for line in lines if line.startswith("F\\t") and "\\tSync" in line)
+
+        def in_room() -> int:
+            classid, objid = split_key(room_key(lease_name))
+            (count,) = own.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND classid = %s AND objid = %s AND objsubid = 1",
+                [classid, objid],
+            ).fetchone() or (0,)
+            return int(count)
+
+        monkeypatch.setattr(_waiting_room.AsyncWaitingRoom, "_connection", traced)
+
+        async def main() -> list[tuple[int, int]]:
+            served: list[tuple[int, int]] = []
+
+            async def wait(index: int) -> None:
+                held = await aacquire(lease_name, ttl=5, timeout=30, keepalive=False)
+                served.append((index, held.token))
+                await held.arelease()
+
+            tasks = []
+            for index in range(3):
+                tasks.append(asyncio.create_task(wait(index)))
+                for _ in range(750):  # bounded: 15 s
+                    if in_room() == index + 1:
+                        break
+                    await asyncio.sleep(0.02)
+                assert in_room() == index + 1, f"waiter {index} never queued in the room"
+            before = tries()
+            await asyncio.sleep(1.0)  # room for a polling waiter to show itself
+            assert tries() == before, f"{tries() - before} tries while the name was held"
+            await asyncio.to_thread(holder.release)
+            async with asyncio.timeout(30):
+                await asyncio.gather(*tasks)
+            await get_backend("default").aclose()
+            return served
+
+        try:
+            served = asyncio.run(main())
+        finally:
+            for conn in traced_conns:
+                if not conn.closed:
+                    conn.pgconn.untrace()
+    assert [index for index, _ in served] == [0, 1, 2]
+    tokens = [token for _, token in served]
+    assert tokens == sorted(tokens) and tokens[0] > holder.token

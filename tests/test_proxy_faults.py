@@ -21,9 +21,18 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.utils import load_backend
 
 from devservers.proxy import FaultProxy
-from leases import BackendUnavailable, LeaseError, LeaseLost, aacquire, acquire
+from leases import (
+    BackendUnavailable,
+    LeaseError,
+    LeaseLost,
+    LeaseUnavailable,
+    aacquire,
+    acquire,
+)
 from leases.backends import Capability, get_backend
+from leases.backends._waiting_room import room_key
 from leases.handle import Lease
+from leases.keys import split_key
 from tests import checker
 from tests.lease_backends import lease_name, require
 from tests.proxied_backends import Proxied, proxied
@@ -447,3 +456,66 @@ def test_blackholed_shared_renewal_reports_loss_within_the_ttl_and_is_fenced(
     writer.release()
     summary = checker.check_history(register, [reader.token, writer.token])
     assert (summary.lost, summary.stale) == (1, 1)
+
+
+def room_sessions(name: str) -> dict[bool, int]:
+    """Granted and waiting sessions on ``name``'s waiting-room lock (read on ``"direct"``)."""
+    classid, objid = split_key(room_key(name))
+    backend = get_backend("direct")
+    backend.inspect(name)  # opens its connection
+    conn = backend.connection()
+    assert conn is not None
+    rows = conn.execute(
+        "SELECT granted, count(*)::int FROM pg_locks WHERE locktype = 'advisory' "
+        "AND classid = %s AND objid = %s AND objsubid = 1 GROUP BY granted",
+        [classid, objid],
+    ).fetchall()
+    return dict(rows)
+
+
+@pytest.mark.parametrize("proxied", ["database"], indirect=True)
+@pytest.mark.parametrize("where", ["inside", "queued"])
+def test_blackholed_waiting_room_connection_does_not_outlast_the_deadline(
+    proxied: Proxied, lease_name: str, where: str
+) -> None:
+    """A waiter's room connection (``LISTEN``, the room lock, the tries inside) goes silent,
+    whether its waiter is inside the room or queued for it: the waiter still gives up by its
+    acquire deadline plus the reply timeouts, instead of waiting for a reply for ever."""
+    timeout = 2.0
+    holder = acquire(lease_name, ttl=60, backend="direct", keepalive=False, holder="holder")
+    ahead: threading.Thread | None = None
+    if where == "queued":  # a waiter on "direct" is inside the room: ours queues behind it
+
+        def wait_ahead() -> None:
+            acquire(lease_name, ttl=5, backend="direct", timeout=60, keepalive=False).release()
+
+        ahead = threading.Thread(target=wait_ahead, daemon=True)
+        ahead.start()
+        wait_until(lambda: room_sessions(lease_name).get(True) == 1, 15, "ahead")
+    outcome: list[BaseException | Lease] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(acquire(lease_name, ttl=5, backend="proxied", timeout=timeout))
+        except BaseException as exc:  # handed back to the test
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    try:
+        waiter.start()
+        expected = {True: 1} if where == "inside" else {True: 1, False: 1}
+        wait_until(lambda: room_sessions(lease_name) == expected, 15, f"the waiter {where}")
+        proxied.each(FaultProxy.blackhole)
+        # The deadline, a room statement's reply timeout, a try and a reconnection on the
+        # backend's own connection, and slack for a loaded machine.
+        waiter.join(timeout + 2 * proxied.call_bound + 5)
+        assert not waiter.is_alive(), "the waiter outlived its deadline on a silent connection"
+        assert isinstance(outcome[0], LeaseUnavailable | BackendUnavailable), outcome
+    finally:
+        proxied.each(FaultProxy.pass_through)
+        holder.release()
+        if ahead is not None:
+            ahead.join(30)
+    # A try held in the proxy may reach the server once it passes again, after the release:
+    # granted to a waiter that gave up, it ends by its TTL.
+    wait_until(lambda: holder_of(lease_name) is None, 15, "a lost grant to expire")

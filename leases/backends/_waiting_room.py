@@ -14,6 +14,11 @@ queued for the room, or when the name has been free for longer than :data:`ROOM_
 process that has just released cannot take the name straight back while others wait (it goes
 to the back of the queue), and a waiter is served after those that queued before it.
 
+Every statement on a room connection waits at most ``REQUEST_TIMEOUT`` for its reply (queueing:
+its ``lock_timeout`` more), as on the backend's own connection (:mod:`._pgdeadline`): a room
+connection gone silent (a NAT, a proxy, a paused server) is dropped, and its waiter carries on
+without a room, so it still gives up by its deadline.
+
 Best effort throughout: queueing lasts at most :data:`ROOM_TIMEOUT` at a time (a paused waiter
 inside must not hold the queue back for longer: the waiter retries, which succeeds once the
 name has been free for :data:`ROOM_GRACE`, then queues again at the back), the connections per
@@ -23,12 +28,15 @@ it: the acquire statement alone decides who holds the name.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import logging
+import math
 import select
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -38,22 +46,40 @@ from psycopg import pq, sql
 
 from ..errors import BackendUnavailable
 from ..keys import advisory_key
+from ._pg_shared import GROUP
+from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
+from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
 
-__all__ = ["ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "WaitingRoom", "room_key"]
+__all__ = [
+    "ROOM_CONNECTIONS",
+    "ROOM_GRACE",
+    "ROOM_TIMEOUT",
+    "AsyncWaitingRoom",
+    "WaitingRoom",
+    "room_key",
+]
 
 logger = logging.getLogger("leases")
 
-#: Enter (and queue again after :data:`ROOM_TIMEOUT`): listen, then queue on the name's room
-#: lock, ``lock_timeout`` bounding the queueing; once inside, say whether the name is held, so
-#: the waiter skips a try bound to fail (it is listening: that holder's release will wake it).
-#: A timeout rolls the ``LISTEN`` back with the rest, so each queueing listens again.
-#: Leave: unlock and stop listening. Each is one simple-protocol round trip (two statements,
-#: values formatted in as literals: no parameters are allowed there).
-ROOM_ENTER_SQL = """LISTEN leases_released;
-SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key}),
-       EXISTS (SELECT 1 FROM leases_lease
-               WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp())"""
+#: Enter (and queue again after :data:`ROOM_TIMEOUT`): queue on the name's room lock,
+#: ``lock_timeout`` bounding the queueing; once inside, listen (committed at once: ``LISTEN``
+#: takes effect at commit), then look at the name in a statement of its own (its snapshot is
+#: taken after the ``LISTEN`` took effect, so a release is either seen by the look or
+#: announced to us). The look says whether the name is held (``'shared'`` by readers,
+#: ``'held'`` by one holder; no row: free) and for how many seconds more unless renewed, so
+#: the waiter skips a try bound to fail (that holder's release will wake it), and stops new
+#: readers only when readers hold the name. Only the waiter inside listens: a session queued
+#: on the lock would be signalled by every release of every name for nothing. A timeout
+#: ends the round trip before the ``LISTEN``.
+#: Leave: unlock and stop listening. Each is one simple-protocol round trip (several
+#: statements, values formatted in as literals: no parameters are allowed there).
+ROOM_ENTER_SQL = """SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key});
+BEGIN; LISTEN leases_released; COMMIT;
+SELECT CASE WHEN holder = {group} AND secret_hash IS NULL THEN 'shared' ELSE 'held' END,
+       extract(epoch FROM expires_at - clock_timestamp())::float8
+FROM leases_lease
+WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp()"""
 ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
 #: Leave after the grant statement unlocked the room already.
 ROOM_UNLISTEN_SQL = "UNLISTEN *"
@@ -88,15 +114,42 @@ class _Visit:
     inside: bool = False
     #: The name was held when this waiter got inside: its next try is bound to fail.
     held: bool = False
+    #: When (monotonic) the grant seen at the last look runs out unless renewed: a holder
+    #: gone without releasing is announced by no ``NOTIFY``, so the wait ends then.
+    expires: float = math.inf
+    #: Readers held the name at this waiter's last look (entering, or a failed try).
+    shared: bool = False
+
+
+def _execute(
+    conn: psycopg.Connection[Any],
+    statement: Any,
+    params: Mapping[str, Any] | None,
+    timeout: float,
+) -> psycopg.Cursor[Any]:
+    """Run ``statement`` on a room connection, waiting at most ``timeout`` for the reply
+    (then the connection is cut, and the driver's error raised: the caller drops it)."""
+    due = Deadline(conn.fileno(), timeout)
+    with armed(due):
+        return conn.execute(statement, params)
 
 
 class WaitingRoom:
     """The rooms of one backend alias on database ``db_alias``, per process."""
 
-    def __init__(self, db_alias: str, alias: str, *, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        db_alias: str,
+        alias: str,
+        *,
+        enabled: bool = True,
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> None:
         self.db_alias = db_alias
         self.alias = alias
         self.enabled = enabled
+        #: Seconds a room statement waits for its reply (the backend's ``REQUEST_TIMEOUT``).
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._local = threading.local()
         self._idle: list[psycopg.Connection[Any]] = []
@@ -135,6 +188,12 @@ class WaitingRoom:
         The room connection listens since entering and buffers what arrived since, so a
         release between the failed try and this wait is not missed. A waiter queued out of the
         room queues again (the caller's next try decides whether the one inside is stuck).
+
+        Inside, the waiter waits for the release's ``NOTIFY`` (up to :data:`ROOM_TIMEOUT`
+        within its deadline, whatever shorter ``timeout`` its backoff asked for): a try before
+        then is bound to fail, so it would only poll. A holder gone without releasing is found
+        by a try when the grant seen on entering runs out (no ``NOTIFY`` announces an expiry;
+        a renewed grant costs one failed try), or after :data:`ROOM_TIMEOUT` at the latest.
         """
         visit = self._visit(name)
         if visit is None:
@@ -142,6 +201,8 @@ class WaitingRoom:
         try:
             if not visit.inside:
                 return self._queue(visit)
+            left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
+            timeout = max(timeout, min(left, ROOM_TIMEOUT, visit.expires - time.monotonic()))
             for note in visit.conn.notifies(timeout=max(0.0, timeout)):
                 if note.payload == name:
                     return True
@@ -152,7 +213,9 @@ class WaitingRoom:
 
     def run_inside(self, name: str, statement: str, params: Mapping[str, Any]) -> list[Any] | None:
         """Run ``statement`` on the room connection if this thread is inside ``name``'s room
-        (else ``None``); rows back mean the statement also unlocked the room (a grant)."""
+        (else ``None``); a row with a token means the statement also unlocked the room (a
+        grant). A failed try returns no rows (its one token-less row, if any, says readers
+        hold the name: :meth:`readers_hold`)."""
         visit = self._visit(name)
         if visit is None or not visit.inside:
             return None
@@ -160,16 +223,25 @@ class WaitingRoom:
             visit.held = False
             return []  # held when we got inside, and no release has woken us since
         try:
-            rows = visit.conn.execute(statement, params).fetchall()
+            rows = _execute(visit.conn, statement, params, self.timeout).fetchall()
         except psycopg.Error as exc:
             logger.debug("leases: retrying outside the room of %r: %s", name, exc)
             if visit.conn.broken or visit.conn.closed:
                 visit.inside = False  # the session is gone, and its room lock with it
                 self._local.visit = None
             return None
-        if rows:
+        if rows and rows[0][0] is not None:
             visit.inside = False
-        return rows
+            return rows
+        visit.shared = bool(rows)
+        visit.expires = math.inf  # renewed, or taken by another: wait for its release
+        return []
+
+    def readers_hold(self, name: str) -> bool | None:
+        """Whether readers held ``name`` at this thread's last look from inside its room;
+        ``None`` when not inside (unknown)."""
+        visit = self._visit(name)
+        return visit.shared if visit is not None and visit.inside else None
 
     def _visit(self, name: str) -> _Visit | None:
         visit: _Visit | None = getattr(self._local, "visit", None)
@@ -193,8 +265,7 @@ class WaitingRoom:
         self._lock_room(visit)
         return visit.inside
 
-    @staticmethod
-    def _lock_room(visit: _Visit) -> None:
+    def _lock_room(self, visit: _Visit) -> None:
         left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
         queue_for = min(left, ROOM_TIMEOUT)
         if queue_for <= 0:
@@ -203,15 +274,20 @@ class WaitingRoom:
             timeout_ms=sql.Literal(f"{max(1, int(queue_for * 1000))}ms"),
             key=sql.Literal(visit.key),
             name=sql.Literal(visit.name),
+            group=sql.Literal(GROUP),
         )
         try:
-            cursor = visit.conn.execute(statement)
+            cursor = _execute(visit.conn, statement, None, queue_for + self.timeout)
         except psycopg.errors.LockNotAvailable:
             return  # queued long enough: try once, then queue again
-        cursor.nextset()
+        while cursor.nextset():  # past the lock, BEGIN, LISTEN and COMMIT, to the look
+            pass
         row = cursor.fetchone()
         visit.inside = True
-        visit.held = bool(row and row[2])
+        visit.held = bool(row and row[0])
+        visit.shared = bool(row and row[0] == "shared")
+        # A hint only (the server's clock, a round trip old): the try then decides.
+        visit.expires = time.monotonic() + row[1] if row else math.inf
 
     def _connection(self) -> psycopg.Connection[Any]:
         while True:
@@ -222,6 +298,11 @@ class WaitingRoom:
                 unsettled = conn in self._unsettled
                 self._unsettled.discard(conn)
             if (not unsettled or _settle(conn)) and not stale(conn):
+                # Releases heard on its last visit (read with a later reply) are over: kept,
+                # each would wake this visit for a try bound to fail.
+                backlog = getattr(conn, "_notifies_backlog", None)
+                if backlog:
+                    backlog.clear()
                 return conn
             close_quietly(conn)
         return connect(self.db_alias)
@@ -234,11 +315,13 @@ class WaitingRoom:
                 # Sent without waiting for the reply, which the next user of the connection
                 # collects (:func:`_settle`): the new holder returns a round trip sooner.
                 if not _send(conn, ROOM_UNLISTEN_SQL):
-                    conn.execute(ROOM_UNLISTEN_SQL.encode())
+                    _execute(conn, ROOM_UNLISTEN_SQL.encode(), None, self.timeout)
                 else:
                     with self._lock:
                         self._unsettled.add(conn)
-            elif conn.execute(ROOM_LEAVE_SQL.format(key=visit.key).encode()).fetchone() != (True,):
+            elif _execute(
+                conn, ROOM_LEAVE_SQL.format(key=visit.key).encode(), None, self.timeout
+            ).fetchone() != (True,):
                 # The unlock ran on another server session (a transaction-pooling proxy):
                 # the room cannot work here, so stop using it rather than leak locks.
                 self.enabled = False
@@ -316,3 +399,215 @@ def _settle(conn: psycopg.Connection[Any]) -> bool:
         return ok and pgconn.transaction_status == pq.TransactionStatus.IDLE
     except (psycopg.Error, OSError):
         return False
+
+
+@dataclass
+class _AsyncVisit:
+    """One task's stay in one name's room (the async twin of :class:`_Visit`)."""
+
+    name: str
+    key: int
+    conn: psycopg.AsyncConnection[Any]
+    deadline: float | None
+    inside: bool = False
+    held: bool = False
+    #: When (monotonic) the grant seen at the last look runs out unless renewed: a holder
+    #: gone without releasing is announced by no ``NOTIFY``, so the wait ends then.
+    expires: float = math.inf
+    shared: bool = False
+    #: Just got inside: the next wait acts on the look taken then (free: try at once).
+    fresh: bool = False
+
+
+class AsyncWaitingRoom:
+    """The rooms of one backend alias on one event loop: :class:`WaitingRoom` for tasks.
+
+    The same queue (the server's lock queue on the same room lock, so sync and async waiters
+    of a name queue together), the same statements, the same reply deadlines, awaited on
+    psycopg's ``AsyncConnection``: a waiting task holds a connection of its own (at most
+    :data:`ROOM_CONNECTIONS` per loop; the rest wait without a room) but never blocks the loop.
+    A task cancelled in the room drops its connection (it may be mid-protocol), which ends
+    the session and its room lock with it.
+    """
+
+    def __init__(
+        self, db_alias: str, alias: str, *, enabled: bool = True, timeout: float = REQUEST_TIMEOUT
+    ) -> None:
+        self.db_alias = db_alias
+        self.alias = alias
+        self.enabled = enabled
+        self.timeout = timeout
+        self._idle: list[psycopg.AsyncConnection[Any]] = []
+        self._in_use = 0
+        #: The current task's visit; a context variable, so the tasks a waiter starts for
+        #: its tries (``aacquire`` shields each in a task of its own) see it too.
+        self._current: contextvars.ContextVar[_AsyncVisit | None] = contextvars.ContextVar(
+            f"leases_room_{id(self)}", default=None
+        )
+
+    @contextlib.asynccontextmanager
+    async def enter(self, name: str, timeout: float | None) -> AsyncIterator[None]:
+        """Queue on the name's room lock, then wait inside it (see :meth:`WaitingRoom.enter`)."""
+        if not self.enabled or self._in_use >= ROOM_CONNECTIONS:
+            yield
+            return
+        self._in_use += 1
+        visit = None
+        current = self._current.set(None)
+        try:
+            visit = await self._enter(name, timeout)
+            self._current.set(visit)
+            yield
+        except BaseException:
+            if visit is not None:  # maybe mid-protocol: never reuse it
+                await _aclose_quietly(visit.conn)
+                visit = None
+            raise
+        finally:
+            self._current.reset(current)
+            self._in_use -= 1
+            if visit is not None and not visit.conn.closed:
+                await self._leave(visit)
+
+    def _visit(self, name: str) -> _AsyncVisit | None:
+        visit = self._current.get()
+        if visit is None or visit.name != name or visit.conn.closed:
+            return None
+        return visit
+
+    async def wait(self, name: str, timeout: float) -> bool | None:
+        """:meth:`WaitingRoom.wait`, awaited: woken by the release's ``NOTIFY``."""
+        visit = self._visit(name)
+        if visit is None:
+            return None
+        try:
+            if not visit.inside:
+                await self._lock_room(visit)
+                if not visit.inside:
+                    return False  # queued out: try (the waiter inside may be stuck)
+            fresh, visit.fresh = visit.fresh, False
+            if fresh and not visit.held:
+                return True  # free when we got inside: try at once
+            visit.held = False  # held then: the release that wakes us is worth a try
+            left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
+            timeout = max(timeout, min(left, ROOM_TIMEOUT, visit.expires - time.monotonic()))
+            # Closed here, not left to the loop's finalizer: a suspended ``notifies()`` holds
+            # the connection's lock, and the try that follows needs it.
+            notes = visit.conn.notifies(timeout=max(0.0, timeout))
+            async with contextlib.aclosing(notes):
+                async for note in notes:
+                    if note.payload == name:
+                        return True
+        except psycopg.Error:
+            visit.inside = False  # the session is gone (and its room lock with it)
+            await _aclose_quietly(visit.conn)
+        return False
+
+    async def run_inside(
+        self, name: str, statement: str, params: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """:meth:`WaitingRoom.run_inside`, awaited."""
+        visit = self._visit(name)
+        if visit is None or not visit.inside:
+            return None
+        if visit.held:
+            visit.held = False
+            return []
+        due = Deadline(visit.conn.fileno(), self.timeout)
+        try:
+            with aarmed(due):
+                cursor = await visit.conn.execute(statement, params)
+                rows = await cursor.fetchall()
+        except psycopg.Error as exc:
+            logger.debug("leases: retrying outside the room of %r: %s", name, exc)
+            if visit.conn.broken or visit.conn.closed or due.fired:
+                visit.inside = False
+                await _aclose_quietly(visit.conn)
+            return None
+        if rows and rows[0][0] is not None:
+            visit.inside = False
+            return rows
+        visit.shared = bool(rows)
+        visit.expires = math.inf  # renewed, or taken by another: wait for its release
+        return []
+
+    def readers_hold(self, name: str) -> bool | None:
+        visit = self._visit(name)
+        return visit.shared if visit is not None and visit.inside else None
+
+    async def _enter(self, name: str, timeout: float | None) -> _AsyncVisit | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = None
+        try:
+            conn = await self._connection()
+            visit = _AsyncVisit(name, room_key(name), conn, deadline)
+            await self._lock_room(visit)
+            return visit
+        except (psycopg.Error, BackendUnavailable) as exc:
+            logger.debug("leases: waiting without a room for %r: %s", name, exc)
+            await _aclose_quietly(conn)
+            return None
+
+    async def _lock_room(self, visit: _AsyncVisit) -> None:
+        left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
+        queue_for = min(left, ROOM_TIMEOUT)
+        if queue_for <= 0:
+            return
+        statement = sql.SQL(ROOM_ENTER_SQL).format(
+            timeout_ms=sql.Literal(f"{max(1, int(queue_for * 1000))}ms"),
+            key=sql.Literal(visit.key),
+            name=sql.Literal(visit.name),
+            group=sql.Literal(GROUP),
+        )
+        due = Deadline(visit.conn.fileno(), queue_for + self.timeout)
+        try:
+            with aarmed(due):
+                cursor = await visit.conn.execute(statement)
+                while cursor.nextset():  # to the last look, as in the sync room
+                    pass
+                row = await cursor.fetchone()
+        except psycopg.errors.LockNotAvailable:
+            return
+        visit.inside = visit.fresh = True
+        visit.held = bool(row and row[0])
+        visit.shared = bool(row and row[0] == "shared")
+        # A hint only (the server's clock, a round trip old): the try then decides.
+        visit.expires = time.monotonic() + row[1] if row else math.inf
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        while self._idle:
+            conn = self._idle.pop()
+            if not stale(conn):
+                backlog = getattr(conn, "_notifies_backlog", None)
+                if backlog:
+                    backlog.clear()
+                return conn
+            await _aclose_quietly(conn)
+        return await aconnect(self.db_alias)
+
+    async def _leave(self, visit: _AsyncVisit) -> None:
+        conn = visit.conn
+        statement = ROOM_LEAVE_SQL.format(key=visit.key) if visit.inside else ROOM_UNLISTEN_SQL
+        due = Deadline(conn.fileno(), self.timeout)
+        try:
+            with aarmed(due):
+                cursor = await conn.execute(statement.encode())
+                row = await cursor.fetchone() if visit.inside else (True,)
+        except psycopg.Error:
+            await _aclose_quietly(conn)  # closing the session releases its room lock
+            return
+        except asyncio.CancelledError:
+            await _aclose_quietly(conn)
+            raise
+        if row != (True,):
+            self.enabled = False
+            logger.warning("leases: waiting room disabled on %r: unlock failed", self.alias)
+        if len(self._idle) < _IDLE_ROOM_CONNECTIONS:
+            self._idle.append(conn)
+        else:
+            await _aclose_quietly(conn)
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await _aclose_quietly(conn)

@@ -25,7 +25,7 @@ import contextlib
 import enum
 import secrets
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
@@ -196,11 +196,13 @@ class LeaseBackend(abc.ABC):
         """
         raise BackendNotSupported(self.alias, Capability.SHARED_LEASES.value)
 
-    def stop_new_readers(self, name: str) -> None:  # noqa: B027 - optional, like close()
+    def stop_new_readers(self, name: str) -> bool | None:  # noqa: B027 - optional, like close()
         """An exclusive waiter of ``name`` stops readers from joining for a short while (at
         least a second), so a stream of readers cannot starve it; it calls this again while it
         waits (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds). One round trip;
-        nothing to do for backends without :attr:`Capability.SHARED_LEASES`."""
+        nothing to do for backends without :attr:`Capability.SHARED_LEASES`. A backend that
+        knows no readers hold the name may skip the round trip and return ``False``: the
+        waiter then asks again before its next try instead of after the interval."""
 
     @abc.abstractmethod
     def renew(self, grant: Grant, ttl: float) -> Grant:
@@ -258,9 +260,9 @@ class LeaseBackend(abc.ABC):
         """:meth:`try_acquire_shared` without blocking the event loop."""
         return await asyncio.to_thread(self.try_acquire_shared, name, holder, ttl)
 
-    async def astop_new_readers(self, name: str) -> None:
+    async def astop_new_readers(self, name: str) -> bool | None:
         """:meth:`stop_new_readers` without blocking the event loop."""
-        await asyncio.to_thread(self.stop_new_readers, name)
+        return await asyncio.to_thread(self.stop_new_readers, name)
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
         """:meth:`wait_for_release` without blocking the event loop; cancelling it stops the
@@ -285,6 +287,11 @@ class LeaseBackend(abc.ABC):
         backend must stop queueing after a short while rather than let a paused waiter hold
         the others back. Safety never depends on it.
         """
+        return contextlib.nullcontext()
+
+    def awaiting_room(self, name: str, timeout: float | None) -> AbstractAsyncContextManager[None]:
+        """:meth:`waiting_room` for async waiters (``async with``); the default admits
+        everyone at once."""
         return contextlib.nullcontext()
 
     def doubts(self, grant: Grant) -> str | None:

@@ -35,7 +35,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -46,6 +46,7 @@ from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproper
 from ._aio import PerLoop
 from ._counter import TIMELINE_FLOOR_SQL
 from ._pg_shared import (
+    GROUP,
     SHARED_ACQUIRE_SQL,
     SHARED_RELEASE_SQL,
     SHARED_RENEW_SQL,
@@ -60,7 +61,14 @@ from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
 from ._pgdeadline import REQUEST_TIMEOUT
 from ._pgprepared import Prepared
 from ._pruning import FLOOR_SQL, Progress, prune_rows
-from ._waiting_room import ROOM_CONNECTIONS, ROOM_GRACE, ROOM_TIMEOUT, WaitingRoom, room_key
+from ._waiting_room import (
+    ROOM_CONNECTIONS,
+    ROOM_GRACE,
+    ROOM_TIMEOUT,
+    AsyncWaitingRoom,
+    WaitingRoom,
+    room_key,
+)
 from .base import (
     FORGED,
     LIST_BATCH,
@@ -109,9 +117,15 @@ RETURNING l.token, l.expires_at
 
 #: The waiter inside the room takes the name and, when granted, leaves the room in the same
 #: trip: the next waiter in the server's lock queue is inside before this grant even commits.
+#: Refused, it gets one token-less row back when readers hold the name (else none): only then
+#: does it need to stop new readers (a round trip of its own) before its next try.
 ROOM_ACQUIRE_SQL = f"""
 WITH granted AS ({ACQUIRE_SQL})
 SELECT token, expires_at, pg_advisory_unlock(%(room)s::bigint) FROM granted
+UNION ALL
+SELECT NULL, NULL, NULL FROM leases_lease
+WHERE name = %(name)s::text AND holder = %(group)s::text AND secret_hash IS NULL
+  AND expires_at > clock_timestamp() AND NOT EXISTS (SELECT FROM granted)
 """  # noqa: S608
 
 #: Extend a grant that is still ours (holder, token and secret) and still valid on the server's
@@ -255,6 +269,7 @@ def _asking(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
         "room": _room_of(name),
         "grace": ROOM_GRACE,
         "in_room": False,
+        "group": GROUP,
     }
 
 
@@ -376,9 +391,17 @@ class Backend(LeaseBackend):
         self._listener: Listener | None = None
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
-        self._room = WaitingRoom(self.db_alias, alias, enabled=enabled)
+        self._room = WaitingRoom(
+            self.db_alias, alias, enabled=enabled, timeout=self.request_timeout
+        )
         self._async: PerLoop[AsyncState] = PerLoop(
             lambda: AsyncState(self.db_alias, self.request_timeout), lambda state: state.close()
+        )
+        self._aroom: PerLoop[AsyncWaitingRoom] = PerLoop(
+            lambda: AsyncWaitingRoom(
+                self.db_alias, alias, enabled=self._room.enabled, timeout=self.request_timeout
+            ),
+            lambda room: room.close(),
         )
         track(self)
 
@@ -456,8 +479,14 @@ class Backend(LeaseBackend):
             return None
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
-    def stop_new_readers(self, name: str) -> None:
+    def stop_new_readers(self, name: str) -> bool:
+        """Stop new readers, unless this waiter is inside the name's room and readers did not
+        hold it at its last look (entering, or its last try): then there are none to stop,
+        and no round trip is spent (``False``: ask again before the next try)."""
+        if self._room.readers_hold(name) is False:
+            return False
         self._run(STOP_READERS_SQL, stop_readers_params(name))
+        return True
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())
@@ -481,12 +510,18 @@ class Backend(LeaseBackend):
             raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
 
     async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
+        """:meth:`try_acquire`, awaited: inside the name's room on the task's room
+        connection, else on the loop's own connection."""
         sent_at, secret = time.monotonic(), new_secret()
-        rows = await self._arun(ACQUIRE_SQL, _asking(name, holder, ttl, secret))
+        params = _asking(name, holder, ttl, secret)
+        room = self._aroom.get()
+        rows = await room.run_inside(name, ROOM_ACQUIRE_SQL, {**params, "in_room": True})
+        if rows is None:
+            rows = await self._arun(ACQUIRE_SQL, params)
         if not rows:
             self._async.get().failed(name, sent_at)
             return None
-        token, expires_at = rows[0]
+        token, expires_at = rows[0][:2]
         return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
 
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
@@ -515,16 +550,29 @@ class Backend(LeaseBackend):
             return None
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
-    async def astop_new_readers(self, name: str) -> None:
+    async def astop_new_readers(self, name: str) -> bool:
+        """:meth:`stop_new_readers`, awaited (skipped, too, when no reader holds the name)."""
+        if self._aroom.get().readers_hold(name) is False:
+            return False
         await self._arun(STOP_READERS_SQL, stop_readers_params(name))
+        return True
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
-        """Woken by the release's ``NOTIFY`` on the loop's listening connection."""
+        """Woken by the release's ``NOTIFY``: in the name's room on the task's room connection,
+        else on the loop's listening connection."""
         state = self._async.get()
         since = state.failed_since(name)
+        woken = await self._aroom.get().wait(name, timeout)
+        if woken is not None:
+            return woken
         return await state.listener.wait(name, since, max(0.0, timeout))
 
+    def awaiting_room(self, name: str, timeout: float | None) -> AbstractAsyncContextManager[None]:
+        """:meth:`waiting_room` for tasks: the same queue, on async connections."""
+        return self._aroom.get().enter(name, timeout)
+
     async def aclose(self) -> None:
+        await self._aroom.aclose()
         await self._async.aclose()
 
     def waiting_room(self, name: str, timeout: float | None) -> AbstractContextManager[None]:
