@@ -51,7 +51,7 @@ from typing import Any
 from ..errors import FencingUnavailable, LeaseNotHeld
 from ._counter import DurableCounter
 from ._redis_async import AsyncRedis
-from ._redis_conn import Script, run_script, server_run
+from ._redis_conn import Connections, Script, run_script, server_run
 from ._redis_io import (
     Edge,
     blpop,
@@ -188,6 +188,8 @@ class Backend(LeaseBackend):
         self.scripts = {name: Script(lua_text) for name, lua_text in SCRIPTS.items()}
         self._lock = threading.Lock()
         self._client: Any = None
+        #: The connections scripts run on, kept between round trips (not on a cluster).
+        self._connections: Connections | None = None
         self._waits = WaitClock()
         self._cluster: dict[str, Any] = {}
         self._async = AsyncRedis(self)
@@ -215,6 +217,8 @@ class Backend(LeaseBackend):
                     self._cluster = {
                         name: client.register_script(lua_text) for name, lua_text in SCRIPTS.items()
                     }
+                else:
+                    self._connections = Connections(client.connection_pool)
                 self._client = client
             return self._client
 
@@ -225,14 +229,14 @@ class Backend(LeaseBackend):
         :mod:`~leases.backends._redis_conn`) and tells which one it used. A Redis Cluster
         client gives none, so every acquire there reads it (one ``INFO`` on the node).
         """
-        client = self.client
+        client = self._client or self.client
         with Edge(self.alias, script):
             if self._cluster:
                 return self._cluster[script](keys=keys, args=args, client=client)
-            pool = client.connection_pool
-            connection = pool.get_connection()
+            connections = self._connections
+            assert connections is not None
+            connection = connections.take()
             try:
-                connection.connect()
                 if script not in TOKEN_SCRIPTS:
                     return run_script(connection, self.scripts[script], keys, args)
                 known = server_run(connection)
@@ -244,7 +248,7 @@ class Backend(LeaseBackend):
                 connection.disconnect()  # and so forget what it knew of its server
                 raise
             finally:
-                pool.release(connection)
+                connections.give(connection)
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         keys = LeaseKeys.of(self.prefix, name)
@@ -399,6 +403,9 @@ class Backend(LeaseBackend):
     def close(self) -> None:
         with self._lock:
             client, self._client, self._cluster = self._client, None, {}
+            connections, self._connections = self._connections, None
+        if connections is not None:
+            connections.close()
         if client is not None and self.options.get("URL") is not None:
             client.close()
         self.epochs.close()
