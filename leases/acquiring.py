@@ -92,8 +92,8 @@ def _grant(
     try:
         with tracing.span("leases.wait", attributes), room:
             while True:
-                if writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at:
-                    _stop_new_readers(store, name)
+                due = writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at
+                if due and _stop_new_readers(store, name):
                     stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
                 grant = attempt(name, holder, ttl)
                 if grant is not None:
@@ -106,12 +106,14 @@ def _grant(
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
 
 
-def _stop_new_readers(store: LeaseBackend, name: str) -> None:
-    """Best effort, like the wait: fairness saves readers' turns, the next try decides."""
+def _stop_new_readers(store: LeaseBackend, name: str) -> bool:
+    """Best effort, like the wait: fairness saves readers' turns, the next try decides.
+    Whether the store was asked (else ask again before the next try)."""
     try:
-        store.stop_new_readers(name)
+        return store.stop_new_readers(name) is not False
     except BackendUnavailable as exc:
         logger.debug("leases: could not stop new readers of %r: %s", name, exc)
+        return True
 
 
 def _wait(store: LeaseBackend, name: str, delay: float) -> None:

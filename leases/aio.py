@@ -117,8 +117,8 @@ async def _agrant(
             delay = backoff.next_delay()
             if delay is None:
                 raise LeaseUnavailable(name, timeout)
-            if writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at:
-                await _stop_new_readers(store, name)
+            due = writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at
+            if due and await _stop_new_readers(store, name):
                 stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
             await _wait(store, name, delay)
             grant = await _try(store, name, holder, ttl, shared)
@@ -128,12 +128,14 @@ async def _agrant(
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
 
 
-async def _stop_new_readers(store: LeaseBackend, name: str) -> None:
-    """Best effort, like the sync one: fairness saves readers' turns, the next try decides."""
+async def _stop_new_readers(store: LeaseBackend, name: str) -> bool:
+    """Best effort, like the sync one: fairness saves readers' turns, the next try decides.
+    Whether the store was asked (else ask again before the next try)."""
     try:
-        await store.astop_new_readers(name)
+        return await store.astop_new_readers(name) is not False
     except BackendUnavailable as exc:
         logger.debug("leases: could not stop new readers of %r: %s", name, exc)
+        return True
 
 
 async def aacquire(

@@ -193,11 +193,16 @@ class LeaseBackend(abc.ABC):
         """
         raise BackendNotSupported(self.alias, Capability.SHARED_LEASES.value)
 
-    def stop_new_readers(self, name: str) -> None:  # noqa: B027 - optional, like close()
+    def stop_new_readers(self, name: str) -> bool | None:
         """An exclusive waiter of ``name`` stops readers from joining for a short while (at
         least a second), so a stream of readers cannot starve it; it calls this again while it
         waits (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds). One round trip;
-        nothing to do for backends without :attr:`Capability.SHARED_LEASES`."""
+        nothing to do for backends without :attr:`Capability.SHARED_LEASES`.
+
+        ``False`` means the backend knew there was nothing to stop (no readers held the name at
+        the waiter's last try) and asked nothing: the waiter then calls again before its next
+        try instead of a while later."""
+        return None
 
     @abc.abstractmethod
     def renew(self, grant: Grant, ttl: float) -> Grant:
@@ -255,9 +260,9 @@ class LeaseBackend(abc.ABC):
         """:meth:`try_acquire_shared` without blocking the event loop."""
         return await asyncio.to_thread(self.try_acquire_shared, name, holder, ttl)
 
-    async def astop_new_readers(self, name: str) -> None:
+    async def astop_new_readers(self, name: str) -> bool | None:
         """:meth:`stop_new_readers` without blocking the event loop."""
-        await asyncio.to_thread(self.stop_new_readers, name)
+        return await asyncio.to_thread(self.stop_new_readers, name)
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
         """:meth:`wait_for_release` without blocking the event loop; cancelling it stops the

@@ -424,8 +424,9 @@ class Backend(LeaseBackend):
             return None
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
-    def stop_new_readers(self, name: str) -> None:
+    def stop_new_readers(self, name: str) -> bool:
         self._run(STOP_READERS_SQL, stop_readers_params(name))
+        return True
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         since = self._failed_at().pop(name, time.monotonic())
@@ -483,8 +484,9 @@ class Backend(LeaseBackend):
             return None
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
-    async def astop_new_readers(self, name: str) -> None:
+    async def astop_new_readers(self, name: str) -> bool:
         await self._arun(STOP_READERS_SQL, stop_readers_params(name))
+        return True
 
     async def await_for_release(self, name: str, timeout: float) -> bool:
         """Woken by the release's ``NOTIFY`` on the loop's listening connection."""

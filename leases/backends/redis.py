@@ -72,6 +72,7 @@ from ._redis_protocol import (
     MAX_COUNTER,
     MAX_EPOCH,
     TOKEN_SCRIPTS,
+    ReadersSeen,
     acquire_args,
     acquired,
     owner_args,
@@ -192,6 +193,9 @@ class Backend(LeaseBackend):
         self._connections: Connections | None = None
         self._waits = WaitClock()
         self._cluster: dict[str, Any] = {}
+        #: Per name, whether the latest exclusive try that found it held found readers there
+        #: (see :meth:`stop_new_readers`).
+        self.readers_seen = ReadersSeen()
         self._async = AsyncRedis(self)
 
     def connect_options(self) -> dict[str, Any]:
@@ -277,12 +281,21 @@ class Backend(LeaseBackend):
             reply = self._run(script, keys, args)
             outcome = acquired(reply, name, holder, ttl, sent_at, secret, shared)
             if not isinstance(outcome, int):
+                if shared is None:
+                    self.readers_seen.note(name, reply)
                 return outcome
             offered = self.next_epoch(outcome)
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
 
-    def stop_new_readers(self, name: str) -> None:
+    def stop_new_readers(self, name: str) -> bool:
+        """Stop new readers, unless the latest exclusive try found ``name`` held by an
+        exclusive grant: readers cannot join that, and only start a group once it is released,
+        which the waiter's next try sees (and the call after it then stops them). So waiting
+        for a name never shared costs no round trip beyond the tries and waits."""
+        if self.readers_seen.none(name):
+            return False
         self._run("stop_readers", *stop_readers_call(self.prefix, name))
+        return True
 
     def next_epoch(self, stored: int) -> int:
         """A new epoch above ``stored``, from the database (see the module's docstring)."""
@@ -329,8 +342,11 @@ class Backend(LeaseBackend):
         keys = shared_acquire_keys(self.prefix, name)
         return await self._async.acquire("shared_acquire", name, holder, ttl, keys, [MARK])
 
-    async def astop_new_readers(self, name: str) -> None:
+    async def astop_new_readers(self, name: str) -> bool:
+        if self.readers_seen.none(name):
+            return False
         await self._async.run("stop_readers", *stop_readers_call(self.prefix, name))
+        return True
 
     async def arenew(self, grant: Grant, ttl: float) -> Grant:
         return await self._async.renew(grant, ttl)
