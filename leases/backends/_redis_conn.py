@@ -38,7 +38,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 __all__ = [
     "Connections",
@@ -88,6 +88,22 @@ class Script:
         return pack((len(keys), *keys, *args), self.head, 2)
 
 
+def _unusable(connection: Any) -> bool:
+    """Whether a kept connection must be reconnected: closed, or readable while idle (the
+    server closed it, or a reply was left unread). One ``select`` with no wait; a descriptor
+    ``select`` cannot watch (``FD_SETSIZE``) is asked through redis-py instead."""
+    sock = connection._sock
+    if sock is None:
+        return True
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        try:
+            return bool(connection.can_read())
+        except (RedisError, OSError):
+            return True
+
+
 class Connections:
     """Connections checked out of one redis-py pool and kept between round trips.
 
@@ -115,10 +131,13 @@ class Connections:
             connection = self._idle.pop()
         except IndexError:
             return self.pool.get_connection()
-        sock = connection._sock
-        if sock is None or select.select([sock], [], [], 0)[0]:
+        if _unusable(connection):
             connection.disconnect()
-            connection.connect()
+            try:
+                connection.connect()
+            except BaseException:
+                self._idle.append(connection)  # still checked out of the pool: keep it
+                raise
         return connection
 
     def give(self, connection: Any) -> None:
