@@ -47,9 +47,12 @@ class Node:
         self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
         self.connections = Connections(self.client.connection_pool)
 
-    def send(self, command: tuple[object, ...], label: str | None = None) -> Any:
+    def send(
+        self, command: tuple[object, ...], label: str | None = None, packed: bytes = b""
+    ) -> Any:
         """Send ``command`` without waiting; ``None`` if the node could not be reached.
-        ``label`` names the connection first (see :func:`~._redis_io.send`)."""
+        ``label`` names the connection first (see :func:`~._redis_io.send`); ``packed`` is
+        ``command`` already packed (:func:`~._redis_conn.pack`: once for every node)."""
         if label is not None:
             try:
                 return send(self.client, command, label)
@@ -60,7 +63,7 @@ class Node:
         except (redis.RedisError, OSError):
             return None
         try:
-            connection.send_packed_command([pack(command)], check_health=False)
+            connection.send_packed_command([packed or pack(command)], check_health=False)
         except BaseException as exc:
             connection.disconnect()
             self.connections.give(connection)
