@@ -17,6 +17,9 @@ import redis
 from redis.crc import key_slot
 
 from devservers import RedisServer
+from leases import LeaseUnavailable, acquire
+from leases.acquiring import STOP_READERS_EVERY
+from leases.backends._redis_shared import STOP_READERS_LUA
 from leases.backends.base import Grant
 from leases.backends.redis import (
     ACQUIRE_LUA,
@@ -29,6 +32,7 @@ from leases.backends.redis import (
 )
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
+from tests.extra_backends import added_backend
 from tests.lease_backends import wait_overshoots
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -336,3 +340,63 @@ def test_a_wait_ends_at_its_deadline_on_an_idle_server(
     backend, name = make_backend(redis_server.url), unique()
     late = wait_overshoots(backend, name)
     assert late[0] > -0.005 and late[3] <= 0.05, late
+
+
+@pytest.mark.fault
+def test_a_kept_connection_the_server_closed_is_reconnected_before_its_next_use(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    """The backend keeps its connections between round trips; one the server closed while it
+    sat idle (a restart) is noticed and replaced before anything is sent on it, so the restart
+    costs no failed acquire, and the next token is still higher (a new epoch)."""
+    backend, name = make_backend(redis_server.url), unique()
+    first = backend.try_acquire(name, "a", 5)
+    assert first is not None
+    backend.release(first)
+    redis_server.restart("kill")
+    second = backend.try_acquire(name, "a", 5)  # no BackendUnavailable
+    assert second is not None and second.token > first.token
+    backend.release(second)
+
+
+def test_text_arguments_reach_the_server_as_utf8(make_backend: MakeBackend) -> None:
+    """Commands are packed by the backend itself: non-ASCII names and holders arrive intact."""
+    backend, name, holder = make_backend(), unique("ключ-☃"), "держатель-✓"
+    grant = backend.try_acquire(name, holder, 5)
+    assert grant is not None
+    info = backend.inspect(name)
+    assert info is not None and info.holder == holder and info.token == grant.token
+    backend.release(grant)
+    assert backend.try_acquire(name, holder, 5) is not None
+
+
+def stop_signs_sent(client: redis.Redis) -> int:
+    """How many stop-readers scripts the server ran, from its slow log (every command logged)."""
+    sha = hashlib.sha1(STOP_READERS_LUA.encode(), usedforsecurity=False).hexdigest().encode()
+    logged = client.slowlog_get(100_000)
+    return sum(1 for entry in logged if entry["command"].split()[:2] == [b"EVALSHA", sha])
+
+
+def test_a_writer_waiting_behind_a_writer_sends_no_stop_sign_for_readers(
+    redis_server: RedisServer,
+) -> None:
+    """A waiting writer stops new readers only while readers hold the name: behind another
+    writer its tries are all it sends, however long it waits; behind readers it stops them at
+    once (test_shared_leases checks that they are stopped)."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.config_set("slowlog-log-slower-than", 0)
+    client.config_set("slowlog-max-len", 100_000)
+    config = {"ENGINE": "leases.backends.redis", "URL": redis_server.url, "SOCKET_TIMEOUT": 2.0}
+    name = unique()
+    with added_backend("redis-stop-signs", config) as alias:
+        held = acquire(name, ttl=10, backend=alias, holder="w1", keepalive=False)
+        client.slowlog_reset()
+        with pytest.raises(LeaseUnavailable):  # waits past two STOP_READERS_EVERY periods
+            acquire(name, ttl=10, backend=alias, timeout=3 * STOP_READERS_EVERY, holder="w2")
+        assert stop_signs_sent(client) == 0
+        held.release()
+        reader = acquire(name, ttl=10, backend=alias, holder="r1", shared=True, keepalive=False)
+        with pytest.raises(LeaseUnavailable):
+            acquire(name, ttl=10, backend=alias, timeout=STOP_READERS_EVERY / 2, holder="w2")
+        assert stop_signs_sent(client) >= 1
+        reader.release()

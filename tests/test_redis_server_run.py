@@ -111,7 +111,23 @@ def test_a_restart_from_an_older_snapshot_never_repeats_a_token(
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("trust", [0, 0.05], ids=["default", "trusting"])
+@pytest.mark.parametrize(
+    "trust",
+    [
+        0,
+        0.05,
+        pytest.param(
+            3600.0,
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="an id cached for the connection's life repeats a token here: the "
+                "connection outlives the resync, so only time bounds what it may trust",
+            ),
+        ),
+    ],
+    ids=["default", "trusting", "cached-for-the-connection"],
+)
 def test_a_connection_idle_through_a_demotion_and_promotion_never_repeats_a_token(
     backend_on: Callable[..., Backend],
     redis_servers: Callable[[int], list[RedisServer]],
@@ -138,7 +154,7 @@ def test_a_connection_idle_through_a_demotion_and_promotion_never_repeats_a_toke
     wait_until(link, 10, "the demoted primary's resync")
     assert old.hget(fence, "counter") == b"1"
     old.replicaof("no", "one")  # and promoted again, under the backend's idle connection
-    time.sleep(trust * 2)  # nothing for the default: it must hold at once
+    time.sleep(trust * 2 if trust < 1 else 0)  # nothing for the default: it must hold at once
     cycle(backend, name, tokens)
     checker.check_grants(tokens)
 

@@ -115,6 +115,8 @@ class AsyncRedis:
             reply = await self.run(script, keys, args)
             outcome = acquired(reply, name, holder, ttl, sent_at, secret, shared)
             if not isinstance(outcome, int):
+                if shared is None:
+                    self.backend.readers_seen.note(name, reply)
                 return outcome
             offered = await asyncio.to_thread(self.backend.next_epoch, outcome)
         raise FencingUnavailable(self.backend.alias, f"no stable epoch for {name!r} after 3 tries")

@@ -20,32 +20,141 @@ is 0: no trust, one ``INFO`` per acquire.
 Commands go out with redis-py's connection-level calls, not through ``client.evalsha``: a
 client's command path may retry (django-redis caches do), and a retried acquire could win a
 grant nobody knows it holds; it also costs more client time than the round trip itself.
+
+The client's own share of a round trip is kept small on purpose, since it is most of what a
+lease costs beyond the two round trips (``benchmarks/bench_redis.py``): a command is packed
+here (:func:`pack`: a script's ``EVALSHA <sha>`` prefix once per script, redis-py's packer
+costs more than the loopback round trip's server time), and :class:`Connections` keeps the
+connections a backend checked out of its pool between round trips, so a round trip does not
+pay the pool's locking and bookkeeping twice.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import select
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from ._redis_io import CLOSED_UNDER, closed_under
 
-__all__ = ["Script", "ServerRun", "arun_script", "run_script", "server_run"]
+__all__ = [
+    "Connections",
+    "Script",
+    "ServerRun",
+    "arun_script",
+    "pack",
+    "run_script",
+    "server_run",
+]
+
+
+def _bulk(part: object) -> bytes:
+    """One argument as a RESP bulk string (text as UTF-8, as redis-py's default encoder)."""
+    if type(part) is str:
+        data = part.encode()
+    elif type(part) is bytes:
+        data = part
+    elif type(part) is int:
+        data = b"%d" % part
+    else:
+        data = str(part).encode()
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+def pack(parts: Iterable[object], head: bytes = b"", count: int = 0) -> bytes:
+    """A command as RESP: ``head`` (``count`` arguments already packed) then ``parts``."""
+    packed = [_bulk(part) for part in parts]
+    return b"".join((b"*%d\r\n" % (count + len(packed)), head, *packed))
 
 
 class Script:
     """A Lua script known by its SHA1, loaded on a connection only when the server lacks it."""
 
-    __slots__ = ("sha", "text")
+    __slots__ = ("head", "sha", "text")
 
     def __init__(self, text: str) -> None:
         self.text = text
         self.sha = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+        self.head = _bulk("EVALSHA") + _bulk(self.sha)
 
     def command(self, keys: list[str], args: list[object]) -> tuple[object, ...]:
         return ("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def packed(self, keys: list[str], args: list[object]) -> bytes:
+        """:meth:`command`, packed (see :func:`pack`)."""
+        return pack((len(keys), *keys, *args), self.head, 2)
+
+
+def _unusable(connection: Any) -> bool:
+    """Whether a kept connection must be reconnected: closed, or readable while idle (the
+    server closed it, or a reply was left unread). One ``select`` with no wait; a descriptor
+    ``select`` cannot watch (``FD_SETSIZE``) is asked through redis-py instead."""
+    sock = connection._sock
+    if sock is None:
+        return True
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        try:
+            return bool(connection.can_read())
+        except (RedisError, OSError):
+            return True
+
+
+class Connections:
+    """Connections checked out of one redis-py pool and kept between round trips.
+
+    :meth:`take` gives one to a single round trip and :meth:`give` takes it back; at most
+    :attr:`KEEP` are kept idle, the others go back to the pool, which also serves first uses.
+    A kept connection is checked as the pool checks one it hands out: one the server closed
+    (a restart) or that holds unread data is reconnected first, so a restart costs no failed
+    round trip, and reconnecting runs its connect callbacks (:func:`server_run` forgets what
+    it learned). A forked child never uses its parent's: it starts with none.
+    """
+
+    KEEP = 16
+
+    __slots__ = ("_idle", "_pid", "pool")
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+
+    def take(self) -> Any:
+        if self._pid != os.getpid():  # forked: the parent's connections are the parent's
+            self._idle, self._pid = [], os.getpid()
+        try:
+            connection = self._idle.pop()
+        except IndexError:
+            return self.pool.get_connection()
+        if _unusable(connection):
+            connection.disconnect()
+            try:
+                connection.connect()
+            except BaseException:
+                self._idle.append(connection)  # still checked out of the pool: keep it
+                raise
+        return connection
+
+    def give(self, connection: Any) -> None:
+        """Back from a round trip (the caller disconnected it if its reply went unread)."""
+        if len(self._idle) < self.KEEP and self._pid == os.getpid():
+            self._idle.append(connection)
+        else:
+            self.pool.release(connection)
+
+    def close(self) -> None:
+        """Every idle connection back to the pool."""
+        idle, self._idle = self._idle, []
+        if self._pid == os.getpid():
+            for connection in idle:
+                self.pool.release(connection)
 
 
 class ServerRun:
@@ -97,15 +206,15 @@ def run_script(connection: Any, script: Script, keys: list[str], args: list[obje
     (the backend closed on another thread) raises ``redis.ConnectionError`` (see
     :data:`~._redis_io.CLOSED_UNDER`).
     """
-    command = script.command(keys, args)
-    connection.send_command(*command, check_health=False)
+    command = [script.packed(keys, args)]
+    connection.send_packed_command(command, check_health=False)
     try:
         try:
             return connection.read_response()
         except NoScriptError:
             connection.send_command("SCRIPT", "LOAD", script.text, check_health=False)
             connection.read_response()
-            connection.send_command(*command, check_health=False)
+            connection.send_packed_command(command, check_health=False)
             return connection.read_response()
     except CLOSED_UNDER as exc:
         raise closed_under(exc) from exc
@@ -113,12 +222,12 @@ def run_script(connection: Any, script: Script, keys: list[str], args: list[obje
 
 async def arun_script(connection: Any, script: Script, keys: list[str], args: list[object]) -> Any:
     """:func:`run_script` on a ``redis.asyncio`` connection."""
-    command = script.command(keys, args)
-    await connection.send_command(*command, check_health=False)
+    command = [script.packed(keys, args)]
+    await connection.send_packed_command(command, check_health=False)
     try:
         return await connection.read_response()
     except NoScriptError:
         await connection.send_command("SCRIPT", "LOAD", script.text, check_health=False)
         await connection.read_response()
-        await connection.send_command(*command, check_health=False)
+        await connection.send_packed_command(command, check_health=False)
         return await connection.read_response()

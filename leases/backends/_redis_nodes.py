@@ -3,6 +3,9 @@
 Sending never waits on a node (connections make no handshake), so the nodes work in parallel
 and a hung one costs no more than a live one until the replies are read; replies nobody waits
 for (a failed try's unlock) are read by one persistent thread, never a thread per call.
+Commands are packed here and go out on connections each node keeps between round trips
+(:class:`~leases.backends._redis_conn.Connections`): with N nodes a try pays the client's share
+of a round trip N times, so that share is kept small.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Any
 
 import redis
 
-from ._redis_io import connect, receive, send
+from ._redis_conn import Connections, pack
+from ._redis_io import connect, send
 
 __all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "node_value"]
 
@@ -41,14 +45,32 @@ class Node:
         url = location if "://" in location else None
         self.location = location
         self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
+        self.connections = Connections(self.client.connection_pool)
 
-    def send(self, command: tuple[object, ...], label: str | None = None) -> Any:
+    def send(
+        self, command: tuple[object, ...], label: str | None = None, packed: bytes = b""
+    ) -> Any:
         """Send ``command`` without waiting; ``None`` if the node could not be reached.
-        ``label`` names the connection first (see :func:`~._redis_io.send`)."""
+        ``label`` names the connection first (see :func:`~._redis_io.send`); ``packed`` is
+        ``command`` already packed (:func:`~._redis_conn.pack`: once for every node)."""
+        if label is not None:
+            try:
+                return send(self.client, command, label)
+            except (redis.RedisError, OSError):
+                return None
         try:
-            return send(self.client, command, label)
+            connection = self.connections.take()
         except (redis.RedisError, OSError):
             return None
+        try:
+            connection.send_packed_command([packed or pack(command)], check_health=False)
+        except BaseException as exc:
+            connection.disconnect()
+            self.connections.give(connection)
+            if isinstance(exc, redis.RedisError | OSError):
+                return None
+            raise
+        return connection
 
     def answer(self, connection: Any, command: tuple[object, ...], deadline: float) -> Any:
         """The reply to ``command`` sent on ``connection`` by ``deadline``, or :data:`FAILED`.
@@ -58,13 +80,19 @@ class Node:
         if connection is None:
             return FAILED
         try:
-            return receive(
-                self.client, connection, command, max(0.001, deadline - time.monotonic())
-            )
-        except (redis.RedisError, OSError):
-            return FAILED
+            response = connection.read_response(timeout=max(0.001, deadline - time.monotonic()))
+        except BaseException as exc:
+            connection.disconnect()  # its reply, if any, is never read
+            if isinstance(exc, redis.RedisError | OSError):
+                return FAILED
+            raise
+        finally:
+            self.connections.give(connection)
+        parse = self.client.response_callbacks.get(str(command[0]).upper())
+        return response if parse is None else parse(response)
 
     def close(self) -> None:
+        self.connections.close()
         if "://" in self.location:
             self.client.close()
 

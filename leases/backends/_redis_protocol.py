@@ -25,6 +25,7 @@ __all__ = [
     "MAX_COUNTER",
     "MAX_EPOCH",
     "TOKEN_SCRIPTS",
+    "ReadersSeen",
     "acquire_args",
     "acquired",
     "owner_args",
@@ -146,6 +147,34 @@ def acquired(
     if code == Reply.BUSY:
         return None
     return int(value)
+
+
+class ReadersSeen:
+    """Per name, whether the latest exclusive try refused for ``name`` found readers holding it.
+
+    An exclusive waiter's stop sign for new readers (:data:`STOP_READERS_LUA`) is a round trip
+    worth paying only while readers hold the name: while an exclusive grant does, no reader can
+    join, and the name becomes a group only after a release the next try observes. Any
+    thread's try of the name informs it; unknown (never tried, forgotten) counts as readers.
+    """
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._seen: dict[str, bool] = {}
+
+    def note(self, name: str, reply: Any) -> None:
+        """After an exclusive acquire script's ``reply`` (busy: held by whom; granted: free)."""
+        if reply[0] == Reply.BUSY:
+            if len(self._seen) >= self.LIMIT:
+                self._seen.clear()
+            self._seen[name] = text(reply[1]).endswith(MARK)
+        else:
+            self._seen.pop(name, None)
+
+    def none(self, name: str) -> bool:
+        """The latest try found an exclusive holder, so there are no readers to stop."""
+        return self._seen.get(name) is False
 
 
 def renew_call(prefix: str, grant: Grant, ttl: float) -> tuple[list[str], list[object]]:

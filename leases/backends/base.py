@@ -196,13 +196,16 @@ class LeaseBackend(abc.ABC):
         """
         raise BackendNotSupported(self.alias, Capability.SHARED_LEASES.value)
 
-    def stop_new_readers(self, name: str) -> bool | None:  # noqa: B027 - optional, like close()
+    def stop_new_readers(self, name: str) -> bool | None:
         """An exclusive waiter of ``name`` stops readers from joining for a short while (at
         least a second), so a stream of readers cannot starve it; it calls this again while it
         waits (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds). One round trip;
-        nothing to do for backends without :attr:`Capability.SHARED_LEASES`. A backend that
-        knows no readers hold the name may skip the round trip and return ``False``: the
-        waiter then asks again before its next try instead of after the interval."""
+        nothing to do for backends without :attr:`Capability.SHARED_LEASES`.
+
+        ``False`` means the backend knew there was nothing to stop (no readers held the name at
+        the waiter's last try) and asked nothing: the waiter then calls again before its next
+        try instead of a while later."""
+        return None
 
     @abc.abstractmethod
     def renew(self, grant: Grant, ttl: float) -> Grant:

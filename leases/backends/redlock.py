@@ -53,6 +53,7 @@ from django.utils.module_loading import import_string
 from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._counter import DurableCounter
+from ._redis_conn import pack
 from ._redis_io import (
     Edge,
     blpop_command,
@@ -165,7 +166,8 @@ class Backend(LeaseBackend):
         Sending never waits on a node (connections make no handshake), so the nodes work in
         parallel and a hung one costs no more than a live one until the replies are read."""
         deadline = time.monotonic() + self.node_timeout
-        return [(node, node.send(command)) for node in self.nodes], command, deadline
+        packed = pack(command)
+        return [(node, node.send(command, packed=packed)) for node in self.nodes], command, deadline
 
     def _fan_out(self, *command: object) -> list[Any]:
         """Send ``command`` to every node, then read every reply by one shared deadline.
@@ -222,7 +224,7 @@ class Backend(LeaseBackend):
             except BaseException:
                 self._unlock_everywhere(attempt, confirm=False)
                 raise
-            grant = replace(attempt, token=token, expires_at=expires(ttl))
+            grant = Grant(name, holder, token, ttl, sent_at, expires(ttl), secret=secret)
             if self.valid(grant):
                 return grant
         self.lost_try(attempt, answers, self._unlock_everywhere)
