@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from ._redis_conn import Connections, pack
-from ._redis_io import connect, send
+from ._redis_io import CLOSED_UNDER, connect, send
 
 __all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "node_value"]
 
@@ -67,7 +67,7 @@ class Node:
         except BaseException as exc:
             connection.disconnect()
             self.connections.give(connection)
-            if isinstance(exc, redis.RedisError | OSError):
+            if isinstance(exc, (redis.RedisError, OSError, *CLOSED_UNDER)):
                 return None
             raise
         return connection
@@ -83,7 +83,9 @@ class Node:
             response = connection.read_response(timeout=max(0.001, deadline - time.monotonic()))
         except BaseException as exc:
             connection.disconnect()  # its reply, if any, is never read
-            if isinstance(exc, redis.RedisError | OSError):
+            # A connection closed under the read (close() on another thread) is a node that
+            # did not answer, never redis-py's raw ValueError/AttributeError (see CLOSED_UNDER).
+            if isinstance(exc, (redis.RedisError, OSError, *CLOSED_UNDER)):
                 return FAILED
             raise
         finally:
