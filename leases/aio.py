@@ -32,7 +32,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
-from .acquiring import STOP_READERS_EVERY, Timing, announce_failure, prepare
+from . import tracing
+from .acquiring import STOP_READERS_EVERY, Timing, astart, prepare
 from .backends import Capability, Grant, LeaseBackend
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost
@@ -112,18 +113,22 @@ async def _agrant(
     backoff = Backoff(deadline=deadline)
     writer = not shared and Capability.SHARED_LEASES in store.capabilities
     waiting_since = stop_readers_at = SYSTEM_CLOCK.monotonic()
+    attributes = {"leases.name": name, "leases.backend": store.alias}
+    room = contextlib.nullcontext() if shared else store.awaiting_room(name, timeout)
     try:
-        while True:
-            delay = backoff.next_delay()
-            if delay is None:
-                raise LeaseUnavailable(name, timeout)
-            if writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at:
-                await _stop_new_readers(store, name)
-                stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
-            await _wait(store, name, delay)
-            grant = await _try(store, name, holder, ttl, shared)
-            if grant is not None:
-                return grant
+        with tracing.span("leases.wait", attributes):
+            async with room:
+                while True:
+                    delay = backoff.next_delay()
+                    if delay is None:
+                        raise LeaseUnavailable(name, timeout)
+                    if writer and SYSTEM_CLOCK.monotonic() >= stop_readers_at:
+                        await _stop_new_readers(store, name)
+                        stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
+                    await _wait(store, name, delay)
+                    grant = await _try(store, name, holder, ttl, shared)
+                    if grant is not None:
+                        return grant
     finally:
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
 
@@ -156,21 +161,11 @@ async def aacquire(
     docstring for what waiting and cancellation do.
     """
     ask = prepare(name, ttl, backend, timeout, keepalive, holder, task_key, shared)
-    timing = Timing()
-    try:
-        grant = await _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing, shared)
-    except Exception as exc:
-        announce_failure(ask, exc, timing)
-        raise
-    return Lease.start(
-        ask.store,
-        grant,
-        on_lost=on_lost,
-        renew_fraction=ask.renew_fraction,
-        key=ask.key,
-        elapsed=timing.elapsed(),
-        waited=timing.waited,
-    )
+
+    def grant(timing: Timing) -> Awaitable[Grant]:
+        return _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing, shared)
+
+    return await astart(ask, grant, Lease, on_lost)
 
 
 #: The leases entered by ``async with alease(...)`` blocks in this context, innermost last.

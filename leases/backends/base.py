@@ -25,7 +25,7 @@ import contextlib
 import enum
 import secrets
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
@@ -281,6 +281,16 @@ class LeaseBackend(abc.ABC):
         round trip each). Optional and best effort: the default admits everyone at once, and a
         backend must stop queueing after a short while rather than let a paused waiter hold
         the others back. Safety never depends on it.
+        """
+        return contextlib.nullcontext()
+
+    def awaiting_room(self, name: str, timeout: float | None) -> AbstractAsyncContextManager[None]:
+        """:meth:`waiting_room` for an async waiter (``async with``), held by its task.
+
+        The same contract: entered after the first failed try, left on acquiring or giving
+        up, best effort. The default admits everyone at once (the sync room's blocking
+        connection per waiter is of no use to async code); a backend whose line costs an
+        async waiter nothing to stand in (ZooKeeper's) puts it there.
         """
         return contextlib.nullcontext()
 
