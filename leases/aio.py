@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
 from . import tracing
+from ._finishing import finish
 from .acquiring import STOP_READERS_EVERY, Timing, astart, prepare
 from .backends import Capability, Grant, LeaseBackend
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
@@ -65,18 +66,10 @@ async def _try(
 ) -> Grant | None:
     """One ``atry_acquire`` (or ``atry_acquire_shared``), never abandoned halfway: if the
     caller is cancelled while it is on the wire, it is awaited to its end and a grant it won
-    is released, then the cancellation is raised. Otherwise a cancelled acquire could hold the
-    name, unseen, until its TTL."""
+    is released, then the cancellation is raised (:func:`~leases._finishing.finish`).
+    Otherwise a cancelled acquire could hold the name, unseen, until its TTL."""
     trying = store.atry_acquire_shared if shared else store.atry_acquire
-    attempt = asyncio.ensure_future(trying(name, holder, ttl))
-    try:
-        return await asyncio.shield(attempt)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            won = await attempt
-            if won is not None:
-                await store.arelease(won)
-        raise
+    return await finish(trying(name, holder, ttl), store.arelease)
 
 
 async def _wait(store: LeaseBackend, name: str, delay: float) -> None:
