@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from . import conf, signals, tracing
 from ._arguments import valid_timeout, valid_ttl, warn_if_too_short
@@ -135,10 +135,10 @@ def _wait(store: LeaseBackend, name: str, delay: float) -> None:
         SYSTEM_CLOCK.sleep(delay - (SYSTEM_CLOCK.monotonic() - started))
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """An acquisition's arguments, checked before any round trip (shared by ``acquire`` and
-    ``aacquire``, so the two can never check differently)."""
+    ``aacquire``, so the two can never check differently). A named tuple: made on every
+    acquire, and a frozen dataclass costs several times as much to make."""
 
     name: str
     ttl: float
@@ -230,17 +230,19 @@ class Acquisition:
         self._attributes = attributes
 
     def __enter__(self) -> Acquisition:
+        self._spanning = tracing.span("leases.acquire", self._spanned)
+        self._span = self._spanning.__enter__()
+        self.timing = Timing()
+        return self
+
+    def _spanned(self) -> tracing.Attributes:
         ask = self.ask
-        spanned: tracing.Attributes = {
+        return {
             "leases.name": ask.name,
             "leases.backend": ask.store.alias,
             "leases.ttl": ask.ttl,
             **(self._attributes or {}),
         }
-        self._spanning = tracing.span("leases.acquire", spanned)
-        self._span = self._spanning.__enter__()
-        self.timing = Timing()
-        return self
 
     def __exit__(
         self,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .errors import LeaseUnavailable
@@ -34,6 +34,8 @@ _tracer: Tracer | None = _UNSET
 #: The providers that record nothing: the API's placeholder before an SDK is set up, and the
 #: explicit no-op one.
 _SILENT: tuple[type, ...] = ()
+#: ``opentelemetry.trace.get_tracer_provider``, once the API is imported.
+_provider: Callable[[], object] = object
 _lock = threading.Lock()
 
 
@@ -45,7 +47,7 @@ def _get_tracer() -> Tracer | None:
     package adds to an uncontended acquire + release: so spans start only once a recording
     provider is set (checked on every call: a provider may be set up at any time).
     """
-    global _tracer, _SILENT
+    global _tracer, _SILENT, _provider
     if _tracer is _UNSET:
         with _lock:
             if _tracer is _UNSET:
@@ -55,17 +57,23 @@ def _get_tracer() -> Tracer | None:
                     _tracer = None
                 else:
                     _SILENT = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+                    _provider = trace.get_tracer_provider
                     _tracer = trace.get_tracer(INSTRUMENTATION_NAME)
     if _tracer is None:
         return None
-    from opentelemetry.trace import get_tracer_provider
-
-    return None if isinstance(get_tracer_provider(), _SILENT) else _tracer
+    return None if isinstance(_provider(), _SILENT) else _tracer
 
 
-@contextlib.contextmanager
-def span(name: str, attributes: Attributes) -> Iterator[Span | None]:
-    """A span named ``name`` around the block, or nothing without the OpenTelemetry API.
+#: What :func:`span` returns when nothing would record one: entered and left for nothing.
+_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
+def span(
+    name: str, attributes: Attributes | Callable[[], Attributes]
+) -> contextlib.AbstractContextManager[Span | None]:
+    """A span named ``name`` around the block, or nothing without the OpenTelemetry API (or
+    without a recording provider). ``attributes`` may be a function making them, called only
+    when a span is started (the hot path builds no dictionary for nothing).
 
     A lease that was not available in time is an answer, not a failure: the span says so in
     ``leases.outcome`` and keeps an unset status, so a dashboard of failed spans shows only
@@ -73,8 +81,12 @@ def span(name: str, attributes: Attributes) -> Iterator[Span | None]:
     """
     tracer = _get_tracer()
     if tracer is None:
-        yield None
-        return
+        return _NO_SPAN
+    return _recorded(tracer, name, attributes() if callable(attributes) else attributes)
+
+
+@contextlib.contextmanager
+def _recorded(tracer: Tracer, name: str, attributes: Attributes) -> Iterator[Span]:
     from opentelemetry.trace import Status, StatusCode
 
     with tracer.start_as_current_span(
