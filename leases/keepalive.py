@@ -131,12 +131,19 @@ class Scheduler:
             return len(self._heap)
 
     def _next_job(self) -> Job:
+        """The next job due, waiting for it. Finished jobs at the top are dropped as soon as
+        the thread looks, not each at its own due time: a hot loop of short leases would
+        otherwise wake the thread once per lease it took, ``RENEW_FRACTION`` of a TTL later
+        (each wake-up taking the GIL from the threads doing the work)."""
         with self._cond:
             while True:
+                heap = self._heap
+                while heap and heap[0][2].finished():
+                    heapq.heappop(heap)
                 now = self.clock.monotonic()
-                if self._heap and self._heap[0][0] <= now:
-                    return heapq.heappop(self._heap)[2]
-                self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                if heap and heap[0][0] <= now:
+                    return heapq.heappop(heap)[2]
+                self._cond.wait(heap[0][0] - now if heap else None)
 
     def _loop(self) -> None:
         while True:
