@@ -15,9 +15,11 @@ watchdog, signals and ``ensure_held()`` are the ones sync code gets (see
   raised;
 - "already held" is per task, not per thread: coroutines of one event loop share its thread
   but contend for a name like threads do (``LeaseAlreadyHeld`` only when the same task
-  re-enters). The sync waiting room is not used: the per-name queue holds a blocking
-  connection per waiter, which async code has no use for; waiters back off and are woken by
-  the release (``WAIT_WITHOUT_POLLING`` backends) instead.
+  re-enters);
+- the waiting room is the backend's :meth:`~leases.backends.LeaseBackend.awaiting_room`
+  (ZooKeeper's line; by default none: the database's per-name queue holds a blocking
+  connection per waiter, which async code has no use for): waiters back off and are woken by
+  the release (``WAIT_WITHOUT_POLLING`` backends).
 """
 
 from __future__ import annotations
