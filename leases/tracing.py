@@ -13,9 +13,10 @@ forwards to a provider set up later, so an early lookup is not a stale one.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import LeaseUnavailable
 
@@ -34,8 +35,10 @@ _tracer: Tracer | None = _UNSET
 #: The providers that record nothing: the API's placeholder before an SDK is set up, and the
 #: explicit no-op one.
 _SILENT: tuple[type, ...] = ()
-#: ``opentelemetry.trace.get_tracer_provider``, once the API is imported.
+#: Reads the global tracer provider, once the API is imported (see ``_provider_of``).
 _provider: Callable[[], object] = object
+#: A recording provider was seen: it is set for good (the API sets the global one once).
+_recording = False
 _lock = threading.Lock()
 
 
@@ -47,7 +50,9 @@ def _get_tracer() -> Tracer | None:
     package adds to an uncontended acquire + release: so spans start only once a recording
     provider is set (checked on every call: a provider may be set up at any time).
     """
-    global _tracer, _SILENT, _provider
+    global _tracer, _SILENT, _provider, _recording
+    if _recording:
+        return _tracer
     if _tracer is _UNSET:
         with _lock:
             if _tracer is _UNSET:
@@ -57,11 +62,31 @@ def _get_tracer() -> Tracer | None:
                     _tracer = None
                 else:
                     _SILENT = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
-                    _provider = trace.get_tracer_provider
+                    _provider = _provider_of(trace)
                     _tracer = trace.get_tracer(INSTRUMENTATION_NAME)
     if _tracer is None:
         return None
-    return None if isinstance(_provider(), _SILENT) else _tracer
+    provider = _provider()
+    if provider is None or isinstance(provider, _SILENT):
+        return None
+    _recording = True  # the global provider is set once and for all: no need to look again
+    return _tracer
+
+
+def _provider_of(trace: Any) -> Callable[[], object]:
+    """How to read the global provider on every acquire while none is set: the API's
+    ``get_tracer_provider`` looks the environment up (``OTEL_PYTHON_TRACER_PROVIDER``) each
+    time it finds none, so its module variable is read directly, unless that variable is gone
+    (another API version) or the environment names a provider (the API loads it on first get)."""
+    from opentelemetry.environment_variables import OTEL_PYTHON_TRACER_PROVIDER
+
+    if not hasattr(trace, "_TRACER_PROVIDER") or OTEL_PYTHON_TRACER_PROVIDER in os.environ:
+        return cast(Callable[[], object], trace.get_tracer_provider)
+
+    def current() -> object:
+        return trace._TRACER_PROVIDER  # None until set: the proxy's, silent
+
+    return current
 
 
 #: What :func:`span` returns when nothing would record one: entered and left for nothing.
