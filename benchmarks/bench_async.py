@@ -36,7 +36,8 @@ from benchmarks.redis_monitor import round_trips
 from devservers import RedisServer
 from leases import alease
 from leases.backends import get_backend
-from leases.backends.database import ACQUIRE_SQL, RELEASE_SQL
+from leases.backends._waiting_room import room_key
+from leases.backends.database import ACQUIRE_SQL, RELEASE_SQL, ROOM_GRACE
 
 TITLE = "async leases: alease() and async backends vs redis.asyncio, psycopg async, AIORedlock"
 
@@ -126,6 +127,7 @@ async def database_contenders() -> dict[str, Op]:
 
     async def floor() -> None:
         grant = {"name": name, "holder": "bench-floor", "secret": SECRET}
+        grant |= {"room": room_key(name), "grace": ROOM_GRACE, "in_room": False}  # as a first try
         async with raw.cursor() as cursor:
             await cursor.execute(ACQUIRE_SQL, {**grant, "ttl": TTL})
             ((token, _),) = await cursor.fetchall()

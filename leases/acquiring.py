@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from types import TracebackType
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from . import conf, signals, tracing
 from ._arguments import valid_timeout, valid_ttl, warn_if_too_short
@@ -30,12 +31,17 @@ from .holders import holder_identity
 from .keys import validate_lease_name
 from .retry import SYSTEM_CLOCK, Backoff
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
 __all__ = [
     "STOP_READERS_EVERY",
+    "Acquisition",
     "Request",
     "Timing",
     "acquire",
     "announce_failure",
+    "astart",
     "prepare",
     "start",
 ]
@@ -134,10 +140,10 @@ def _wait(store: LeaseBackend, name: str, delay: float) -> None:
         SYSTEM_CLOCK.sleep(delay - (SYSTEM_CLOCK.monotonic() - started))
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """An acquisition's arguments, checked before any round trip (shared by ``acquire`` and
-    ``aacquire``, so the two can never check differently)."""
+    ``aacquire``, so the two can never check differently). A named tuple: made on every
+    acquire, and a frozen dataclass costs several times as much to make."""
 
     name: str
     ttl: float
@@ -208,6 +214,67 @@ def acquire(
     return start(ask, grant, Lease, on_lost)
 
 
+class Acquisition:
+    """One acquisition of ``ask``: the ``leases.acquire`` span, its :class:`Timing`, and
+    :func:`announce_failure` when it gives up, entered as ``with Acquisition(ask) as doing:``.
+
+    The one block through which ``acquire``, ``acquire_slot`` and their async twins trace, time
+    and announce: the grant is won inside it (awaited or not) and :meth:`hold` turns it into a
+    held handle. A plain class rather than a generator context manager: it is on every
+    acquire's path.
+    """
+
+    __slots__ = ("_attributes", "_span", "_spanning", "ask", "timing")
+
+    timing: Timing
+    _spanning: contextlib.AbstractContextManager[Span | None]
+    _span: Span | None
+
+    def __init__(self, ask: Request, attributes: tracing.Attributes | None = None) -> None:
+        self.ask = ask
+        self._attributes = attributes
+
+    def __enter__(self) -> Acquisition:
+        self._spanning = tracing.span("leases.acquire", self._spanned)
+        self._span = self._spanning.__enter__()
+        self.timing = Timing()
+        return self
+
+    def _spanned(self) -> tracing.Attributes:
+        ask = self.ask
+        return {
+            "leases.name": ask.name,
+            "leases.backend": ask.store.alias,
+            "leases.ttl": ask.ttl,
+            **(self._attributes or {}),
+        }
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        if isinstance(exc, Exception):
+            announce_failure(self.ask, exc, self.timing)
+        return self._spanning.__exit__(exc_type, exc, tb)
+
+    def hold(self, won: Grant, handle: type[HandleT], on_lost: OnLost | None) -> HandleT:
+        """Start ``handle`` on the grant ``won`` (``lease_acquired``, keepalive, watchdog)."""
+        ask = self.ask
+        if self._span is not None:
+            self._span.set_attributes({"leases.token": won.token, "leases.outcome": "acquired"})
+        return handle.start(
+            ask.store,
+            won,
+            on_lost=on_lost,
+            renew_fraction=ask.renew_fraction,
+            key=ask.key,
+            elapsed=self.timing.elapsed(),
+            waited=self.timing.waited,
+        )
+
+
 def start(
     ask: Request,
     grant: Callable[[Timing], Grant],
@@ -215,34 +282,25 @@ def start(
     on_lost: OnLost | None,
     attributes: tracing.Attributes | None = None,
 ) -> HandleT:
-    """Win ``grant`` (given the :class:`Timing` to fill) inside the ``leases.acquire`` span and
-    start ``handle`` on it: the one way ``acquire`` and ``acquire_slot`` hold, trace and time a
-    name. Giving up is announced with what it cost (:func:`announce_failure`;
-    ``lease_acquired`` announces success, from :meth:`Lease.start`)."""
-    spanned: tracing.Attributes = {
-        "leases.name": ask.name,
-        "leases.backend": ask.store.alias,
-        "leases.ttl": ask.ttl,
-        **(attributes or {}),
-    }
-    with tracing.span("leases.acquire", spanned) as span:
-        timing = Timing()
-        try:
-            won = grant(timing)
-        except Exception as exc:
-            announce_failure(ask, exc, timing)
-            raise
-        if span is not None:
-            span.set_attributes({"leases.token": won.token, "leases.outcome": "acquired"})
-        return handle.start(
-            ask.store,
-            won,
-            on_lost=on_lost,
-            renew_fraction=ask.renew_fraction,
-            key=ask.key,
-            elapsed=timing.elapsed(),
-            waited=timing.waited,
-        )
+    """Win ``grant`` (given the :class:`Timing` to fill) inside an :class:`Acquisition` and
+    start ``handle`` on it: how ``acquire`` and ``acquire_slot`` hold, trace and time a name
+    (their async twins: :func:`astart`). Giving up is announced with what it cost
+    (:func:`announce_failure`; ``lease_acquired`` announces success, from
+    :meth:`Lease.start`)."""
+    with Acquisition(ask, attributes) as doing:
+        return doing.hold(grant(doing.timing), handle, on_lost)
+
+
+async def astart(
+    ask: Request,
+    grant: Callable[[Timing], Awaitable[Grant]],
+    handle: type[HandleT],
+    on_lost: OnLost | None,
+    attributes: tracing.Attributes | None = None,
+) -> HandleT:
+    """:func:`start` for an awaited ``grant``: ``aacquire`` and ``aacquire_slot``."""
+    with Acquisition(ask, attributes) as doing:
+        return doing.hold(await grant(doing.timing), handle, on_lost)
 
 
 def announce_failure(ask: Request, error: Exception, timing: Timing) -> None:

@@ -18,8 +18,8 @@ watchdog, signals and ``ensure_held()`` are the ones sync code gets (see
   re-enters). Exclusive waiters queue in the backend's waiting room as sync ones do
   (:meth:`~leases.backends.LeaseBackend.awaiting_room`: on the database backend, the same
   per-name queue on async connections, so a release wakes the one task inside, in arrival
-  order); backends without one back off and are woken by the release
-  (``WAIT_WITHOUT_POLLING`` backends).
+  order; on ZooKeeper, the name's line, woken by the watch on the predecessor only); backends
+  without one back off and are woken by the release (``WAIT_WITHOUT_POLLING`` backends).
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
-from .acquiring import STOP_READERS_EVERY, Timing, announce_failure, prepare
+from . import tracing
+from ._finishing import finish
+from .acquiring import STOP_READERS_EVERY, Timing, astart, prepare
 from .backends import Capability, Grant, LeaseBackend
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost
@@ -69,18 +71,10 @@ async def _try(
 ) -> Grant | None:
     """One ``atry_acquire`` (or ``atry_acquire_shared``), never abandoned halfway: if the
     caller is cancelled while it is on the wire, it is awaited to its end and a grant it won
-    is released, then the cancellation is raised. Otherwise a cancelled acquire could hold the
-    name, unseen, until its TTL."""
+    is released, then the cancellation is raised (:func:`~leases._finishing.finish`).
+    Otherwise a cancelled acquire could hold the name, unseen, until its TTL."""
     trying = store.atry_acquire_shared if shared else store.atry_acquire
-    attempt = asyncio.ensure_future(trying(name, holder, ttl))
-    try:
-        return await asyncio.shield(attempt)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            won = await attempt
-            if won is not None:
-                await store.arelease(won)
-        raise
+    return await finish(trying(name, holder, ttl), store.arelease)
 
 
 async def _wait(store: LeaseBackend, name: str, delay: float, bound: float = 0.0) -> None:
@@ -119,27 +113,29 @@ async def _agrant(
     backoff = Backoff(deadline=deadline)
     writer = not shared and Capability.SHARED_LEASES in store.capabilities
     waiting_since = stop_readers_at = SYSTEM_CLOCK.monotonic()
+    attributes = {"leases.name": name, "leases.backend": store.alias}
     room = contextlib.nullcontext() if shared else store.awaiting_room(name, timeout)
     # Only a store with a waiting room of its own may wait past the backoff's delay.
     queued = not shared and type(store).awaiting_room is not LeaseBackend.awaiting_room
     try:
-        async with room:
-            while True:
-                delay = backoff.next_delay()
-                if delay is None:
-                    raise LeaseUnavailable(name, timeout)
-                if (
-                    writer
-                    and SYSTEM_CLOCK.monotonic() >= stop_readers_at
-                    and await _stop_new_readers(store, name)
-                ):
-                    stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
-                left = backoff.remaining()
-                bound = (_LONGEST_WAIT if left is None else left) if queued else 0.0
-                await _wait(store, name, delay, bound)
-                grant = await _try(store, name, holder, ttl, shared)
-                if grant is not None:
-                    return grant
+        with tracing.span("leases.wait", attributes):
+            async with room:
+                while True:
+                    delay = backoff.next_delay()
+                    if delay is None:
+                        raise LeaseUnavailable(name, timeout)
+                    if (
+                        writer
+                        and SYSTEM_CLOCK.monotonic() >= stop_readers_at
+                        and await _stop_new_readers(store, name)
+                    ):
+                        stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
+                    left = backoff.remaining()
+                    bound = (_LONGEST_WAIT if left is None else left) if queued else 0.0
+                    await _wait(store, name, delay, bound)
+                    grant = await _try(store, name, holder, ttl, shared)
+                    if grant is not None:
+                        return grant
     finally:
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
 
@@ -174,21 +170,11 @@ async def aacquire(
     docstring for what waiting and cancellation do.
     """
     ask = prepare(name, ttl, backend, timeout, keepalive, holder, task_key, shared)
-    timing = Timing()
-    try:
-        grant = await _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing, shared)
-    except Exception as exc:
-        announce_failure(ask, exc, timing)
-        raise
-    return Lease.start(
-        ask.store,
-        grant,
-        on_lost=on_lost,
-        renew_fraction=ask.renew_fraction,
-        key=ask.key,
-        elapsed=timing.elapsed(),
-        waited=timing.waited,
-    )
+
+    def grant(timing: Timing) -> Awaitable[Grant]:
+        return _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing, shared)
+
+    return await astart(ask, grant, Lease, on_lost)
 
 
 #: The leases entered by ``async with alease(...)`` blocks in this context, innermost last.

@@ -12,10 +12,11 @@ holds a slot of this semaphore" is per task, as for ``aacquire()``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, cast, overload
 
-from .acquiring import Request
+from .acquiring import Request, Timing, astart
 from .aio import AsyncFunc, P, R, _AsyncLeaseBlock, _try, _wait, task_key
 from .backends import Grant
 from .handle import OnLost
@@ -25,20 +26,28 @@ from .semaphore import Slot, all_held, prepare_slots, slot_options, slot_order
 __all__ = ["aacquire_slot", "asemaphore"]
 
 
-async def _agrant(ask: Request, limit: int) -> Grant:
+async def _agrant(ask: Request, limit: int, timing: Timing) -> Grant:
     """Try every slot from a random one; then wait a slice on one held slot (a release of
-    another slot does not wake it, hence the backoff's short slices); until the deadline."""
-    deadline = None if ask.timeout is None else SYSTEM_CLOCK.monotonic() + ask.timeout
+    another slot does not wake it, hence the backoff's short slices); until the deadline.
+    The time spent waiting goes into ``timing``, as in the sync loop."""
+    deadline = None if ask.timeout is None else timing.started + ask.timeout
     backoff = Backoff(deadline=deadline)
-    while True:
-        for slot in slot_order(ask.name, limit):
-            grant = await _try(ask.store, slot, ask.holder, ask.ttl)
-            if grant is not None:
-                return grant
-        delay = None if ask.timeout == 0 else backoff.next_delay()
-        if delay is None:
-            raise all_held(ask, limit)
-        await _wait(ask.store, slot, delay)
+    waiting_since: float | None = None
+    try:
+        while True:
+            for slot in slot_order(ask.name, limit):
+                grant = await _try(ask.store, slot, ask.holder, ask.ttl)
+                if grant is not None:
+                    return grant
+            delay = None if ask.timeout == 0 else backoff.next_delay()
+            if delay is None:
+                raise all_held(ask, limit)
+            if waiting_since is None:
+                waiting_since = SYSTEM_CLOCK.monotonic()
+            await _wait(ask.store, slot, delay)
+    finally:
+        if waiting_since is not None:
+            timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
 
 
 async def aacquire_slot(
@@ -58,10 +67,8 @@ async def aacquire_slot(
     ``acquire_slot()``'s; see the module docstring for what waiting and cancellation do.
     """
     ask, limit = prepare_slots(name, limit, ttl, backend, timeout, keepalive, holder, task_key)
-    grant = await _agrant(ask, limit)
-    return Slot.start(
-        ask.store, grant, on_lost=on_lost, renew_fraction=ask.renew_fraction, key=ask.key
-    )
+    grant = functools.partial(_agrant, ask, limit)
+    return await astart(ask, grant, Slot, on_lost, {"leases.limit": limit})
 
 
 class _AsyncSemaphoreBlock(_AsyncLeaseBlock):

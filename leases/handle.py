@@ -18,11 +18,12 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 from . import _process, conf, keepalive, signals, tracing
 from ._arguments import valid_ttl
+from ._finishing import finish
 from .backends import Grant, LeaseBackend
 from .errors import LeaseLost, LeaseNotHeld
 from .retry import SYSTEM_CLOCK, Clock
@@ -226,7 +227,7 @@ class Lease:
         """
         lost_before = self._before_release()
         try:
-            with tracing.span("leases.release", self._span_attributes()):
+            with tracing.span("leases.release", self._span_attributes):
                 self._store.release(self.grant)
         except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
             raise self._release_refused(exc, lost_before) from exc
@@ -244,12 +245,12 @@ class Lease:
         """
         lost_before = self._before_release()
         try:
-            with tracing.span("leases.release", self._span_attributes()):
-                await _uncancellable(self._store.arelease(self.grant))
+            with tracing.span("leases.release", self._span_attributes):
+                await finish(self._store.arelease(self.grant))
         except (LeaseLost, LeaseNotHeld) as exc:
             raise self._release_refused(exc, lost_before) from exc
         except asyncio.CancelledError:
-            raise  # _uncancellable ran the release to its end: its outcome is known
+            raise  # finish() ran the release to its end: its outcome is known
         except Exception:
             self._outcome_unknown()
             raise
@@ -344,20 +345,6 @@ _LOSS_CAUSES = {
     "renewal refused": "renewal_refused",
     "release refused": "release_refused",
 }
-
-
-async def _uncancellable(step: Awaitable[None]) -> None:
-    """Await ``step`` to its end even if the caller is cancelled meanwhile, then re-raise.
-
-    For round trips whose effect must be known (a release): cancellation arriving mid-flight
-    must neither abandon the request nor hide that the caller was cancelled.
-    """
-    task = asyncio.ensure_future(step)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await task  # the step's own outcome first: a failed release must not be swallowed
-        raise
 
 
 def held_by(key: tuple[str, str, str]) -> Lease | None:

@@ -8,21 +8,15 @@ so the package has no dependency to carry and the lease path pays one attribute 
 The tracer is looked up once, on first use rather than at import (importing the API costs
 milliseconds that a process which never acquires should not pay); the API's proxy tracer
 forwards to a provider set up later, so an early lookup is not a stale one.
-
-Whether anything records is asked on every acquire and release, so it is asked cheaply: the
-API's global provider is read directly (``get_tracer_provider()`` also looks up an environment
-variable on every call while none is set; it is called once, on first use, which is when it
-loads a provider named by ``OTEL_PYTHON_TRACER_PROVIDER``). The API lets a provider be set
-only once, so once a recording one is found the answer is kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import LeaseUnavailable
 
@@ -41,13 +35,11 @@ _tracer: Tracer | None = _UNSET
 #: The providers that record nothing: the API's placeholder before an SDK is set up, and the
 #: explicit no-op one.
 _SILENT: tuple[type, ...] = ()
-#: ``opentelemetry.trace``, once imported.
-_api: Any = None
-#: A recording provider was found (it can never be replaced: the API sets one only once).
+#: Reads the global tracer provider, once the API is imported (see ``_provider_of``).
+_provider: Callable[[], object] = object
+#: A recording provider was seen: it is set for good (the API sets the global one once).
 _recording = False
 _lock = threading.Lock()
-#: What :func:`span` returns when nothing records: reusable, and cheaper than a generator.
-_NOTHING: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def _get_tracer() -> Tracer | None:
@@ -58,7 +50,7 @@ def _get_tracer() -> Tracer | None:
     package adds to an uncontended acquire + release: so spans start only once a recording
     provider is set (checked on every call: a provider may be set up at any time).
     """
-    global _tracer, _SILENT, _api, _recording
+    global _tracer, _SILENT, _provider, _recording
     if _recording:
         return _tracer
     if _tracer is _UNSET:
@@ -70,23 +62,43 @@ def _get_tracer() -> Tracer | None:
                     _tracer = None
                 else:
                     _SILENT = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
-                    trace.get_tracer_provider()  # loads one named by the environment, if any
-                    _api, _tracer = trace, trace.get_tracer(INSTRUMENTATION_NAME)
+                    _provider = _provider_of(trace)
+                    _tracer = trace.get_tracer(INSTRUMENTATION_NAME)
     if _tracer is None:
         return None
-    provider = getattr(_api, "_TRACER_PROVIDER", _UNSET)
-    if provider is None:  # none set up yet: the common case, answered without a call
+    provider = _provider()
+    if provider is None or isinstance(provider, _SILENT):
         return None
-    if provider is _UNSET:  # an API without that global: ask it
-        provider = _api.get_tracer_provider()
-    if isinstance(provider, _SILENT):
-        return None
-    _recording = True
+    _recording = True  # the global provider is set once and for all: no need to look again
     return _tracer
 
 
-def span(name: str, attributes: Attributes) -> AbstractContextManager[Span | None]:
-    """A span named ``name`` around the block, or nothing without the OpenTelemetry API.
+def _provider_of(trace: Any) -> Callable[[], object]:
+    """How to read the global provider on every acquire while none is set: the API's
+    ``get_tracer_provider`` looks the environment up (``OTEL_PYTHON_TRACER_PROVIDER``) each
+    time it finds none, so its module variable is read directly, unless that variable is gone
+    (another API version) or the environment names a provider (the API loads it on first get)."""
+    from opentelemetry.environment_variables import OTEL_PYTHON_TRACER_PROVIDER
+
+    if not hasattr(trace, "_TRACER_PROVIDER") or OTEL_PYTHON_TRACER_PROVIDER in os.environ:
+        return cast(Callable[[], object], trace.get_tracer_provider)
+
+    def current() -> object:
+        return trace._TRACER_PROVIDER  # None until set: the proxy's, silent
+
+    return current
+
+
+#: What :func:`span` returns when nothing would record one: entered and left for nothing.
+_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
+def span(
+    name: str, attributes: Attributes | Callable[[], Attributes]
+) -> contextlib.AbstractContextManager[Span | None]:
+    """A span named ``name`` around the block, or nothing without the OpenTelemetry API (or
+    without a recording provider). ``attributes`` may be a function making them, called only
+    when a span is started (the hot path builds no dictionary for nothing).
 
     A lease that was not available in time is an answer, not a failure: the span says so in
     ``leases.outcome`` and keeps an unset status, so a dashboard of failed spans shows only
@@ -94,13 +106,12 @@ def span(name: str, attributes: Attributes) -> AbstractContextManager[Span | Non
     """
     tracer = _get_tracer()
     if tracer is None:
-        return _NOTHING
-    return _recorded(tracer, name, attributes)
+        return _NO_SPAN
+    return _recorded(tracer, name, attributes() if callable(attributes) else attributes)
 
 
 @contextlib.contextmanager
 def _recorded(tracer: Tracer, name: str, attributes: Attributes) -> Iterator[Span]:
-    """:func:`span` when a provider records."""
     from opentelemetry.trace import Status, StatusCode
 
     with tracer.start_as_current_span(

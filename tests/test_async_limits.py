@@ -29,6 +29,7 @@ from leases import (
     acquire_slot,
     alease,
     asemaphore,
+    signals,
 )
 from leases.backends import Capability, LeaseBackend, get_backend
 from leases.handle import Lease
@@ -162,6 +163,44 @@ def test_a_full_semaphore_fails_within_the_timeout(lease_backend: str, lease_nam
     took = arun(lease_backend, main)
     held.release()
     assert 0.4 <= took < 3.0, took
+
+
+def test_a_slot_wait_announces_what_it_cost_like_acquire_slot(
+    lease_backend: str, lease_name: str
+) -> None:
+    """``aacquire_slot`` goes through ``acquire_slot``'s announcements: a timed-out wait sends
+    ``lease_acquire_failed`` with its elapsed and waited time, a won slot ``lease_acquired``
+    with them (not ``None``)."""
+    seen: list[tuple[str, float | None, float | None]] = []
+
+    def on_acquired(sender: str, lease: Lease, elapsed: float | None, **kw: object) -> None:
+        if lease.name.startswith(lease_name):
+            seen.append(("acquired", elapsed, kw["waited"]))  # type: ignore[arg-type]
+
+    def on_failed(sender: str, name: str, elapsed: float | None, **kw: object) -> None:
+        if name == lease_name:
+            seen.append(("failed", elapsed, kw["waited"]))  # type: ignore[arg-type]
+
+    held = acquire_slot(lease_name, limit=1, ttl=30, backend=lease_backend, holder="h")
+
+    async def main() -> None:
+        with pytest.raises(LeaseUnavailable):
+            await aacquire_slot(lease_name, limit=1, backend=lease_backend, timeout=0.3)
+        held.release()
+        won = await aacquire_slot(lease_name, limit=1, ttl=10, backend=lease_backend, timeout=10)
+        await won.arelease()
+
+    signals.lease_acquired.connect(on_acquired, weak=False)
+    signals.lease_acquire_failed.connect(on_failed, weak=False)
+    try:
+        arun(lease_backend, main)
+    finally:
+        signals.lease_acquired.disconnect(on_acquired)
+        signals.lease_acquire_failed.disconnect(on_failed)
+    (failed, won) = seen[-2:]
+    assert failed[0] == "failed" and failed[1] is not None and failed[2] is not None, seen
+    assert 0.2 <= failed[2] <= failed[1] < 10, failed
+    assert won[0] == "acquired" and won[1] is not None and won[2] == 0.0, won
 
 
 def test_block_decorator_forms_and_no_reentry_per_task(lease_backend: str, lease_name: str) -> None:

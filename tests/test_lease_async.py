@@ -27,6 +27,7 @@ from leases import (
 )
 from leases.backends import get_backend
 from leases.errors import InvalidLeaseOption
+from leases.handle import Lease
 from tests.lease_backends import lease_backend, lease_name
 
 __all__ = ["lease_backend", "lease_name"]  # fixtures, re-exported for pytest
@@ -243,6 +244,27 @@ def test_cancelling_mid_try_gives_back_what_it_won(lease_backend: str, lease_nam
     arun(lease_backend, main)
     info = get_backend(lease_backend).inspect(lease_name)
     assert info is None or not info.held
+
+
+def test_cancelling_mid_release_still_releases(lease_backend: str, lease_name: str) -> None:
+    """Cancelled while ``arelease()``'s round trip is on the wire: the release runs to its end
+    (the name is free, the lease released) and the cancellation is raised after it."""
+
+    async def main() -> Lease:
+        held = await aacquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+        releasing = asyncio.create_task(held.arelease())
+        await asyncio.sleep(0)  # the release is sent, its answer not yet read
+        releasing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+        return held
+
+    held = arun(lease_backend, main)
+    info = get_backend(lease_backend).inspect(lease_name)
+    assert info is None or not info.held
+    assert held.remaining() == 0
+    with pytest.raises(LeaseNotHeld):
+        held.release()  # released once already: its outcome was known
 
 
 def test_cancelling_mid_hold_releases(lease_backend: str, lease_name: str) -> None:

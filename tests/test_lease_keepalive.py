@@ -85,6 +85,22 @@ def test_scheduler_prunes_finished_jobs_so_memory_follows_live_leases() -> None:
     assert len(scheduler) < 600
 
 
+def test_scheduler_drops_finished_jobs_without_running_them() -> None:
+    """Jobs of released leases that come due are dropped when the thread looks, not run (and
+    woken for) one by one; the live job due after them still runs."""
+    scheduler = Scheduler("leases-test-drop")
+    order: list[str] = []
+    now = time.monotonic()
+    finished = [Step(f"released{index}", order) for index in range(50)]
+    for step in finished:
+        step.done = True
+        scheduler.schedule(now + 0.01, step)
+    live = Step("live", order)
+    scheduler.schedule(now + 0.05, live)
+    assert live.ran.wait(5)
+    assert order == ["live"]
+
+
 def test_revoked_lease_is_reported_by_the_next_renewal(lease_backend: str, lease_name: str) -> None:
     store = require(lease_backend, Capability.FORCE_RELEASE)
     reasons: list[str] = []

@@ -7,6 +7,7 @@ once) and each test reads the spans of its own lease name.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -17,11 +18,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from leases import LeaseUnavailable, acquire
+from leases import LeaseUnavailable, aacquire, aacquire_slot, acquire, acquire_slot
 from leases.errors import BackendUnavailable
 from leases.tracing import INSTRUMENTATION_NAME
 from tests.extra_backends import closed_port_backend
 from tests.lease_backends import lease_backend, lease_name
+from tests.test_lease_async import arun
 
 __all__ = ["closed_port_backend", "lease_backend", "lease_name"]  # fixtures, for pytest
 
@@ -109,3 +111,36 @@ def test_an_unreachable_store_is_an_error_span(closed_port_backend: str) -> None
     assert failed.status.status_code is StatusCode.ERROR
     assert failed.attributes is not None and failed.attributes["leases.outcome"] == "error"
     assert [event.name for event in failed.events] == ["exception"]
+
+
+def test_async_acquires_and_slots_are_the_same_spans(lease_backend: str, lease_name: str) -> None:
+    """``aacquire`` and ``aacquire_slot`` trace as ``acquire`` and ``acquire_slot`` do: an
+    acquire span each (a slot's with its limit, a timed-out one as unavailable), and a wait
+    span inside the acquire span of an ``aacquire`` that waited."""
+    held = acquire_slot(lease_name, limit=1, ttl=10, backend=lease_backend, holder="h")
+
+    async def main() -> None:
+        with pytest.raises(LeaseUnavailable):
+            await aacquire_slot(lease_name, limit=1, backend=lease_backend, timeout=0.2)
+        held.release()
+        slot = await aacquire_slot(lease_name, limit=1, ttl=10, backend=lease_backend)
+        await slot.arelease()
+        first = await aacquire(lease_name, ttl=10, backend=lease_backend, keepalive=False)
+        asyncio.get_running_loop().call_later(0.2, lambda: asyncio.ensure_future(first.arelease()))
+        second = await aacquire(lease_name, ttl=10, backend=lease_backend, timeout=20, holder="c")
+        await second.arelease()
+
+    arun(lease_backend, main)
+    acquires = by_name(spans_of(lease_name), "leases.acquire")
+    attributes = [dict(s.attributes or {}) for s in acquires]
+    seen = [(a.get("leases.outcome"), a.get("leases.limit")) for a in attributes]
+    assert seen == [
+        ("acquired", 1),
+        ("unavailable", 1),
+        ("acquired", 1),
+        ("acquired", None),
+        ("acquired", None),
+    ], seen
+    (wait,) = by_name(spans_of(lease_name), "leases.wait")
+    assert wait.parent is not None and acquires[-1].context is not None
+    assert wait.parent.span_id == acquires[-1].context.span_id

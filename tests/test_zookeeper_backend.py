@@ -6,13 +6,16 @@ What the shared suites cannot see: that a release wakes the next contender and n
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
 
 import pytest
 
+from leases import aacquire
 from leases.backends import get_backend
+from leases.backends._zookeeper_line import read_data
 from tests.clusters import zookeeper_ready
 from tests.lease_backends import lease_name
 from tests.waiting import wait_until
@@ -69,3 +72,89 @@ def test_a_release_wakes_only_the_next_in_line(zookeeper: str, lease_name: str) 
         done.set()
         for waiter in waiters:
             waiter.join(30)
+
+
+def test_an_async_release_wakes_only_the_next_in_line(zookeeper: str, lease_name: str) -> None:
+    """The async twin: four tasks queue (``awaiting_room``) one after another behind a 30 s
+    holder; the release wakes the first, which then holds the name, and the other three stay
+    asleep in the line. (Async waiters used to watch the head, so every one of them woke.)"""
+    store = get_backend(zookeeper)
+    holder = store.try_acquire(lease_name, "holder", 30)
+    assert holder is not None
+    woken: list[tuple[int, Any]] = []
+
+    async def wait_in_line(index: int, queued: asyncio.Event, done: asyncio.Event) -> None:
+        async with store.awaiting_room(lease_name, 20):
+            assert await store.atry_acquire(lease_name, f"w{index}", 30) is None
+            queued.set()
+            if await store.await_for_release(lease_name, 20):
+                grant = await store.atry_acquire(lease_name, f"w{index}", 30)
+                woken.append((index, grant))
+                await done.wait()
+                if grant is not None:
+                    await store.arelease(grant)
+
+    async def main() -> None:
+        done = asyncio.Event()
+        waiters = []
+        for index in range(4):  # one at a time, so the line's order is known
+            queued = asyncio.Event()
+            waiters.append(asyncio.create_task(wait_in_line(index, queued, done)))
+            async with asyncio.timeout(10):
+                await queued.wait()
+        try:
+            assert len(store.zk.line(lease_name)[0]) == 5  # the holder and four in line
+            await store.arelease(holder)
+            async with asyncio.timeout(5):
+                while not woken:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(1.0)  # time enough for a herd to show itself
+            assert [index for index, _ in woken] == [0], woken
+            grant = woken[0][1]
+            assert grant is not None and grant.token > holder.token
+            info = store.inspect(lease_name)
+            assert info is not None and info.held and info.holder == "w0"
+        finally:
+            done.set()
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def queued_in_line(store: Any, name: str) -> int:
+    """How many of the name's line are queued waiters (a try's node says it is held)."""
+    path = store.zk.name_path(name)
+    line, _ = store.zk.line(name)
+    return sum(not read_data(store.client.get(f"{path}/{child}")[0])["held"] for child in line)
+
+
+def test_async_waiters_take_the_name_in_line(zookeeper: str, lease_name: str) -> None:
+    """``aacquire`` waiters stand in the name's line while they wait (one node each, no tries
+    between wake-ups) and take the name in the order they queued, each woken by the release of
+    the one before."""
+    store = get_backend(zookeeper)
+    holder = store.try_acquire(lease_name, "holder", 30)
+    assert holder is not None
+    order: list[str] = []
+
+    async def take(who: str) -> None:
+        held = await aacquire(lease_name, ttl=30, backend=zookeeper, timeout=20, holder=who)
+        order.append(who)
+        await held.arelease()
+
+    async def main() -> None:
+        tasks = []
+        for index in range(3):
+            tasks.append(asyncio.create_task(take(f"w{index}")))
+            async with asyncio.timeout(10):  # waiters 0..index queued in the line
+                while await asyncio.to_thread(queued_in_line, store, lease_name) < index + 1:
+                    await asyncio.sleep(0.02)
+        await store.arelease(holder)
+        async with asyncio.timeout(20):
+            await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert order == ["w0", "w1", "w2"]
+    assert store.zk.line(lease_name)[0] == []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +107,12 @@ class Queued:
     checked: bool = False
     #: Promoted to the grant: leaving the waiting room must not delete it.
     granted: bool = False
+    #: Also called on a wake-up, while an async waiter awaits one (it wakes that task's loop).
+    on_wake: Callable[[], object] | None = None
 
     def wake(self, _event: object = None) -> None:
         """The predecessor's watch (kazoo calls it with the event, on its own thread)."""
         self.woken.set()
+        hook = self.on_wake
+        if hook is not None:
+            hook()

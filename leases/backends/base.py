@@ -293,8 +293,13 @@ class LeaseBackend(abc.ABC):
         return contextlib.nullcontext()
 
     def awaiting_room(self, name: str, timeout: float | None) -> AbstractAsyncContextManager[None]:
-        """:meth:`waiting_room` for async waiters (``async with``); the default admits
-        everyone at once."""
+        """:meth:`waiting_room` for an async waiter (``async with``), held by its task.
+
+        The same contract: entered after the first failed try, left on acquiring or giving
+        up, best effort. The default admits everyone at once; the database backend queues the
+        waiter in the same per-name room on an async connection of its own, ZooKeeper puts it
+        in the name's line.
+        """
         return contextlib.nullcontext()
 
     def doubts(self, grant: Grant) -> str | None:

@@ -46,11 +46,14 @@ then two to promote itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextvars import ContextVar, Token
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any, NoReturn
 from urllib.parse import unquote
 
@@ -63,6 +66,7 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
 )
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
 
+from .._finishing import finish
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._zookeeper_line import (
     Queued,
@@ -79,6 +83,9 @@ __all__ = ["Backend"]
 #: How long a queued waiter whose turn came may take to claim it (capped by the session
 #: timeout) before the next in line dislodges it: a stalled waiter must not hold the line.
 _CLAIM_WINDOW = 2.0
+
+#: Nobody's places: outside every waiting room.
+_NO_PLACES: Mapping[str, Queued] = MappingProxyType({})
 
 
 class Backend(LeaseBackend):
@@ -122,8 +129,13 @@ class Backend(LeaseBackend):
         self.session_timeout = self.zk.session_timeout
         self.prefix = self.zk.prefix
         self._claim_ms = ms(min(_CLAIM_WINDOW, self.session_timeout))
-        #: Each thread's places in lines, by name, while it is in a name's waiting room.
-        self._places = threading.local()
+        #: The places in lines, by name, of whoever is in a name's waiting room: a context
+        #: variable, so a thread's (sync) or a task's (async: its tries on worker threads run
+        #: in copies of its context) are its own. Replaced, never changed in place, so a
+        #: context copied from one in a room does not share its later places.
+        self._places: ContextVar[Mapping[str, Queued]] = ContextVar(
+            f"leases_zookeeper_places_{alias}", default=_NO_PLACES
+        )
 
     @property
     def client(self) -> Any:
@@ -245,31 +257,42 @@ class Backend(LeaseBackend):
         place.czxid, place.session, place.checked = stat.czxid, self.zk.session(), False
 
     def _place(self, name: str) -> Queued | None:
-        places: dict[str, Queued] = getattr(self._places, "by_name", {})
-        return places.get(name)
+        return self._places.get().get(name)
 
-    @contextlib.contextmanager
-    def _queued(self, name: str) -> Iterator[None]:
-        places: dict[str, Queued] = self._places.__dict__.setdefault("by_name", {})
-        if name in places:
-            yield
-            return
+    def _join_queue(self, name: str) -> Queued | None:
+        """A new place at the end of the name's line (one round trip), or ``None``: without
+        a place, tries join and leave the line each time (best effort)."""
         secret = new_secret()
         try:
             with Edge(self.alias, "queue"):
                 data = node_data(held=False, ttl_ms=self._claim_ms)
                 child, stat, _, _ = self.zk.join(name, secret, data)
         except BackendUnavailable:
-            yield  # best effort: without a place, tries join and leave the line each time
+            return None
+        return Queued(name, child, secret, stat.czxid, self.zk.session())
+
+    def _leave_queue(self, place: Queued) -> None:
+        """Leave the line, unless the place became the grant (best effort: an abandoned
+        place is dislodged by the next in line after its claim window)."""
+        if not place.granted:
+            with contextlib.suppress(KazooException, KazooTimeoutError, BackendUnavailable):
+                self.zk.leave(place.name, place.child)
+
+    def _enter(self, place: Queued) -> Token[Mapping[str, Queued]]:
+        return self._places.set({**self._places.get(), place.name: place})
+
+    @contextlib.contextmanager
+    def _queued(self, name: str) -> Iterator[None]:
+        place = None if self._place(name) else self._join_queue(name)
+        if place is None:
+            yield
             return
-        place = places[name] = Queued(name, child, secret, stat.czxid, self.zk.session())
+        entered = self._enter(place)
         try:
             yield
         finally:
-            del places[name]
-            if not place.granted:
-                with contextlib.suppress(KazooException, KazooTimeoutError):
-                    self.zk.leave(name, place.child)
+            self._places.reset(entered)
+            self._leave_queue(place)
 
     def waiting_room(
         self, name: str, timeout: float | None
@@ -284,6 +307,32 @@ class Backend(LeaseBackend):
         bound = contextlib.nullcontext() if timeout is None else self.zk.bounded(timeout)
         with bound, self._queued(name):
             yield
+
+    @contextlib.asynccontextmanager
+    async def _aqueued(self, name: str) -> AsyncIterator[None]:
+        place = None
+        if not self._place(name):
+            place = await finish(asyncio.to_thread(self._join_queue, name), self._aleave)
+        if place is None:
+            yield
+            return
+        entered = self._enter(place)
+        try:
+            yield
+        finally:
+            self._places.reset(entered)
+            await finish(self._aleave(place))
+
+    async def _aleave(self, place: Queued) -> None:
+        await asyncio.to_thread(self._leave_queue, place)
+
+    def awaiting_room(
+        self, name: str, timeout: float | None
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        """The same line for an async waiter, the place held by its task: its tries (on
+        worker threads, in copies of the task's context) claim it as a thread's do, and its
+        waits are woken by the watch on its predecessor without holding a thread."""
+        return self._aqueued(name)
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         """One round trip: a read of our node pipelined with its write. The leader accepts the
@@ -373,6 +422,23 @@ class Backend(LeaseBackend):
         wait = min(timeout, max(lapse, 0.001))
         return woken.wait(wait) or wait < timeout
 
+    async def await_for_release(self, name: str, timeout: float) -> bool:
+        """In the waiting room: until the watch on the task's predecessor fires (or a head
+        predecessor may lapse), awaited on the loop, no thread held; a place not looked at
+        yet returns at once (the next try looks, then waits). Outside it: as
+        :meth:`wait_for_release`, on a worker thread."""
+        place = self._place(name)
+        if place is None:
+            return await super().await_for_release(name, timeout)
+        if timeout < 0.001:
+            return False
+        if not place.checked:
+            return True
+        wait = timeout
+        if place.check_at_ms is not None:
+            wait = min(wait, max(place.check_at_ms - time.time() * 1000, 1) / 1000)
+        return await _woken(place, wait) or wait < timeout
+
     def _head(self, name: str) -> tuple[Any, Any, dict[str, Any]] | None:
         """``(name node stat, head stat or None, head data)``, or ``None`` if never granted."""
         try:
@@ -445,3 +511,31 @@ class Backend(LeaseBackend):
 
     def close(self) -> None:
         self.zk.close()
+
+
+async def _woken(place: Queued, timeout: float) -> bool:
+    """Whether ``place`` is woken within ``timeout``: the watch (on kazoo's thread) wakes the
+    awaiting task's loop through ``on_wake``."""
+    loop = asyncio.get_running_loop()
+    woke: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not woke.done():
+            woke.set_result(None)
+
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle)
+
+    place.on_wake = wake
+    try:
+        if place.woken.is_set():  # after on_wake is set: a wake-up in between is not missed
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await woke
+        except TimeoutError:
+            return False
+        return True
+    finally:
+        place.on_wake = None
