@@ -138,6 +138,11 @@ FROM found WHERE NOT EXISTS (SELECT 1 FROM claimed)
 )
 
 
+# The writes below find their row by ``id`` and ``owner`` alone. Only a claim sets ``owner`` (a
+# new UUID per attempt, with ``state = 'started'``), and finishing or releasing clears it, so a
+# matching owner already means "started"; a ``state = 'started'`` test would add nothing but
+# a match for the partial index of started keys, which the planner then preferred to the
+# primary key (its generic plan walked that index, dead entries and all, to find one id).
 @dataclass(frozen=True)
 class OwnedWrite:
     """An UPDATE only the key's owner may make, in two forms: ``counting`` answers with the
@@ -159,7 +164,7 @@ def _owned(name: str, params: tuple[tuple[str, str], ...], update: str) -> Owned
 
 # Store the outcome.
 FINISH = _owned(
-    "idempotency_finish_v2",
+    "idempotency_finish_v3",
     (
         ("id", "bigint"),
         ("owner", "uuid"),
@@ -173,13 +178,13 @@ FINISH = _owned(
         response_status = %(status)s::integer, response_headers = %(headers)s::jsonb,
         response_body = %(body)s::bytea, steps = '{}'::jsonb,
         expires_at = clock_timestamp() + %(ttl)s::float8 * interval '1 second'
-    WHERE id = %(id)s AND owner = %(owner)s AND state = 'started'""",
+    WHERE id = %(id)s AND owner = %(owner)s""",
 )
 
 # A completed step, recorded in the transaction of its local effects; it renews the lock, so
 # LOCK_TIMEOUT bounds one step rather than the whole operation.
 RECORD_STEP = _owned(
-    "idempotency_record_step_v1",
+    "idempotency_record_step_v2",
     (
         ("id", "bigint"),
         ("owner", "uuid"),
@@ -190,22 +195,22 @@ RECORD_STEP = _owned(
     """    UPDATE idempotency_key
     SET steps = steps || jsonb_build_object(%(step)s::text, %(result)s::jsonb),
         locked_until = clock_timestamp() + %(lock)s::float8 * interval '1 second'
-    WHERE id = %(id)s AND owner = %(owner)s AND state = 'started'""",
+    WHERE id = %(id)s AND owner = %(owner)s""",
 )
 
 # A failed attempt gives its key up: deleted when it recorded no step, so the retry starts
 # afresh; unlocked (kept) when it did, so the retry resumes after the last recorded step
 # instead of redoing effects that committed. Never another owner's key.
 RELEASE = Statement(
-    "idempotency_release_v2",
+    "idempotency_release_v3",
     (("id", "bigint"), ("owner", "uuid")),
     """
 WITH unlocked AS (
     UPDATE idempotency_key SET owner = NULL, locked_until = clock_timestamp()
-    WHERE id = %(id)s AND owner = %(owner)s AND state = 'started' AND steps <> '{}'::jsonb
+    WHERE id = %(id)s AND owner = %(owner)s AND steps <> '{}'::jsonb
 )
 DELETE FROM idempotency_key
-WHERE id = %(id)s AND owner = %(owner)s AND state = 'started' AND steps = '{}'::jsonb
+WHERE id = %(id)s AND owner = %(owner)s AND steps = '{}'::jsonb
 """,
 )
 

@@ -90,3 +90,61 @@ def test_the_outcome_and_the_commit_travel_together_in_atomic_mode() -> None:
         attempt.commit(OUTCOME)
     assert any(query["sql"].endswith("; COMMIT") for query in sent.captured_queries)
     assert begin("s", "k8", FP, ttl=60, lock_timeout=60).status is Status.COMPLETED
+
+
+def _index_scanned(statement: Any, params: dict[str, Any]) -> set[str]:
+    """The indexes the generic plan of ``statement`` (the one a prepared statement settles on
+    after five calls) scans, inside a transaction rolled back afterwards."""
+    from django.db import transaction
+
+    names: set[str] = set()
+
+    def walk(node: dict[str, Any]) -> None:
+        if "Index Name" in node:
+            names.add(node["Index Name"])
+        for child in node.get("Plans", []):
+            walk(child)
+
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(statement.prepare_sql().replace(statement.name, "plan_probe", 1))
+        cursor.execute(
+            f"EXPLAIN (FORMAT JSON) {statement.execute_sql()}".replace(
+                statement.name, "plan_probe", 1
+            ),
+            params,
+        )
+        walk(_json_plan(cursor.fetchone()[0])[0]["Plan"])
+        cursor.execute("DEALLOCATE plan_probe")
+        transaction.set_rollback(True)
+    return names
+
+
+def _json_plan(value: Any) -> Any:
+    import json
+
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def test_owned_writes_find_their_row_by_primary_key() -> None:
+    """The finish, the step record and the release find the row by ``id``: the partial index
+    of started keys (an index on ``(created_at, id)``) only matches their ``state`` test, and
+    scanning it for an id walks every entry, the dead ones each finish leaves in it too (a
+    cost that grew with every request until a vacuum)."""
+    from idempotency.statements import FINISH, RECORD_STEP, RELEASE
+
+    for n in range(20):  # enough started rows for the planner to weigh its choices
+        assert begin("s", f"started-{n}", FP, ttl=60, lock_timeout=60).claim is not None
+    claim = begin("s", "k9", FP, ttl=60, lock_timeout=60).claim
+    assert claim is not None
+    owned = {"id": claim.id, "owner": claim.owner}
+    finish_params = {**owned, "status": 201, "headers": "[]", "body": b"", "ttl": 60.0}
+    step_params = {**owned, "step": "a", "result": "1", "lock": 60.0}
+    for statement, params in [
+        (FINISH.counting, finish_params),
+        (FINISH.strict, finish_params),
+        (RECORD_STEP.counting, step_params),
+        (RECORD_STEP.strict, step_params),
+        (RELEASE, owned),
+    ]:
+        assert _index_scanned(statement, params) == {"idempotency_key_pkey"}, statement.name
