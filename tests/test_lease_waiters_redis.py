@@ -173,3 +173,32 @@ def test_a_woken_waiters_connection_goes_back_to_the_pool_under_its_own_name(
         assert not [n for n in names if n.startswith(LABEL_PREFIX)], names
         assert "shop-cache" in names
     direct.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "redlock"])
+def test_a_woken_wait_leaves_no_reply_behind_for_the_next_command(backend: str) -> None:
+    """A wait names its connection and gives the name back in the same packet: two replies
+    behind the wake-up's. A read that takes the wake-up's reply and keeps the connection must
+    read the name's too, or the next command on that connection reads a stale ``OK`` and every
+    reply after it is one late: a second holder was then granted a name already held."""
+    store = get_backend(backend)
+    for _ in range(12):  # Redlock waits on a random node: cover every node
+        name = f"stale-{uuid.uuid4().hex[:8]}"
+        held = store.try_acquire(name, "first", 30)
+        assert held is not None
+        woken: list[bool] = []
+        waiter = threading.Thread(target=lambda: woken.append(store.wait_for_release(name, 10)))
+        waiter.start()
+        wait_until(
+            lambda: any(w.name == name for w in store.waiters()), 10, "the wait to be blocked"
+        )
+        store.release(held)
+        waiter.join(15)
+        assert woken, "the wait outlived its timeout"
+        for node in getattr(store, "nodes", ()):  # Redlock keeps connections between calls
+            kept = list(node.connections._idle)
+            assert not any(c.can_read(timeout=0) for c in kept), "a reply was left unread"
+        again = store.try_acquire(name, "first", 30)
+        assert again is not None, "the name was released"
+        assert store.try_acquire(name, "second", 30) is None, "granted to two holders at once"
+        store.release(again)

@@ -39,8 +39,10 @@ __all__ = [
     "eviction_problems",
     "expires",
     "ms",
+    "name_back_due",
     "positive_problems",
     "prefix_problems",
+    "read_name_back",
     "read_timeout",
     "receive",
     "send",
@@ -298,6 +300,23 @@ def send(client: Any, command: tuple[object, ...], label: str | None = None) -> 
     return connection
 
 
+def name_back_due(connection: Any) -> bool:
+    """Whether ``connection`` carries a labelled command (see :func:`send`), whose reply is
+    followed by that of the name given back; forgotten as it is asked, so a connection whose
+    read failed (and was dropped) never makes a later user read a reply it is not owed.
+
+    Whoever reads the command's reply and keeps or returns the connection must then read the
+    name's (:func:`read_name_back`), or the connection's next command reads a stale ``OK`` and
+    every reply after it is one late (a refused try read as granted)."""
+    return bool(connection.__dict__.pop("_leases_name_back_due", False))
+
+
+def read_name_back(connection: Any, timeout: float | None) -> None:
+    """Read the reply of the name given back (sent right behind the command: due at once)."""
+    with contextlib.suppress(redis.ResponseError):  # an ACL refused both names
+        connection.read_response(timeout=timeout or connection.socket_timeout)
+
+
 def receive(
     client: Any, connection: Any, command: tuple[object, ...], timeout: float | None = None
 ) -> Any:
@@ -308,15 +327,14 @@ def receive(
     After a labelled command (see :func:`send`) the reply of the name given back is read too,
     so no reply is left for the connection's next user.
     """
-    name_back_due = connection.__dict__.pop("_leases_name_back_due", False)
+    name_back = name_back_due(connection)
     try:
         if timeout is None:
             response = connection.read_response()
         else:
             response = connection.read_response(timeout=timeout)
-        if name_back_due:  # sent right behind ``command``: its reply is due at once
-            with contextlib.suppress(redis.ResponseError):  # an ACL refused both names
-                connection.read_response(timeout=timeout or connection.socket_timeout)
+        if name_back:
+            read_name_back(connection, timeout)
     except BaseException as exc:
         connection.disconnect()
         if isinstance(exc, CLOSED_UNDER):

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from ._redis_conn import Connections, pack
-from ._redis_io import CLOSED_UNDER, connect, send
+from ._redis_io import CLOSED_UNDER, connect, name_back_due, read_name_back, send
 
 __all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "node_value"]
 
@@ -79,8 +79,11 @@ class Node:
         millisecond is granted even past the deadline, for one already in the socket)."""
         if connection is None:
             return FAILED
+        name_back = name_back_due(connection)
         try:
             response = connection.read_response(timeout=max(0.001, deadline - time.monotonic()))
+            if name_back:
+                read_name_back(connection, None)
         except BaseException as exc:
             connection.disconnect()  # its reply, if any, is never read
             # A connection closed under the read (close() on another thread) is a node that
