@@ -146,10 +146,13 @@ def test_paused_member_is_skipped_and_the_lease_kept(
     paused = leader if role == "leader" else (leader + 1) % 3
     register = new_register()
     with cluster_alias(first(etcd_cluster, paused)) as alias:
-        held = acquire(lease_name, ttl=3, backend=alias)
+        # A TTL of several renewal periods: each renewal first waits REQUEST_TIMEOUT at the
+        # paused member, and a paused leader also costs an election, so on a loaded machine a
+        # 3 s lease could lapse between two renewals that both did their job.
+        held = acquire(lease_name, ttl=6, backend=alias)
         etcd_cluster.pause(paused)
         try:
-            time.sleep(4)
+            time.sleep(7)  # past the TTL: only renewals through the other members keep it
             held.ensure_held()
             assert record_write(register, held, "holder")
             with pytest.raises(LeaseUnavailable):
