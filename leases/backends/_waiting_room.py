@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import psycopg
 from psycopg import pq, sql
@@ -101,13 +101,18 @@ def room_key(name: str) -> int:
     return key
 
 
+#: The connection a visit waits on: psycopg's ``Connection`` or ``AsyncConnection``.
+_Conn = TypeVar("_Conn")
+
+
 @dataclass
-class _Visit:
-    """One thread's stay in one name's room."""
+class _Visit(Generic[_Conn]):
+    """One waiter's stay in one name's room: a thread's (:class:`WaitingRoom`) or a task's
+    (:class:`AsyncWaitingRoom`), on a connection of the matching kind."""
 
     name: str
     key: int
-    conn: psycopg.Connection[Any]
+    conn: _Conn
     #: When the caller gives up (monotonic), ``None`` for never.
     deadline: float | None
     #: Holding the room lock (inside), rather than queued out after :data:`ROOM_TIMEOUT`.
@@ -119,6 +124,14 @@ class _Visit:
     expires: float = math.inf
     #: Readers held the name at this waiter's last look (entering, or a failed try).
     shared: bool = False
+    #: Just got inside: the next wait acts on the look taken then (free: try at once). Only
+    #: the async room reads it; a thread's room decides in its blocking wait instead.
+    fresh: bool = False
+
+
+#: A thread's visit and a task's.
+_SyncVisit = _Visit[psycopg.Connection[Any]]
+_AsyncVisit = _Visit[psycopg.AsyncConnection[Any]]
 
 
 def _execute(
@@ -243,16 +256,16 @@ class WaitingRoom:
         visit = self._visit(name)
         return visit.shared if visit is not None and visit.inside else None
 
-    def _visit(self, name: str) -> _Visit | None:
-        visit: _Visit | None = getattr(self._local, "visit", None)
+    def _visit(self, name: str) -> _SyncVisit | None:
+        visit: _SyncVisit | None = getattr(self._local, "visit", None)
         return visit if visit is not None and visit.name == name else None
 
-    def _enter(self, name: str, timeout: float | None) -> _Visit | None:
+    def _enter(self, name: str, timeout: float | None) -> _SyncVisit | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = None
         try:
             conn = self._connection()
-            visit = _Visit(name, room_key(name), conn, deadline)
+            visit = _SyncVisit(name, room_key(name), conn, deadline)
             self._lock_room(visit)
             return visit
         except (psycopg.Error, BackendUnavailable) as exc:
@@ -260,12 +273,12 @@ class WaitingRoom:
             close_quietly(conn)
             return None
 
-    def _queue(self, visit: _Visit) -> bool:
+    def _queue(self, visit: _SyncVisit) -> bool:
         """Queue again after :data:`ROOM_TIMEOUT`; whether the caller should try now."""
         self._lock_room(visit)
         return visit.inside
 
-    def _lock_room(self, visit: _Visit) -> None:
+    def _lock_room(self, visit: _SyncVisit) -> None:
         left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
         queue_for = min(left, ROOM_TIMEOUT)
         if queue_for <= 0:
@@ -307,7 +320,7 @@ class WaitingRoom:
             close_quietly(conn)
         return connect(self.db_alias)
 
-    def _leave(self, visit: _Visit) -> None:
+    def _leave(self, visit: _SyncVisit) -> None:
         conn = visit.conn
         try:
             if not visit.inside:
@@ -347,7 +360,7 @@ class WaitingRoom:
     def forget_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
-        visit: _Visit | None = getattr(self._local, "visit", None)
+        visit: _SyncVisit | None = getattr(self._local, "visit", None)
         inherit(*self._idle, visit.conn if visit is not None else None)
         self._idle = []
         self._unsettled = set()
@@ -399,24 +412,6 @@ def _settle(conn: psycopg.Connection[Any]) -> bool:
         return ok and pgconn.transaction_status == pq.TransactionStatus.IDLE
     except (psycopg.Error, OSError):
         return False
-
-
-@dataclass
-class _AsyncVisit:
-    """One task's stay in one name's room (the async twin of :class:`_Visit`)."""
-
-    name: str
-    key: int
-    conn: psycopg.AsyncConnection[Any]
-    deadline: float | None
-    inside: bool = False
-    held: bool = False
-    #: When (monotonic) the grant seen at the last look runs out unless renewed: a holder
-    #: gone without releasing is announced by no ``NOTIFY``, so the wait ends then.
-    expires: float = math.inf
-    shared: bool = False
-    #: Just got inside: the next wait acts on the look taken then (free: try at once).
-    fresh: bool = False
 
 
 class AsyncWaitingRoom:
