@@ -40,6 +40,7 @@ __all__ = [
     "expires",
     "ms",
     "name_back_due",
+    "parsed",
     "positive_problems",
     "prefix_problems",
     "read_name_back",
@@ -223,8 +224,7 @@ async def acall(client: Any, command: tuple[object, ...]) -> Any:
         raise
     finally:
         await pool.release(connection)
-    parse = client.response_callbacks.get(str(command[0]).upper())
-    return response if parse is None else parse(response)
+    return parsed(client, command, response)
 
 
 async def ablpop(client: Any, key: str, wait: float, label: str | None = None) -> Any:
@@ -300,6 +300,13 @@ def send(client: Any, command: tuple[object, ...], label: str | None = None) -> 
     return connection
 
 
+def parsed(client: Any, command: tuple[object, ...], response: Any) -> Any:
+    """``response`` to ``command`` as redis-py's method for the command would give it (``SET``
+    gives ``True``): for replies read off a connection rather than through the client."""
+    parse = client.response_callbacks.get(str(command[0]).upper())
+    return response if parse is None else parse(response)
+
+
 def name_back_due(connection: Any) -> bool:
     """Whether ``connection`` carries a labelled command (see :func:`send`), whose reply is
     followed by that of the name given back; forgotten as it is asked, so a connection whose
@@ -342,8 +349,7 @@ def receive(
         raise
     finally:
         client.connection_pool.release(connection)
-    parse = client.response_callbacks.get(str(command[0]).upper())
-    return response if parse is None else parse(response)
+    return parsed(client, command, response)
 
 
 #: How much longer than the caller's wait a ``BLPOP`` is told to block. Redis fires a blocked

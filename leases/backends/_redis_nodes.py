@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from ._redis_conn import Connections, pack
-from ._redis_io import CLOSED_UNDER, connect, name_back_due, read_name_back, send
+from ._redis_io import CLOSED_UNDER, connect, name_back_due, parsed, read_name_back, send
 
 __all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "node_value"]
 
@@ -93,8 +93,7 @@ class Node:
             raise
         finally:
             self.connections.give(connection)
-        parse = self.client.response_callbacks.get(str(command[0]).upper())
-        return response if parse is None else parse(response)
+        return parsed(self.client, command, response)
 
     def close(self) -> None:
         self.connections.close()
