@@ -51,12 +51,17 @@ class _Link:
         self.client, self.server = client, server
         self.closed = threading.Event()
 
-    def reset(self) -> None:
-        """Close both sides with an RST (``SO_LINGER`` 0), as a middlebox's reset looks."""
+    def reset(self, *, abort: bool = True) -> None:
+        """Close both sides: with an RST (``SO_LINGER`` 0), as a middlebox's reset looks, or
+        (``abort=False``) with a FIN, as a server that exits or drops a client cleanly does."""
         self.closed.set()
         for sock in (self.client, self.server):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            if abort:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            else:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
 
@@ -118,11 +123,19 @@ class FaultProxy:
 
     def reset_all(self) -> int:
         """RST every open connection; returns how many. New connections still pass."""
+        return self._end_all(abort=True)
+
+    def close_all(self) -> int:
+        """Close every open connection cleanly (FIN), mid-reply or not; returns how many.
+        New connections still pass."""
+        return self._end_all(abort=False)
+
+    def _end_all(self, *, abort: bool) -> int:
         with self._changed:
             links = list(self._links)
             self._links.clear()
         for link in links:
-            link.reset()
+            link.reset(abort=abort)
         return len(links)
 
     @property

@@ -42,7 +42,9 @@ __all__ = [
     "acquire",
     "announce_failure",
     "astart",
+    "attempt",
     "prepare",
+    "retry_failed_try",
     "start",
 ]
 
@@ -82,9 +84,8 @@ def _grant(
     Shared tries skip the waiting room (readers that can join do not need to queue behind each
     other); an exclusive waiter of a store with shared leases stops new readers on each retry.
     """
-    attempt = store.try_acquire_shared if shared else store.try_acquire
     deadline = None if timeout is None else timing.started + timeout
-    grant = attempt(name, holder, ttl)
+    grant = attempt(store, name, holder, ttl, deadline, shared)
     if grant is not None:
         return grant
     if timeout == 0:
@@ -104,7 +105,7 @@ def _grant(
                     and _stop_new_readers(store, name)
                 ):
                     stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
-                grant = attempt(name, holder, ttl)
+                grant = attempt(store, name, holder, ttl, deadline, shared)
                 if grant is not None:
                     return grant
                 delay = backoff.next_delay()
@@ -113,6 +114,41 @@ def _grant(
                 _wait(store, name, delay)
     finally:
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
+
+
+def attempt(
+    store: LeaseBackend,
+    name: str,
+    holder: str,
+    ttl: float,
+    deadline: float | None,
+    shared: bool = False,
+) -> Grant | None:
+    """One ``try_acquire`` (or ``try_acquire_shared``), tried once more if it could not reach
+    its store and the deadline allows (:func:`retry_failed_try`)."""
+    once = store.try_acquire_shared if shared else store.try_acquire
+    try:
+        return once(name, holder, ttl)
+    except BackendUnavailable as exc:
+        if not retry_failed_try(name, deadline, exc):
+            raise
+        return once(name, holder, ttl)
+
+
+def retry_failed_try(name: str, deadline: float | None, exc: BackendUnavailable) -> bool:
+    """Whether a try that failed to reach its store is tried once more, at once.
+
+    A connection reset, or a server that closed an idle connection, fails one round trip;
+    the backends drop such a connection and the next call makes a new one, so one more try
+    tells a blip from a store that is really gone (a second failure is raised). Only before
+    the deadline: ``timeout=0`` stays one try, and a silent store already cost this try its
+    reply timeout. Safe: a try whose reply was lost may have been granted, but that grant is
+    never believed (it ends by its TTL), and the second try is refused while it stands.
+    """
+    if deadline is not None and SYSTEM_CLOCK.monotonic() >= deadline:
+        return False
+    logger.debug("leases: a try for %r failed, trying once more: %s", name, exc)
+    return True
 
 
 def _stop_new_readers(store: LeaseBackend, name: str) -> bool:

@@ -36,7 +36,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 from . import tracing
 from ._finishing import finish
-from .acquiring import STOP_READERS_EVERY, Timing, astart, prepare
+from .acquiring import STOP_READERS_EVERY, Timing, astart, prepare, retry_failed_try
 from .backends import Capability, Grant, LeaseBackend
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost
@@ -67,14 +67,26 @@ def task_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, s
 
 
 async def _try(
-    store: LeaseBackend, name: str, holder: str, ttl: float, shared: bool = False
+    store: LeaseBackend,
+    name: str,
+    holder: str,
+    ttl: float,
+    deadline: float | None,
+    shared: bool = False,
 ) -> Grant | None:
     """One ``atry_acquire`` (or ``atry_acquire_shared``), never abandoned halfway: if the
     caller is cancelled while it is on the wire, it is awaited to its end and a grant it won
     is released, then the cancellation is raised (:func:`~leases._finishing.finish`).
-    Otherwise a cancelled acquire could hold the name, unseen, until its TTL."""
+    Otherwise a cancelled acquire could hold the name, unseen, until its TTL. A try that
+    could not reach its store is tried once more as the sync one is
+    (:func:`~leases.acquiring.retry_failed_try`)."""
     trying = store.atry_acquire_shared if shared else store.atry_acquire
-    return await finish(trying(name, holder, ttl), store.arelease)
+    try:
+        return await finish(trying(name, holder, ttl), store.arelease)
+    except BackendUnavailable as exc:
+        if not retry_failed_try(name, deadline, exc):
+            raise
+        return await finish(trying(name, holder, ttl), store.arelease)
 
 
 async def _wait(store: LeaseBackend, name: str, delay: float, bound: float = 0.0) -> None:
@@ -105,7 +117,7 @@ async def _agrant(
     exclusive waiter of a store with shared leases stops new readers as the sync one does
     (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds)."""
     deadline = None if timeout is None else timing.started + timeout
-    grant = await _try(store, name, holder, ttl, shared)
+    grant = await _try(store, name, holder, ttl, deadline, shared)
     if grant is not None:
         return grant
     if timeout == 0:
@@ -133,7 +145,7 @@ async def _agrant(
                     left = backoff.remaining()
                     bound = (_LONGEST_WAIT if left is None else left) if queued else 0.0
                     await _wait(store, name, delay, bound)
-                    grant = await _try(store, name, holder, ttl, shared)
+                    grant = await _try(store, name, holder, ttl, deadline, shared)
                     if grant is not None:
                         return grant
     finally:

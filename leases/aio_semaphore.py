@@ -36,7 +36,7 @@ async def _agrant(ask: Request, limit: int, timing: Timing) -> Grant:
     try:
         while True:
             for slot in slot_order(ask.name, limit):
-                grant = await _try(ask.store, slot, ask.holder, ask.ttl)
+                grant = await _try(ask.store, slot, ask.holder, ask.ttl, deadline)
                 if grant is not None:
                     return grant
             delay = None if ask.timeout == 0 else backoff.next_delay()

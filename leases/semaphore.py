@@ -27,7 +27,7 @@ import random
 from collections.abc import Callable
 from typing import Any, TypeVar, cast, overload
 
-from .acquiring import Request, Timing, _wait, prepare, start
+from .acquiring import Request, Timing, _wait, attempt, prepare, start
 from .backends import Grant, LeaseBackend
 from .errors import InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost, holder_key
@@ -134,7 +134,7 @@ def _grant(ask: Request, limit: int, timing: Timing) -> Grant:
     try:
         while True:
             for slot in slot_order(ask.name, limit):
-                grant = ask.store.try_acquire(slot, ask.holder, ask.ttl)
+                grant = attempt(ask.store, slot, ask.holder, ask.ttl, deadline)
                 if grant is not None:
                     return grant
             delay = None if ask.timeout == 0 else backoff.next_delay()

@@ -30,6 +30,7 @@ from leases import (
     acquire,
 )
 from leases.backends import Capability, get_backend
+from leases.backends._pgconn import connect
 from leases.backends._waiting_room import room_key
 from leases.handle import Lease
 from leases.keys import split_key
@@ -133,6 +134,43 @@ def test_one_reset_or_dropped_reply_keeps_the_lease(
     assert checker.record_write(register, held, "holder")
     held.release()
     checker.check_history(register, [held.token])
+
+
+@pytest.mark.parametrize("end", ["reset", "close"])
+def test_a_wait_whose_connections_are_reset_keeps_waiting(
+    proxied: Proxied, lease_name: str, end: str
+) -> None:
+    """A waiter's connections (its watch stream, its listening or blocking connection, its
+    room) are reset, or closed cleanly, while it waits with time left: that is a wake-up and
+    one failed round trip, not the end of the acquire. The waiter carries on and takes the
+    lease when the holder releases. (Before: the database and Redis waiters raised
+    ``BackendUnavailable`` from the next try; an etcd watch stream closed mid-way escaped as
+    ``requests.ChunkedEncodingError``, past the package's exceptions.)"""
+    ending = FaultProxy.reset_all if end == "reset" else FaultProxy.close_all
+    holder = acquire(lease_name, ttl=30, backend="direct", keepalive=False, holder="holder")
+    outcome: list[BaseException | Lease] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(acquire(lease_name, ttl=5, backend="proxied", timeout=30))
+        except BaseException as exc:  # handed back to the test
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    try:
+        wait_until(lambda: sum(p.connections for p in proxied.proxies) > 0, 15, "a waiter")
+        time.sleep(0.5)  # let its first try fail and its wait begin
+        for _ in range(3):
+            proxied.each(ending)
+            time.sleep(0.3)
+        assert not outcome, f"the wait ended on a {end}: {outcome}"
+    finally:
+        holder.release()
+    waiter.join(30)
+    assert outcome and isinstance(outcome[0], Lease), outcome
+    assert outcome[0].token > holder.token
+    outcome[0].release()
 
 
 def test_acquire_reply_held_past_the_ttl_is_not_believed(proxied: Proxied, lease_name: str) -> None:
@@ -459,17 +497,16 @@ def test_blackholed_shared_renewal_reports_loss_within_the_ttl_and_is_fenced(
 
 
 def room_sessions(name: str) -> dict[bool, int]:
-    """Granted and waiting sessions on ``name``'s waiting-room lock (read on ``"direct"``)."""
+    """Granted and waiting sessions on ``name``'s waiting-room lock, read on a connection of
+    its own: the ``"direct"`` backend's connection belongs to its lock, and a waiter thread on
+    that backend may be using it (two threads on one psycopg connection garble its replies)."""
     classid, objid = split_key(room_key(name))
-    backend = get_backend("direct")
-    backend.inspect(name)  # opens its connection
-    conn = backend.connection()
-    assert conn is not None
-    rows = conn.execute(
-        "SELECT granted, count(*)::int FROM pg_locks WHERE locktype = 'advisory' "
-        "AND classid = %s AND objid = %s AND objsubid = 1 GROUP BY granted",
-        [classid, objid],
-    ).fetchall()
+    with contextlib.closing(connect(get_backend("direct").db_alias)) as conn:
+        rows = conn.execute(
+            "SELECT granted, count(*)::int FROM pg_locks WHERE locktype = 'advisory' "
+            "AND classid = %s AND objid = %s AND objsubid = 1 GROUP BY granted",
+            [classid, objid],
+        ).fetchall()
     return dict(rows)
 
 

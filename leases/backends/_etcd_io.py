@@ -127,7 +127,11 @@ class Gateway:
             except requests.ConnectTimeout as exc:  # never sent
                 problems.append(f"{client.base_url}: {type(exc).__name__}")
                 continue
-            except (requests.ConnectionError, requests.Timeout) as exc:
+            except (
+                requests.ConnectionError,
+                requests.Timeout,
+                requests.exceptions.ChunkedEncodingError,  # a reply cut off by a clean close
+            ) as exc:
                 problems.append(f"{client.base_url}: {type(exc).__name__}")
                 # Refused at connect: never sent. A reset or a read timeout may follow its apply.
                 replayed = replayed or "Failed to establish" not in str(exc)
@@ -208,7 +212,9 @@ class Gateway:
                         return False
                     if sock is not None:
                         sock.settimeout(left)
-        except (requests.ConnectionError, requests.Timeout) as exc:
+        except requests.RequestException as exc:
+            # Not only a reset or a timeout: a member that exits or drops the stream cleanly
+            # ends the chunked reply mid-way (``ChunkedEncodingError``).
             if time.monotonic() >= deadline - 0.001:
                 return False
             raise BackendUnavailable(self.alias, f"watch: {type(exc).__name__}") from exc
