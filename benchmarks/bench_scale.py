@@ -1,7 +1,7 @@
 """Scale: the same operations on small tables and on a million lease rows / ten million keys.
 
-Two schemas hold copies of ``leases_lease`` and ``idempotency_key`` made with ``LIKE ...
-INCLUDING ALL`` after ``migrate``, so each has every index the migrations define: ``scale_small``
+Two schemas hold copies of ``leases_lease`` and ``idempotency_key`` made with ``LIKE`` after
+``migrate`` and given every index and constraint the migrations define: ``scale_small``
 (300 rows each, a third of them held or started, so every filtered page is full) and
 ``scale_big`` (``--rows`` lease rows, default 1,000,000, and ``--keys`` keys, default ten times
 as many), filled in SQL with ``generate_series`` and ``VACUUM ANALYZE``d.
@@ -66,7 +66,7 @@ ROUNDS = 7
 TTL = 30.0
 #: The purge's and the prune's ``--batch-size`` (their defaults).
 PURGE_BATCH = 1000
-PRUNE_BATCH = 250
+PRUNE_BATCH = 1000
 
 #: Lease rows: one in ``every`` (a thousand on the big table) held for a day, one in ``every``
 #: held by a holder that crashed (expired with its holder set), the rest released; tokens spread
@@ -106,13 +106,41 @@ def _set_search_path(sender: Any, connection: Any, **kwargs: Any) -> None:
         cursor.execute(f"SET search_path TO {_schema['current']}, public")
 
 
+#: The indexes and unique / primary-key constraints of ``public.<table>`` (what ``migrate``
+#: made), as statements to rebuild them on a copy once it is filled: a sorted build of each
+#: index after the fill, instead of ten million random insertions into each during it.
+INDEXES_SQL = """
+SELECT 'ALTER TABLE {schema}.' || quote_ident(%(table)s) || ' ADD CONSTRAINT '
+       || quote_ident(c.conname) || ' ' || pg_get_constraintdef(c.oid)
+FROM pg_constraint c
+WHERE c.conrelid = ('public.' || %(table)s)::regclass AND c.contype IN ('p', 'u')
+UNION ALL
+SELECT replace(pg_get_indexdef(i.indexrelid), ' ON public.', ' ON {schema}.')
+FROM pg_index i
+WHERE i.indrelid = ('public.' || %(table)s)::regclass
+  AND NOT EXISTS (SELECT FROM pg_constraint c WHERE c.conindid = i.indexrelid)
+"""
+
+
 def _fill(schema: str, leases: int, keys: int) -> None:
+    """Copies of the two tables, filled with one ``INSERT ... SELECT generate_series`` each.
+
+    Each copy is made unlogged and without its indexes, filled (no WAL, no index insertions),
+    made logged (one sequential copy of the heap into the WAL) and then indexed (a sorted
+    build per index): at ten million keys, minutes instead of the best part of an hour that
+    filling the indexed, logged table row by row took on a loaded 2-core machine. The result is
+    the same logged, fully indexed table a shop would have.
+    """
     small = schema == SMALL
     with connection.cursor() as cursor:
+        cursor.execute("SET maintenance_work_mem = '256MB'")
         cursor.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         cursor.execute(f"CREATE SCHEMA {schema}")
         for table in TABLES:
-            cursor.execute(f"CREATE TABLE {schema}.{table} (LIKE public.{table} INCLUDING ALL)")
+            cursor.execute(
+                f"CREATE UNLOGGED TABLE {schema}.{table}"
+                f" (LIKE public.{table} INCLUDING ALL EXCLUDING INDEXES)"
+            )
         cursor.execute(
             FILL_LEASES_SQL.format(schema=schema),
             {"rows": leases, "every": SMALL_EVERY if small else BIG_LEASES_EVERY},
@@ -121,6 +149,12 @@ def _fill(schema: str, leases: int, keys: int) -> None:
             FILL_KEYS_SQL.format(schema=schema),
             {"rows": keys, "every": SMALL_EVERY if small else BIG_KEYS_EVERY},
         )
+        for table in TABLES:
+            cursor.execute(f"ALTER TABLE {schema}.{table} SET LOGGED")
+            cursor.execute(INDEXES_SQL.format(schema=schema), {"table": table})
+            for (statement,) in cursor.fetchall():
+                cursor.execute(statement)
+        cursor.execute("RESET maintenance_work_mem")
         for table in TABLES:
             cursor.execute(f"VACUUM ANALYZE {schema}.{table}")
 

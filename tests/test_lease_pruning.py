@@ -11,22 +11,27 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from io import StringIO
 from typing import Any
 
-import psycopg
 import pytest
 from django.contrib.auth.models import Permission
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from leases import BackendNotSupported, FencingTokenRevoked, LeaseLost, LeaseNotHeld, acquire
-from leases.backends import get_backend
+from leases import (
+    BackendNotSupported,
+    BackendUnavailable,
+    FencingTokenRevoked,
+    LeaseLost,
+    LeaseNotHeld,
+    acquire,
+)
+from leases.backends import _pruning, get_backend
 from leases.backends._counter import DurableCounter
 from leases.backends._pgconn import connect
-from leases.backends._pruning import LOCK_SQL, PRUNE_BATCH_SQL, prune_batch
+from leases.backends._pruning import delete_slice, prune_batch, raise_floor, wait_for_writers
 from leases.backends.base import Grant
 from leases.backends.database import PREPARED_ACQUIRE
 from leases.models import Lease, TokenFloor
@@ -140,66 +145,136 @@ def test_redlocks_counter_of_a_pruned_name_starts_above_the_floor() -> None:
     assert DurableCounter("redlock", "default").bump_lease("prune:moved") > last.token
 
 
-@contextmanager
-def batch_held_open(*, lock: bool) -> Iterator[psycopg.Connection[Any]]:
-    """One prune batch, uncommitted until the block ends (``lock=False``: without its lock)."""
+PAUSE_KEY = 815
+#: A trigger that pauses an acquire of ``prune:paused`` after it read the floor (the row it
+#: proposes is formed, with its first token) and before it looks for the row it conflicts with,
+#: for as long as the test holds the advisory lock :data:`PAUSE_KEY`: the window of the race.
+PAUSE_TRIGGER_SQL = f"""
+CREATE FUNCTION pruning_test_pause() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.name = 'prune:paused' THEN PERFORM pg_advisory_xact_lock_shared({PAUSE_KEY}); END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER pruning_test_pause BEFORE INSERT ON leases_lease
+FOR EACH ROW EXECUTE FUNCTION pruning_test_pause();
+"""
+DROP_PAUSE_SQL = """
+DROP TRIGGER IF EXISTS pruning_test_pause ON leases_lease;
+DROP FUNCTION IF EXISTS pruning_test_pause();
+"""
+
+
+@pytest.fixture
+def paused_acquire() -> Iterator[Callable[[Callable[[], object]], int]]:
+    """``run(prune)``: an acquire of ``prune:paused`` reads the floor and pauses; ``prune()``
+    runs in a thread of its own until the floor is raised (and, if it returns first, to its
+    end); then the acquire goes on. The acquire's token, once both are done."""
     conn = connect("default")
-    try:
-        with conn.transaction():
-            if lock:
-                conn.execute(LOCK_SQL)
-            conn.execute(PRUNE_BATCH_SQL, {"after": "", "older": DAY, "batch": 1000})
-            yield conn
-    finally:
-        conn.close()
+    conn.execute(PAUSE_TRIGGER_SQL)
 
+    def run(prune: Callable[[], object]) -> int:
+        got: list[Grant | None] = []
+        errors: list[BaseException] = []
+        pruned = threading.Event()
 
-def acquire_while_a_batch_commits(name: str, *, lock: bool) -> int:
-    """The token an acquire of ``name`` gets when it starts before a batch pruning ``name``
-    commits and finishes after."""
-    got: list[Grant | None] = []
-    with batch_held_open(lock=lock) as pruning:
-        pid = pruning.info.backend_pid
-        acquirer = threading.Thread(
-            target=lambda: got.append(
-                get_backend("default").try_acquire(name, "racing-acquirer", 30.0)
-            )
-        )
-        acquirer.start()
+        def acquirer() -> None:
+            got.append(get_backend("default").try_acquire("prune:paused", "racing", 30.0))
 
-        def acquire_waits_for_the_prune() -> bool:
-            row = pruning.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
-                [pid],
+        def pruner() -> None:
+            try:
+                prune()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                pruned.set()
+
+        conn.execute("SELECT pg_advisory_lock(%s)", [PAUSE_KEY])
+        acquiring = threading.Thread(target=acquirer)
+        acquiring.start()
+
+        def paused() -> bool:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE pg_backend_pid() = ANY("
+                "pg_blocking_pids(pid))"
             ).fetchone()
             return bool(row and row[0])
 
-        wait_until(acquire_waits_for_the_prune, 10, "the acquire to wait for the prune")
-    acquirer.join(10)
-    assert not acquirer.is_alive()
-    (grant,) = got
-    assert grant is not None
-    return grant.token
+        wait_until(paused, 10, "the acquire to pause after reading the floor")
+        pruning = threading.Thread(target=pruner)
+        pruning.start()
+        wait_until(lambda: floor() > 0 or pruned.is_set(), 10, "the prune to raise the floor")
+        pruned.wait(0.5)  # a prune that does not wait for the acquire is done by now
+        conn.execute("SELECT pg_advisory_unlock(%s)", [PAUSE_KEY])
+        acquiring.join(10)
+        pruning.join(10)
+        assert not acquiring.is_alive() and not pruning.is_alive()
+        assert not errors, errors
+        (grant,) = got
+        assert grant is not None
+        return grant.token
+
+    try:
+        yield run
+    finally:
+        conn.execute(DROP_PAUSE_SQL)
+        conn.close()
 
 
-def test_a_prune_committing_while_an_acquire_waits_cannot_lower_the_token() -> None:
-    """Also when the acquire is the backend's prepared statement: the ``INSERT`` an ``EXECUTE``
-    runs takes its snapshot after its table locks, as the plain statement does."""
-    last = grant_cycles("prune:race", 3)
+def test_an_acquire_that_read_the_old_floor_is_waited_for(paused_acquire: Any) -> None:
+    """The prune raises the floor, then waits for the paused acquire (it holds its table lock
+    from before it read the floor) before it deletes: the acquire finds the row and bumps it.
+    The acquire is the backend's prepared statement: the ``INSERT`` an ``EXECUTE`` runs takes
+    its snapshot after its table locks, as the plain statement does."""
+    last = grant_cycles("prune:paused", 3)
     own = get_backend("default").connection()  # type: ignore[attr-defined]
     assert own is not None
     prepared = own.execute("SELECT name FROM pg_prepared_statements").fetchall()
     assert (PREPARED_ACQUIRE.name,) in prepared
-    age("prune:race")
-    assert acquire_while_a_batch_commits("prune:race", lock=True) > last.token
+    age("prune:paused")
+    token = paused_acquire(lambda: get_backend("default").prune(DAY))
+    assert token == last.token + 1
+    assert Lease.objects.get(name="prune:paused").holder == "racing"  # taken, so not pruned
 
 
-def test_without_its_table_lock_the_race_hands_out_token_1_again() -> None:
-    """What the lock is for: the acquire read the floor before the prune raised it, waited on
-    the row being deleted, then inserted a new row with the old floor."""
-    grant_cycles("prune:unlocked", 3)
-    age("prune:unlocked")
-    assert acquire_while_a_batch_commits("prune:unlocked", lock=False) == 1
+def test_without_the_wait_the_race_hands_out_token_1_again(paused_acquire: Any) -> None:
+    """What step 2 is for: deleting right after raising the floor, the acquire (which read the
+    floor before) finds no row and inserts one with the old floor."""
+
+    def raise_and_delete() -> None:
+        conn = connect("default")
+        try:
+            _, _, names, bound = raise_floor(conn, "", DAY, 1000)
+            assert names == ["prune:paused"] and bound == 3
+            assert delete_slice(conn, names, bound, DAY) == 1
+        finally:
+            conn.close()
+
+    grant_cycles("prune:paused", 3)
+    age("prune:paused")
+    assert paused_acquire(raise_and_delete) == 1
+
+
+def test_an_acquire_does_not_wait_for_a_batch_deleting_other_names() -> None:
+    """A batch locks only the rows it deletes: an acquire of another name, and one of a new
+    name, go through while the batch's delete is still uncommitted (a table lock held them until
+    the batch committed)."""
+    grant_cycles("prune:going", 2)
+    grant_cycles("prune:staying", 2)
+    age("prune:going")
+    conn = connect("default")
+    try:
+        _, _, names, bound = raise_floor(conn, "", DAY, 1000)
+        assert names == ["prune:going"] and bound is not None
+        with conn.transaction():
+            assert delete_slice(conn, names, bound, DAY) == 1
+            backend = get_backend("default")
+            for name in ("prune:staying", "prune:brand-new"):
+                grant = backend.try_acquire(name, "beside-the-prune", 30.0)
+                assert grant is not None
+                backend.release(grant)
+    finally:
+        conn.close()
+    assert not Lease.objects.filter(name="prune:going").exists()
 
 
 def test_prunes_racing_acquires_never_lower_a_token() -> None:
@@ -308,18 +383,29 @@ def test_stores_that_forget_by_themselves_do_not_prune() -> None:
         get_backend("redis").prune(DAY)
 
 
-def test_a_batch_that_cannot_lock_gives_up_quickly_and_changes_nothing() -> None:
-    grant_cycles("prune:locked-out", 2)
-    age("prune:locked-out")
-    blocker = connect("default")
+def test_a_batch_waits_for_an_open_writer_then_gives_up_having_deleted_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transaction that wrote ``leases_lease`` and stays open may have read the old floor:
+    the batch waits for it, gives up after its timeout (the floor raised, nothing deleted) and
+    deletes once the writer is gone."""
+    grant_cycles("prune:waited", 2)
+    age("prune:waited")
+    writer = connect("default")
     pruner = connect("default")
     try:
-        with blocker.transaction():
-            blocker.execute("LOCK TABLE leases_lease IN ROW EXCLUSIVE MODE")
-            with pytest.raises(psycopg.errors.LockNotAvailable):
-                prune_batch(pruner, "", DAY, 1000)
-        assert Lease.objects.filter(name="prune:locked-out").exists()
+        with writer.transaction():
+            writer.execute("LOCK TABLE leases_lease IN ROW EXCLUSIVE MODE")
+            _, _, names, bound = raise_floor(pruner, "", DAY, 1000)
+            assert names == ["prune:waited"] and bound == 2 and floor() == 2
+            with pytest.raises(TimeoutError):
+                wait_for_writers(pruner, timeout=0.3)
+            monkeypatch.setattr(_pruning, "WRITERS_TIMEOUT", 0.3)
+            with pytest.raises(BackendUnavailable, match="stayed open"):
+                _pruning.prune_rows("default", DAY, 1000)
+            assert Lease.objects.filter(name="prune:waited").exists()
+        wait_for_writers(pruner, timeout=10)
         assert prune_batch(pruner, "", DAY, 1000)[2] == 1
     finally:
-        blocker.close()
+        writer.close()
         pruner.close()

@@ -46,9 +46,9 @@ __all__ = [
 ]
 
 
-#: Rows a prune reads (and may delete) per transaction by default: small, because a batch holds
-#: up the writes of the store's table while it runs (a few milliseconds).
-PRUNE_BATCH = 250
+#: Rows a prune reads (and may delete) per batch by default. A batch locks only the rows it
+#: deletes (nobody waits for it), so the size only bounds one statement's work and WAL burst.
+PRUNE_BATCH = 1000
 #: Rows a whole listing (``manage.py leases list --limit 0``) reads per round trip.
 LIST_BATCH = 1000
 

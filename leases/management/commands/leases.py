@@ -231,7 +231,7 @@ class Command(BaseCommand):
         )
         prune.add_argument("--backend", default="default")
         prune.add_argument(
-            "--batch-size", type=int, default=PRUNE_BATCH, help="rows read per transaction"
+            "--batch-size", type=int, default=PRUNE_BATCH, help="rows read per batch"
         )
         prune.add_argument("--dry-run", action="store_true", help="only count what would go")
         for sub_parser in (listing, watch):
