@@ -10,9 +10,11 @@ lease away safe at all.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -24,8 +26,9 @@ from django.utils import timezone
 
 from . import conf, revocation
 from ._asking import ANSWER_BOUND, ask_every_backend
+from ._paging import Pages
 from .backends import LeaseBackend, get_backend
-from .backends.base import LeaseInfo, LeaseWaiter
+from .backends.base import LIST_BATCH, LeaseInfo, LeaseWaiter
 from .databases import migrated_databases
 from .errors import InvalidFencingToken, LeaseError, LeaseNotHeld
 from .holders import Holder, parse_holder
@@ -301,24 +304,50 @@ def _held_first(found: Iterable[list[LeaseInfo]], limit: int | None) -> list[Lea
     return every[:limit]
 
 
-def stream_leases(errors: dict[str, str]) -> Iterator[LeaseInfo]:
+def stream_leases(
+    errors: dict[str, str], *, page: int = LIST_BATCH, bound: float = ANSWER_BOUND
+) -> Iterator[LeaseInfo]:
     """Every lease on every configured backend in :func:`all_leases`' order, read lazily
     (:meth:`~leases.backends.base.LeaseBackend.iter_held_first`): ``leases list --limit 0``
-    holds a few batches in memory, not a million rows.
+    holds a few pages in memory, not a million rows.
 
-    The backends' streams are merged as they come; a backend that fails (at its start or
-    half-way) ends its own stream and its error lands in ``errors``, the others go on.
+    Backends are read at once, ``page`` leases at a time, each page within ``bound`` seconds
+    of being asked for (:class:`~leases._paging.Pages`), and their streams merged as they
+    come. A backend that fails or does not answer in time (at its start or half-way) ends its
+    own stream and its error lands in ``errors``; the others go on.
     """
+    aliases = list(conf.get().backends)
+    pool = ThreadPoolExecutor(max(1, len(aliases)), thread_name_prefix="leases-list")
+    try:
+        streams: list[Iterator[tuple[tuple[int, str], str, LeaseInfo]]] = []
+        for alias in aliases:
+            try:
+                backend = get_backend(alias)
+            except LeaseError as exc:
+                errors[alias] = str(exc)
+                continue
+            pages = Pages(
+                alias,
+                functools.partial(backend.iter_held_first, page),
+                pool,
+                errors,
+                page=page,
+                bound=bound,
+            )
+            streams.append(_ranked(alias, pages))
+        for _, _, info in heapq.merge(*streams):
+            yield info
+    finally:
+        # Not waiting: a thread stuck on a store that stopped answering ends with its timeouts.
+        pool.shutdown(wait=False, cancel_futures=True)
 
-    def guarded(alias: str) -> Iterator[tuple[tuple[int, str], str, LeaseInfo]]:
-        try:
-            for info in get_backend(alias).iter_held_first():
-                yield info.rank, alias, info
-        except (LeaseError, NotImplementedError) as exc:
-            errors[alias] = str(exc)
 
-    for _, _, info in heapq.merge(*(guarded(alias) for alias in conf.get().backends)):
-        yield info
+def _ranked(
+    alias: str, infos: Iterable[LeaseInfo]
+) -> Iterator[tuple[tuple[int, str], str, LeaseInfo]]:
+    """What the merge of :func:`stream_leases` compares: rank, then backend (never the info)."""
+    for info in infos:
+        yield info.rank, alias, info
 
 
 #: The three states an operator sees, in the order the admin's filter offers them.
