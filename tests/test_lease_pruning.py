@@ -165,14 +165,15 @@ DROP FUNCTION IF EXISTS pruning_test_pause();
 
 
 @pytest.fixture
-def paused_acquire() -> Iterator[Callable[[Callable[[], object]], int]]:
-    """``run(prune)``: an acquire of ``prune:paused`` reads the floor and pauses; ``prune()``
-    runs in a thread of its own until the floor is raised (and, if it returns first, to its
-    end); then the acquire goes on. The acquire's token, once both are done."""
+def paused_acquire() -> Iterator[Callable[..., int]]:
+    """``run(prune, waits=...)``: an acquire of ``prune:paused`` reads the floor and pauses;
+    ``prune()`` runs in a thread of its own until the floor is raised, then (``waits``) is
+    checked to be still waiting half a second later, or (not ``waits``) is let finish; then
+    the acquire goes on. The acquire's token, once both are done."""
     conn = connect("default")
     conn.execute(PAUSE_TRIGGER_SQL)
 
-    def run(prune: Callable[[], object]) -> int:
+    def run(prune: Callable[[], object], *, waits: bool) -> int:
         got: list[Grant | None] = []
         errors: list[BaseException] = []
         pruned = threading.Event()
@@ -202,8 +203,11 @@ def paused_acquire() -> Iterator[Callable[[Callable[[], object]], int]]:
         wait_until(paused, 10, "the acquire to pause after reading the floor")
         pruning = threading.Thread(target=pruner)
         pruning.start()
-        wait_until(lambda: floor() > 0 or pruned.is_set(), 10, "the prune to raise the floor")
-        pruned.wait(0.5)  # a prune that does not wait for the acquire is done by now
+        wait_until(lambda: floor() > 0, 10, "the prune to raise the floor")
+        if waits:  # for the paused acquire: not done while it is paused
+            assert not pruned.wait(0.5)
+        else:
+            assert pruned.wait(10)
         conn.execute("SELECT pg_advisory_unlock(%s)", [PAUSE_KEY])
         acquiring.join(10)
         pruning.join(10)
@@ -216,6 +220,7 @@ def paused_acquire() -> Iterator[Callable[[Callable[[], object]], int]]:
     try:
         yield run
     finally:
+        conn.execute("SELECT pg_advisory_unlock_all()")  # a failed test's paused acquire goes on
         conn.execute(DROP_PAUSE_SQL)
         conn.close()
 
@@ -231,7 +236,7 @@ def test_an_acquire_that_read_the_old_floor_is_waited_for(paused_acquire: Any) -
     prepared = own.execute("SELECT name FROM pg_prepared_statements").fetchall()
     assert (PREPARED_ACQUIRE.name,) in prepared
     age("prune:paused")
-    token = paused_acquire(lambda: get_backend("default").prune(DAY))
+    token = paused_acquire(lambda: get_backend("default").prune(DAY), waits=True)
     assert token == last.token + 1
     assert Lease.objects.get(name="prune:paused").holder == "racing"  # taken, so not pruned
 
@@ -251,7 +256,7 @@ def test_without_the_wait_the_race_hands_out_token_1_again(paused_acquire: Any) 
 
     grant_cycles("prune:paused", 3)
     age("prune:paused")
-    assert paused_acquire(raise_and_delete) == 1
+    assert paused_acquire(raise_and_delete, waits=False) == 1
 
 
 def test_an_acquire_does_not_wait_for_a_batch_deleting_other_names() -> None:

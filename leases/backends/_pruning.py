@@ -185,7 +185,7 @@ def prune_batch(
     last, read, names, bound = raise_floor(conn, after, older, batch)
     if not names or bound is None:
         return last, read, 0
-    pass  # wait_for_writers(conn)
+    wait_for_writers(conn)
     return last, read, delete_slice(conn, names, bound, older)
 
 
