@@ -8,6 +8,7 @@ using a broken setting at run time raises
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 from django.utils.module_loading import import_string
+
+from leases.conf import MAX_TTL_LIMIT
 
 from .errors import IdempotencyImproperlyConfigured
 
@@ -78,6 +81,7 @@ DEFAULTS: dict[str, Any] = {
 
 _POSITIVE = ("TTL", "LOCK_TIMEOUT", "MAX_RESPONSE_BYTES")
 _NON_NEGATIVE = ("WAIT_TIMEOUT",)
+_BYTES = ("MAX_RESPONSE_BYTES",)
 _BOOLEANS = ("REQUIRED", "ATOMIC", "PREPARED_STATEMENTS")
 _HEADERS = ("HEADER", "REPLAYED_HEADER")
 # RFC 9110 field names: a token.
@@ -141,14 +145,39 @@ def resolve_scope(value: object) -> ScopeFunction:
     return value
 
 
+def seconds_problem(value: object, *, positive: bool) -> str | None:
+    """Why ``value`` is no usable number of seconds, or ``None``: it must be finite (NaN passes
+    every comparison) and at most ten years, so every expiry written is a date PostgreSQL and
+    Python can both read back (a key expiring past the year 9999 breaks every later read of it).
+    Shared by the setting and the per-view / per-operation options."""
+    kind = "positive" if positive else "non-negative"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"must be a finite {kind} number, not {value!r}"
+    if not 0 <= value < math.inf or (positive and value == 0):
+        return f"must be a finite {kind} number, not {value!r}"
+    if value > MAX_TTL_LIMIT:
+        return f"must be at most {MAX_TTL_LIMIT:g} seconds (ten years), not {value!r}"
+    return None
+
+
+def check_seconds(name: str, value: object, *, positive: bool) -> None:
+    """Raise for an option of seconds that :func:`seconds_problem` refuses (``None``: unset)."""
+    problem = None if value is None else seconds_problem(value, positive=positive)
+    if problem is not None:
+        raise IdempotencyImproperlyConfigured(f"{name} {problem}")
+
+
 def _number_problems(raw: dict[str, Any]) -> list[str]:
     found = []
     for key in _POSITIVE + _NON_NEGATIVE:
         value = raw.get(key, DEFAULTS[key])
-        bad = isinstance(value, bool) or not isinstance(value, int | float)
-        if bad or value < 0 or (key in _POSITIVE and value == 0):
-            kind = "positive" if key in _POSITIVE else "non-negative"
-            found.append(f'{SETTING_NAME}["{key}"] must be a {kind} number, not {value!r}')
+        if key in _BYTES:
+            bad = isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            problem = f"must be a positive whole number of bytes, not {value!r}" if bad else None
+        else:
+            problem = seconds_problem(value, positive=key in _POSITIVE)
+        if problem is not None:
+            found.append(f'{SETTING_NAME}["{key}"] {problem}')
     return found
 
 

@@ -14,6 +14,7 @@ from django.test import AsyncClient, Client, RequestFactory, override_settings
 from idempotency import (
     IdempotencyImproperlyConfigured,
     ResponseNotStorable,
+    idempotency_key,
     idempotent,
     scopes,
 )
@@ -352,6 +353,29 @@ def test_decorator_options_are_checked_when_decorating() -> None:
         idempotent(on_conflict="maybe")
     with pytest.raises(IdempotencyImproperlyConfigured):
         idempotent(methods="POST")
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        # An already expired key: the view ran, answered 201 and its retry ran it again.
+        {"ttl": -5},
+        {"ttl": 0},
+        # Raw TypeError / the database's DataError at the first keyed request.
+        {"ttl": "60"},
+        {"lock_timeout": float("nan")},
+        {"wait_timeout": -1},
+        # An expiry past the year 9999: stored, then unreadable (the admin's list answered 500).
+        {"ttl": 10**12},
+    ],
+)
+def test_seconds_options_are_checked_when_decorating(option: dict[str, Any]) -> None:
+    with pytest.raises(IdempotencyImproperlyConfigured, match=next(iter(option))):
+        idempotent(**option)
+    if "wait_timeout" not in option:
+        with pytest.raises(IdempotencyImproperlyConfigured, match=next(iter(option))):
+            idempotency_key("a-key", **option)
+    assert not IdempotencyKey.objects.exists()
 
 
 def test_a_bad_setting_is_reported_by_system_checks() -> None:
