@@ -12,7 +12,7 @@ import warnings
 from . import conf
 from .errors import InvalidLeaseOption
 
-__all__ = ["valid_timeout", "valid_ttl", "warn_if_too_short"]
+__all__ = ["valid_flag", "valid_on_lost", "valid_timeout", "valid_ttl", "warn_if_too_short"]
 
 
 def valid_ttl(ttl: object) -> float:
@@ -37,6 +37,20 @@ def valid_timeout(timeout: object) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
         raise InvalidLeaseOption("timeout", timeout, "must be None (wait forever) or >= 0")
     return float(timeout)
+
+
+def valid_flag(option: str, value: object) -> bool:
+    """``True`` or ``False`` only: a string such as ``"no"`` is truthy and would mean yes."""
+    if value is not True and value is not False:
+        raise InvalidLeaseOption(option, value, "must be True or False")
+    return value
+
+
+def valid_on_lost(on_lost: object) -> None:
+    """``None`` or a callable: anything else would only fail in the keepalive thread, when the
+    lease is lost and the caller most needs to hear of it."""
+    if on_lost is not None and not callable(on_lost):
+        raise InvalidLeaseOption("on_lost", on_lost, "must be None or a callable (lease) -> None")
 
 
 def warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:
