@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from django.apps import apps
 from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
@@ -261,7 +262,16 @@ def problems() -> list[str]:
 
 @cache
 def get() -> IdempotencySettings:
-    """The validated setting; cached until Django reports the setting changed."""
+    """The validated setting; cached until Django reports the setting changed.
+
+    Also refuses to run without the app installed: then no system check reports a bad setting
+    and ``migrate`` makes no key table, so the first keyed request would fail in the database.
+    """
+    if not apps.is_installed("idempotency"):
+        raise IdempotencyImproperlyConfigured(
+            '"idempotency" is not in INSTALLED_APPS: add it and run migrate (its migrations '
+            "make the key table), as the quick start says"
+        )
     found = problems()
     if found:
         raise IdempotencyImproperlyConfigured("; ".join(found))
@@ -289,5 +299,5 @@ def get() -> IdempotencySettings:
 
 @receiver(setting_changed)
 def _setting_changed(*, setting: str, **kwargs: Any) -> None:
-    if setting in (SETTING_NAME, "DATABASES"):
+    if setting in (SETTING_NAME, "DATABASES", "INSTALLED_APPS"):
         get.cache_clear()

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.conf import settings
 from django.db import connection
 from django.test import AsyncClient, Client, RequestFactory, override_settings
 
@@ -376,6 +377,18 @@ def test_seconds_options_are_checked_when_decorating(option: dict[str, Any]) -> 
         with pytest.raises(IdempotencyImproperlyConfigured, match=next(iter(option))):
             idempotency_key("a-key", **option)
     assert not IdempotencyKey.objects.exists()
+
+
+def test_a_guard_without_the_app_installed_says_so(client: Client) -> None:
+    """Forgetting "idempotency" in INSTALLED_APPS: no check runs and migrate makes no key table,
+    so the first keyed request died of the database's ProgrammingError inside the view."""
+    without = [app for app in settings.INSTALLED_APPS if app != "idempotency"]
+    with (
+        override_settings(INSTALLED_APPS=without),
+        pytest.raises(IdempotencyImproperlyConfigured, match="INSTALLED_APPS"),
+    ):
+        post(client, "/idem/charge/", "no-app-1")
+    assert not Charge.objects.exists()
 
 
 def test_a_bad_setting_is_reported_by_system_checks() -> None:
