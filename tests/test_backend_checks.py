@@ -168,3 +168,12 @@ def test_the_admin_finds_the_lease_rows_by_capability() -> None:
     }
     with override_settings(LEASES={"BACKENDS": backends}):
         assert database_backend_alias() == "rows"
+
+
+def test_an_unreachable_store_is_named_once_in_its_deploy_error() -> None:
+    """It read "lease backend 'r': lease backend 'r' is unavailable: ..."."""
+    messages = leases_checks(
+        {"r": {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0"}}, deploy=True
+    )
+    (error,) = [m for m in messages if m.id == "leases.E003"]
+    assert error.msg.count("'r'") == 1, error.msg
