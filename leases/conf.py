@@ -175,6 +175,11 @@ def _time_problems(raw: dict[str, Any]) -> list[str]:
 def _label_problems(label: object) -> list[str]:
     if not isinstance(label, str) or not label.isprintable():
         return [f'{SETTING_NAME}["HOLDER_LABEL"] must be a string of printable characters']
+    if "@" in label:
+        return [
+            f'{SETTING_NAME}["HOLDER_LABEL"] must not contain "@": it ends the label in a holder '
+            "identity (label@host:pid:thread), which could then not be read back"
+        ]
     if len(label) > MAX_LABEL_LENGTH:
         return [
             f'{SETTING_NAME}["HOLDER_LABEL"] is {len(label)} characters long; at most '

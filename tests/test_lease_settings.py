@@ -30,6 +30,9 @@ from leases import conf
         ({"DEFAULT_TTL": 0.001}, "drift allowance"),
         # Longer labels were silently cut to 100 characters in every holder identity.
         ({"HOLDER_LABEL": "x" * 101}, "100"),
+        # "@" ends the label in a holder identity: the admin, leader_of() and manage.py leases
+        # could no longer find host, pid and thread in it and showed it raw.
+        ({"HOLDER_LABEL": "svc@prod"}, "@"),
     ],
 )
 def test_bad_limits_are_reported_by_check(extra: dict[str, Any], problem: str) -> None:
