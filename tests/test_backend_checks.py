@@ -170,10 +170,24 @@ def test_the_admin_finds_the_lease_rows_by_capability() -> None:
         assert database_backend_alias() == "rows"
 
 
-def test_an_unreachable_store_is_named_once_in_its_deploy_error() -> None:
-    """It read "lease backend 'r': lease backend 'r' is unavailable: ..."."""
-    messages = leases_checks(
-        {"r": {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0"}}, deploy=True
-    )
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0"},
+        {
+            "ENGINE": "leases.backends.etcd",
+            "ENDPOINTS": ["http://127.0.0.1:1"],
+            "REQUEST_TIMEOUT": 0.5,
+            "CONNECT_TIMEOUT": 0.5,
+        },
+    ],
+    ids=["redis", "etcd"],
+)
+def test_an_unreachable_store_is_named_once_in_its_deploy_error(options: dict[str, Any]) -> None:
+    """It read "lease backend 'r': lease backend 'r' is unavailable: ...". An unreachable
+    etcd cluster was only a warning (``leases.W003``), its reason empty, where every other
+    unreachable store is an error that says what failed."""
+    messages = leases_checks({"r": options}, deploy=True)
     (error,) = [m for m in messages if m.id == "leases.E003"]
     assert error.msg.count("'r'") == 1, error.msg
+    assert error.msg.rstrip().endswith(":") is False and "127.0.0.1:1" in error.msg, error.msg
