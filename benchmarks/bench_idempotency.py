@@ -3,7 +3,9 @@
 The view inserts one row (a payment) and answers 201. Contenders, on the same server in one run:
 the undecorated view in autocommit, the same view in ``transaction.atomic()`` (what atomic mode
 needs anyway: the effect and the key commit together), ``@idempotent`` with a new key per
-request, ``@idempotent`` replaying a stored response, and drf-idempotency's ``@idempotent()``
+request, ``@idempotent`` replaying a stored response, the same two with
+``claim_in_transaction=True`` (the key claimed by an advisory lock in the view's transaction, its
+row written once, with the response: one commit a request instead of two), and drf-idempotency's ``@idempotent()``
 (database backend) on the same view when it is installed. Views are called directly with
 RequestFactory requests, so middleware costs are left out for everyone alike. Round trips are
 counted on the wire (libpq trace), as in the advisory benchmark.
@@ -33,6 +35,8 @@ BODY = json.dumps({"amount": 1000, "currency": "EUR"})
 PREFIX = "bench-idem-"
 OPS = 100
 ROUNDS = 7
+GATED_FIRST = "claim_in_transaction, first request"
+GATED_REPLAY = "claim_in_transaction, replay"
 
 
 def _view(request: HttpRequest) -> HttpResponse:
@@ -53,14 +57,18 @@ def _requests() -> Callable[[str | None], HttpRequest]:
 
 def _contenders(make: Callable[[str | None], HttpRequest]) -> dict[str, Callable[[], Any]]:
     ours = idempotent(scope=by_api_key)(_view)
+    gated = idempotent(scope=by_api_key, claim_in_transaction=True)(_view)
     atomic = transaction.atomic(_view)
     fresh = (f"{PREFIX}{n}" for n in itertools.count())
     ours(make(f"{PREFIX}replay"))
+    gated(make(f"{PREFIX}gated-replay"))
     return {
         "undecorated view (autocommit)": lambda: _view(make(None)),
         "undecorated view in atomic()": lambda: atomic(make(None)),
         "@idempotent, first request": lambda: ours(make(next(fresh))),
         "@idempotent, replay": lambda: ours(make(f"{PREFIX}replay")),
+        GATED_FIRST: lambda: gated(make(next(fresh))),
+        GATED_REPLAY: lambda: gated(make(f"{PREFIX}gated-replay")),
     }
 
 
@@ -117,6 +125,12 @@ def main(report: Report) -> None:
         times = dict(rows)
         faster = times["@idempotent, replay"] < times["undecorated view in atomic()"]
         report.note(f"replay faster than running the (atomic) view: {faster}")
+        for label in ("@idempotent, first request", GATED_FIRST):
+            ratio = times[label] / times["undecorated view in atomic()"]
+            report.note(f"{label}: x {ratio:.2f} the view in atomic() (goal <= 1.3)")
+        for label in ("@idempotent, replay", GATED_REPLAY):
+            ratio = times[label] / times["undecorated view (autocommit)"]
+            report.note(f"{label}: x {ratio:.2f} the view (goal <= 1.0)")
 
     try:
         contenders = _contenders(make)

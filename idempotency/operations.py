@@ -90,6 +90,7 @@ class idempotency_key:
         lock_timeout: float | None = None,
         wait: float = 0.0,
         atomic: bool | None = None,
+        claim_in_transaction: bool | None = None,
     ) -> None:
         self.key = key
         self.scope = scope
@@ -98,11 +99,18 @@ class idempotency_key:
         self.lock_timeout = lock_timeout
         self.wait = wait
         self.atomic = atomic
+        self.claim_in_transaction = claim_in_transaction
 
     def _open(self, key: str) -> Operation:
         settings = conf.get()
         ttl = settings.ttl if self.ttl is None else self.ttl
         lock = settings.lock_timeout if self.lock_timeout is None else self.lock_timeout
+        atomic = settings.atomic if self.atomic is None else self.atomic
+        in_transaction = atomic and (
+            settings.claim_in_transaction
+            if self.claim_in_transaction is None
+            else self.claim_in_transaction
+        )
         begun = store.begin(
             self.scope,
             key,
@@ -111,12 +119,12 @@ class idempotency_key:
             lock_timeout=lock,
             wait=self.wait,
             using=settings.database,
+            in_transaction=in_transaction,
         )
         begun.raise_for_conflict(self.scope, key)
         if begun.outcome is not None:
             return Operation(self.scope, key, replayed=True, result=json.loads(begun.outcome.body))
         assert begun.claim is not None
-        atomic = settings.atomic if self.atomic is None else self.atomic
         attempt = store.Attempt(begun.claim, atomic=atomic, ttl=ttl)
         attempt.start()
         return Operation(self.scope, key, replayed=False, _attempt=attempt)
@@ -192,6 +200,7 @@ class idempotency_key:
             lock_timeout=self.lock_timeout,
             wait=self.wait,
             atomic=self.atomic,
+            claim_in_transaction=self.claim_in_transaction,
         )
 
 

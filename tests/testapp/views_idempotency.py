@@ -117,9 +117,7 @@ def charge_flaky(request: HttpRequest) -> HttpResponse:
     return _answer(made)
 
 
-@csrf_exempt
-@idempotent(lock_timeout=1)
-def charge_crash(request: HttpRequest) -> HttpResponse:
+def _crash(request: HttpRequest) -> HttpResponse:
     """Writes its effect, then (the first time) tells the test and hangs until killed."""
     made = _charge(request)
     marker = Path(os.environ[CRASH_MARKER_ENV])
@@ -127,6 +125,17 @@ def charge_crash(request: HttpRequest) -> HttpResponse:
         marker.write_text(str(os.getpid()))
         time.sleep(60)
     return _answer(made)
+
+
+charge_crash = csrf_exempt(idempotent(lock_timeout=1)(_crash))
+# The same views with the key claimed in the view's transaction (CLAIM_IN_TRANSACTION).
+charge_crash_tx = csrf_exempt(idempotent(lock_timeout=1, claim_in_transaction=True)(_crash))
+charge_tx = csrf_exempt(idempotent(claim_in_transaction=True)(lambda r: _answer(_charge(r))))
+charge_wait_tx = csrf_exempt(
+    idempotent(on_conflict="wait", wait_timeout=30, claim_in_transaction=True)(
+        lambda r: _answer(_charge(r))
+    )
+)
 
 
 @csrf_exempt
@@ -372,6 +381,9 @@ urlpatterns = [
     path("wait/", charge_wait),
     path("flaky/", charge_flaky),
     path("crash/", charge_crash),
+    path("crash-tx/", charge_crash_tx),
+    path("charge-tx/", charge_tx),
+    path("wait-tx/", charge_wait_tx),
     path("big/", charge_big),
     path("stream/", charge_stream),
     path("async/", charge_async),
