@@ -4,11 +4,12 @@ The view inserts one row (a payment) and answers 201. Contenders, on the same se
 the undecorated view in autocommit, the same view in ``transaction.atomic()`` (what atomic mode
 needs anyway: the effect and the key commit together), ``@idempotent`` with a new key per
 request, ``@idempotent`` replaying a stored response, the same two with
-``claim_in_transaction=True`` (the key claimed by an advisory lock in the view's transaction, its
-row written once, with the response: one commit a request instead of two), and drf-idempotency's ``@idempotent()``
-(database backend) on the same view when it is installed. Views are called directly with
-RequestFactory requests, so middleware costs are left out for everyone alike. Round trips are
-counted on the wire (libpq trace), as in the advisory benchmark.
+``claim_in_transaction=True`` (the key claimed by an advisory lock in the view's transaction,
+its row written once, with the response: one commit a request instead of two), and
+drf-idempotency's ``@idempotent()`` (database backend) on the same view when it is installed.
+Views are called directly with RequestFactory requests, so middleware costs are left out for
+everyone alike. Round trips are counted on the wire (libpq trace), as in the advisory
+benchmark.
 """
 
 from __future__ import annotations
