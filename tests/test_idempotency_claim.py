@@ -302,3 +302,24 @@ test_a_streaming_response_is_refused_and_rolled_back = (
 )
 test_an_expired_key_can_be_reused = views_tests.test_an_expired_key_can_be_reused
 test_async_views_are_guarded_atomically = views_tests.test_async_views_are_guarded_atomically
+
+
+def test_an_idempotent_task_can_claim_its_key_in_the_transaction(settings: Any) -> None:
+    from celery import Celery
+
+    settings.IDEMPOTENCY = {}  # the task's own option, not the setting
+    from idempotency.celery import idempotent_task
+
+    app = Celery("claim-test", set_as_current=False)
+    ran: list[int] = []
+
+    @idempotent_task(key="task-{n}", claim_in_transaction=True, app=app, name="claim.charge")
+    def charge(n: int) -> int:
+        ran.append(n)
+        return Charge.objects.create(key=f"task-{n}", amount=n).pk
+
+    with CaptureQueriesContext(connection) as queries:
+        first = charge.apply((5,)).get()
+    assert any("pg_try_advisory_lock" in q["sql"] for q in queries.captured_queries)
+    assert charge.apply((5,)).get() == first and ran == [5]
+    assert Charge.objects.count() == 1 and advisory_locks_held() == 0
