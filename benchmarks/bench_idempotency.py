@@ -38,6 +38,8 @@ OPS = 100
 ROUNDS = 7
 GATED_FIRST = "claim_in_transaction, first request"
 GATED_REPLAY = "claim_in_transaction, replay"
+# The goal's allowance made concrete: the atomic view plus one trivial round trip before it.
+PLUS_ONE = "view in atomic() + one SELECT 1 round trip"
 
 
 def _view(request: HttpRequest) -> HttpResponse:
@@ -56,6 +58,13 @@ def _requests() -> Callable[[str | None], HttpRequest]:
     return make
 
 
+def _one_more_round_trip(atomic: Callable[[HttpRequest], Any], request: HttpRequest) -> Any:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+        cursor.fetchone()
+    return atomic(request)
+
+
 def _contenders(make: Callable[[str | None], HttpRequest]) -> dict[str, Callable[[], Any]]:
     ours = idempotent(scope=by_api_key)(_view)
     gated = idempotent(scope=by_api_key, claim_in_transaction=True)(_view)
@@ -66,6 +75,7 @@ def _contenders(make: Callable[[str | None], HttpRequest]) -> dict[str, Callable
     return {
         "undecorated view (autocommit)": lambda: _view(make(None)),
         "undecorated view in atomic()": lambda: atomic(make(None)),
+        PLUS_ONE: lambda: _one_more_round_trip(atomic, make(None)),
         "@idempotent, first request": lambda: ours(make(next(fresh))),
         "@idempotent, replay": lambda: ours(make(f"{PREFIX}replay")),
         GATED_FIRST: lambda: gated(make(next(fresh))),
@@ -126,7 +136,7 @@ def main(report: Report) -> None:
         times = dict(rows)
         faster = times["@idempotent, replay"] < times["undecorated view in atomic()"]
         report.note(f"replay faster than running the (atomic) view: {faster}")
-        for label in ("@idempotent, first request", GATED_FIRST):
+        for label in (PLUS_ONE, "@idempotent, first request", GATED_FIRST):
             ratio = times[label] / times["undecorated view in atomic()"]
             report.note(f"{label}: x {ratio:.2f} the view in atomic() (goal <= 1.3)")
         for label in ("@idempotent, replay", GATED_REPLAY):

@@ -226,14 +226,16 @@ WHERE id = %(id)s AND owner = %(owner)s AND steps = '{}'::jsonb
 # takes a new snapshot, so a look that follows the lock sees every attempt that committed and
 # unlocked before it (a lock taken by the look itself could come after its snapshot, and a
 # duplicate would run the view while the first one's row was already committed). The lock's
-# outcome goes from one statement to the next through a setting local to the transaction.
+# outcome goes from one statement to the next through a setting of the session (not local to
+# the transaction: a driver binding on the server sends the two as queries of their own).
 # Outside a transaction the lock is the session's (released after the COMMIT that stores the
 # row, in the same query); inside one it is the transaction's, released with it.
 GATE_SESSION_SQL = (
-    "SELECT set_config('idempotency.gate', pg_try_advisory_lock(%(gate)s::bigint)::text, true)"
+    "SELECT set_config('idempotency.gate', pg_try_advisory_lock(%(gate)s::bigint)::text, false)"
 )
 GATE_XACT_SQL = (
-    "SELECT set_config('idempotency.gate', pg_try_advisory_xact_lock(%(gate)s::bigint)::text, true)"
+    "SELECT set_config('idempotency.gate', "
+    "pg_try_advisory_xact_lock(%(gate)s::bigint)::text, false)"
 )
 UNLOCK_SQL = "SELECT pg_advisory_unlock(%(gate)s::bigint)"
 
@@ -315,7 +317,7 @@ def _sqlstate(exc: BaseException) -> str | None:
     return getattr(exc.__cause__, "sqlstate", None)
 
 
-def _one_query(cursor: CursorWrapper) -> bool:
+def one_query(cursor: CursorWrapper) -> bool:
     """Whether the cursor sends its text as one simple query, so several statements (a
     ``PREPARE`` and its first ``EXECUTE``, a write and its ``COMMIT``) share a round trip:
     Django's default client-side binding does; ``server_side_binding`` does not."""
@@ -331,7 +333,7 @@ def _text(cursor: CursorWrapper, statement: Statement) -> str:
     if statement.name in names:
         return statement.execute_sql()
     names.add(statement.name)
-    if not _one_query(cursor):
+    if not one_query(cursor):
         cursor.execute(statement.prepare_sql())
         return statement.execute_sql()
     return f"{statement.prepare_sql()}; {statement.execute_sql()}"
@@ -348,14 +350,20 @@ def _forget(cursor: CursorWrapper) -> None:
 
 
 def execute(
-    cursor: CursorWrapper, statement: Statement, params: dict[str, Any], *, before: str = ""
+    cursor: CursorWrapper,
+    statement: Statement,
+    params: dict[str, Any],
+    *,
+    before: str = "",
+    undo_before: str = "",
 ) -> None:
     """Run ``statement``; a session that lost its prepared statements (or has one of ours
     we did not know of) prepares them again, outside a transaction only: inside one the error
     has aborted it, so it propagates. ``before`` (SQL) runs first in the same query when the
     cursor sends one query (else as a query of its own); the cursor is left on the statement's
-    rows."""
-    if before and not _one_query(cursor):
+    rows. When the statement has to be sent again, ``undo_before`` runs first (``before``
+    already ran: a session lock it took would otherwise be taken twice)."""
+    if before and not one_query(cursor):
         cursor.execute(before, params)
         before = ""
     try:
@@ -372,6 +380,8 @@ def execute(
             raise
         if _sqlstate(exc) == _ALREADY_PREPARED:
             cursor.execute(f"DEALLOCATE {statement.name}")
+        if before and undo_before:
+            cursor.execute(undo_before, params)
         _run(
             cursor,
             f"{before}; {_text(cursor, statement)}" if before else _text(cursor, statement),
@@ -405,7 +415,7 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
         missing = [statement for statement in missing if statement.name not in names]
         if not missing:
             return
-        if _one_query(cursor):
+        if one_query(cursor):
             cursor.execute("; ".join(statement.prepare_sql() for statement in missing))
         else:
             for statement in missing:
@@ -430,7 +440,7 @@ def owned_write(
     counting form runs alone and the caller's block commits. ``after_commit`` (SQL) follows
     the COMMIT in the same query; it runs only when the write and the COMMIT did.
     """
-    if not (commit and _one_query(cursor)):
+    if not (commit and one_query(cursor)):
         execute(cursor, write.counting, params)
         row = cursor.fetchone()
         return row is not None and row[0] == 1

@@ -182,7 +182,8 @@ def _claim_gated(params: dict[str, Any], using: str) -> Any:
     with connections[using].cursor() as cursor:
         try:
             gate = GATE_SESSION_SQL if session else GATE_XACT_SQL
-            statements.execute(cursor, PROBE, params, before=gate)
+            undo = UNLOCK_SQL if session else ""
+            statements.execute(cursor, PROBE, params, before=gate, undo_before=undo)
             return cursor.fetchone()
         except BaseException:
             if session and connections[using].is_usable():
@@ -331,16 +332,19 @@ def _owned_write(
     *,
     commit: bool,
     after_commit: str = "",
-) -> None:
+) -> bool:
     """A write only the key's owner may make (else IdempotencyKeyLost), committing the open
-    transaction in the same round trip when ``commit`` (the caller's outermost block)."""
+    transaction in the same round trip when ``commit`` (the caller's outermost block) and the
+    driver sends one query; returns whether it did (and ran ``after_commit`` after it)."""
     with connections[claim.using].cursor() as cursor:
+        committed = commit and statements.one_query(cursor)
         done = statements.owned_write(
             cursor, write, params, commit=commit, after_commit=after_commit
         )
     if not done:
         send(signals.conflict, claim.using, scope=claim.scope, key=claim.key, reason="lost")
         raise IdempotencyKeyLost(claim.scope, claim.key)
+    return committed
 
 
 def finish(claim: Claim, outcome: Outcome, *, ttl: float, commit: bool = False) -> bool:
@@ -360,9 +364,9 @@ def finish(claim: Claim, outcome: Outcome, *, ttl: float, commit: bool = False) 
             "ttl": ttl,
             "gate": claim.gate,
         }
-        unlock = commit and claim.session_gate
-        _owned_write(claim, STORE, stored, commit=commit, after_commit=UNLOCK_SQL if unlock else "")
-        return unlock
+        after = UNLOCK_SQL if claim.session_gate else ""
+        committed = _owned_write(claim, STORE, stored, commit=commit, after_commit=after)
+        return committed and claim.session_gate
     params: dict[str, Any] = {
         "id": claim.id,
         "owner": claim.owner,

@@ -249,6 +249,47 @@ def test_a_lapsed_started_key_is_taken_over_with_its_recorded_steps() -> None:
     assert claim().outcome == OUTCOME
 
 
+def _claim_and_store(key: str) -> None:
+    begun = claim(key)
+    assert begun.claim is not None
+    attempt = Attempt(begun.claim, atomic=True, ttl=60)
+    attempt.start()
+    attempt.commit(OUTCOME)
+    assert claim(key).outcome == OUTCOME
+
+
+def test_a_session_that_lost_its_prepared_statements_takes_its_gate_once() -> None:
+    """The claim is sent again after the session lost the look's prepared statement; the gate
+    the first try took is given back first, so one unlock after the commit frees the key."""
+    _claim_and_store("k-before")
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")  # what a pooler's server reset does
+    _claim_and_store("k-after")
+    assert advisory_locks_held() == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"server_side_binding": True}, {}],
+    ids=["server_side_binding", "plain_sql"],
+)
+def test_the_gate_is_given_back_whatever_way_the_statements_are_sent(
+    options: dict[str, Any], monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    """Server-side binding sends one statement per query (no COMMIT riding on the store; it
+    takes no SQL-level prepared statements, whose EXECUTE has no bind parameters); without
+    prepared statements the SQL goes as it is."""
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    settings.IDEMPOTENCY = {"CLAIM_IN_TRANSACTION": True, "PREPARED_STATEMENTS": False}
+    connection.close()
+    try:
+        _claim_and_store("k-sent")
+        assert advisory_locks_held() == 0
+        assert elsewhere(lambda: claim("k-sent")).status is Status.COMPLETED
+    finally:
+        connection.close()
+
+
 def test_inside_an_open_transaction_a_duplicate_is_answered_without_waiting() -> None:
     """Under ATOMIC_REQUESTS the gate is the transaction's: it lasts until the caller's
     transaction ends, which is when the key row commits."""
