@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +37,7 @@ TITLE = "idempotency: @idempotent vs the undecorated view, and drf-idempotency"
 BODY = json.dumps({"amount": 1000, "currency": "EUR"})
 PREFIX = "bench-idem-"
 OPS = 100
-ROUNDS = 7
+ROUNDS = 11
 GATED_FIRST = "claim_in_transaction, first request"
 GATED_REPLAY = "claim_in_transaction, replay"
 # The goal's allowance made concrete: the atomic view plus one trivial round trip before it.
@@ -56,6 +58,20 @@ def _requests() -> Callable[[str | None], HttpRequest]:
         return factory.post("/payments/", BODY, content_type="application/json", **extra)
 
     return make
+
+
+CPU_SHOWN = ("undecorated view in atomic()", "@idempotent, first request", GATED_FIRST)
+
+
+def _client_cpu(fn: Callable[[], Any], ops: int = 200) -> float:
+    """Median thread CPU seconds of one call: what the client spends in Python (Django, the
+    driver, the guard), apart from waiting on the server."""
+    samples = []
+    for _ in range(ops):
+        start = time.thread_time()
+        fn()
+        samples.append(time.thread_time() - start)
+    return statistics.median(samples)
 
 
 def _one_more_round_trip(atomic: Callable[[HttpRequest], Any], request: HttpRequest) -> Any:
@@ -142,6 +158,12 @@ def main(report: Report) -> None:
         for label in ("@idempotent, replay", GATED_REPLAY):
             ratio = times[label] / times["undecorated view (autocommit)"]
             report.note(f"{label}: x {ratio:.2f} the view (goal <= 1.0)")
+        cpu = {label: _client_cpu(contenders[label]) for label in CPU_SHOWN}
+        report.note(
+            "client CPU per request (this process's thread; the rest of a request's time is "
+            "waiting for the server): "
+            + ", ".join(f"{label} {seconds * 1e6:.0f} us" for label, seconds in cpu.items())
+        )
 
     try:
         contenders = _contenders(make)

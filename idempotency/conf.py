@@ -54,7 +54,9 @@ DEFAULTS: dict[str, Any] = {
     # In atomic mode, claim a key inside the view's transaction (an advisory lock) instead of
     # committing a started row before the view runs: one commit per request instead of two, and
     # a crashed request leaves nothing to wait for; but a request that hangs keeps its key
-    # until it ends (no take-over after LOCK_TIMEOUT). See the guide's "Atomic mode".
+    # until it ends (no take-over after LOCK_TIMEOUT). See the guide's "Atomic mode". Inside a
+    # transaction that is already open (ATOMIC_REQUESTS) an atomic attempt always claims so,
+    # unless its own option says otherwise.
     "CLAIM_IN_TRANSACTION": False,
     # Answers never stored, besides every status >= 500: refusals of a request that never ran or
     # failed for a passing reason (unauthenticated, forbidden, timed out, too early, throttled).

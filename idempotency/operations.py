@@ -106,10 +106,8 @@ class idempotency_key:
         ttl = settings.ttl if self.ttl is None else self.ttl
         lock = settings.lock_timeout if self.lock_timeout is None else self.lock_timeout
         atomic = settings.atomic if self.atomic is None else self.atomic
-        in_transaction = atomic and (
-            settings.claim_in_transaction
-            if self.claim_in_transaction is None
-            else self.claim_in_transaction
+        in_transaction = store.claims_in_transaction(
+            atomic, self.claim_in_transaction, settings.claim_in_transaction, settings.database
         )
         begun = store.begin(
             self.scope,

@@ -6,12 +6,18 @@ claimed, an insert that on conflict takes over a key whose lock lapsed (a crashe
 whose TTL passed. The started row is committed on its own (autocommit) before the work runs, so
 a duplicate sees "in progress" at once instead of queueing behind an uncommitted insert.
 
-Inside a transaction that is already open (``ATOMIC_REQUESTS``, or a caller's ``atomic`` block)
-the started row cannot be committed first: it stays uncommitted while the view runs, and a
-duplicate's insert would queue behind it for as long as the first request runs, however long
-that is. There the claim runs in a savepoint under a ``lock_timeout`` of the time the caller may
-wait (a millisecond for ``on_conflict="409"``); when it fires the savepoint is rolled back, the
-transaction stays usable, and the duplicate is told "in progress".
+An atomic attempt may instead claim its key in its own transaction (``in_transaction``): an
+advisory lock rather than a row, the row written once with the outcome (see
+:data:`~idempotency.statements.PROBE`). That is the default inside a transaction that is already
+open (:func:`claims_in_transaction`), where a row claim could not be committed first either.
+
+A row claim inside a transaction that is already open (``ATOMIC_REQUESTS``, or a caller's
+``atomic`` block; ``claim_in_transaction=False``) cannot commit the started row first: it stays
+uncommitted while the view runs, and a duplicate's insert would queue behind it for as long as
+the first request runs, however long that is. There the claim runs in a savepoint under a
+``lock_timeout`` of the time the caller may wait (a millisecond for ``on_conflict="409"``); when
+it fires the savepoint is rolled back, the transaction stays usable, and the duplicate is told
+"in progress".
 
 ``finish`` is conditional on the attempt's ``owner``: an attempt whose lock lapsed and was taken
 over stores nothing, and in atomic mode its effects roll back with it (only one attempt commits).
@@ -165,6 +171,19 @@ def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> An
             raise
         return _Busy.BUSY
     return row
+
+
+def claims_in_transaction(atomic: bool, option: bool | None, setting: bool, using: str) -> bool:
+    """Whether an attempt claims its key in its transaction: only an atomic one; as its option
+    says, else as the setting says, else whenever a transaction is already open (under
+    ``ATOMIC_REQUESTS``), where a row claim could not be committed first either and the key
+    already comes and goes with the caller's transaction: there the lock only replaces the row
+    claim's bounded wait (a savepoint and two ``lock_timeout`` settings) with one statement."""
+    if not atomic:
+        return False
+    if option is not None:
+        return option
+    return setting or connections[using].in_atomic_block
 
 
 def gate_key(scope: str, key: str) -> int:

@@ -136,10 +136,8 @@ class _Guard:
             lock = opts.lock_timeout if opts.lock_timeout is not None else defaults.lock_timeout
             ttl = opts.ttl if opts.ttl is not None else defaults.ttl
             atomic = defaults.atomic if opts.atomic is None else opts.atomic
-            in_transaction = atomic and (
-                defaults.claim_in_transaction
-                if opts.claim_in_transaction is None
-                else opts.claim_in_transaction
+            in_transaction = store.claims_in_transaction(
+                atomic, opts.claim_in_transaction, defaults.claim_in_transaction, defaults.database
             )
             begun = store.begin(
                 plan.scope,

@@ -364,3 +364,21 @@ def test_an_idempotent_task_can_claim_its_key_in_the_transaction(settings: Any) 
     assert any("pg_try_advisory_lock" in q["sql"] for q in queries.captured_queries)
     assert charge.apply((5,)).get() == first and ran == [5]
     assert Charge.objects.count() == 1 and advisory_locks_held() == 0
+
+
+def test_under_atomic_requests_the_claim_is_in_the_transaction_by_default(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """There the row claim could not commit first anyway: one gated look replaces its
+    savepoint and bounded lock wait, and the key still commits with the request."""
+    settings.IDEMPOTENCY = {}
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    client = views_tests.identified(views_tests.Client())
+    with CaptureQueriesContext(connection) as queries:
+        first = views_tests.post(client, "/idem/charge/", "k-atomic-requests")
+    sent = [q["sql"] for q in queries.captured_queries]
+    assert any("pg_try_advisory_xact_lock" in sql for sql in sent)
+    assert not any("lock_timeout" in sql for sql in sent), sent
+    again = views_tests.post(client, "/idem/charge/", "k-atomic-requests")
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert Charge.objects.count() == 1
