@@ -26,6 +26,7 @@ Every time is the database's ``clock_timestamp()``; app servers' clocks are neve
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
 import hashlib
@@ -474,14 +475,23 @@ class Attempt:
 
     def start(self) -> None:
         using = self.claim.using
-        # Prepared now, outside the transaction, where a session that lost them can recover.
-        statements.prepare(
-            using, STORE if self.claim.gate is not None else FINISH, RECORD_STEP, RELEASE
-        )
-        if self.atomic:
-            self._outermost = not connections[using].in_atomic_block
-            self._block = transaction.atomic(using=using)
-            self._block.__enter__()
+        try:
+            # Prepared now, outside the transaction, where a session that lost them can
+            # recover.
+            statements.prepare(
+                using, STORE if self.claim.gate is not None else FINISH, RECORD_STEP, RELEASE
+            )
+            if self.atomic:
+                self._outermost = not connections[using].in_atomic_block
+                self._block = transaction.atomic(using=using)
+                self._block.__enter__()
+        except BaseException:
+            # A session gate would outlive the request on a kept connection; best effort, the
+            # error that stopped the start is the one to report.
+            if self.claim.session_gate:
+                with contextlib.suppress(Exception):
+                    release(self.claim)
+            raise
         # Not a token reset: the async views start and end attempts in sync_to_async threads,
         # whose context changes asgiref copies back, so a token would belong to another context.
         _ACTIVE.set((*_ACTIVE.get(), self))

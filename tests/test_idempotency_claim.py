@@ -382,3 +382,21 @@ def test_under_atomic_requests_the_claim_is_in_the_transaction_by_default(
     again = views_tests.post(client, "/idem/charge/", "k-atomic-requests")
     assert again["Idempotent-Replayed"] == "true" and again.content == first.content
     assert Charge.objects.count() == 1
+
+
+def test_an_attempt_that_cannot_start_gives_its_key_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that fails (here: preparing its statements) leaves no session lock behind on a
+    connection Django keeps for the next request."""
+    from idempotency import statements
+
+    begun = claim()
+    assert begun.claim is not None
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the statements could not be prepared")
+
+    monkeypatch.setattr(statements, "prepare", broken)
+    with pytest.raises(RuntimeError):
+        Attempt(begun.claim, atomic=True, ttl=60).start()
+    assert advisory_locks_held() == 0
+    assert elsewhere(claim).status is Status.NEW
