@@ -55,6 +55,13 @@ DEFAULTS: dict[str, Any] = {
     # worker killed in between leaves a started key whose retry, after LOCK_TIMEOUT, applies the
     # effects again (as does a retry after the view raised or answered 5xx). idempotency.W002.
     "ATOMIC": True,
+    # In atomic mode, claim a key inside the view's transaction (an advisory lock) instead of
+    # committing a started row before the view runs: one commit per request instead of two, and
+    # a crashed request leaves nothing to wait for; but a request that hangs keeps its key
+    # until it ends (no take-over after LOCK_TIMEOUT). See the guide's "Atomic mode". Inside a
+    # transaction that is already open (ATOMIC_REQUESTS) an atomic attempt always claims so,
+    # unless its own option says otherwise.
+    "CLAIM_IN_TRANSACTION": False,
     # Answers never stored, besides every status >= 500: refusals of a request that never ran or
     # failed for a passing reason (unauthenticated, forbidden, timed out, too early, throttled).
     # Stored, they would refuse the key's retries for the whole TTL; in atomic mode the view's
@@ -83,7 +90,7 @@ DEFAULTS: dict[str, Any] = {
 _POSITIVE = ("TTL", "LOCK_TIMEOUT", "MAX_RESPONSE_BYTES")
 _NON_NEGATIVE = ("WAIT_TIMEOUT",)
 _BYTES = ("MAX_RESPONSE_BYTES",)
-_BOOLEANS = ("REQUIRED", "ATOMIC", "PREPARED_STATEMENTS")
+_BOOLEANS = ("REQUIRED", "ATOMIC", "CLAIM_IN_TRANSACTION", "PREPARED_STATEMENTS")
 _HEADERS = ("HEADER", "REPLAYED_HEADER")
 # RFC 9110 field names: a token.
 _FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -114,6 +121,7 @@ class IdempotencySettings:
     replayed_header: str = "Idempotent-Replayed"
     middleware_paths: tuple[re.Pattern[str], ...] = ()
     middleware_methods: frozenset[str] = frozenset()
+    claim_in_transaction: bool = False
 
     @property
     def header_meta_key(self) -> str:
@@ -294,6 +302,7 @@ def get() -> IdempotencySettings:
         replayed_header=raw["REPLAYED_HEADER"],
         middleware_paths=tuple(re.compile(p) for p in raw["MIDDLEWARE_PATHS"]),
         middleware_methods=frozenset(m.upper() for m in raw["MIDDLEWARE_METHODS"]),
+        claim_in_transaction=raw["CLAIM_IN_TRANSACTION"],
     )
 
 
