@@ -16,6 +16,7 @@ import redis
 
 from ..errors import FencingUnavailable
 from ._aio import PerLoop
+from ._pgdeadline import Deadline, aarmed
 from ._redis_conn import arun_script, server_run
 from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
 from ._redis_protocol import (
@@ -40,6 +41,12 @@ __all__ = ["AsyncRedis"]
 
 #: Per event loop: the client, and (Redis Cluster only) its registered scripts.
 _Client = tuple[Any, dict[str, Any]]
+
+
+def _fileno(connection: Any) -> int:
+    """The socket of a connected ``redis.asyncio`` connection (its stream's transport)."""
+    sock = connection._writer.get_extra_info("socket")
+    return int(sock.fileno())
 
 
 async def _aclose(made: _Client) -> None:
@@ -68,32 +75,42 @@ class AsyncRedis:
         cancelled round trip drops its connection (its reply was never read)."""
         client, cluster = self._clients.get()
         with Edge(self.backend.alias, script):
-            try:
-                async with asyncio.timeout(self._timeout):
-                    if cluster:
-                        return await cluster[script](keys=keys, args=args, client=client)
-                    return await self._on_connection(client, script, keys, args)
-            except TimeoutError as exc:  # the client has no read timeout of its own
-                raise redis.TimeoutError(f"no reply within {self._timeout} s") from exc
+            if cluster:  # bounded in a task of its own (wait_for): see _on_connection
+                try:
+                    call = cluster[script](keys=keys, args=args, client=client)
+                    return await asyncio.wait_for(call, self._timeout)
+                except TimeoutError as exc:  # the client has no read timeout of its own
+                    raise redis.TimeoutError(f"no reply within {self._timeout} s") from exc
+            return await self._on_connection(client, script, keys, args)
 
     async def _on_connection(
         self, client: Any, script: str, keys: list[str], args: list[object]
     ) -> Any:
-        """One script round trip on a connection checked out here (see ``_redis_conn``)."""
+        """One script round trip on a connection checked out here (see ``_redis_conn``).
+
+        Bounded by cutting the connection's socket when no reply came in time (a
+        :class:`~._pgdeadline.Deadline` on a timer of the loop), not by ``asyncio.timeout``:
+        the round trip may run inside :func:`~leases._finishing.finish`, in the caller's
+        task, whose cancellation is held back until the round trip ends."""
         pool = client.connection_pool
         connection = await pool.get_connection()
+        due: Deadline | None = None
         try:
             await connection.connect()
-            lua = self.backend.scripts[script]
-            if script not in TOKEN_SCRIPTS:
-                return await arun_script(connection, lua, keys, args)
-            known = server_run(connection)
-            sent = known.current(self.backend.trust_server_id)
-            reply = await arun_script(connection, lua, keys, [*args, sent])
-            known.learn(sent, text(reply[2]))
-            return reply
-        except BaseException:
+            due = Deadline(_fileno(connection), self._timeout)
+            with aarmed(due):
+                lua = self.backend.scripts[script]
+                if script not in TOKEN_SCRIPTS:
+                    return await arun_script(connection, lua, keys, args)
+                known = server_run(connection)
+                sent = known.current(self.backend.trust_server_id)
+                reply = await arun_script(connection, lua, keys, [*args, sent])
+                known.learn(sent, text(reply[2]))
+                return reply
+        except BaseException as exc:
             await connection.disconnect()
+            if due is not None and due.fired and isinstance(exc, (redis.RedisError, OSError)):
+                raise redis.TimeoutError(f"no reply within {self._timeout} s") from exc
             raise
         finally:
             await pool.release(connection)
