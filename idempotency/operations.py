@@ -91,6 +91,9 @@ class idempotency_key:
         wait: float = 0.0,
         atomic: bool | None = None,
     ) -> None:
+        conf.check_seconds("ttl", ttl, positive=True)
+        conf.check_seconds("lock_timeout", lock_timeout, positive=True)
+        conf.check_seconds("wait", wait, positive=False)
         self.key = key
         self.scope = scope
         self.fingerprint = fingerprint

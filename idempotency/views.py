@@ -56,6 +56,9 @@ class Options:
             )
         if isinstance(self.methods, str):
             raise IdempotencyImproperlyConfigured("methods must be a list, e.g. ['POST']")
+        conf.check_seconds("ttl", self.ttl, positive=True)
+        conf.check_seconds("lock_timeout", self.lock_timeout, positive=True)
+        conf.check_seconds("wait_timeout", self.wait_timeout, positive=False)
         if self.scope is not None:
             conf.resolve_scope(self.scope)
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
 
+from django.db import connections
+
 from ..errors import BackendNotSupported, LeasesImproperlyConfigured
 
 __all__ = [
@@ -149,6 +151,13 @@ class LeaseBackend(abc.ABC):
 
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
         problems = self.check_options(alias, options)
+        # Reported by leases.E002 at check time; here it would be Django's KeyError, and only
+        # once the store had been asked.
+        problems += [
+            f'LEASES["BACKENDS"][{alias!r}]: database {name!r} is not in DATABASES'
+            for name in sorted(self.databases(options))
+            if name not in connections.settings
+        ]
         if problems:
             raise LeasesImproperlyConfigured("; ".join(problems))
         self.alias = alias
