@@ -285,3 +285,29 @@ def test_a_quorum_decides_without_waiting_for_a_hung_node(
         backend.release(backend.renew(grant, 30))
         wait_until(lambda: holders(servers, name) == [None] * 3, 10, "the release everywhere")
     checker.check_grants(tokens)
+
+
+def test_a_try_refused_by_a_quorum_does_not_wait_for_hung_nodes(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    """Three live nodes of five saying no settle a try: no quorum can say yes any more. The
+    two hung nodes are not waited for (that took a whole NODE_TIMEOUT), yet the try's unlock
+    still goes to them, and it never touches the holder's keys."""
+    timeout = 5.0
+    backend, name = make_backend(five, NODE_TIMEOUT=timeout), unique()
+    holder = backend.try_acquire(name, "holder", 30)
+    assert holder is not None
+    for server in five[:2]:
+        server.pause()
+    try:
+        started = time.monotonic()
+        assert backend.try_acquire(name, "a", 30) is None
+        elapsed = time.monotonic() - started
+    finally:
+        for server in five[:2]:
+            server.resume()
+    assert elapsed < timeout, elapsed
+    value = node_value(holder.holder, holder.secret).encode()
+    wait_until(lambda: holders(five, name) == [value] * 5, 10, "the holder's keys, untouched")
+    backend.release(holder)
+    wait_until(lambda: holders(five, name) == [None] * 5, 10, "the release everywhere")

@@ -180,7 +180,9 @@ class Backend(LeaseBackend):
 
         With ``decided``, replies are read as they arrive only until the ones read settle the
         outcome (see :func:`~._redis_nodes.gather`); the rest are left to the drain thread, so
-        a grant, renewal or release waits for the fastest quorum, never for the slowest node.
+        a grant, renewal or release waits for the fastest quorum, never for the slowest node,
+        and answer :data:`FAILED` here. ``decided`` must not be settled by ``FAILED`` answers
+        alone (only by real ones), or a store nobody answered would look merely busy.
         """
         pending = self._send_all(command)
         if decided is None:
@@ -189,11 +191,18 @@ class Backend(LeaseBackend):
         answers, unread = gather(pending, decided)
         if unread:
             self._drain.put((unread, command, time.monotonic() + self.node_timeout))
-        return answers
+        # Unread is unknown, as a node that did not answer: it may have run the command.
+        return answers + [FAILED] * len(unread)
 
     def _granted(self, answers: list[Any]) -> bool:
         """A quorum said yes to ``SET NX`` (the nodes not read yet cannot undo that)."""
         return sum(answer is True for answer in answers) >= self.quorum
+
+    def _settled(self, answers: list[Any]) -> bool:
+        """A try is granted, or so many nodes said no that no quorum can say yes (the try's
+        unlock then goes to every node, the unread ones included)."""
+        refused = sum(answer is not True and answer is not FAILED for answer in answers)
+        return self._granted(answers) or refused > len(self.locations) - self.quorum
 
     def _done(self, answers: list[Any]) -> bool:
         """A quorum ran the compare-and-extend or compare-and-delete."""
@@ -237,7 +246,7 @@ class Backend(LeaseBackend):
         secret = new_secret()
         sent_at = time.monotonic()
         value = node_value(holder, secret)
-        answers = self._fan_out("SET", keys.lock, value, "NX", "PX", ms(ttl), decided=self._granted)
+        answers = self._fan_out("SET", keys.lock, value, "NX", "PX", ms(ttl), decided=self._settled)
         attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
         if self._granted(answers):
             try:
