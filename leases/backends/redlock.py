@@ -13,9 +13,11 @@ Options: ``NODES`` (URLs, or django-redis cache aliases, which keep their own ti
 ``"default"``).
 
 One try of :meth:`Backend.try_acquire` follows the Redlock algorithm: ``SET NX PX`` sent to
-every node at once, then every reply read by one shared deadline (the node timeout), so a try
-costs about one round trip and hung nodes at most one node timeout, however many (no thread per
-call; a failed try's unlock leaves its replies to one persistent drain thread); the
+every node at once, then the replies read as they arrive, by one shared deadline (the node
+timeout), until they settle the try: a quorum said yes, or so many said no that none can. So a
+try costs about one round trip of the fastest quorum and hung nodes at most one node timeout,
+however many (no thread per call; replies still owed, and a failed try's unlock replies, are
+read by one persistent drain thread); the
 lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity = TTL - elapsed -
 drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
 ``sent_at``). A failed try that any node accepted (or did not answer) unlocks on *every*
