@@ -11,6 +11,7 @@ Best effort by design: a name that cannot be recorded is only shown as its key.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -73,7 +74,10 @@ def _write(using: str, names: list[str]) -> None:
     except Exception as exc:  # best effort: the lock itself is unaffected
         logger.debug("could not record advisory lock names %s: %s", names[:5], exc)
     finally:
-        connections[using].close()
+        # Not just tidiness: this runs on the one writer thread, and an alias gone from
+        # DATABASES raises here; uncaught, it ended the thread and every later name with it.
+        with contextlib.suppress(Exception):
+            connections[using].close()
 
 
 def _forget_after_fork() -> None:

@@ -371,3 +371,21 @@ def test_names_are_recorded_in_the_background_on_first_use(
         10,
         "the name to be recorded by the background writer",
     )
+
+
+def test_a_name_that_cannot_be_recorded_does_not_stop_the_writer() -> None:
+    """Recording is best effort, but it must stay that way for the process's life: a batch
+    for a database alias that no longer exists (a test's, a reconfigured one) used to kill the
+    writer thread (closing the alias raised), and no name was recorded after it."""
+    from leases import _advisory_names
+    from leases.models import AdvisoryLockName
+
+    _advisory_names.note("for-a-gone-alias", "no-such-alias")
+    name = f"recorded-after-{uuid.uuid4().hex[:8]}"
+    time.sleep(0.2)  # let the writer take the bad batch alone
+    _advisory_names.note(name, "default")
+    wait_until(
+        lambda: AdvisoryLockName.objects.filter(name=name).exists(),
+        10,
+        "a name noted after a bad batch to be recorded",
+    )
