@@ -70,7 +70,7 @@ from ._redis_io import (
 )
 from ._redis_nodes import FAILED, Node, Pending, ReplyDrain, gather, node_value
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
-from ._redis_waiters import WaitClock, label, waiters
+from ._redis_waiters import WaitClock, distinct, label, waiters
 from ._redlock_async import AsyncRedlock
 from .base import (
     FORGED,
@@ -354,7 +354,7 @@ class Backend(LeaseBackend):
             except (redis.RedisError, OSError):
                 continue
             found += waiters(self.alias, self.prefix, listed, f"redlock node {node.location}")
-        return found
+        return distinct(found)
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
         """Compare-and-revoke: the token source decides, then every node gives the grant up.
