@@ -59,6 +59,9 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
     in_flight_max_retries: ClassVar[int] = 100
     #: False for a body made of steps (:mod:`idempotency.steps`) that a redelivery resumes.
     idempotency_atomic: ClassVar[bool] = True
+    #: Claim the key in the body's transaction (``IDEMPOTENCY["CLAIM_IN_TRANSACTION"]`` when
+    #: None): a worker killed mid-run leaves nothing, and its redelivery runs at once.
+    idempotency_claim_in_transaction: ClassVar[bool | None] = None
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -107,6 +110,7 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
             lock_timeout=self.idempotency_lock,
             wait=self.idempotency_wait,
             atomic=self.idempotency_atomic,
+            claim_in_transaction=self.idempotency_claim_in_transaction,
         )
         try:
             with once as operation:
@@ -137,6 +141,7 @@ def idempotent_task(
     wait: float = 0,
     on_in_flight: Literal["retry", "raise"] = "retry",
     atomic: bool = True,
+    claim_in_transaction: bool | None = None,
     **options: Any,
 ) -> Callable[[Callable[..., Any]], IdempotentTask]: ...
 def idempotent_task(
@@ -149,6 +154,7 @@ def idempotent_task(
     wait: float = 0,
     on_in_flight: Literal["retry", "raise"] = "retry",
     atomic: bool = True,
+    claim_in_transaction: bool | None = None,
     **options: Any,
 ) -> Any:
     """A task whose effects and result are recorded once per ``key``; see :class:`IdempotentTask`.
@@ -157,6 +163,8 @@ def idempotent_task(
     ``base=LockedTask`` adds a lease around it. ``atomic=False`` for a body made of steps
     (:func:`idempotency.step`): each commits as it completes, and a redelivery after a crash
     resumes after the last one instead of running the body in one transaction again.
+    ``claim_in_transaction=True`` claims the key in the body's transaction (see the guide's
+    "Claiming the key in the view's transaction").
     """
     attrs = {
         "idempotency_key": key,
@@ -165,5 +173,6 @@ def idempotent_task(
         "idempotency_wait": wait,
         "on_in_flight": on_in_flight,
         "idempotency_atomic": atomic,
+        "idempotency_claim_in_transaction": claim_in_transaction,
     }
     return task_decorator(IdempotentTask, fun, attrs, options)

@@ -8,16 +8,20 @@ using a broken setting at run time raises
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from django.apps import apps
 from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 from django.utils.module_loading import import_string
+
+from leases.conf import MAX_TTL_LIMIT
 
 from .errors import IdempotencyImproperlyConfigured
 
@@ -51,6 +55,13 @@ DEFAULTS: dict[str, Any] = {
     # worker killed in between leaves a started key whose retry, after LOCK_TIMEOUT, applies the
     # effects again (as does a retry after the view raised or answered 5xx). idempotency.W002.
     "ATOMIC": True,
+    # In atomic mode, claim a key inside the view's transaction (an advisory lock) instead of
+    # committing a started row before the view runs: one commit per request instead of two, and
+    # a crashed request leaves nothing to wait for; but a request that hangs keeps its key
+    # until it ends (no take-over after LOCK_TIMEOUT). See the guide's "Atomic mode". Inside a
+    # transaction that is already open (ATOMIC_REQUESTS) an atomic attempt always claims so,
+    # unless its own option says otherwise.
+    "CLAIM_IN_TRANSACTION": False,
     # Answers never stored, besides every status >= 500: refusals of a request that never ran or
     # failed for a passing reason (unauthenticated, forbidden, timed out, too early, throttled).
     # Stored, they would refuse the key's retries for the whole TTL; in atomic mode the view's
@@ -78,7 +89,8 @@ DEFAULTS: dict[str, Any] = {
 
 _POSITIVE = ("TTL", "LOCK_TIMEOUT", "MAX_RESPONSE_BYTES")
 _NON_NEGATIVE = ("WAIT_TIMEOUT",)
-_BOOLEANS = ("REQUIRED", "ATOMIC", "PREPARED_STATEMENTS")
+_BYTES = ("MAX_RESPONSE_BYTES",)
+_BOOLEANS = ("REQUIRED", "ATOMIC", "CLAIM_IN_TRANSACTION", "PREPARED_STATEMENTS")
 _HEADERS = ("HEADER", "REPLAYED_HEADER")
 # RFC 9110 field names: a token.
 _FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -109,6 +121,7 @@ class IdempotencySettings:
     replayed_header: str = "Idempotent-Replayed"
     middleware_paths: tuple[re.Pattern[str], ...] = ()
     middleware_methods: frozenset[str] = frozenset()
+    claim_in_transaction: bool = False
 
     @property
     def header_meta_key(self) -> str:
@@ -141,14 +154,39 @@ def resolve_scope(value: object) -> ScopeFunction:
     return value
 
 
+def seconds_problem(value: object, *, positive: bool) -> str | None:
+    """Why ``value`` is no usable number of seconds, or ``None``: it must be finite (NaN passes
+    every comparison) and at most ten years, so every expiry written is a date PostgreSQL and
+    Python can both read back (a key expiring past the year 9999 breaks every later read of it).
+    Shared by the setting and the per-view / per-operation options."""
+    kind = "positive" if positive else "non-negative"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"must be a finite {kind} number, not {value!r}"
+    if not 0 <= value < math.inf or (positive and value == 0):
+        return f"must be a finite {kind} number, not {value!r}"
+    if value > MAX_TTL_LIMIT:
+        return f"must be at most {MAX_TTL_LIMIT:g} seconds (ten years), not {value!r}"
+    return None
+
+
+def check_seconds(name: str, value: object, *, positive: bool) -> None:
+    """Raise for an option of seconds that :func:`seconds_problem` refuses (``None``: unset)."""
+    problem = None if value is None else seconds_problem(value, positive=positive)
+    if problem is not None:
+        raise IdempotencyImproperlyConfigured(f"{name} {problem}")
+
+
 def _number_problems(raw: dict[str, Any]) -> list[str]:
     found = []
     for key in _POSITIVE + _NON_NEGATIVE:
         value = raw.get(key, DEFAULTS[key])
-        bad = isinstance(value, bool) or not isinstance(value, int | float)
-        if bad or value < 0 or (key in _POSITIVE and value == 0):
-            kind = "positive" if key in _POSITIVE else "non-negative"
-            found.append(f'{SETTING_NAME}["{key}"] must be a {kind} number, not {value!r}')
+        if key in _BYTES:
+            bad = isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            problem = f"must be a positive whole number of bytes, not {value!r}" if bad else None
+        else:
+            problem = seconds_problem(value, positive=key in _POSITIVE)
+        if problem is not None:
+            found.append(f'{SETTING_NAME}["{key}"] {problem}')
     return found
 
 
@@ -232,7 +270,16 @@ def problems() -> list[str]:
 
 @cache
 def get() -> IdempotencySettings:
-    """The validated setting; cached until Django reports the setting changed."""
+    """The validated setting; cached until Django reports the setting changed.
+
+    Also refuses to run without the app installed: then no system check reports a bad setting
+    and ``migrate`` makes no key table, so the first keyed request would fail in the database.
+    """
+    if not apps.is_installed("idempotency"):
+        raise IdempotencyImproperlyConfigured(
+            '"idempotency" is not in INSTALLED_APPS: add it and run migrate (its migrations '
+            "make the key table), as the quick start says"
+        )
     found = problems()
     if found:
         raise IdempotencyImproperlyConfigured("; ".join(found))
@@ -255,10 +302,11 @@ def get() -> IdempotencySettings:
         replayed_header=raw["REPLAYED_HEADER"],
         middleware_paths=tuple(re.compile(p) for p in raw["MIDDLEWARE_PATHS"]),
         middleware_methods=frozenset(m.upper() for m in raw["MIDDLEWARE_METHODS"]),
+        claim_in_transaction=raw["CLAIM_IN_TRANSACTION"],
     )
 
 
 @receiver(setting_changed)
 def _setting_changed(*, setting: str, **kwargs: Any) -> None:
-    if setting in (SETTING_NAME, "DATABASES"):
+    if setting in (SETTING_NAME, "DATABASES", "INSTALLED_APPS"):
         get.cache_clear()

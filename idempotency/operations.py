@@ -90,7 +90,11 @@ class idempotency_key:
         lock_timeout: float | None = None,
         wait: float = 0.0,
         atomic: bool | None = None,
+        claim_in_transaction: bool | None = None,
     ) -> None:
+        conf.check_seconds("ttl", ttl, positive=True)
+        conf.check_seconds("lock_timeout", lock_timeout, positive=True)
+        conf.check_seconds("wait", wait, positive=False)
         self.key = key
         self.scope = scope
         self.fingerprint = fingerprint
@@ -98,11 +102,16 @@ class idempotency_key:
         self.lock_timeout = lock_timeout
         self.wait = wait
         self.atomic = atomic
+        self.claim_in_transaction = claim_in_transaction
 
     def _open(self, key: str) -> Operation:
         settings = conf.get()
         ttl = settings.ttl if self.ttl is None else self.ttl
         lock = settings.lock_timeout if self.lock_timeout is None else self.lock_timeout
+        atomic = settings.atomic if self.atomic is None else self.atomic
+        in_transaction = store.claims_in_transaction(
+            atomic, self.claim_in_transaction, settings.claim_in_transaction, settings.database
+        )
         begun = store.begin(
             self.scope,
             key,
@@ -111,12 +120,12 @@ class idempotency_key:
             lock_timeout=lock,
             wait=self.wait,
             using=settings.database,
+            in_transaction=in_transaction,
         )
         begun.raise_for_conflict(self.scope, key)
         if begun.outcome is not None:
             return Operation(self.scope, key, replayed=True, result=json.loads(begun.outcome.body))
         assert begun.claim is not None
-        atomic = settings.atomic if self.atomic is None else self.atomic
         attempt = store.Attempt(begun.claim, atomic=atomic, ttl=ttl)
         attempt.start()
         return Operation(self.scope, key, replayed=False, _attempt=attempt)
@@ -192,6 +201,7 @@ class idempotency_key:
             lock_timeout=self.lock_timeout,
             wait=self.wait,
             atomic=self.atomic,
+            claim_in_transaction=self.claim_in_transaction,
         )
 
 

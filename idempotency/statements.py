@@ -35,9 +35,14 @@ from . import conf
 __all__ = [
     "BEGIN",
     "FINISH",
+    "GATE_SESSION_SQL",
+    "GATE_XACT_SQL",
     "LOST",
+    "PROBE",
     "RECORD_STEP",
     "RELEASE",
+    "STORE",
+    "UNLOCK_SQL",
     "OwnedWrite",
     "Statement",
     "execute",
@@ -214,6 +219,94 @@ WHERE id = %(id)s AND owner = %(owner)s AND steps = '{}'::jsonb
 """,
 )
 
+# A claim in the view's transaction (``claim_in_transaction``) writes nothing before the view
+# runs: the key is held by an advisory lock on the key's hash, and its row is written once, with
+# the response, in the view's transaction (STORE). The lock is taken by a statement of its own
+# that runs before the look (PROBE, in the same query): under READ COMMITTED each statement
+# takes a new snapshot, so a look that follows the lock sees every attempt that committed and
+# unlocked before it (a lock taken by the look itself could come after its snapshot, and a
+# duplicate would run the view while the first one's row was already committed). The lock's
+# outcome goes from one statement to the next through a setting of the session (not local to
+# the transaction: a driver binding on the server sends the two as queries of their own).
+# Outside a transaction the lock is the session's (released after the COMMIT that stores the
+# row, in the same query); inside one it is the transaction's, released with it.
+GATE_SESSION_SQL = (
+    "SELECT set_config('idempotency.gate', pg_try_advisory_lock(%(gate)s::bigint)::text, false)"
+)
+GATE_XACT_SQL = (
+    "SELECT set_config('idempotency.gate', "
+    "pg_try_advisory_xact_lock(%(gate)s::bigint)::text, false)"
+)
+UNLOCK_SQL = "SELECT pg_advisory_unlock(%(gate)s::bigint)"
+
+# The look after the gate: one row whatever is there. ``kind`` is ``claimed`` (the key is free
+# or may be taken over, and the gate was ours), ``busy`` (free, but another attempt holds the
+# gate: it runs in a transaction not yet committed) or ``existing`` (a row that may not be
+# taken, reported as BEGIN reports it). A session gate taken for a key that turned out not to
+# be free is given back here (``session``), so a replay holds nothing.
+PROBE = Statement(
+    "idempotency_probe_v1",
+    (
+        ("scope", "text"),
+        ("key", "text"),
+        ("fingerprint", "text"),
+        ("gate", "bigint"),
+        ("session", "boolean"),
+    ),
+    """
+WITH found AS (
+    SELECT id, state, fingerprint, response_status, response_headers, response_body,
+           locked_until, expires_at, steps,
+           (state = 'completed' AND expires_at < clock_timestamp())
+           OR (state = 'started' AND locked_until < clock_timestamp()
+               AND (fingerprint = %(fingerprint)s OR expires_at < clock_timestamp())) AS free
+    FROM idempotency_key WHERE scope = %(scope)s AND key = %(key)s
+), look AS (
+    SELECT f.*, coalesce(f.free, true) AS claimable,
+           coalesce(current_setting('idempotency.gate', true), '') = 'true' AS gated
+    FROM (SELECT 1) AS one LEFT JOIN found AS f ON true
+)
+SELECT CASE WHEN NOT claimable THEN 'existing' WHEN gated THEN 'claimed' ELSE 'busy' END,
+       id, state, fingerprint, response_status, response_headers, response_body,
+       extract(epoch FROM locked_until - clock_timestamp())::float8,
+       CASE WHEN claimable AND state = 'started' AND fingerprint = %(fingerprint)s
+                 AND expires_at >= clock_timestamp() THEN steps END,
+       CASE WHEN NOT claimable AND gated AND %(session)s
+            THEN pg_advisory_unlock(%(gate)s) END
+FROM look
+""",
+)
+
+# The row of a claim made in the view's transaction, written with the response in that
+# transaction: inserted, or written over a row the claim found free (expired, or a crashed
+# attempt's lapsed lock). It refuses (LOST) a row that is no longer free: another attempt
+# committed the key first, and this one's effects must roll back with the refusal.
+STORE = _owned(
+    "idempotency_store_v1",
+    (
+        ("scope", "text"),
+        ("key", "text"),
+        ("fingerprint", "text"),
+        ("status", "integer"),
+        ("headers", "jsonb"),
+        ("body", "bytea"),
+        ("ttl", "float8"),
+    ),
+    """    INSERT INTO idempotency_key AS k (scope, key, fingerprint, state, owner, locked_until,
+        response_status, response_headers, response_body, steps, created_at, expires_at)
+    VALUES (%(scope)s::text, %(key)s::text, %(fingerprint)s::text, 'completed', NULL, NULL,
+        %(status)s::integer, %(headers)s::jsonb, %(body)s::bytea, '{}'::jsonb, clock_timestamp(),
+        clock_timestamp() + %(ttl)s::float8 * interval '1 second')
+    ON CONFLICT (scope, key) DO UPDATE SET
+        fingerprint = EXCLUDED.fingerprint, state = 'completed', owner = NULL,
+        locked_until = NULL, response_status = EXCLUDED.response_status,
+        response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body,
+        steps = '{}'::jsonb, created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+    WHERE (k.state = 'completed' AND k.expires_at < clock_timestamp())
+       OR (k.state = 'started' AND k.locked_until < clock_timestamp()
+           AND (k.fingerprint = EXCLUDED.fingerprint OR k.expires_at < clock_timestamp()))""",
+)
+
 PREPARED_NAMES_SQL = "SELECT name FROM pg_prepared_statements WHERE name = ANY(%(names)s)"
 
 # psycopg connection -> names prepared on it (a new connection starts empty).
@@ -224,44 +317,67 @@ def _sqlstate(exc: BaseException) -> str | None:
     return getattr(exc.__cause__, "sqlstate", None)
 
 
-def _one_query(cursor: CursorWrapper) -> bool:
+def one_query(cursor: CursorWrapper) -> bool:
     """Whether the cursor sends its text as one simple query, so several statements (a
     ``PREPARE`` and its first ``EXECUTE``, a write and its ``COMMIT``) share a round trip:
     Django's default client-side binding does; ``server_side_binding`` does not."""
     return isinstance(cursor.cursor, psycopg.ClientCursor)
 
 
+def _prepares(cursor: CursorWrapper) -> bool:
+    """Whether statements go as SQL-level prepared statements on this cursor: as configured,
+    and only with client-side binding. A connection binding on the server would send
+    ``EXECUTE name(...)`` with bind parameters, which PostgreSQL refuses (a utility statement
+    takes none); it gets the plain SQL, which psycopg prepares itself once it has been sent
+    ``prepare_threshold`` times."""
+    return conf.get().prepared_statements and one_query(cursor)
+
+
 def _text(cursor: CursorWrapper, statement: Statement) -> str:
     """The text to send for ``statement`` on this cursor's connection: ``EXECUTE``, preceded
-    by its ``PREPARE`` the first time (in the same query, or sent first when it cannot be)."""
-    if not conf.get().prepared_statements:
+    by its ``PREPARE`` in the same query the first time."""
+    if not _prepares(cursor):
         return statement.sql
     names = _PREPARED.setdefault(cursor.db.connection, set())
     if statement.name in names:
         return statement.execute_sql()
     names.add(statement.name)
-    if not _one_query(cursor):
-        cursor.execute(statement.prepare_sql())
-        return statement.execute_sql()
     return f"{statement.prepare_sql()}; {statement.execute_sql()}"
 
 
 def _run(cursor: CursorWrapper, text: str, params: dict[str, Any]) -> None:
     cursor.execute(text, params)
-    while text.startswith("PREPARE") and cursor.description is None and cursor.nextset():
-        pass  # the EXECUTE's rows follow the PREPARE's empty result
+    while cursor.nextset():
+        pass  # the rows that count are the last statement's (after a PREPARE, a gate)
 
 
 def _forget(cursor: CursorWrapper) -> None:
     _PREPARED.pop(cursor.db.connection, None)
 
 
-def execute(cursor: CursorWrapper, statement: Statement, params: dict[str, Any]) -> None:
+def execute(
+    cursor: CursorWrapper,
+    statement: Statement,
+    params: dict[str, Any],
+    *,
+    before: str = "",
+    undo_before: str = "",
+) -> None:
     """Run ``statement``; a session that lost its prepared statements (or has one of ours
     we did not know of) prepares them again, outside a transaction only: inside one the error
-    has aborted it, so it propagates."""
+    has aborted it, so it propagates. ``before`` (SQL) runs first in the same query when the
+    cursor sends one query (else as a query of its own); the cursor is left on the statement's
+    rows. When the statement has to be sent again, ``undo_before`` runs first (``before``
+    already ran: a session lock it took would otherwise be taken twice)."""
+    if before and not one_query(cursor):
+        cursor.execute(before, params)
+        before = ""
     try:
-        _run(cursor, _text(cursor, statement), params)
+        _run(
+            cursor,
+            f"{before}; {_text(cursor, statement)}" if before else _text(cursor, statement),
+            params,
+        )
     except DatabaseError as exc:
         if _sqlstate(exc) not in (_NOT_PREPARED, _ALREADY_PREPARED):
             raise
@@ -270,15 +386,19 @@ def execute(cursor: CursorWrapper, statement: Statement, params: dict[str, Any])
             raise
         if _sqlstate(exc) == _ALREADY_PREPARED:
             cursor.execute(f"DEALLOCATE {statement.name}")
-        _run(cursor, _text(cursor, statement), params)
+        if before and undo_before:
+            cursor.execute(undo_before, params)
+        _run(
+            cursor,
+            f"{before}; {_text(cursor, statement)}" if before else _text(cursor, statement),
+            params,
+        )
 
 
 def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
     """Prepare statements an attempt will send inside its transaction, while outside it (one
     round trip, once per connection): a statement found missing there would abort the view's
     work."""
-    if not conf.get().prepared_statements:
-        return
     flat: list[Statement] = []
     for statement in statements:
         flat += (
@@ -288,27 +408,30 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
         )
     connection = connections[using]
     connection.ensure_connection()
-    names = _PREPARED.setdefault(connection.connection, set())
-    missing = [statement for statement in flat if statement.name not in names]
-    if not missing:
-        return
     with connection.cursor() as cursor:
+        if not _prepares(cursor):
+            return
+        names = _PREPARED.setdefault(connection.connection, set())
+        missing = [statement for statement in flat if statement.name not in names]
+        if not missing:
+            return
         # A new session has none; one whose bookkeeping was dropped after a loss may have some.
         cursor.execute(PREPARED_NAMES_SQL, {"names": [statement.name for statement in missing]})
         names.update(name for (name,) in cursor.fetchall())
         missing = [statement for statement in missing if statement.name not in names]
         if not missing:
             return
-        if _one_query(cursor):
-            cursor.execute("; ".join(statement.prepare_sql() for statement in missing))
-        else:
-            for statement in missing:
-                cursor.execute(statement.prepare_sql())
+        cursor.execute("; ".join(statement.prepare_sql() for statement in missing))
     names.update(statement.name for statement in missing)
 
 
 def owned_write(
-    cursor: CursorWrapper, write: OwnedWrite, params: dict[str, Any], *, commit: bool
+    cursor: CursorWrapper,
+    write: OwnedWrite,
+    params: dict[str, Any],
+    *,
+    commit: bool,
+    after_commit: str = "",
 ) -> bool:
     """Run ``write``; False when the key was taken over (nothing changed, nothing committed).
 
@@ -316,14 +439,16 @@ def owned_write(
     same round trip when the driver allows (client-side binding sends ``...; COMMIT`` as one
     query, the strict form keeping a refused write from committing); Django's ``atomic`` exit
     then finds the transaction committed and only runs its on-commit hooks. Otherwise the
-    counting form runs alone and the caller's block commits.
+    counting form runs alone and the caller's block commits. ``after_commit`` (SQL) follows
+    the COMMIT in the same query; it runs only when the write and the COMMIT did.
     """
-    if not (commit and _one_query(cursor)):
+    if not (commit and one_query(cursor)):
         execute(cursor, write.counting, params)
         row = cursor.fetchone()
         return row is not None and row[0] == 1
     try:
-        _run(cursor, f"{_text(cursor, write.strict)}; COMMIT", params)
+        text = f"{_text(cursor, write.strict)}; COMMIT"
+        _run(cursor, f"{text}; {after_commit}" if after_commit else text, params)
     except DatabaseError as exc:
         if _sqlstate(exc) == LOST:
             return False

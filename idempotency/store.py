@@ -6,12 +6,18 @@ claimed, an insert that on conflict takes over a key whose lock lapsed (a crashe
 whose TTL passed. The started row is committed on its own (autocommit) before the work runs, so
 a duplicate sees "in progress" at once instead of queueing behind an uncommitted insert.
 
-Inside a transaction that is already open (``ATOMIC_REQUESTS``, or a caller's ``atomic`` block)
-the started row cannot be committed first: it stays uncommitted while the view runs, and a
-duplicate's insert would queue behind it for as long as the first request runs, however long
-that is. There the claim runs in a savepoint under a ``lock_timeout`` of the time the caller may
-wait (a millisecond for ``on_conflict="409"``); when it fires the savepoint is rolled back, the
-transaction stays usable, and the duplicate is told "in progress".
+An atomic attempt may instead claim its key in its own transaction (``in_transaction``): an
+advisory lock rather than a row, the row written once with the outcome (see
+:data:`~idempotency.statements.PROBE`). That is the default inside a transaction that is already
+open (:func:`claims_in_transaction`), where a row claim could not be committed first either.
+
+A row claim inside a transaction that is already open (``ATOMIC_REQUESTS``, or a caller's
+``atomic`` block; ``claim_in_transaction=False``) cannot commit the started row first: it stays
+uncommitted while the view runs, and a duplicate's insert would queue behind it for as long as
+the first request runs, however long that is. There the claim runs in a savepoint under a
+``lock_timeout`` of the time the caller may wait (a millisecond for ``on_conflict="409"``); when
+it fires the savepoint is rolled back, the transaction stays usable, and the duplicate is told
+"in progress".
 
 ``finish`` is conditional on the attempt's ``owner``: an attempt whose lock lapsed and was taken
 over stores nothing, and in atomic mode its effects roll back with it (only one attempt commits).
@@ -20,8 +26,10 @@ Every time is the database's ``clock_timestamp()``; app servers' clocks are neve
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
+import hashlib
 import json
 import math
 import time
@@ -36,7 +44,17 @@ from leases.signals import send
 
 from . import signals, statements
 from .errors import IdempotencyKeyInProgress, IdempotencyKeyLost, IdempotencyKeyMismatch
-from .statements import BEGIN, FINISH, RECORD_STEP, RELEASE
+from .statements import (
+    BEGIN,
+    FINISH,
+    GATE_SESSION_SQL,
+    GATE_XACT_SQL,
+    PROBE,
+    RECORD_STEP,
+    RELEASE,
+    STORE,
+    UNLOCK_SQL,
+)
 
 __all__ = [
     "Attempt",
@@ -97,6 +115,12 @@ class Claim:
     lock_timeout: float = 60.0
     #: Steps an earlier attempt recorded (name -> result), which this one resumes after.
     steps: dict[str, Any] = field(default_factory=dict)
+    #: For a claim made in the view's transaction: the advisory lock key held instead of a row
+    #: (the row is written with the outcome, :data:`~idempotency.statements.STORE`).
+    gate: int | None = None
+    #: Whether that lock is the session's (taken outside a transaction, released after the
+    #: commit) rather than the transaction's.
+    session_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,7 +174,90 @@ def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> An
     return row
 
 
-def _begin_once(params: dict[str, Any], using: str, wait: float) -> Begun | None:
+def claims_in_transaction(atomic: bool, option: bool | None, setting: bool, using: str) -> bool:
+    """Whether an attempt claims its key in its transaction: only an atomic one; as its option
+    says, else as the setting says, else whenever a transaction is already open (under
+    ``ATOMIC_REQUESTS``), where a row claim could not be committed first either and the key
+    already comes and goes with the caller's transaction: there the lock only replaces the row
+    claim's bounded wait (a savepoint and two ``lock_timeout`` settings) with one statement."""
+    if not atomic:
+        return False
+    if option is not None:
+        return option
+    return setting or connections[using].in_atomic_block
+
+
+def gate_key(scope: str, key: str) -> int:
+    """The advisory lock key of ``(scope, key)``: a 64-bit hash, so two keys share a lock only
+    by a collision (about 2**-64 a pair), which would answer one of them 409 while the other
+    runs, never run anything twice."""
+    digest = hashlib.blake2b(f"idempotency\0{scope}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def _claim_gated(params: dict[str, Any], using: str) -> Any:
+    """PROBE's row after the gate, in one round trip; a session gate is given back if the
+    query fails after taking it."""
+    session = params["session"]
+    with connections[using].cursor() as cursor:
+        try:
+            gate = GATE_SESSION_SQL if session else GATE_XACT_SQL
+            undo = UNLOCK_SQL if session else ""
+            statements.execute(cursor, PROBE, params, before=gate, undo_before=undo)
+            return cursor.fetchone()
+        except BaseException:
+            if session and connections[using].is_usable():
+                cursor.execute(UNLOCK_SQL, params)
+            raise
+
+
+def _begin_in_transaction_once(params: dict[str, Any], using: str) -> Begun:
+    row = _claim_gated(params, using)
+    kind, row_id, state, fingerprint, status, headers, body, remaining, steps, _ = row
+    scope, key = params["scope"], params["key"]
+    if kind == "claimed":
+        claim = Claim(
+            row_id or 0,
+            scope,
+            key,
+            params["owner"],
+            using,
+            taken_over=row_id is not None,
+            fingerprint=params["fingerprint"],
+            lock_timeout=params["lock"],
+            steps=_json(steps) or {},
+            gate=params["gate"],
+            session_gate=params["session"],
+        )
+        return Begun(Status.NEW, claim=claim)
+    if kind == "busy":
+        return Begun(Status.IN_PROGRESS, retry_after=1.0)
+    return _existing(params, state, fingerprint, status, headers, body, remaining)
+
+
+def _existing(
+    params: dict[str, Any],
+    state: str,
+    fingerprint: str,
+    status: int | None,
+    headers: Any,
+    body: Any,
+    remaining: float | None,
+) -> Begun:
+    """What a row that may not be claimed means for this request."""
+    if fingerprint != params["fingerprint"]:
+        return Begun(Status.MISMATCH)
+    if state == "completed":
+        return Begun(Status.COMPLETED, outcome=_outcome(status, headers, body))
+    return Begun(Status.IN_PROGRESS, retry_after=max(float(remaining or 0.0), 0.0))
+
+
+def _begin_once(
+    params: dict[str, Any], using: str, wait: float, in_transaction: bool = False
+) -> Begun | None:
+    if in_transaction:
+        params["session"] = not connections[using].in_atomic_block
+        return _begin_in_transaction_once(params, using)
     if connections[using].in_atomic_block:
         row = _claim_in_transaction(params, using, wait)
         if row is _Busy.BUSY:
@@ -176,11 +283,7 @@ def _begin_once(params: dict[str, Any], using: str, wait: float) -> Begun | None
             steps=_json(steps) or {},
         )
         return Begun(Status.NEW, claim=claim)
-    if fingerprint != params["fingerprint"]:
-        return Begun(Status.MISMATCH)
-    if state == "completed":
-        return Begun(Status.COMPLETED, outcome=_outcome(status, headers, body))
-    return Begun(Status.IN_PROGRESS, retry_after=max(float(remaining or 0.0), 0.0))
+    return _existing(params, state, fingerprint, status, headers, body, remaining)
 
 
 def begin(
@@ -192,9 +295,14 @@ def begin(
     lock_timeout: float,
     wait: float = 0.0,
     using: str = "default",
+    in_transaction: bool = False,
 ) -> Begun:
     """Claim ``(scope, key)`` or report what holds it; one round trip in autocommit unless
     waiting.
+
+    ``in_transaction`` claims for an atomic attempt by an advisory lock instead of a committed
+    row (see :data:`~idempotency.statements.PROBE`): nothing is written until the outcome is
+    stored, in the attempt's transaction, so a crashed attempt leaves nothing behind.
 
     With ``wait`` > 0 an in-progress key is polled (backing off, on the database clock for the
     lock) until it completes, is taken over, or ``wait`` seconds pass. Inside an open
@@ -208,12 +316,13 @@ def begin(
         "owner": uuid.uuid4(),
         "lock": lock_timeout,
         "ttl": max(ttl, lock_timeout),
+        "gate": gate_key(scope, key),
     }
     deadline = time.monotonic() + wait
     backoff = Backoff(base=0.01, cap=0.25, deadline=deadline)  # the package's one backoff
     misses = 0
     while True:
-        begun = _begin_once(params, using, deadline - time.monotonic())
+        begun = _begin_once(params, using, deadline - time.monotonic(), in_transaction)
         if begun is None:
             misses += 1
             if misses < _BEGIN_ATTEMPTS:
@@ -237,19 +346,47 @@ def _announce(begun: Begun, scope: str, key: str, using: str) -> None:
 
 
 def _owned_write(
-    claim: Claim, write: statements.OwnedWrite, params: dict[str, Any], *, commit: bool
-) -> None:
+    claim: Claim,
+    write: statements.OwnedWrite,
+    params: dict[str, Any],
+    *,
+    commit: bool,
+    after_commit: str = "",
+) -> bool:
     """A write only the key's owner may make (else IdempotencyKeyLost), committing the open
-    transaction in the same round trip when ``commit`` (the caller's outermost block)."""
+    transaction in the same round trip when ``commit`` (the caller's outermost block) and the
+    driver sends one query; returns whether it did (and ran ``after_commit`` after it)."""
     with connections[claim.using].cursor() as cursor:
-        done = statements.owned_write(cursor, write, params, commit=commit)
+        committed = commit and statements.one_query(cursor)
+        done = statements.owned_write(
+            cursor, write, params, commit=commit, after_commit=after_commit
+        )
     if not done:
         send(signals.conflict, claim.using, scope=claim.scope, key=claim.key, reason="lost")
         raise IdempotencyKeyLost(claim.scope, claim.key)
+    return committed
 
 
-def finish(claim: Claim, outcome: Outcome, *, ttl: float, commit: bool = False) -> None:
-    """Store the outcome; raises IdempotencyKeyLost if another attempt took the key over."""
+def finish(claim: Claim, outcome: Outcome, *, ttl: float, commit: bool = False) -> bool:
+    """Store the outcome; raises IdempotencyKeyLost if another attempt took the key over.
+
+    Returns whether the claim's session gate was given back in the same query (after the
+    COMMIT), which happens when ``commit`` and the claim holds one.
+    """
+    if claim.gate is not None:
+        stored: dict[str, Any] = {
+            "scope": claim.scope,
+            "key": claim.key,
+            "fingerprint": claim.fingerprint,
+            "status": outcome.status,
+            "headers": json.dumps(outcome.headers),
+            "body": outcome.body,
+            "ttl": ttl,
+            "gate": claim.gate,
+        }
+        after = UNLOCK_SQL if claim.session_gate else ""
+        committed = _owned_write(claim, STORE, stored, commit=commit, after_commit=after)
+        return committed and claim.session_gate
     params: dict[str, Any] = {
         "id": claim.id,
         "owner": claim.owner,
@@ -259,11 +396,18 @@ def finish(claim: Claim, outcome: Outcome, *, ttl: float, commit: bool = False) 
         "ttl": ttl,
     }
     _owned_write(claim, FINISH, params, commit=commit)
+    return False
 
 
 def record_step(claim: Claim, step: str, result: str, *, commit: bool = False) -> None:
     """Record a completed step (``result`` is JSON text) and renew the lock; raises
-    IdempotencyKeyLost if another attempt took the key over."""
+    IdempotencyKeyLost if another attempt took the key over.
+
+    A claim made in the transaction has no row until its outcome is stored, and nothing it
+    records could outlive the transaction (a crash rolls every step back): the attempt keeps its
+    steps in memory only."""
+    if claim.gate is not None:
+        return
     params = {
         "id": claim.id,
         "owner": claim.owner,
@@ -276,7 +420,14 @@ def record_step(claim: Claim, step: str, result: str, *, commit: bool = False) -
 
 def release(claim: Claim) -> None:
     """Give up a key whose attempt failed (never another owner's): deleted, so the retry runs
-    again, unless it holds recorded steps, which the retry resumes after."""
+    again, unless it holds recorded steps, which the retry resumes after. A claim made in the
+    transaction wrote nothing: its session gate is given back (a transaction's gate goes with
+    the transaction)."""
+    if claim.gate is not None:
+        if claim.session_gate:
+            with connections[claim.using].cursor() as cursor:
+                cursor.execute(UNLOCK_SQL, {"gate": claim.gate})
+        return
     with connections[claim.using].cursor() as cursor:
         statements.execute(cursor, RELEASE, {"id": claim.id, "owner": claim.owner})
 
@@ -296,6 +447,10 @@ def current() -> Attempt | None:
 @dataclass
 class Attempt:
     """The work done under one claim: in atomic mode, one transaction with the stored outcome.
+
+    A claim made in the transaction (``Claim.gate``) holds an advisory lock, not a row, until
+    its outcome is stored: the row is inserted with the outcome and the lock given back after
+    the COMMIT, in the same query when the block is the outermost one.
 
     ``start`` opens the transaction; ``commit`` stores the outcome in it and commits, so the
     effects and the key become visible together; ``abort`` rolls the effects back and frees the
@@ -320,12 +475,23 @@ class Attempt:
 
     def start(self) -> None:
         using = self.claim.using
-        # Prepared now, outside the transaction, where a session that lost them can recover.
-        statements.prepare(using, FINISH, RECORD_STEP, RELEASE)
-        if self.atomic:
-            self._outermost = not connections[using].in_atomic_block
-            self._block = transaction.atomic(using=using)
-            self._block.__enter__()
+        try:
+            # Prepared now, outside the transaction, where a session that lost them can
+            # recover.
+            statements.prepare(
+                using, STORE if self.claim.gate is not None else FINISH, RECORD_STEP, RELEASE
+            )
+            if self.atomic:
+                self._outermost = not connections[using].in_atomic_block
+                self._block = transaction.atomic(using=using)
+                self._block.__enter__()
+        except BaseException:
+            # A session gate would outlive the request on a kept connection; best effort, the
+            # error that stopped the start is the one to report.
+            if self.claim.session_gate:
+                with contextlib.suppress(Exception):
+                    release(self.claim)
+            raise
         # Not a token reset: the async views start and end attempts in sync_to_async threads,
         # whose context changes asgiref copies back, so a token would belong to another context.
         _ACTIVE.set((*_ACTIVE.get(), self))
@@ -342,7 +508,7 @@ class Attempt:
     def commit(self, outcome: Outcome) -> None:
         self._leave()
         try:
-            finish(self.claim, outcome, ttl=self.ttl, commit=self.commits_in_one_trip())
+            released = finish(self.claim, outcome, ttl=self.ttl, commit=self.commits_in_one_trip())
         except BaseException:
             self.abort()
             raise
@@ -351,8 +517,11 @@ class Attempt:
             try:
                 block.__exit__(None, None, None)
             except BaseException:
-                release(self.claim)
+                if not released:
+                    release(self.claim)
                 raise
+        if self.claim.session_gate and not released:
+            release(self.claim)  # stored and committed (or rolled back) without its query
 
     def abort(self) -> None:
         self._leave()

@@ -48,6 +48,7 @@ class Options:
     wait_timeout: float | None = None
     lock_timeout: float | None = None
     atomic: bool | None = None
+    claim_in_transaction: bool | None = None
 
     def __post_init__(self) -> None:
         if self.on_conflict not in (None, *conf.ON_CONFLICT_CHOICES):
@@ -56,6 +57,9 @@ class Options:
             )
         if isinstance(self.methods, str):
             raise IdempotencyImproperlyConfigured("methods must be a list, e.g. ['POST']")
+        conf.check_seconds("ttl", self.ttl, positive=True)
+        conf.check_seconds("lock_timeout", self.lock_timeout, positive=True)
+        conf.check_seconds("wait_timeout", self.wait_timeout, positive=False)
         if self.scope is not None:
             conf.resolve_scope(self.scope)
 
@@ -134,6 +138,10 @@ class _Guard:
             conflict = opts.on_conflict or defaults.on_conflict
             lock = opts.lock_timeout if opts.lock_timeout is not None else defaults.lock_timeout
             ttl = opts.ttl if opts.ttl is not None else defaults.ttl
+            atomic = defaults.atomic if opts.atomic is None else opts.atomic
+            in_transaction = store.claims_in_transaction(
+                atomic, opts.claim_in_transaction, defaults.claim_in_transaction, defaults.database
+            )
             begun = store.begin(
                 plan.scope,
                 plan.key,
@@ -142,6 +150,7 @@ class _Guard:
                 lock_timeout=lock,
                 wait=wait if conflict == "wait" else 0.0,
                 using=defaults.database,
+                in_transaction=in_transaction,
             )
             begun.raise_for_conflict(plan.scope, plan.key)
         except IdempotencyError as exc:
@@ -149,7 +158,6 @@ class _Guard:
         if begun.outcome is not None:
             return http.replay(begun.outcome)
         assert begun.claim is not None
-        atomic = defaults.atomic if opts.atomic is None else opts.atomic
         attempt = store.Attempt(begun.claim, atomic=atomic, ttl=ttl)
         attempt.start()
         return attempt
@@ -255,6 +263,7 @@ def idempotent(
     wait_timeout: float | None = None,
     lock_timeout: float | None = None,
     atomic: bool | None = None,
+    claim_in_transaction: bool | None = None,
 ) -> Callable[[View], View]: ...
 def idempotent(view: Any = None, /, **options: Any) -> Any:
     """Make a view honour the Idempotency-Key header (bare ``@idempotent`` or called form).
@@ -287,6 +296,7 @@ class IdempotentMixin:
     idempotency_wait_timeout: float | None = None
     idempotency_lock_timeout: float | None = None
     idempotency_atomic: bool | None = None
+    idempotency_claim_in_transaction: bool | None = None
 
     def get_idempotency_options(self) -> Options:
         fields = Options.__dataclass_fields__

@@ -12,21 +12,35 @@ import warnings
 from . import conf
 from .errors import InvalidLeaseOption
 
-__all__ = ["valid_timeout", "valid_ttl", "warn_if_too_short"]
+__all__ = [
+    "valid_flag",
+    "valid_on_lost",
+    "valid_timeout",
+    "valid_ttl",
+    "valid_ttl_shape",
+    "warn_if_too_short",
+]
 
 
 def valid_ttl(ttl: object) -> float:
     """A TTL in seconds; one within the drift allowance would be invalid the moment granted,
     and one above ``LEASES["MAX_TTL"]`` is a unit mistake or an expiry nothing can read back."""
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
-        raise InvalidLeaseOption("ttl", ttl, "must be a finite number of seconds greater than 0")
+    seconds = valid_ttl_shape(ttl)
     settings = conf.get()
-    if ttl * (1 - settings.drift_factor) <= settings.drift_min:
+    if seconds * (1 - settings.drift_factor) <= settings.drift_min:
         raise InvalidLeaseOption("ttl", ttl, "must exceed the clock drift allowance")
-    if ttl > settings.max_ttl:
+    if seconds > settings.max_ttl:
         raise InvalidLeaseOption(
             "ttl", ttl, f'must be at most LEASES["MAX_TTL"] = {settings.max_ttl:g} seconds'
         )
+    return seconds
+
+
+def valid_ttl_shape(ttl: object) -> float:
+    """The part of :func:`valid_ttl` that reads no setting: what a decorator can check when it
+    is applied (often at import, before a test's ``override_settings``)."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
+        raise InvalidLeaseOption("ttl", ttl, "must be a finite number of seconds greater than 0")
     return float(ttl)
 
 
@@ -37,6 +51,20 @@ def valid_timeout(timeout: object) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
         raise InvalidLeaseOption("timeout", timeout, "must be None (wait forever) or >= 0")
     return float(timeout)
+
+
+def valid_flag(option: str, value: object) -> bool:
+    """``True`` or ``False`` only: a string such as ``"no"`` is truthy and would mean yes."""
+    if value is not True and value is not False:
+        raise InvalidLeaseOption(option, value, "must be True or False")
+    return value
+
+
+def valid_on_lost(on_lost: object) -> None:
+    """``None`` or a callable: anything else would only fail in the keepalive thread, when the
+    lease is lost and the caller most needs to hear of it."""
+    if on_lost is not None and not callable(on_lost):
+        raise InvalidLeaseOption("on_lost", on_lost, "must be None or a callable (lease) -> None")
 
 
 def warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:

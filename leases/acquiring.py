@@ -17,12 +17,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from . import conf, signals, tracing
-from ._arguments import valid_timeout, valid_ttl, warn_if_too_short
+from ._arguments import valid_flag, valid_on_lost, valid_timeout, valid_ttl, warn_if_too_short
 from .backends import Capability, Grant, LeaseBackend, get_backend
 from .errors import (
     BackendNotSupported,
     BackendUnavailable,
-    InvalidLeaseOption,
     LeaseAlreadyHeld,
     LeaseUnavailable,
 )
@@ -208,9 +207,8 @@ def prepare(
     ttl = valid_ttl(settings.default_ttl if ttl is None else ttl)
     timeout = valid_timeout(timeout)
     store = get_backend(backend)
-    if shared is not False and shared is not True:
-        raise InvalidLeaseOption("shared", shared, "must be True or False")
-    if shared and Capability.SHARED_LEASES not in store.capabilities:
+    keepalive = valid_flag("keepalive", keepalive)
+    if valid_flag("shared", shared) and Capability.SHARED_LEASES not in store.capabilities:
         raise BackendNotSupported(store.alias, Capability.SHARED_LEASES.value)
     key = key_of(store, name, holder)
     identity = holder_identity(holder)
@@ -323,6 +321,7 @@ def start(
     (their async twins: :func:`astart`). Giving up is announced with what it cost
     (:func:`announce_failure`; ``lease_acquired`` announces success, from
     :meth:`Lease.start`)."""
+    valid_on_lost(on_lost)
     with Acquisition(ask, attributes) as doing:
         return doing.hold(grant(doing.timing), handle, on_lost)
 
@@ -335,6 +334,7 @@ async def astart(
     attributes: tracing.Attributes | None = None,
 ) -> HandleT:
     """:func:`start` for an awaited ``grant``: ``aacquire`` and ``aacquire_slot``."""
+    valid_on_lost(on_lost)
     with Acquisition(ask, attributes) as doing:
         return doing.hold(await grant(doing.timing), handle, on_lost)
 

@@ -127,10 +127,16 @@ def check_backend_stores(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
             problems = get_backend(alias).deploy_checks()
         except Exception as exc:  # a driver's error, a cache that is not what it claims...
             detail = str(exc) if isinstance(exc, LeaseError) else f"{type(exc).__name__}: {exc}"
-            found.append(Error(f"lease backend {alias!r}: {detail}", id="leases.E003"))
+            found.append(Error(_about(alias, detail), id="leases.E003"))
             continue
-        found += [Warning(f"lease backend {alias!r}: {p}", id="leases.W003") for p in problems]
+        found += [Warning(_about(alias, problem), id="leases.W003") for problem in problems]
     return found
+
+
+def _about(alias: str, detail: str) -> str:
+    """``detail`` naming the backend once (a ``BackendUnavailable`` already names it)."""
+    named = f"lease backend {alias!r}"
+    return detail if detail.startswith(named) else f"{named}: {detail}"
 
 
 @register(Tags.compatibility)

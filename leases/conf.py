@@ -8,6 +8,7 @@ Problems are reported by ``manage.py check`` (see :mod:`leases.checks`) through
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -25,6 +26,9 @@ SETTING_NAME = "LEASES"
 MIN_RETRY_WINDOW = 0.1
 #: The highest ``MAX_TTL`` accepted: ten years.
 MAX_TTL_LIMIT = 10 * 365 * 86400.0
+#: The longest ``HOLDER_LABEL``: with host, pid, thread and a random part it must still fit the
+#: 255 characters of a holder identity.
+MAX_LABEL_LENGTH = 100
 
 DEFAULTS: dict[str, Any] = {
     "BACKENDS": {"default": {"ENGINE": "leases.backends.database"}},
@@ -115,31 +119,73 @@ def problems() -> list[str]:
                 )
     for key in ("DEFAULT_TTL", "MAX_TTL", "RENEW_FRACTION", "DRIFT_FACTOR", "DRIFT_MIN"):
         value = raw.get(key, DEFAULTS[key])
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            found.append(f'{SETTING_NAME}["{key}"] must be a non-negative number, not {value!r}')
+        # NaN compares false with everything, so it would pass every bound below unseen.
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 <= value < math.inf
+        ):
+            found.append(
+                f'{SETTING_NAME}["{key}"] must be a finite non-negative number, not {value!r}'
+            )
     if not found:
-        ttl, fraction = float(raw.get("DEFAULT_TTL", 30)), float(raw.get("RENEW_FRACTION", 1 / 3))
-        max_ttl = float(raw.get("MAX_TTL", DEFAULTS["MAX_TTL"]))
-        if ttl <= 0:
-            found.append(f'{SETTING_NAME}["DEFAULT_TTL"] must be greater than 0')
-        if not 0 < max_ttl <= MAX_TTL_LIMIT:
-            found.append(
-                f'{SETTING_NAME}["MAX_TTL"] must be greater than 0 and at most {MAX_TTL_LIMIT:g} '
-                "seconds (ten years), so every expiry is a date every store and Python can hold"
-            )
-        elif ttl > max_ttl:
-            found.append(
-                f'{SETTING_NAME}["DEFAULT_TTL"] = {ttl:g} exceeds {SETTING_NAME}["MAX_TTL"] = '
-                f"{max_ttl:g}"
-            )
-        if not 0 < fraction < 1:
-            found.append(f'{SETTING_NAME}["RENEW_FRACTION"] must be between 0 and 1 (exclusive)')
-    label = raw.get("HOLDER_LABEL", "")
-    if not isinstance(label, str) or not label.isprintable():
-        found.append(f'{SETTING_NAME}["HOLDER_LABEL"] must be a string of printable characters')
+        found += _time_problems(raw)
+    found += _label_problems(raw.get("HOLDER_LABEL", ""))
     if not isinstance(raw.get("RECORD_ADVISORY_NAMES", True), bool):
         found.append(f'{SETTING_NAME}["RECORD_ADVISORY_NAMES"] must be True or False')
     return found
+
+
+def _time_problems(raw: dict[str, Any]) -> list[str]:
+    """How the (finite, non-negative) numbers fit together: a ``DEFAULT_TTL`` that every
+    ``lease()`` without ``ttl=`` would refuse is an error here, not at the first call."""
+    found = []
+    ttl, fraction = float(raw.get("DEFAULT_TTL", 30)), float(raw.get("RENEW_FRACTION", 1 / 3))
+    max_ttl = float(raw.get("MAX_TTL", DEFAULTS["MAX_TTL"]))
+    drift_factor = float(raw.get("DRIFT_FACTOR", DEFAULTS["DRIFT_FACTOR"]))
+    drift_min = float(raw.get("DRIFT_MIN", DEFAULTS["DRIFT_MIN"]))
+    if ttl <= 0:
+        found.append(f'{SETTING_NAME}["DEFAULT_TTL"] must be greater than 0')
+    elif ttl * (1 - drift_factor) <= drift_min:
+        found.append(
+            f'{SETTING_NAME}["DEFAULT_TTL"] = {ttl:g} does not exceed its clock drift '
+            "allowance (DEFAULT_TTL * DRIFT_FACTOR + DRIFT_MIN): a lease would be invalid "
+            "the moment it is granted"
+        )
+    if drift_factor >= 1:
+        found.append(
+            f'{SETTING_NAME}["DRIFT_FACTOR"] must be below 1 (a fraction of the TTL): the '
+            "drift allowance would exceed every TTL"
+        )
+    if not 0 < max_ttl <= MAX_TTL_LIMIT:
+        found.append(
+            f'{SETTING_NAME}["MAX_TTL"] must be greater than 0 and at most {MAX_TTL_LIMIT:g} '
+            "seconds (ten years), so every expiry is a date every store and Python can hold"
+        )
+    elif ttl > max_ttl:
+        found.append(
+            f'{SETTING_NAME}["DEFAULT_TTL"] = {ttl:g} exceeds {SETTING_NAME}["MAX_TTL"] = '
+            f"{max_ttl:g}"
+        )
+    if not 0 < fraction < 1:
+        found.append(f'{SETTING_NAME}["RENEW_FRACTION"] must be between 0 and 1 (exclusive)')
+    return found
+
+
+def _label_problems(label: object) -> list[str]:
+    if not isinstance(label, str) or not label.isprintable():
+        return [f'{SETTING_NAME}["HOLDER_LABEL"] must be a string of printable characters']
+    if "@" in label:
+        return [
+            f'{SETTING_NAME}["HOLDER_LABEL"] must not contain "@": it ends the label in a holder '
+            "identity (label@host:pid:thread), which could then not be read back"
+        ]
+    if len(label) > MAX_LABEL_LENGTH:
+        return [
+            f'{SETTING_NAME}["HOLDER_LABEL"] is {len(label)} characters long; at most '
+            f"{MAX_LABEL_LENGTH} fit in a holder identity"
+        ]
+    return []
 
 
 @cache

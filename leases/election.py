@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import signals
+from ._arguments import valid_on_lost
 from .acquiring import acquire
 from .backends import get_backend
 from .errors import BackendUnavailable, LeaseLost, LeaseNotHeld
@@ -76,6 +77,7 @@ class Leadership:
     """
 
     def __init__(self, name: str, backend: str, on_lost: OnLost | None) -> None:
+        valid_on_lost(on_lost)  # before campaigning: the lease is given our own callback
         self.name = name
         self.backend = backend
         self._on_lost = on_lost

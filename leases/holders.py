@@ -48,7 +48,7 @@ def holder_identity(holder: str | None) -> str:
     if holder is None:
         label = conf.get().holder_label
         ident = f"{_this_process}:{threading.get_ident()}:{random.getrandbits(32):08x}"
-        holder = f"{label[:100]}@{ident}" if label else ident
+        holder = f"{label[: conf.MAX_LABEL_LENGTH]}@{ident}" if label else ident
     if not isinstance(holder, str) or not 0 < len(holder) <= MAX_NAME_LENGTH:
         raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")
     if not holder.isprintable():

@@ -124,7 +124,12 @@ def test_concurrent_requests_lease_and_write_through_the_fence(
     assert summary.accepted == 20
 
 
-def test_fifty_concurrent_duplicate_requests_make_one_effect(server: Uvicorn, cookie: str) -> None:
+@pytest.mark.parametrize(
+    "url", ["/aio/charge/", "/idem/aio-charge-tx/"], ids=["row_claim", "claim_in_transaction"]
+)
+def test_fifty_concurrent_duplicate_requests_make_one_effect(
+    server: Uvicorn, cookie: str, url: str
+) -> None:
     """50 requests with one key against an async ``@idempotent`` view that leases and writes
     fenced: one effect, the rest refused (409) or replayed byte for byte."""
     body = json.dumps({"account": new_register("acct"), "amount": 3, "sleep": 1.0})
@@ -132,10 +137,8 @@ def test_fifty_concurrent_duplicate_requests_make_one_effect(server: Uvicorn, co
 
     async def main() -> tuple[list[httpx.Response], httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=headers) as client:
-            replies = await asyncio.gather(
-                *(client.post("/aio/charge/", content=body) for _ in range(50))
-            )
-            later = await client.post("/aio/charge/", content=body)
+            replies = await asyncio.gather(*(client.post(url, content=body) for _ in range(50)))
+            later = await client.post(url, content=body)
         return list(replies), later
 
     replies, later = asyncio.run(main())

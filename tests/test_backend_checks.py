@@ -11,8 +11,10 @@ from django.core.checks import CheckMessage, run_checks
 from django.db import connections
 from django.test import override_settings
 
+from leases import acquire
 from leases.admin import database_backend_alias
 from leases.checks import check_advisory_database, check_backends
+from leases.errors import BackendUnavailable, LeasesImproperlyConfigured
 
 pytestmark = pytest.mark.django_db
 
@@ -66,11 +68,49 @@ def test_redis_needs_one_of_cache_and_url() -> None:
         {"NODES": ["http://a:6379/0", "redis://b:6379/0", "redis://c:6379/0"]},
         {"NODES": ["redis://a:port/0", "redis://b:6379/0", "redis://c:6379/0"]},
         {"NODES": ["redis://a:6379/0", "redis://b:6379/0", "redis://c:6379/0"], "NODE_TIMEOUT": 0},
+        # One server listed twice counts twice toward the quorum: with 3 copies of one server
+        # every try failed ("held by someone else") on a free name.
+        {"NODES": ["redis://a:6379/0", "redis://a:6379/0", "redis://b:6379/0"]},
+        # Raised ModuleNotFoundError / TypeError at the first grant, check said nothing.
+        {"NODES": ["redis://a:6379/0"], "TOKEN_SOURCE": "nowhere.next_token"},
+        {"NODES": ["redis://a:6379/0"], "TOKEN_SOURCE": "os.sep"},
     ],
 )
 def test_malformed_redlock_nodes_are_an_error(options: dict[str, Any]) -> None:
     messages = leases_checks({"redlock": {"ENGINE": "leases.backends.redlock", **options}})
     assert ids(messages) == ["leases.E005"]
+
+
+def test_a_redis_cluster_flag_must_be_a_bool() -> None:
+    """``"CLUSTER": "no"`` is truthy: it made a cluster client for a plain server."""
+    redis = {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0", "CLUSTER": "no"}
+    assert ids(leases_checks({"redis": redis})) == ["leases.E005"]
+
+
+def test_a_store_database_missing_from_databases_is_refused_before_any_round_trip() -> None:
+    """It was a raw ``KeyError`` from Django, and only after a round trip to the store (nothing
+    listens on the URL here: reaching for it would raise ``BackendUnavailable``)."""
+    url = "redis://127.0.0.1:1/0"
+    backends = {
+        "redis": {"ENGINE": "leases.backends.redis", "URL": url, "EPOCH_DATABASE": "nowhere"},
+        "redlock": {
+            "ENGINE": "leases.backends.redlock",
+            "NODES": [url],
+            "TOKEN_DATABASE": "nowhere",
+        },
+    }
+    with override_settings(LEASES={"BACKENDS": {"default": DATABASE, **backends}}):
+        for alias in backends:
+            with pytest.raises(LeasesImproperlyConfigured, match="'nowhere' is not in DATABASES"):
+                acquire("x", ttl=1, backend=alias, timeout=0)
+
+
+def test_an_unreachable_redis_cluster_is_backend_unavailable() -> None:
+    """redis-py's ``RedisClusterException`` (no ``RedisError``) escaped raw from the first use."""
+    redis = {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0", "CLUSTER": True}
+    settings = {"BACKENDS": {"default": DATABASE, "redis": redis}}
+    with override_settings(LEASES=settings), pytest.raises(BackendUnavailable):
+        acquire("x", ttl=1, backend="redis", timeout=0)
 
 
 def test_well_formed_backends_pass_without_connecting() -> None:
@@ -128,3 +168,26 @@ def test_the_admin_finds_the_lease_rows_by_capability() -> None:
     }
     with override_settings(LEASES={"BACKENDS": backends}):
         assert database_backend_alias() == "rows"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0"},
+        {
+            "ENGINE": "leases.backends.etcd",
+            "ENDPOINTS": ["http://127.0.0.1:1"],
+            "REQUEST_TIMEOUT": 0.5,
+            "CONNECT_TIMEOUT": 0.5,
+        },
+    ],
+    ids=["redis", "etcd"],
+)
+def test_an_unreachable_store_is_named_once_in_its_deploy_error(options: dict[str, Any]) -> None:
+    """It read "lease backend 'r': lease backend 'r' is unavailable: ...". An unreachable
+    etcd cluster was only a warning (``leases.W003``), its reason empty, where every other
+    unreachable store is an error that says what failed."""
+    messages = leases_checks({"r": options}, deploy=True)
+    (error,) = [m for m in messages if m.id == "leases.E003"]
+    assert error.msg.count("'r'") == 1, error.msg
+    assert error.msg.rstrip().endswith(":") is False and "127.0.0.1:1" in error.msg, error.msg

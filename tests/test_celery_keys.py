@@ -17,11 +17,14 @@ from leases.celery import (
     LockedTask,
     PartitionedTask,
     format_key,
+    leader_only,
     locked_task,
     partition_for,
     partitioned,
+    singleton_task,
 )
 from leases.celery._base import Call, current_call
+from leases.errors import InvalidLeaseOption
 from tests.celery_app import app
 
 
@@ -81,6 +84,25 @@ def test_bare_decorator_and_option_checks() -> None:
         locked_task(on_busy="wait")  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="partitions"):
         partitioned(key="{a}", partitions=0)
+
+
+@pytest.mark.parametrize(
+    ("decorator", "options"),
+    [
+        # Accepted when decorating; every run then failed in the worker (or every delay()).
+        (locked_task, {"ttl": -1}),
+        (locked_task, {"ttl": "60"}),
+        (locked_task, {"timeout": -1}),
+        (singleton_task, {"ttl": 0}),
+        (leader_only, {"ttl": float("nan")}),
+        # Refused, but with a bare ValueError that no LeaseError handler catches.
+        (locked_task, {"on_busy": "retyr"}),
+        (singleton_task, {"on_duplicate": "ignore"}),
+    ],
+)
+def test_bad_options_are_refused_when_decorating(decorator: Any, options: dict[str, Any]) -> None:
+    with pytest.raises(InvalidLeaseOption, match=next(iter(options))):
+        decorator(**options)
 
 
 def test_bases_combine_lease_outside_idempotency() -> None:

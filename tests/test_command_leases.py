@@ -187,3 +187,17 @@ def test_since_is_when_the_grant_began_not_its_last_renewal() -> None:
         assert listed["acquired_at"] == info.acquired_at.isoformat()
     finally:
         held.release()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_name_with_control_characters_stays_on_its_row() -> None:
+    """Names may hold any character but NUL: a newline printed raw split the row in two (and an
+    escape sequence could rewrite the operator's terminal). Shown escaped, as in the logs."""
+    name = f"line\nbreak-{uuid.uuid4().hex[:8]}\x1b[2J"
+    held = acquire(name, ttl=30, timeout=0, keepalive=False)
+    try:
+        output = run("list")
+        row = line_of(output, "line\\nbreak-", "held")
+        assert "\\x1b[2J" in row and "\x1b" not in output
+    finally:
+        held.release()

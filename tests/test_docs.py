@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -165,3 +166,46 @@ def test_the_readme_links_to_files_that_exist() -> None:
     assert targets, "no relative links found in README.md"
     missing = [target for target in targets if not (root / target).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+def _python_samples() -> list[tuple[str, str]]:
+    """``(page:line, code)`` of every Python sample of the guide and the README."""
+    pages = [*sorted(GUIDE.glob("**/*.md")), GUIDE.parent.parent / "README.md"]
+    samples = []
+    for path in pages:
+        if path.name == "changelog.md":
+            continue
+        text = path.read_text()
+        for found in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+            line = text[: found.start()].count("\n") + 1
+            samples.append((f"{path.name}:{line}", found.group(1)))
+    return samples
+
+
+def _public_names() -> set[str]:
+    import idempotency
+    import leases
+    import leases.celery
+
+    return {*leases.__all__, *idempotency.__all__, *leases.celery.__all__}
+
+
+@pytest.mark.parametrize(("where", "code"), _python_samples(), ids=lambda v: str(v)[:40])
+def test_a_sample_that_imports_imports_what_it_uses(where: str, code: str) -> None:
+    """A sample with an import line is copied whole: a name of ours it uses but does not import
+    (``step`` used below ``from idempotency import idempotency_key``) fails as written."""
+    tree = ast.parse(code)
+    imports = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    if not imports:
+        return  # a fragment continuing the page's earlier samples
+    bound = {alias.asname or alias.name.split(".")[0] for node in imports for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    missing = sorted((used & _public_names()) - bound)
+    assert not missing, f"{where} uses {missing} without importing them"

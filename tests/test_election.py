@@ -19,7 +19,7 @@ from django.conf import settings
 from leases import signals
 from leases.backends import Capability, get_backend
 from leases.election import Leadership, elect, election_lease_name, leader_of
-from leases.errors import LeaseUnavailable
+from leases.errors import InvalidLeaseOption, LeaseUnavailable
 from tests import checker
 
 BACKENDS = sorted(settings.LEASES["BACKENDS"])
@@ -37,6 +37,16 @@ def resign_all() -> Iterator[list[Leadership]]:
     finally:
         for leadership in made:
             leadership.resign()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_non_callable_on_lost_is_refused_before_campaigning() -> None:
+    """It was accepted (the leader was elected) and failed only on the keepalive thread, when
+    leadership was lost and the caller most needed to hear of it."""
+    name = unique()
+    with pytest.raises(InvalidLeaseOption, match="on_lost"):
+        elect(name, ttl=5, on_lost=5)  # type: ignore[arg-type]
+    assert leader_of(name) is None
 
 
 @pytest.mark.django_db(transaction=True)

@@ -8,12 +8,14 @@ from typing import Any, TypeVar
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.conf import settings
 from django.db import connection
 from django.test import AsyncClient, Client, RequestFactory, override_settings
 
 from idempotency import (
     IdempotencyImproperlyConfigured,
     ResponseNotStorable,
+    idempotency_key,
     idempotent,
     scopes,
 )
@@ -352,6 +354,41 @@ def test_decorator_options_are_checked_when_decorating() -> None:
         idempotent(on_conflict="maybe")
     with pytest.raises(IdempotencyImproperlyConfigured):
         idempotent(methods="POST")
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        # An already expired key: the view ran, answered 201 and its retry ran it again.
+        {"ttl": -5},
+        {"ttl": 0},
+        # Raw TypeError / the database's DataError at the first keyed request.
+        {"ttl": "60"},
+        {"lock_timeout": float("nan")},
+        {"wait_timeout": -1},
+        # An expiry past the year 9999: stored, then unreadable (the admin's list answered 500).
+        {"ttl": 10**12},
+    ],
+)
+def test_seconds_options_are_checked_when_decorating(option: dict[str, Any]) -> None:
+    with pytest.raises(IdempotencyImproperlyConfigured, match=next(iter(option))):
+        idempotent(**option)
+    if "wait_timeout" not in option:
+        with pytest.raises(IdempotencyImproperlyConfigured, match=next(iter(option))):
+            idempotency_key("a-key", **option)
+    assert not IdempotencyKey.objects.exists()
+
+
+def test_a_guard_without_the_app_installed_says_so(client: Client) -> None:
+    """Forgetting "idempotency" in INSTALLED_APPS: no check runs and migrate makes no key table,
+    so the first keyed request died of the database's ProgrammingError inside the view."""
+    without = [app for app in settings.INSTALLED_APPS if app != "idempotency"]
+    with (
+        override_settings(INSTALLED_APPS=without),
+        pytest.raises(IdempotencyImproperlyConfigured, match="INSTALLED_APPS"),
+    ):
+        post(client, "/idem/charge/", "no-app-1")
+    assert not Charge.objects.exists()
 
 
 def test_a_bad_setting_is_reported_by_system_checks() -> None:

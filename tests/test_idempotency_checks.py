@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 import pytest
-from django.core.checks import WARNING, run_checks
+from django.core.checks import ERROR, WARNING, run_checks
 from django.test import override_settings
 from markdown.extensions.toc import slugify
 
@@ -46,6 +46,28 @@ def test_an_invalid_setting_is_reported_once_as_an_error_not_also_as_warnings() 
     bad = {"ANONYMOUS_SCOPE": "idempotency.scopes.anonymous", "TTL": -1}
     with override_settings(IDEMPOTENCY=bad):
         assert {check for check, _ in idempotency_checks()} == {"idempotency.E001"}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        # NaN and infinity passed the sign checks; the first keyed request then failed inside
+        # the view's transaction with the database's DataError ("interval out of range").
+        {"TTL": float("inf")},
+        {"TTL": float("nan")},
+        {"LOCK_TIMEOUT": float("nan")},
+        {"LOCK_TIMEOUT": 1e300},
+        {"WAIT_TIMEOUT": float("nan")},
+        # Stored fine, but an expiry past the year 9999 cannot be read back: the admin's key
+        # list answered 500 from then on.
+        {"TTL": 10**12},
+        # Truncated to 0 bytes: every response refused as too large.
+        {"MAX_RESPONSE_BYTES": 0.5},
+    ],
+)
+def test_a_number_no_clock_or_database_can_use_is_an_error(bad: dict[str, Any]) -> None:
+    with override_settings(IDEMPOTENCY=bad):
+        assert idempotency_checks() == [("idempotency.E001", ERROR)]
 
 
 def test_turning_atomic_mode_off_is_warned() -> None:

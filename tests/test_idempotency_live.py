@@ -173,11 +173,17 @@ def race(
     return [r for r in replies if isinstance(r, Reply)]
 
 
+# The default claim (a committed started row) and the claim in the view's transaction.
+CLAIMS = pytest.mark.parametrize("claim", ["", "-tx"], ids=["row", "in_transaction"])
+
+
+@CLAIMS
 def test_fifty_concurrent_identical_requests_apply_the_effect_once(
-    server: Gunicorn, cookie: str
+    server: Gunicorn, cookie: str, claim: str
 ) -> None:
     body = {"amount": 5, "sleep": 1.5}
-    replies = race(server.port, "/idem/charge/", "race-1", body, cookie)
+    url = f"/idem/charge{claim}/"
+    replies = race(server.port, url, "race-1", body, cookie)
     ran = [r for r in replies if r.status == 201 and not r.replayed]
     refused = [r for r in replies if r.status == 409]
     assert len(ran) == 1, [r.status for r in replies]
@@ -186,16 +192,18 @@ def test_fifty_concurrent_identical_requests_apply_the_effect_once(
     assert all(r.headers.get("retry-after") for r in refused)
     assert all(r.body == ran[0].body for r in replies if r.status == 201)
     assert {r.status for r in replies} <= {201, 409}
-    later = send(server.port, "/idem/charge/", "race-1", body, cookie=cookie)
+    later = send(server.port, url, "race-1", body, cookie=cookie)
     assert later.replayed and later.status == 201 and later.body == ran[0].body
     assert later.headers["x-charge"] == ran[0].headers["x-charge"]
     assert Charge.objects.count() == 1
 
 
+@CLAIMS
 def test_fifty_concurrent_requests_in_wait_mode_all_get_the_one_response(
-    server: Gunicorn, cookie: str
+    server: Gunicorn, cookie: str, claim: str
 ) -> None:
-    replies = race(server.port, "/idem/wait/", "race-2", {"amount": 7, "sleep": 1.0}, cookie)
+    url = f"/idem/wait{claim}/"
+    replies = race(server.port, url, "race-2", {"amount": 7, "sleep": 1.0}, cookie)
     assert [r.status for r in replies] == [201] * 50
     assert sum(not r.replayed for r in replies) == 1
     assert len({r.body for r in replies}) == 1
@@ -218,16 +226,20 @@ def _idle_in_transaction_queries() -> list[str]:
 
 
 @pytest.mark.fault
+@CLAIMS
 def test_sigkill_after_the_effect_was_written_does_not_apply_it_twice(
-    child_env: dict[str, str], tmp_path: Path, cookie: str
+    child_env: dict[str, str], tmp_path: Path, cookie: str, claim: str
 ) -> None:
+    """With the default claim the retry waits for the killed attempt's lock (1 s) to lapse;
+    claimed in the transaction, the key went with the killed session and the retry runs."""
+    url = f"/idem/crash{claim}/"
     marker = tmp_path / "written"
     env = {**child_env, CRASH_MARKER_ENV: str(marker)}
     first = Gunicorn(env, tmp_path / "first.log", workers=1, threads=2).start()
     second: Gunicorn | None = None
     outcome: list[object] = []
     client = threading.Thread(
-        target=lambda: outcome.append(_try_send(first.port, "/idem/crash/", "crash-1", cookie))
+        target=lambda: outcome.append(_try_send(first.port, url, "crash-1", cookie))
     )
     try:
         client.start()
@@ -240,13 +252,13 @@ def test_sigkill_after_the_effect_was_written_does_not_apply_it_twice(
         client.join(30)
         assert outcome and isinstance(outcome[0], Exception), "the first request was answered"
         second = Gunicorn(env, tmp_path / "second.log", workers=1, threads=2).start()
-        retry = send(second.port, "/idem/crash/", "crash-1", {"amount": 5}, cookie=cookie)
+        retry = send(second.port, url, "crash-1", {"amount": 5}, cookie=cookie)
         deadline = time.monotonic() + 30
         while retry.status == 409 and time.monotonic() < deadline:
-            time.sleep(0.2)  # the crashed attempt's lock (1 s) has to lapse first
-            retry = send(second.port, "/idem/crash/", "crash-1", {"amount": 5}, cookie=cookie)
+            time.sleep(0.2)  # the crashed attempt's lock (1 s) or its session has to end first
+            retry = send(second.port, url, "crash-1", {"amount": 5}, cookie=cookie)
         assert retry.status == 201 and not retry.replayed
-        again = send(second.port, "/idem/crash/", "crash-1", {"amount": 5}, cookie=cookie)
+        again = send(second.port, url, "crash-1", {"amount": 5}, cookie=cookie)
         assert again.replayed and again.body == retry.body
         assert Charge.objects.count() == 1
     finally:

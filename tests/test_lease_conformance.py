@@ -422,6 +422,10 @@ def test_caller_rollback_neither_unacquires_nor_unreleases(
         ({"holder": "h\x00x"}, InvalidLeaseOption),
         ({"holder": "h\nx"}, InvalidLeaseOption),
         ({"holder": "\x7f"}, InvalidLeaseOption),
+        # keepalive="no" is truthy: the lease was kept alive against the caller's wish.
+        ({"keepalive": "no"}, InvalidLeaseOption),
+        # Accepted, then the keepalive thread failed to call it when the lease was lost.
+        ({"on_lost": 5}, InvalidLeaseOption),
     ],
 )
 def test_bad_input_is_refused_before_any_round_trip(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -142,4 +143,7 @@ def test_too_short_ttl_is_flagged(lease_backend: str, lease_name: str) -> None:
         assert warning.id == "leases.W001"
     with pytest.warns(RuntimeWarning, match="to retry a failed renewal"):
         held = acquire(lease_name, ttl=0.12, backend=lease_backend)
-    held.release()
+    # What is tested is the warning. A loaded machine may let 0.12 s pass before the release
+    # (a renewal that cannot keep up is what the warning is about): then it is truly lost.
+    with contextlib.suppress(LeaseLost):
+        held.release()

@@ -19,6 +19,20 @@ from leases import conf
         ({"MAX_TTL": 1e12}, "ten years"),
         ({"MAX_TTL": 10, "DEFAULT_TTL": 30}, "exceeds"),
         ({"HOLDER_LABEL": "bad\x00label"}, "printable"),
+        # Not a number a clock can use: NaN passed every comparison, and a NaN DRIFT_MIN made
+        # every lease born with no time left (remaining() == 0) while acquire() succeeded.
+        ({"DEFAULT_TTL": float("nan")}, "finite"),
+        ({"DRIFT_FACTOR": float("inf")}, "finite"),
+        ({"DRIFT_MIN": float("nan")}, "finite"),
+        # A drift allowance that eats the whole DEFAULT_TTL: every lease() without ttl= raised
+        # InvalidLeaseOption at run time, while check only warned (W001).
+        ({"DRIFT_FACTOR": 2}, "drift allowance"),
+        ({"DEFAULT_TTL": 0.001}, "drift allowance"),
+        # Longer labels were silently cut to 100 characters in every holder identity.
+        ({"HOLDER_LABEL": "x" * 101}, "100"),
+        # "@" ends the label in a holder identity: the admin, leader_of() and manage.py leases
+        # could no longer find host, pid and thread in it and showed it raw.
+        ({"HOLDER_LABEL": "svc@prod"}, "@"),
     ],
 )
 def test_bad_limits_are_reported_by_check(extra: dict[str, Any], problem: str) -> None:

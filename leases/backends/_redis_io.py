@@ -157,7 +157,9 @@ def connect(
     if cluster:
         from redis.cluster import RedisCluster
 
-        return RedisCluster.from_url(str(url), **timeouts)
+        # The cluster client asks a node for the slot map as it is made, outside any Edge.
+        with Edge(alias, "connect"):
+            return RedisCluster.from_url(str(url), **timeouts)
     quiet: dict[str, Any] = {} if handshake else {"driver_info": None, "protocol": 2}
     return redis.Redis.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts, **quiet)
 
@@ -402,7 +404,8 @@ class Edge:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if isinstance(exc, redis.RedisError):
+        # RedisClusterException (no node reachable, not a cluster) is no RedisError.
+        if isinstance(exc, redis.RedisError | redis.exceptions.RedisClusterException):
             detail = f"{self.what}: {type(exc).__name__}: {exc}"
             raise BackendUnavailable(self.alias, detail) from exc
 

@@ -169,6 +169,8 @@ class Backend(LeaseBackend):
             problems += url_problems(alias, "URL", str(url))
         problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
         problems += positive_problems(alias, "SOCKET_TIMEOUT", options.get("SOCKET_TIMEOUT", 5.0))
+        if not isinstance(options.get("CLUSTER", False), bool):
+            problems.append(f'LEASES["BACKENDS"][{alias!r}]["CLUSTER"] must be True or False')
         trust = options.get("TRUST_SERVER_ID", 0)
         if trust != 0:
             problems += positive_problems(alias, "TRUST_SERVER_ID", trust)

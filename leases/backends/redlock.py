@@ -101,6 +101,21 @@ return LOST
 """)
 
 
+def _token_source_problems(alias: str, source: object) -> list[str]:
+    """``"database"`` or the dotted path of a callable: imported here, because a bad path would
+    otherwise surface as an ``ImportError`` at the first grant."""
+    if source == "database":
+        return []
+    where = f'LEASES["BACKENDS"][{alias!r}]["TOKEN_SOURCE"] = {source!r}'
+    try:
+        found = import_string(str(source))
+    except ImportError as exc:
+        return [f'{where} cannot be imported ({exc}); use "database" or a callable\'s path']
+    if not callable(found):
+        return [f"{where} is not a callable (name) -> int"]
+    return []
+
+
 class Backend(LeaseBackend):
     """Leases on a quorum of independent Redis servers, fenced by a durable token source."""
 
@@ -128,8 +143,15 @@ class Backend(LeaseBackend):
                 problems += url_problems(alias, "NODES", node)
             else:
                 problems += cache_problems(alias, "NODES", node)
+        repeated = sorted({str(node) for node in nodes if list(nodes).count(node) > 1})
+        if repeated:
+            problems.append(
+                f'LEASES["BACKENDS"][{alias!r}]["NODES"] lists {", ".join(repeated)} more than '
+                "once: a quorum needs independent servers"
+            )
         problems += positive_problems(alias, "NODE_TIMEOUT", options.get("NODE_TIMEOUT", 0.05))
         problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
+        problems += _token_source_problems(alias, options.get("TOKEN_SOURCE", "database"))
         return problems
 
     @classmethod

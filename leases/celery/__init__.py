@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
+from .._arguments import valid_timeout, valid_ttl_shape
+from ..errors import InvalidLeaseOption
 from ..handle import Lease
 from ..semaphore import valid_limit
 from ._base import SKIPPED, Key, format_key, task_decorator
@@ -55,6 +57,14 @@ __all__ = [
     "resign_leaderships",
     "singleton_task",
 ]
+
+
+def _check_times(ttl: float | None, timeout: float | None = None) -> None:
+    """What can be checked when decorating (no setting is read: a task module may be imported
+    before a test overrides them); left unchecked, every run would fail in the worker."""
+    if ttl is not None:
+        valid_ttl_shape(ttl)
+    valid_timeout(timeout)
 
 
 @overload
@@ -92,7 +102,8 @@ def locked_task(
     ``key`` (checked here: a positive int up to :data:`~leases.semaphore.MAX_LIMIT`).
     """
     if on_busy not in ("retry", "skip", "raise"):
-        raise ValueError(f'on_busy must be "retry", "skip" or "raise", not {on_busy!r}')
+        raise InvalidLeaseOption("on_busy", on_busy, 'must be "retry", "skip" or "raise"')
+    _check_times(ttl, timeout)
     if limit is not None:
         valid_limit(limit)
     attrs = {
@@ -132,7 +143,8 @@ def singleton_task(
 ) -> Any:
     """A task deduplicated on enqueue by ``key``; see :class:`SingletonTask`."""
     if on_duplicate not in ("return", "raise"):
-        raise ValueError(f'on_duplicate must be "return" or "raise", not {on_duplicate!r}')
+        raise InvalidLeaseOption("on_duplicate", on_duplicate, 'must be "return" or "raise"')
+    _check_times(ttl)
     attrs = {
         "singleton_key": key,
         "singleton_ttl": ttl,
@@ -164,6 +176,7 @@ def leader_only(
     **options: Any,
 ) -> Any:
     """A periodic task sent and run only by the leader of ``name``; see :class:`LeaderOnlyTask`."""
+    _check_times(ttl)
     attrs = {"leader_name": name, "leader_ttl": ttl, "leader_backend": backend}
     return task_decorator(LeaderOnlyTask, fun, attrs, options)
 

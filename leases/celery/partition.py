@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
+from ..errors import InvalidLeaseOption
 from ..keys import advisory_key, validate_name
 from ._base import Key, format_key
 
@@ -23,7 +24,7 @@ def partition_for(key: str, partitions: int) -> int:
     ``hash()`` would not do: it is salted per process, so two producers would disagree.
     """
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-        raise ValueError(f"partitions must be a positive int, not {partitions!r}")
+        raise InvalidLeaseOption("partitions", partitions, "must be a positive int")
     digest = advisory_key(validate_name(key))
     assert isinstance(digest, int)
     return (digest & _UINT64) % partitions

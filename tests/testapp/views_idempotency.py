@@ -7,6 +7,7 @@ view's effects really committed.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import threading
@@ -35,6 +36,7 @@ from rest_framework.views import APIView
 
 from idempotency import IdempotentMixin, idempotent
 from idempotency.models import IdempotencyKey
+from tests.testapp import views_async
 from tests.testapp.models_idempotency import Charge
 
 # Failures the flaky views still have to produce, by kind: "status" -> 503, "raise" -> exception,
@@ -117,9 +119,7 @@ def charge_flaky(request: HttpRequest) -> HttpResponse:
     return _answer(made)
 
 
-@csrf_exempt
-@idempotent(lock_timeout=1)
-def charge_crash(request: HttpRequest) -> HttpResponse:
+def _crash(request: HttpRequest) -> HttpResponse:
     """Writes its effect, then (the first time) tells the test and hangs until killed."""
     made = _charge(request)
     marker = Path(os.environ[CRASH_MARKER_ENV])
@@ -127,6 +127,21 @@ def charge_crash(request: HttpRequest) -> HttpResponse:
         marker.write_text(str(os.getpid()))
         time.sleep(60)
     return _answer(made)
+
+
+charge_crash = csrf_exempt(idempotent(lock_timeout=1)(_crash))
+# The same views with the key claimed in the view's transaction (CLAIM_IN_TRANSACTION).
+charge_crash_tx = csrf_exempt(idempotent(lock_timeout=1, claim_in_transaction=True)(_crash))
+charge_tx = csrf_exempt(idempotent(claim_in_transaction=True)(lambda r: _answer(_charge(r))))
+# The ASGI test's async view (lease, fenced write, row), with the key claimed in its transaction.
+aio_charge_tx = csrf_exempt(
+    idempotent(claim_in_transaction=True)(inspect.unwrap(views_async.charge))
+)
+charge_wait_tx = csrf_exempt(
+    idempotent(on_conflict="wait", wait_timeout=30, claim_in_transaction=True)(
+        lambda r: _answer(_charge(r))
+    )
+)
 
 
 @csrf_exempt
@@ -372,6 +387,10 @@ urlpatterns = [
     path("wait/", charge_wait),
     path("flaky/", charge_flaky),
     path("crash/", charge_crash),
+    path("crash-tx/", charge_crash_tx),
+    path("charge-tx/", charge_tx),
+    path("aio-charge-tx/", aio_charge_tx),
+    path("wait-tx/", charge_wait_tx),
     path("big/", charge_big),
     path("stream/", charge_stream),
     path("async/", charge_async),

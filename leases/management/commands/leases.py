@@ -158,6 +158,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(table_lines(headers, rows))
 
 
+def _cell(value: object) -> str:
+    """A cell on one line: names may hold any character but NUL, and a newline or an escape
+    sequence printed raw would split the row or rewrite the operator's terminal."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def table_lines(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> Iterator[str]:
     """The table's text, :data:`CHUNK` lines at a time: columns as wide as their widest cell
     so far. A table of up to :data:`CHUNK` rows is aligned throughout; a longer one (a whole
@@ -173,12 +180,11 @@ def table_lines(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> Iterat
                 break
         else:
             done = True
-        widths = [
-            max(width, *(len(str(line[i])) for line in chunk)) for i, width in enumerate(widths)
-        ]
+        chunk = [[_cell(cell) for cell in line] for line in chunk]
+        widths = [max(width, *(len(line[i]) for line in chunk)) for i, width in enumerate(widths)]
         if chunk:
             yield "\n".join(
-                "  ".join(str(cell).ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+                "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
                 for line in chunk
             )
         chunk = []
