@@ -7,7 +7,9 @@ the same run, taking turns in short blocks (medians):
   compare-and-delete; pottery's ``AIORedlock`` on 1 and 3 servers; ours through
   ``atry_acquire``/``arelease`` and through ``alease()``, on the redis and redlock backends.
 - Database: the floor is the backend's own two statements (acquire upsert, conditional release)
-  through a psycopg ``AsyncConnection``; ours through the backend and ``alease()``.
+  through a psycopg ``AsyncConnection``, as plain text; the same prepared by psycopg are shown
+  beside it (the backend prepares its statements too); ours through the backend and
+  ``alease()``.
 
 Redis round trips are counted with ``MONITOR`` (a script's own commands are not round trips).
 The goal (issue 13): ``alease()`` within 1.15x of its floor.
@@ -133,8 +135,17 @@ async def database_contenders() -> dict[str, Op]:
             ((token, _),) = await cursor.fetchall()
             await cursor.execute(RELEASE_SQL, {**grant, "token": token})
 
+    async def prepared() -> None:
+        grant: dict[str, Any] = {"name": name + ":p", "holder": "bench-floor", "secret": SECRET}
+        grant |= {"room": room_key(name + ":p"), "grace": ROOM_GRACE, "in_room": False}
+        async with raw.cursor() as cursor:
+            await cursor.execute(ACQUIRE_SQL, {**grant, "ttl": TTL}, prepare=True)
+            ((token, _),) = await cursor.fetchall()
+            await cursor.execute(RELEASE_SQL, {**grant, "token": token}, prepare=True)
+
     return {
         "psycopg AsyncConnection, the backend's 2 statements (database floor)": floor,
+        "psycopg AsyncConnection, the same 2 statements prepared (for comparison)": prepared,
         **ours("default", "database", name),
     }
 

@@ -26,6 +26,7 @@ from django.test import override_settings
 
 from benchmarks.bench_lease import handoff
 from benchmarks.common import Report, interleaved
+from benchmarks.redis_costs import costs
 from benchmarks.redis_monitor import round_trips
 from devservers import RedisServer
 from leases.backends import get_backend
@@ -123,11 +124,19 @@ def ours(alias: str, label: str) -> dict[str, Callable[[], object]]:
         with lease(name + ":ka", ttl=TTL, backend=alias):
             pass
 
-    return {
+    made: dict[str, Callable[[], object]] = {
         f"ours, {label}: backend try_acquire + release": backend,
         f"ours, {label}: lease(keepalive=False)": public,
         f"ours, {label}: lease() with keepalive": kept_alive,
     }
+    counter = getattr(store, "counter", None)
+    if counter is not None:  # Redlock: what its durable token statement alone costs
+
+        def token() -> None:
+            counter.bump_lease(name + ":token")
+
+        made[f"ours, {label}: its token statement alone (database)"] = token
+    return made
 
 
 #: Blocks until it holds the contended lock, and returns the function that releases it.
@@ -238,10 +247,27 @@ def main(report: Report) -> None:
                 report.note(f"{label}: x{seconds[label] / floor:.2f} the floor (goal <= 1.10)")
             pottery = seconds["pottery Redlock, 3 servers"]
             for label in contenders:
-                if label.startswith("ours, redlock"):
+                if label.startswith("ours, redlock") and "alone" not in label:
                     report.note(
                         f"pottery 3 servers / {label}: {pottery / seconds[label]:.2f}x (goal >= 3)"
                     )
+            split = costs(
+                client,
+                {
+                    label: contenders[label]
+                    for label in (
+                        "raw redis-py SET NX PX + EVALSHA compare-and-delete (floor)",
+                        "ours, redis: backend try_acquire + release",
+                        "ours, redis: lease(keepalive=False)",
+                    )
+                },
+            )
+            report.note("where the time goes (median us per op: client CPU, server CPU, INFO):")
+            for label, (mine, server, info) in split.items():
+                report.note(
+                    f"  {label}: {mine * 1e6:.1f} client, {server * 1e6:.1f} server, "
+                    f"{info * 1e6:.1f} replication-id probe"
+                )
             every = [os.environ["REDIS_URL"], *urls[:3]]
             for label, fn in contenders.items():
                 report.note(f"{label}: {round_trips(every, fn)} round trips")

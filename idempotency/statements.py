@@ -324,18 +324,24 @@ def one_query(cursor: CursorWrapper) -> bool:
     return isinstance(cursor.cursor, psycopg.ClientCursor)
 
 
+def _prepares(cursor: CursorWrapper) -> bool:
+    """Whether statements go as SQL-level prepared statements on this cursor: as configured,
+    and only with client-side binding. A connection binding on the server would send
+    ``EXECUTE name(...)`` with bind parameters, which PostgreSQL refuses (a utility statement
+    takes none); it gets the plain SQL, which psycopg prepares itself once it has been sent
+    ``prepare_threshold`` times."""
+    return conf.get().prepared_statements and one_query(cursor)
+
+
 def _text(cursor: CursorWrapper, statement: Statement) -> str:
     """The text to send for ``statement`` on this cursor's connection: ``EXECUTE``, preceded
-    by its ``PREPARE`` the first time (in the same query, or sent first when it cannot be)."""
-    if not conf.get().prepared_statements:
+    by its ``PREPARE`` in the same query the first time."""
+    if not _prepares(cursor):
         return statement.sql
     names = _PREPARED.setdefault(cursor.db.connection, set())
     if statement.name in names:
         return statement.execute_sql()
     names.add(statement.name)
-    if not one_query(cursor):
-        cursor.execute(statement.prepare_sql())
-        return statement.execute_sql()
     return f"{statement.prepare_sql()}; {statement.execute_sql()}"
 
 
@@ -393,8 +399,6 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
     """Prepare statements an attempt will send inside its transaction, while outside it (one
     round trip, once per connection): a statement found missing there would abort the view's
     work."""
-    if not conf.get().prepared_statements:
-        return
     flat: list[Statement] = []
     for statement in statements:
         flat += (
@@ -404,22 +408,20 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
         )
     connection = connections[using]
     connection.ensure_connection()
-    names = _PREPARED.setdefault(connection.connection, set())
-    missing = [statement for statement in flat if statement.name not in names]
-    if not missing:
-        return
     with connection.cursor() as cursor:
+        if not _prepares(cursor):
+            return
+        names = _PREPARED.setdefault(connection.connection, set())
+        missing = [statement for statement in flat if statement.name not in names]
+        if not missing:
+            return
         # A new session has none; one whose bookkeeping was dropped after a loss may have some.
         cursor.execute(PREPARED_NAMES_SQL, {"names": [statement.name for statement in missing]})
         names.update(name for (name,) in cursor.fetchall())
         missing = [statement for statement in missing if statement.name not in names]
         if not missing:
             return
-        if one_query(cursor):
-            cursor.execute("; ".join(statement.prepare_sql() for statement in missing))
-        else:
-            for statement in missing:
-                cursor.execute(statement.prepare_sql())
+        cursor.execute("; ".join(statement.prepare_sql() for statement in missing))
     names.update(statement.name for statement in missing)
 
 

@@ -2,77 +2,113 @@
 
 A release, a try or a place taken in a line must run to its end once sent: cut off halfway,
 it leaves the name held (or the line blocked) for the rest of a TTL with nobody knowing.
-:func:`finish` runs such a step in a task of its own and waits for it in a way a cancellation
-of the caller cannot cut short: the cancellation is held back until the step has ended, then
-delivered (after ``undo``, for a step whose effect must not outlive a cancelled caller).
+:func:`finish` runs such a step so that a cancellation of the caller cannot cut it short: the
+cancellation is held back until the step has ended, then delivered (after ``undo``, for a step
+whose effect must not outlive a cancelled caller).
 
-Why not ``asyncio.shield``: the shield raises the cancellation at once and the caller must
-then await the step again; it also puts an outer future between the step and the caller, one
-more turn of the event loop to wake the caller, on every acquire and every release (the async
-API's hot path). Here the caller awaits a stand-in for the step's task (:class:`_Awaiting`):
-woken by the task's end like by the task itself, but declining to be cancelled, which the
-event loop's task answers by delivering the cancellation when it wakes, i.e. once the step has
-ended. The step's own deadlines still work: they cancel the step's task, not the caller's.
+How: the step runs **in the caller's own task**, driven here (:class:`_Driven`), and every
+future the step waits on reaches the task behind a stand-in (:class:`_Held`) that is woken by
+the future's end like the future itself, but declines to be cancelled. Asked to cancel, the
+task then records the cancellation and raises it into the driver when the future it waits on
+is done; the driver keeps it, finishes the step and raises it at the end.
+
+Why not a task of its own for the step (as before), nor ``asyncio.shield``: both cost two
+turns of the event loop per step, one to start the step's task and one to wake the caller
+from its end, on every acquire and every release (the async API's hot path: four of the eight
+turns an ``alease()`` took, see ``benchmarks/bench_async.py``). Run in the caller's task, the
+step also sees the caller's task as its own (``asyncio.current_task()``), so what a backend
+keeps per task, such as when a try failed for the wait that follows, is kept for the caller.
+
+What a step must not do: bound itself by cancelling the current task (``asyncio.timeout``
+around its own I/O). That cancellation is the caller's too, and is held back like any other
+until the step ends. A step's deadline cuts its connection instead (as
+:mod:`~leases.backends._pgdeadline` does), or runs in a task of its own (``asyncio.gather``
+of per-node calls, ``asyncio.wait_for``), whose cancellation is that task's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import Context
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["finish"]
 
 T = TypeVar("T")
 
 
-class _Awaiting:
-    """What the caller's task waits on instead of ``task``: the future protocol of asyncio
+class _Held:
+    """What the caller's task waits on instead of ``future``: the future protocol of asyncio
     (``_asyncio_future_blocking``, ``get_loop``, ``add_done_callback``, ``result``,
     ``cancel``), with a ``cancel`` that declines. The task then records the cancellation and
-    raises it into the caller when this wakes it, once ``task`` is done."""
+    raises it into the driver when this wakes it, once ``future`` is done."""
 
-    _asyncio_future_blocking = False
+    __slots__ = ("_asyncio_future_blocking", "_future")
 
-    def __init__(self, task: asyncio.Future[Any]) -> None:
-        self._task = task
+    def __init__(self, future: Any) -> None:
+        self._future = future
+        self._asyncio_future_blocking = True
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
-        return self._task.get_loop()
+        loop: asyncio.AbstractEventLoop = self._future.get_loop()
+        return loop
 
     def add_done_callback(
         self, fn: Callable[[Any], object], *, context: Context | None = None
     ) -> None:
-        self._task.add_done_callback(lambda _: fn(self), context=context)
+        self._future.add_done_callback(lambda _: fn(self), context=context)
 
     def cancel(self, msg: Any = None) -> bool:
-        return False  # held back: the caller's task raises it when the step has ended
+        return False  # held back: the task raises it into the driver once the future is done
 
     def cancelled(self) -> bool:
         return False
 
     def done(self) -> bool:
-        return self._task.done()
+        return bool(self._future.done())
 
     def result(self) -> None:
-        return None  # the step's outcome is read from its task, after the wait
-
-    def __await__(self) -> Generator[Any, None, None]:
-        if not self._task.done():
-            self._asyncio_future_blocking = True
-            yield self
+        return None  # the step reads the future's outcome itself, when resumed
 
 
-def _start(step: Awaitable[T]) -> asyncio.Future[T]:
-    if not asyncio.iscoroutine(step):
-        return asyncio.ensure_future(step)
-    coro: Coroutine[Any, Any, T] = step
-    if sys.version_info >= (3, 12):  # runs at once, up to its first wait: one turn fewer
-        return asyncio.Task(coro, loop=asyncio.get_running_loop(), eager_start=True)
-    return asyncio.get_running_loop().create_task(coro)
+class _Driven(Generic[T]):
+    """``step`` run in the awaiting task, its futures behind :class:`_Held`; ``cancelled`` is
+    the cancellation the task delivered meanwhile (``None``: none)."""
+
+    __slots__ = ("_step", "cancelled")
+
+    def __init__(self, step: Coroutine[Any, Any, T]) -> None:
+        self._step = step
+        self.cancelled: asyncio.CancelledError | None = None
+
+    def __await__(self) -> Generator[Any, None, T]:
+        step = self._step
+        try:
+            while True:
+                try:
+                    waited = step.send(None)
+                except StopIteration as end:
+                    result: T = end.value
+                    return result
+                if getattr(waited, "_asyncio_future_blocking", None):
+                    waited._asyncio_future_blocking = False
+                    waited = _Held(waited)
+                # else: a bare yield (``sleep(0)``), or something the task itself refuses
+                try:
+                    yield waited
+                except asyncio.CancelledError as exc:
+                    # Raised only when the task wakes: the future waited on is done, and the
+                    # step, resumed, reads its outcome as if nothing had happened.
+                    self.cancelled = exc
+        except GeneratorExit:
+            step.close()
+            raise
+
+
+async def _future(step: Awaitable[T]) -> T:
+    return await step
 
 
 async def finish(step: Awaitable[T], undo: Callable[[Any], Awaitable[object]] | None = None) -> T:
@@ -84,20 +120,16 @@ async def finish(step: Awaitable[T], undo: Callable[[Any], Awaitable[object]] | 
     result, if not ``None``, is given to ``undo`` (run to its end likewise), its failure
     ignored, and the cancellation raised.
     """
-    task = _start(step)
-    cancelled: asyncio.CancelledError | None = None
-    while not task.done():
-        try:
-            await _Awaiting(task)
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    if cancelled is None:
-        return task.result()
-    if undo is None:
-        task.result()
-    elif not task.cancelled() and task.exception() is None:
-        won = task.result()
-        if won is not None:
-            with contextlib.suppress(Exception):
-                await finish(undo(won))
-    raise cancelled
+    driven: _Driven[T] = _Driven(step if asyncio.iscoroutine(step) else _future(step))
+    try:
+        won = await driven
+    except BaseException:
+        if driven.cancelled is not None and undo is not None:
+            raise driven.cancelled from None
+        raise
+    if driven.cancelled is None:
+        return won
+    if undo is not None and won is not None:
+        with contextlib.suppress(Exception):
+            await finish(undo(won))
+    raise driven.cancelled

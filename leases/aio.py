@@ -32,7 +32,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, NoReturn, ParamSpec, TypeVar, overload
 
 from . import tracing
 from ._finishing import finish
@@ -222,6 +222,16 @@ class _AsyncLeaseBlock:
                 return await func(*args, **kwargs)
 
         return leased
+
+    def __enter__(self) -> NoReturn:
+        """A plain ``with`` would otherwise fail with Python's bare "does not support the
+        context manager protocol", naming neither the fix nor the sync twin."""
+        raise InvalidLeaseOption(
+            "with", self.name, "alease() is entered with `async with`; in sync code use lease()"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        """Never reached (``__enter__`` raises); Python needs both to call ``__enter__``."""
 
     async def __aenter__(self) -> Lease:
         if self.name is None:

@@ -17,7 +17,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar, overload
+from typing import Any, NoReturn, TypeVar, overload
 
 from .acquiring import acquire
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseLost
@@ -62,6 +62,17 @@ class _LeaseBlock(contextlib.ContextDecorator):
         if self.name is None:
             return type(self)(_default_name(func), self.options)(func)
         return super().__call__(func)
+
+    async def __aenter__(self) -> NoReturn:
+        """``async with lease(...)`` would otherwise fail with Python's bare "does not support
+        the asynchronous context manager protocol", naming neither the fix nor the async twin
+        (and a sync acquire in a coroutine would block its event loop)."""
+        raise InvalidLeaseOption(
+            "async with", self.name, "lease() is entered with `with`; in async code use alease()"
+        )
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Never reached (``__aenter__`` raises); Python needs both to call ``__aenter__``."""
 
     def __enter__(self) -> Lease:
         if self.name is None:

@@ -290,6 +290,28 @@ def test_the_gate_is_given_back_whatever_way_the_statements_are_sent(
         connection.close()
 
 
+@pytest.mark.parametrize("in_transaction", [True, False], ids=["gated", "row"])
+def test_server_side_binding_works_with_the_default_prepared_statements(
+    in_transaction: bool, monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    """A connection binding on the server sends ``EXECUTE name(...)`` with bind parameters,
+    which PostgreSQL refuses (a utility statement takes none): every claim failed with the
+    default ``PREPARED_STATEMENTS = True``. Such a connection gets the plain SQL (psycopg
+    prepares it itself, by its ``prepare_threshold``)."""
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", {"server_side_binding": True})
+    settings.IDEMPOTENCY = {"CLAIM_IN_TRANSACTION": in_transaction}
+    connection.close()
+    try:
+        client = views_tests.identified(views_tests.Client())
+        first = views_tests.post(client, "/idem/charge/", "k-ssb")
+        again = views_tests.post(client, "/idem/charge/", "k-ssb")
+        assert first.status_code == again.status_code == 201, first.content
+        assert first.content == again.content
+        assert IdempotencyKey.objects.get().state == "completed"
+    finally:
+        connection.close()
+
+
 def test_inside_an_open_transaction_a_duplicate_is_answered_without_waiting() -> None:
     """Under ATOMIC_REQUESTS the gate is the transaction's: it lasts until the caller's
     transaction ends, which is when the key row commits."""

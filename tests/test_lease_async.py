@@ -359,3 +359,18 @@ def test_aacquire_reports_elapsed_and_waited_like_acquire(
     assert refused[0] == "failed" and refused[2] == 0.0 and refused[1] is not None
     assert waited[0] == "acquired" and waited[1] is not None and waited[2] is not None
     assert 0.2 <= waited[2] <= waited[1] < 15, waited
+
+
+def test_the_wrong_with_names_the_right_one() -> None:
+    """``with alease(...)`` and ``async with lease(...)`` raised Python's bare TypeError
+    ("does not support the context manager protocol"); they now say which form to use, before
+    any round trip (nothing is acquired: no backend is even looked up)."""
+    with pytest.raises(InvalidLeaseOption, match="async with"), leases.alease("wrong-with"):
+        pytest.fail("entered")
+
+    async def main() -> None:
+        async with leases.lease("wrong-async-with"):
+            pytest.fail("entered")
+
+    with pytest.raises(InvalidLeaseOption, match="use alease"):
+        asyncio.run(main())

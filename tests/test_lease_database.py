@@ -586,3 +586,46 @@ def test_async_waiters_queue_in_the_room_in_arrival_order_and_are_woken_by_the_r
     assert [index for index, _ in served] == [0, 1, 2]
     tokens = [token for _, token in served]
     assert tokens == sorted(tokens) and tokens[0] > holder.token
+
+
+def test_an_async_release_between_the_failed_try_and_the_wait_wakes_the_wait(
+    lease_name: str,
+) -> None:
+    """The wait that follows a failed async try (here a reader's, which waits on the
+    listener) counts releases from when that try was sent: one that came in between wakes it
+    at once. The try runs in ``aacquire``'s never-abandoned step (``_try``): what the backend
+    remembers of it must be remembered for the task that waits next, not lost with a task the
+    step ran in (the wait then missed the release and slept out its whole delay)."""
+    from leases.aio import _try
+
+    backend = database_backend()
+    holder = backend.try_acquire(lease_name, "writer", 30)
+    assert holder is not None
+    warm = f"{lease_name}:warm"
+
+    async def listening() -> None:
+        """Until the loop's listener hears releases (it connects on the first wait)."""
+        for _ in range(100):
+            waiting = asyncio.create_task(backend.await_for_release(warm, 0.5))
+            await asyncio.sleep(0.05)
+            freed = await asyncio.to_thread(backend.try_acquire, warm, "warm", 30)
+            assert freed is not None
+            await asyncio.to_thread(backend.release, freed)
+            if await waiting:
+                return
+        raise AssertionError("the async listener never heard a release")
+
+    async def main() -> bool:
+        try:
+            await listening()
+            assert await _try(backend, lease_name, "reader", 30, None, shared=True) is None
+            # Another task hears the release first: the listener has recorded it by then.
+            heard = asyncio.create_task(backend.await_for_release(lease_name, 10.0))
+            await asyncio.sleep(0.05)
+            await asyncio.to_thread(backend.release, holder)  # after the try, before the wait
+            assert await heard
+            return await backend.await_for_release(lease_name, 5.0)
+        finally:
+            await backend.aclose()
+
+    assert asyncio.run(main()) is True

@@ -5,6 +5,7 @@ text."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -165,3 +166,61 @@ def own_autocommit() -> Iterator[psycopg.Connection[Any]]:
         yield ddl
     finally:
         ddl.close()
+
+
+async def async_session_statements(backend: Backend) -> dict[str, int]:
+    """:func:`session_statements` of the running loop's async connection of ``backend``."""
+    rows = await backend._async.get().conn.run(
+        "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements"
+        " WHERE name LIKE 'leases\\_%%'",
+        {},
+    )
+    return dict(rows)
+
+
+def test_async_acquire_renew_release_run_prepared_and_survive_a_lost_session(
+    lease_name: str, fresh: Backend
+) -> None:
+    """The async path prepares the same statements (the server's parse and plan of each is
+    most of what a plain statement costs it); a session that lost them (``DISCARD ALL``, a
+    pooler's other session) runs each grant exactly once all the same."""
+
+    async def main() -> tuple[dict[str, int], list[int], dict[str, int]]:
+        try:
+            grant = await fresh.atry_acquire(lease_name, "async", 5.0)
+            assert grant is not None
+            await fresh.arelease(await fresh.arenew(grant, 5.0))
+            before = await async_session_statements(fresh)
+            await fresh._async.get().conn.run("DEALLOCATE ALL", {})
+            tokens = [grant.token]
+            for _ in range(2):
+                again = await fresh.atry_acquire(lease_name, "async", 5.0)
+                assert again is not None
+                tokens.append(again.token)
+                await fresh.arelease(again)
+            return before, tokens, await async_session_statements(fresh)
+        finally:
+            await fresh.aclose()
+
+    before, tokens, after = asyncio.run(main())
+    assert set(before) == OURS and all(before[name] == 1 for name in OURS)
+    assert tokens == [tokens[0], tokens[0] + 1, tokens[0] + 2]
+    assert after == {PREPARED_ACQUIRE.name: 2, PREPARED_RELEASE.name: 2}
+
+
+def test_async_prepared_statements_off_sends_plain_text(lease_name: str) -> None:
+    backend = Backend("plain-async-test", {"PREPARED_STATEMENTS": False})
+
+    async def main() -> dict[str, int]:
+        try:
+            grant = await backend.atry_acquire(lease_name, "plain", 5.0)
+            assert grant is not None
+            await backend.arelease(await backend.arenew(grant, 5.0))
+            return await async_session_statements(backend)
+        finally:
+            await backend.aclose()
+
+    try:
+        assert asyncio.run(main()) == {}
+    finally:
+        backend.close()

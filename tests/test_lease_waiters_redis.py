@@ -16,7 +16,7 @@ from django.test import Client, override_settings
 from devservers import RedisServer
 from leases.backends import get_backend
 from leases.backends._redis_scripts import LeaseKeys
-from leases.backends._redis_waiters import LABEL_PREFIX, WaitClock, label, waiters
+from leases.backends._redis_waiters import LABEL_PREFIX, WaitClock, distinct, label, waiters
 from leases.backends.base import LeaseWaiter
 from leases.lease import acquire
 from leases.operations import backend_waiters
@@ -64,7 +64,12 @@ def test_a_waiter_is_listed_while_it_waits_and_gone_after(backend: str, client: 
             lambda: (datetime.now(UTC) - started).total_seconds() > 2.5, 5, "a few BLPOP loops"
         )
         assert listed().since == seen.since
-        assert [w.name for w in backend_waiters() if w.backend == backend] == [name]
+        # read until caught waiting: at one instant the waiter may be between two BLPOPs
+        wait_until(
+            lambda: [w.name for w in backend_waiters() if w.backend == backend] == [name],
+            10,
+            f"backend_waiters() to list the {backend} waiter",
+        )
 
         login(client, "view_lease")
         # The page reads the waiters once; the waiter may be between two BLPOPs at that instant
@@ -113,6 +118,20 @@ def test_only_blocked_connections_of_this_prefix_count() -> None:
     assert found.since == datetime.fromtimestamp(1_700_000_000, UTC)
     assert found.where == "redis here (client 127.0.0.1:1)"
     assert " " not in named  # a client name may not hold spaces
+
+
+def test_a_wait_is_listed_once_while_its_previous_blpop_is_not_reaped_yet() -> None:
+    """A wait is a loop of ``BLPOP``s; the one dropped at its deadline can still be listed as
+    blocked (the server has not read the close yet) beside the next one, on the same server or
+    on another Redlock node: one thread, one wait, one entry."""
+    named = label(LeaseKeys.of("leases:", "n").wake, 1_700_000_000)
+    listed = [
+        {"name": named, "flags": "b", "addr": "127.0.0.1:1"},  # dropped, not reaped yet
+        {"name": named, "flags": "b", "addr": "127.0.0.1:2"},  # the next BLPOP
+    ]
+    assert [w.name for w in waiters("redis", "leases:", listed, "redis here")] == ["n"]
+    one, other = (waiters("redlock", "leases:", [c], f"node {c['addr']}") for c in listed)
+    assert len(distinct([*one, *other])) == 1
 
 
 def test_a_wait_clock_keeps_a_loop_of_waits_as_one() -> None:

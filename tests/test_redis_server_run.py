@@ -178,7 +178,8 @@ def test_an_async_round_trip_to_a_hung_server_ends_at_the_socket_timeout(
     step: str,
 ) -> None:
     """The async client has no read timeout of its own (a socket timeout costs a task per
-    command): ``asyncio.timeout`` must end every round trip at ``SOCKET_TIMEOUT``."""
+    command): the socket cut at ``SOCKET_TIMEOUT`` must end every round trip (the round trip
+    runs in the caller's task, where ``asyncio.timeout`` would be a held-back cancellation)."""
     (server,) = redis_servers(1)
     backend = backend_on(server)  # SOCKET_TIMEOUT 2.0
     name = f"run-{uuid.uuid4().hex[:8]}"
@@ -201,3 +202,44 @@ def test_an_async_round_trip_to_a_hung_server_ends_at_the_socket_timeout(
 
     took = asyncio.run(main())
     assert 1.9 <= took < 10, took
+
+
+def test_async_round_trips_keep_their_connection_and_never_use_one_the_server_closed(
+    backend_on: Callable[[RedisServer], Backend],
+    redis_servers: Callable[[int], list[RedisServer]],
+) -> None:
+    """Async scripts run on connections kept between round trips (no pool checkout each);
+    one the server closed while it sat idle is dropped unused, so the next try neither
+    fails nor reads anything stale."""
+    (server,) = redis_servers(1)
+    backend = backend_on(server)
+    name = f"kept-{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(server.url)
+
+    async def cycles(count: int) -> list[int]:
+        tokens = []
+        for _ in range(count):
+            grant = await backend.atry_acquire(name, "h", 30)
+            assert grant is not None
+            tokens.append(grant.token)
+            await backend.arelease(grant)
+        return tokens
+
+    async def main() -> tuple[int, list[int]]:
+        try:
+            tokens = await cycles(3)
+            before = int(admin.info("stats")["total_connections_received"])
+            tokens += await cycles(20)
+            opened = int(admin.info("stats")["total_connections_received"]) - before
+            admin.client_kill_filter(_type="normal", skipme=True)  # ours, idle
+            tokens += await cycles(3)
+            return opened, tokens
+        finally:
+            await backend.aclose()
+
+    try:
+        opened, tokens = asyncio.run(main())
+    finally:
+        admin.close()
+    assert opened <= 1, opened  # the admin's own INFO connection at most
+    assert tokens == list(range(tokens[0], tokens[0] + 26)), tokens

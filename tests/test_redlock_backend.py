@@ -15,6 +15,7 @@ from leases.backends.redlock import Backend, node_value
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
 from tests.lease_backends import wait_overshoots
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -251,3 +252,62 @@ def test_a_wait_ends_at_its_deadline_on_idle_nodes(
     backend = make_backend(redis_servers(3))
     late = wait_overshoots(backend, unique())
     assert late[0] > -0.005 and late[3] <= 0.05, late
+
+
+def test_a_quorum_decides_without_waiting_for_a_hung_node(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    """A grant, a renewal and a release need a quorum's answers, not every node's: the replies
+    are read as they arrive until a quorum settles it, and a hung node's are left to the drain
+    thread (each step used to wait for it until NODE_TIMEOUT). Once the node resumes, the
+    replies it owed are read off its connections, so no later command there reads one late."""
+    servers = redis_servers(3)
+    timeout = 5.0
+    backend, name = make_backend(servers, NODE_TIMEOUT=timeout), unique()
+    assert backend.inspect(name) is None  # a connection to every node is open now
+    servers[0].pause()  # the first node: replies are not read in the nodes' order either
+    try:
+        started = time.monotonic()
+        grant = backend.try_acquire(name, "a", 30)
+        assert grant is not None
+        backend.release(backend.renew(grant, 30))
+        elapsed = time.monotonic() - started
+    finally:
+        servers[0].resume()
+    assert elapsed < timeout, elapsed  # waiting for the hung node took 3 x NODE_TIMEOUT
+    tokens = [grant.token]
+    for _ in range(5):
+        grant = backend.try_acquire(name, "a", 30)
+        assert grant is not None
+        tokens.append(grant.token)
+        value = node_value(grant.holder, grant.secret).encode()
+        wait_until(lambda: holders(servers, name) == [value] * 3, 10, "the grant on every node")
+        backend.release(backend.renew(grant, 30))
+        wait_until(lambda: holders(servers, name) == [None] * 3, 10, "the release everywhere")
+    checker.check_grants(tokens)
+
+
+def test_a_try_refused_by_a_quorum_does_not_wait_for_hung_nodes(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    """Three live nodes of five saying no settle a try: no quorum can say yes any more. The
+    two hung nodes are not waited for (that took a whole NODE_TIMEOUT), yet the try's unlock
+    still goes to them, and it never touches the holder's keys."""
+    timeout = 5.0
+    backend, name = make_backend(five, NODE_TIMEOUT=timeout), unique()
+    holder = backend.try_acquire(name, "holder", 30)
+    assert holder is not None
+    for server in five[:2]:
+        server.pause()
+    try:
+        started = time.monotonic()
+        assert backend.try_acquire(name, "a", 30) is None
+        elapsed = time.monotonic() - started
+    finally:
+        for server in five[:2]:
+            server.resume()
+    assert elapsed < timeout, elapsed
+    value = node_value(holder.holder, holder.secret).encode()
+    wait_until(lambda: holders(five, name) == [value] * 5, 10, "the holder's keys, untouched")
+    backend.release(holder)
+    wait_until(lambda: holders(five, name) == [None] * 5, 10, "the release everywhere")

@@ -27,6 +27,7 @@ from psycopg import sql
 from ..errors import BackendUnavailable
 from ._pgconn import LISTEN_SQL, SET_ROLE_SQL, connect_params, stale
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed
+from ._pgprepared import Prepared, arun_prepared
 
 __all__ = ["AsyncListener", "AsyncPrivateConnection", "AsyncState", "aconnect"]
 
@@ -59,28 +60,40 @@ async def _aclose_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:
 class AsyncPrivateConnection:
     """One private async connection for one loop; its tasks take turns on it."""
 
-    def __init__(self, db_alias: str, timeout: float = REQUEST_TIMEOUT) -> None:
+    def __init__(
+        self, db_alias: str, timeout: float = REQUEST_TIMEOUT, *, prepared: bool = True
+    ) -> None:
         self.db_alias = db_alias
         self.timeout = timeout
+        self.prepared = prepared
         self._lock = asyncio.Lock()
         self.conn: psycopg.AsyncConnection[Any] | None = None
+        #: The prepared statements the open connection's session is known to have.
+        self._names: set[str] = set()
 
     async def run(
-        self, statement: str, params: Mapping[str, Any], timeout: float | None = None
+        self, statement: str | Prepared, params: Mapping[str, Any], timeout: float | None = None
     ) -> list[tuple[Any, ...]]:
         """Run one statement and fetch its rows: one round trip on an open connection.
 
-        Waits for the reply and raises as the sync one does (:meth:`PrivateConnection.run`).
+        Waits for the reply and raises as the sync one does (:meth:`PrivateConnection.run`);
+        a :class:`~._pgprepared.Prepared` statement is sent prepared unless ``prepared`` is
+        false (see :func:`~._pgprepared.arun_prepared`).
         """
         async with self._lock:
             conn = self.conn
             if conn is None or stale(conn):
                 await _aclose_quietly(conn)
                 conn = self.conn = None
+                self._names = set()
                 conn = self.conn = await aconnect(self.db_alias)
             due = Deadline(conn.fileno(), self.timeout if timeout is None else timeout)
             try:
                 with aarmed(due):
+                    if isinstance(statement, Prepared):
+                        if self.prepared:
+                            return await arun_prepared(conn, statement, params, self._names)
+                        statement = statement.sql
                     cursor = await conn.execute(statement, params)
                     return await cursor.fetchall() if cursor.description else []
             except psycopg.Error as exc:
@@ -95,6 +108,7 @@ class AsyncPrivateConnection:
 
     async def close(self) -> None:
         conn, self.conn = self.conn, None
+        self._names = set()
         await _aclose_quietly(conn)
 
 
@@ -155,8 +169,10 @@ class AsyncState:
     listener for waits, and when each task's last try of each name failed (a release after
     that moment must wake the wait that follows)."""
 
-    def __init__(self, db_alias: str, timeout: float = REQUEST_TIMEOUT) -> None:
-        self.conn = AsyncPrivateConnection(db_alias, timeout)
+    def __init__(
+        self, db_alias: str, timeout: float = REQUEST_TIMEOUT, *, prepared: bool = True
+    ) -> None:
+        self.conn = AsyncPrivateConnection(db_alias, timeout, prepared=prepared)
         self.listener = AsyncListener(db_alias)
         self.failed_at: OrderedDict[tuple[int, str], float] = OrderedDict()
 

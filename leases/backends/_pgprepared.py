@@ -26,6 +26,11 @@ the statement's plan (0A000) until it is made again: it is deallocated and prepa
 These refusals happen before the statement runs, so sending it again is safe;
 after :data:`ATTEMPTS` of them the plain text is sent instead. Option ``PREPARED_STATEMENTS``
 ``False`` always sends the plain text.
+
+On an async connection (:func:`arun_prepared`) the prepared statement is run by its SQL
+``EXECUTE``, the values bound on the client: psycopg has no awaitable ``Bind``/``Execute`` of a
+statement by name, and the saving that matters there, the server's parse and plan of the
+statement, is the same. The refusals and the first ``PREPARE`` are handled as above.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import psycopg
 from psycopg import pq
 from psycopg.adapt import PyFormat, Transformer
 
-__all__ = ["ATTEMPTS", "Prepared", "run_prepared"]
+__all__ = ["ATTEMPTS", "Prepared", "arun_prepared", "run_prepared"]
 
 #: Refusals (26000, 42P05) tolerated for one call before its plain text is sent instead.
 ATTEMPTS = 3
@@ -164,3 +169,48 @@ def _prepared_and_run(
     cursor.execute(statement.first_sql, params)
     cursor.nextset()  # the EXECUTE's rows follow the PREPARE's empty result
     return cursor.fetchall() if cursor.description else []
+
+
+async def arun_prepared(
+    conn: psycopg.AsyncConnection[Any],
+    statement: Prepared,
+    params: Mapping[str, Any],
+    prepared: set[str],
+) -> list[tuple[Any, ...]]:
+    """:func:`run_prepared` on an async connection (autocommit): the statement's ``EXECUTE``
+    when ``prepared`` says the session has it, else ``PREPARE`` and ``EXECUTE`` in one query;
+    one round trip either way when ``prepared`` is right."""
+    for _ in range(ATTEMPTS):
+        if statement.name in prepared:
+            try:
+                return await _aquery(conn, statement.execute_sql, params)
+            except psycopg.Error as exc:
+                if exc.sqlstate == _STALE_PLAN.decode():  # see _bound: nothing ran
+                    await conn.execute(f"DEALLOCATE {statement.name}")
+                elif exc.sqlstate != _NOT_PREPARED.decode():
+                    raise
+            prepared.discard(statement.name)  # lost, or dropped as stale: nothing ran
+            continue
+        try:
+            rows: list[tuple[Any, ...]] | None = await _aquery(conn, statement.first_sql, params)
+        except psycopg.Error as exc:
+            if exc.sqlstate != _ALREADY_PREPARED:
+                raise
+            rows = None  # the session has it already: the EXECUTE after the PREPARE did not run
+        prepared.add(statement.name)
+        if rows is not None:
+            return rows
+    plain = await conn.execute(statement.sql, params)
+    return await plain.fetchall() if plain.description else []
+
+
+async def _aquery(
+    conn: psycopg.AsyncConnection[Any], query: str, params: Mapping[str, Any]
+) -> list[tuple[Any, ...]]:
+    """``query``'s last result's rows, the values quoted on the client (one simple query: a
+    ``PREPARE`` and its ``EXECUTE`` run in one implicit transaction, on one server session)."""
+    cursor = psycopg.AsyncClientCursor(conn)
+    await cursor.execute(query, params)
+    while cursor.nextset():
+        pass
+    return await cursor.fetchall() if cursor.description else []

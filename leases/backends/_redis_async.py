@@ -9,6 +9,7 @@ that backend's ``atry_acquire``, ``arenew``, ``arelease`` and ``await_for_releas
 from __future__ import annotations
 
 import asyncio
+import select
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +17,9 @@ import redis
 
 from ..errors import FencingUnavailable
 from ._aio import PerLoop
+from ._pgdeadline import Deadline, aarmed
 from ._redis_conn import arun_script, server_run
-from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
+from ._redis_io import Edge, ablpop, aconnect, name_back_due, read_timeout, text
 from ._redis_protocol import (
     TOKEN_SCRIPTS,
     acquire_args,
@@ -38,11 +40,87 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncRedis"]
 
-#: Per event loop: the client, and (Redis Cluster only) its registered scripts.
-_Client = tuple[Any, dict[str, Any]]
+#: Per event loop: the client, (Redis Cluster only) its registered scripts, and (otherwise)
+#: the connections kept between round trips.
+_Client = tuple[Any, dict[str, Any], "_Kept | None"]
+
+
+def _fileno(connection: Any) -> int:
+    """The socket of a connected ``redis.asyncio`` connection (its stream's transport)."""
+    sock = connection._writer.get_extra_info("socket")
+    return int(sock.fileno())
+
+
+def _stale(connection: Any) -> bool:
+    """Whether a kept connection must not be used: closed, owed a name given back (see
+    :func:`~._redis_io.name_back_due`: its next read would be a stale reply), or with
+    something to read while idle (the server closed it, or sent what nobody asked for),
+    buffered by the loop already or still in the socket (one ``select`` with no wait)."""
+    reader = connection._reader
+    if reader is None or name_back_due(connection):
+        return True
+    if reader.at_eof() or reader.exception() is not None or len(reader._buffer):
+        return True
+    try:
+        return bool(select.select([_fileno(connection)], [], [], 0)[0])
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
+class _Kept:
+    """Connections checked out of one ``redis.asyncio`` pool and kept between script round
+    trips: the async twin of :class:`~._redis_conn.Connections`, for the same reason (the
+    pool's checkout and check-in cost more client time than the loopback round trip).
+
+    Only script round trips use them, each to its end (a reply not read to its end drops the
+    connection), so a kept connection never holds a reply owed to anyone; one handed back
+    owing a name, or with anything to read, is dropped rather than used (:func:`_stale`). A
+    new connection comes from the pool in a task of its own: redis-py bounds connecting with
+    ``asyncio.timeout``, which must cancel that task, never the caller's (see
+    :mod:`leases._finishing`).
+    """
+
+    KEEP = 16
+
+    __slots__ = ("_idle", "pool", "timeout")
+
+    def __init__(self, pool: Any, timeout: float) -> None:
+        self.pool = pool
+        self.timeout = timeout
+        self._idle: list[Any] = []
+
+    async def take(self) -> Any:
+        while self._idle:
+            connection = self._idle.pop()
+            if not _stale(connection):
+                return connection
+            await self.drop(connection)
+        try:
+            return await asyncio.wait_for(self.pool.get_connection(), self.timeout)
+        except TimeoutError as exc:  # asyncio's: the client has no timeout of its own
+            raise redis.TimeoutError(f"not connected within {self.timeout} s") from exc
+
+    async def give(self, connection: Any) -> None:
+        """Back from a round trip whose reply was read to its end."""
+        if len(self._idle) < self.KEEP:
+            self._idle.append(connection)
+        else:
+            await self.pool.release(connection)
+
+    async def drop(self, connection: Any) -> None:
+        """Disconnect (its reply unread, or stale) and hand it back to the pool."""
+        await connection.disconnect(nowait=True)
+        await self.pool.release(connection)
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            await self.pool.release(connection)
 
 
 async def _aclose(made: _Client) -> None:
+    if made[2] is not None:
+        await made[2].close()
     await made[0].aclose()
 
 
@@ -59,44 +137,53 @@ class AsyncRedis:
         """A ``redis.asyncio`` client for the running loop (and a cluster client's scripts)."""
         client = aconnect(**self.backend.connect_options())
         if hasattr(client, "connection_pool"):
-            return client, {}
+            return client, {}, _Kept(client.connection_pool, self._timeout)
         scripts = {name: client.register_script(s.text) for name, s in self.backend.scripts.items()}
-        return client, scripts
+        return client, scripts, None
 
     async def run(self, script: str, keys: list[str], args: list[object]) -> Any:
         """:meth:`Backend._run <leases.backends.redis.Backend._run>` on the event loop; a
-        cancelled round trip drops its connection (its reply was never read)."""
-        client, cluster = self._clients.get()
+        round trip whose reply was not read to its end drops its connection."""
+        client, cluster, kept = self._clients.get()
         with Edge(self.backend.alias, script):
-            try:
-                async with asyncio.timeout(self._timeout):
-                    if cluster:
-                        return await cluster[script](keys=keys, args=args, client=client)
-                    return await self._on_connection(client, script, keys, args)
-            except TimeoutError as exc:  # the client has no read timeout of its own
-                raise redis.TimeoutError(f"no reply within {self._timeout} s") from exc
+            if kept is None:  # Redis Cluster: bounded in a task of its own (wait_for)
+                try:
+                    call = cluster[script](keys=keys, args=args, client=client)
+                    return await asyncio.wait_for(call, self._timeout)
+                except TimeoutError as exc:  # the client has no read timeout of its own
+                    raise redis.TimeoutError(f"no reply within {self._timeout} s") from exc
+            return await self._on_connection(kept, script, keys, args)
 
     async def _on_connection(
-        self, client: Any, script: str, keys: list[str], args: list[object]
+        self, kept: _Kept, script: str, keys: list[str], args: list[object]
     ) -> Any:
-        """One script round trip on a connection checked out here (see ``_redis_conn``)."""
-        pool = client.connection_pool
-        connection = await pool.get_connection()
-        try:
-            await connection.connect()
-            lua = self.backend.scripts[script]
-            if script not in TOKEN_SCRIPTS:
-                return await arun_script(connection, lua, keys, args)
-            known = server_run(connection)
-            sent = known.current(self.backend.trust_server_id)
-            reply = await arun_script(connection, lua, keys, [*args, sent])
-            known.learn(sent, text(reply[2]))
-            return reply
-        except BaseException:
-            await connection.disconnect()
+        """One script round trip on a kept connection (see ``_redis_conn`` and :class:`_Kept`).
+
+        Bounded by cutting the connection's socket when no reply came in time (a
+        :class:`~._pgdeadline.Deadline` on a timer of the loop), not by ``asyncio.timeout``:
+        the round trip may run inside :func:`~leases._finishing.finish`, in the caller's
+        task, whose cancellation is held back until the round trip ends."""
+        started = time.monotonic()
+        connection = await kept.take()
+        due: Deadline | None = None
+        try:  # one bound for the whole round trip, connecting included
+            due = Deadline(_fileno(connection), self._timeout - (time.monotonic() - started))
+            with aarmed(due):
+                lua = self.backend.scripts[script]
+                if script not in TOKEN_SCRIPTS:
+                    reply = await arun_script(connection, lua, keys, args)
+                else:
+                    known = server_run(connection)
+                    sent = known.current(self.backend.trust_server_id)
+                    reply = await arun_script(connection, lua, keys, [*args, sent])
+                    known.learn(sent, text(reply[2]))
+        except BaseException as exc:
+            await kept.drop(connection)
+            if due is not None and due.fired and isinstance(exc, (redis.RedisError, OSError)):
+                raise redis.TimeoutError(f"no reply within {self._timeout} s") from exc
             raise
-        finally:
-            await pool.release(connection)
+        await kept.give(connection)
+        return reply
 
     async def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         keys = LeaseKeys.of(self.backend.prefix, name)
@@ -141,7 +228,7 @@ class AsyncRedis:
     async def wait_for_release(self, name: str, timeout: float) -> bool:
         if timeout < 0.001:
             return False
-        client, _ = self._clients.get()
+        client = self._clients.get()[0]
         wake = LeaseKeys.of(self.backend.prefix, name).wake
         named = label(wake, self.backend._waits.since(name, timeout))
         with Edge(self.backend.alias, "wait"):

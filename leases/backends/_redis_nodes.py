@@ -2,7 +2,8 @@
 
 Sending never waits on a node (connections make no handshake), so the nodes work in parallel
 and a hung one costs no more than a live one until the replies are read; replies nobody waits
-for (a failed try's unlock) are read by one persistent thread, never a thread per call.
+for (a failed try's unlock, the nodes beyond a quorum that already decided) are read by one
+persistent thread, never a thread per call.
 Commands are packed here and go out on connections each node keeps between round trips
 (:class:`~leases.backends._redis_conn.Connections`): with N nodes a try pays the client's share
 of a round trip N times, so that share is kept small.
@@ -14,8 +15,10 @@ import hashlib
 import logging
 import os
 import queue
+import select
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -23,7 +26,7 @@ import redis
 from ._redis_conn import Connections, pack
 from ._redis_io import CLOSED_UNDER, connect, name_back_due, parsed, read_name_back, send
 
-__all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "node_value"]
+__all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "gather", "node_value"]
 
 logger = logging.getLogger("leases")
 
@@ -145,3 +148,47 @@ class ReplyDrain:
 
 #: Commands in flight: (node, connection) pairs, the command, and the deadline for replies.
 Pending = tuple[list[tuple[Node, Any]], tuple[object, ...], float]
+
+
+def _ready(waiting: list[tuple[Node, Any]], deadline: float) -> list[tuple[Node, Any]]:
+    """The pairs whose reply has begun to arrive, waiting for one until ``deadline``; all of
+    them when that cannot be told (a descriptor ``select`` cannot watch, a connection closed
+    under it) or the deadline passed: :meth:`Node.answer` then bounds each read itself."""
+    try:
+        socks = [connection._sock for _, connection in waiting]
+        readable = select.select(socks, [], [], max(0.0, deadline - time.monotonic()))[0]
+    except (OSError, ValueError, TypeError):
+        return waiting
+    if not readable:
+        return waiting
+    return [pair for pair in waiting if pair[1]._sock in readable]
+
+
+def gather(
+    pending: Pending, decided: Callable[[list[Any]], bool]
+) -> tuple[list[Any], list[tuple[Node, Any]]]:
+    """The replies of ``pending`` in the order they arrive, until ``decided`` says the ones
+    read so far settle the outcome (a quorum granted), or all are read.
+
+    Returns the replies read and the (node, connection) pairs left unread: the caller hands
+    those to :class:`ReplyDrain`, so a grant or a release waits for the fastest quorum, not
+    for the slowest node (on a loaded machine the last node's reply can come a scheduler
+    slice later; a hung node costs a whole node timeout). Replies are read as they become
+    readable, so a slow first node does not hold up the others.
+    """
+    sent, command, deadline = pending
+    answers: list[Any] = []
+    waiting: list[tuple[Node, Any]] = []
+    for node, connection in sent:
+        if connection is None:
+            answers.append(FAILED)
+        else:
+            waiting.append((node, connection))
+    while waiting and not decided(answers):
+        for pair in _ready(waiting, deadline):
+            waiting.remove(pair)
+            node, connection = pair
+            answers.append(node.answer(connection, command, deadline))
+            if decided(answers):
+                break
+    return answers, waiting

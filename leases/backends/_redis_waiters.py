@@ -28,7 +28,7 @@ from typing import Any
 from ._redis_scripts import LeaseKeys
 from .base import LeaseWaiter
 
-__all__ = ["LABEL_PREFIX", "WaitClock", "label", "waiters"]
+__all__ = ["LABEL_PREFIX", "WaitClock", "distinct", "label", "waiters"]
 
 #: What every waiting connection's name starts with.
 LABEL_PREFIX = "leases-wait:"
@@ -65,10 +65,24 @@ def _parse(name: str, prefix: str) -> tuple[str, float, str] | None:
     return LeaseKeys.name_of(prefix, key, "wake"), started, f"{host}:{pid}:{thread}"
 
 
+def distinct(found: Iterable[LeaseWaiter]) -> list[LeaseWaiter]:
+    """One entry per wait: a thread waits for one name at a time, but the server may still
+    list the connection of its previous ``BLPOP`` as blocked, dropped at its deadline and not
+    yet reaped, beside the next one's (on the same server or, on Redlock, another node)."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for waiter in found:
+        if (waiter.name, waiter.who) not in seen:
+            seen.add((waiter.name, waiter.who))
+            kept.append(waiter)
+    return kept
+
+
 def waiters(
     alias: str, prefix: str, clients: Iterable[Mapping[str, Any]], where: str
 ) -> list[LeaseWaiter]:
-    """The waits among ``clients`` (``CLIENT LIST`` entries of one server at ``where``)."""
+    """The waits among ``clients`` (``CLIENT LIST`` entries of one server at ``where``), one
+    entry per wait (:func:`distinct`)."""
     found = []
     for client in clients:
         if "b" not in str(client.get("flags", "")):
@@ -86,7 +100,7 @@ def waiters(
                 where=f"{where} (client {client.get('addr', '?')})",
             )
         )
-    return found
+    return distinct(found)
 
 
 class WaitClock:

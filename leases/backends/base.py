@@ -255,6 +255,12 @@ class LeaseBackend(abc.ABC):
     # the cost of a thread hop per call and one busy executor thread per waiter. The contract
     # is the blocking method's, word for word. A cancelled default call returns at once but
     # its thread finishes the round trip; ``aacquire()`` gives back a grant won that way.
+    #
+    # ``atry_acquire``, ``atry_acquire_shared`` and ``arelease`` run in the caller's own task
+    # with its cancellation held back until they end (:mod:`leases._finishing`): they must
+    # not bound their own I/O by cancelling the current task (``asyncio.timeout``), which
+    # would be held back too. Cut the connection at the deadline instead (as the database and
+    # Redis backends do), or bound the call in a task of its own (``asyncio.wait_for``).
 
     async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         """:meth:`try_acquire` without blocking the event loop."""

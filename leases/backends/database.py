@@ -395,7 +395,8 @@ class Backend(LeaseBackend):
             self.db_alias, alias, enabled=enabled, timeout=self.request_timeout
         )
         self._async: PerLoop[AsyncState] = PerLoop(
-            lambda: AsyncState(self.db_alias, self.request_timeout), lambda state: state.close()
+            lambda: AsyncState(self.db_alias, self.request_timeout, prepared=prepared),
+            lambda state: state.close(),
         )
         self._aroom: PerLoop[AsyncWaitingRoom] = PerLoop(
             lambda: AsyncWaitingRoom(
@@ -502,7 +503,7 @@ class Backend(LeaseBackend):
     # -- async: psycopg's AsyncConnection, one set per event loop (see ``_pgaio``) ----------
 
     async def _arun(
-        self, sql: str, params: Mapping[str, Any], timeout: float | None = None
+        self, sql: str | Prepared, params: Mapping[str, Any], timeout: float | None = None
     ) -> list[tuple[Any, ...]]:
         try:
             return await self._async.get().conn.run(sql, params, timeout)
@@ -517,7 +518,7 @@ class Backend(LeaseBackend):
         room = self._aroom.get()
         rows = await room.run_inside(name, ROOM_ACQUIRE_SQL, {**params, "in_room": True})
         if rows is None:
-            rows = await self._arun(ACQUIRE_SQL, params)
+            rows = await self._arun(PREPARED_ACQUIRE, params)
         if not rows:
             self._async.get().failed(name, sent_at)
             return None
@@ -531,14 +532,14 @@ class Backend(LeaseBackend):
             rows = await self._arun(SHARED_RENEW_SQL, shared_params(grant, ttl=ttl), timeout)
             return _renewed(grant, ttl, sent_at, rows)
         params = {**_owner(grant), "ttl": ttl}
-        return _renewed(grant, ttl, sent_at, await self._arun(RENEW_SQL, params, timeout))
+        return _renewed(grant, ttl, sent_at, await self._arun(PREPARED_RENEW, params, timeout))
 
     async def arelease(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
             _released(grant, await self._arun(SHARED_RELEASE_SQL, shared_params(grant)))
             return
         params = {**_owner(grant), "room": _room_of(grant.name)}
-        if not await self._arun(RELEASE_SQL, params):
+        if not await self._arun(PREPARED_RELEASE, params):
             _refused(grant, await self._arun(RELEASE_REFUSED_SQL, _owner(grant)))
 
     async def atry_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:

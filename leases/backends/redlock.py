@@ -13,9 +13,11 @@ Options: ``NODES`` (URLs, or django-redis cache aliases, which keep their own ti
 ``"default"``).
 
 One try of :meth:`Backend.try_acquire` follows the Redlock algorithm: ``SET NX PX`` sent to
-every node at once, then every reply read by one shared deadline (the node timeout), so a try
-costs about one round trip and hung nodes at most one node timeout, however many (no thread per
-call; a failed try's unlock leaves its replies to one persistent drain thread); the
+every node at once, then the replies read as they arrive, by one shared deadline (the node
+timeout), until they settle the try: a quorum said yes, or so many said no that none can. So a
+try costs about one round trip of the fastest quorum and hung nodes at most one node timeout,
+however many (no thread per call; replies still owed, and a failed try's unlock replies, are
+read by one persistent drain thread); the
 lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity = TTL - elapsed -
 drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
 ``sent_at``). A failed try that any node accepted (or did not answer) unlocks on *every*
@@ -66,9 +68,9 @@ from ._redis_io import (
     text,
     url_problems,
 )
-from ._redis_nodes import FAILED, Node, Pending, ReplyDrain, node_value
+from ._redis_nodes import FAILED, Node, Pending, ReplyDrain, gather, node_value
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
-from ._redis_waiters import WaitClock, label, waiters
+from ._redis_waiters import WaitClock, distinct, label, waiters
 from ._redlock_async import AsyncRedlock
 from .base import (
     FORGED,
@@ -191,15 +193,44 @@ class Backend(LeaseBackend):
         packed = pack(command)
         return [(node, node.send(command, packed=packed)) for node in self.nodes], command, deadline
 
-    def _fan_out(self, *command: object) -> list[Any]:
+    def _fan_out(
+        self, *command: object, decided: Callable[[list[Any]], bool] | None = None
+    ) -> list[Any]:
         """Send ``command`` to every node, then read every reply by one shared deadline.
 
         A try costs about one round trip, and at most one node timeout however many nodes
         hang (each read gets what is left of the deadline, not a timeout of its own), without
         a thread per call. A node that fails or does not answer in time answers :data:`FAILED`.
+
+        With ``decided``, replies are read as they arrive only until the ones read settle the
+        outcome (see :func:`~._redis_nodes.gather`); the rest are left to the drain thread, so
+        a grant, renewal or release waits for the fastest quorum, never for the slowest node,
+        and answer :data:`FAILED` here. ``decided`` must not be settled by ``FAILED`` answers
+        alone (only by real ones), or a store nobody answered would look merely busy.
         """
-        sent, _, deadline = self._send_all(command)
-        return [node.answer(connection, command, deadline) for node, connection in sent]
+        pending = self._send_all(command)
+        if decided is None:
+            sent, _, deadline = pending
+            return [node.answer(connection, command, deadline) for node, connection in sent]
+        answers, unread = gather(pending, decided)
+        if unread:
+            self._drain.put((unread, command, time.monotonic() + self.node_timeout))
+        # Unread is unknown, as a node that did not answer: it may have run the command.
+        return answers + [FAILED] * len(unread)
+
+    def _granted(self, answers: list[Any]) -> bool:
+        """A quorum said yes to ``SET NX`` (the nodes not read yet cannot undo that)."""
+        return sum(answer is True for answer in answers) >= self.quorum
+
+    def _settled(self, answers: list[Any]) -> bool:
+        """A try is granted, or so many nodes said no that no quorum can say yes (the try's
+        unlock then goes to every node, the unread ones included)."""
+        refused = sum(answer is not True and answer is not FAILED for answer in answers)
+        return self._granted(answers) or refused > len(self.locations) - self.quorum
+
+    def _done(self, answers: list[Any]) -> bool:
+        """A quorum ran the compare-and-extend or compare-and-delete."""
+        return sum(bool(answer == Reply.OK) for answer in answers) >= self.quorum
 
     def _unlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> list[Any]:
         """Compare-and-delete on every node (a timed-out ``SET`` may still have landed).
@@ -210,7 +241,7 @@ class Backend(LeaseBackend):
         owner = ("", grant.holder, grant.secret)
         command = ("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
         if confirm:
-            return self._fan_out(*command)
+            return self._fan_out(*command, decided=self._done)
         self._drain.put(self._send_all(command))
         return []
 
@@ -238,9 +269,10 @@ class Backend(LeaseBackend):
         keys = LeaseKeys.of(self.prefix, name)
         secret = new_secret()
         sent_at = time.monotonic()
-        answers = self._fan_out("SET", keys.lock, node_value(holder, secret), "NX", "PX", ms(ttl))
+        value = node_value(holder, secret)
+        answers = self._fan_out("SET", keys.lock, value, "NX", "PX", ms(ttl), decided=self._settled)
         attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
-        if sum(answer is True for answer in answers) >= self.quorum:
+        if self._granted(answers):
             try:
                 token = self.next_token(name)
             except BaseException:
@@ -265,9 +297,10 @@ class Backend(LeaseBackend):
         keys = LeaseKeys.of(self.prefix, grant.name)
         sent_at = time.monotonic()
         owner = ("", grant.holder, grant.secret)
-        answers = self._fan_out("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
+        extend = ("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
+        answers = self._fan_out(*extend, decided=self._done)
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
-        if sum(answer == Reply.OK for answer in answers) >= self.quorum and self.valid(renewed):
+        if self._done(answers) and self.valid(renewed):
             return renewed
         self._unless_refused(answers, "renewal")
         refusal = self.refusal(grant, answers, "renewal")
@@ -277,7 +310,7 @@ class Backend(LeaseBackend):
 
     def release(self, grant: Grant) -> None:
         answers = self._unlock_everywhere(grant)
-        if sum(answer == Reply.OK for answer in answers) < self.quorum:
+        if not self._done(answers):
             self._unless_refused(answers, "release")
             raise self.refusal(grant, answers, "release")
 
@@ -343,7 +376,7 @@ class Backend(LeaseBackend):
             except (redis.RedisError, OSError):
                 continue
             found += waiters(self.alias, self.prefix, listed, f"redlock node {node.location}")
-        return found
+        return distinct(found)
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
         """Compare-and-revoke: the token source decides, then every node gives the grant up.
