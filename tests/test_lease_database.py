@@ -629,3 +629,79 @@ def test_an_async_release_between_the_failed_try_and_the_wait_wakes_the_wait(
             await backend.aclose()
 
     assert asyncio.run(main()) is True
+
+
+#: Takes the room's lock, then fails as a lock timeout does: the server's timeout can fire just
+#: as the lock is granted (PostgreSQL keeps a lock granted while its wait was being cancelled),
+#: and the statement fails although the session holds the lock.
+GRANTED_THEN_TIMED_OUT_SQL = """
+CREATE OR REPLACE FUNCTION pg_temp.leases_test_granted_then_timed_out(key bigint)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_lock(key);
+    RAISE EXCEPTION 'canceling statement due to lock timeout' USING ERRCODE = '55P03';
+END $$
+"""
+#: The room's queueing, replaced by one that always takes the lock and then times out.
+RACING_ROOM_ENTER_SQL = (
+    "SELECT set_config('lock_timeout', {timeout_ms}, false), "
+    "pg_temp.leases_test_granted_then_timed_out({key}), {name}::text, {group}::text"
+)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_queueing_that_times_out_as_the_lock_is_granted_leaves_no_lock_behind(
+    lease_name: str, monkeypatch: pytest.MonkeyPatch, flavour: str
+) -> None:
+    """A session-level lock outlives the failed statement that took it. Held unknowingly, the
+    waiter's next queueing took it a second time and its leave released it once: the room
+    stayed locked by an idle pooled connection, whose next visitor always got in at once
+    while every other waiter queued in vain (one process took 99 % of the grants, and a
+    contender once starved for 20 s). A timed-out queueing now unlocks what it may hold."""
+    real_sync = _waiting_room.WaitingRoom._connection
+    real_async = _waiting_room.AsyncWaitingRoom._connection
+
+    def connection_(room: Any) -> Any:
+        conn = real_sync(room)
+        conn.execute(GRANTED_THEN_TIMED_OUT_SQL)
+        return conn
+
+    async def aconnection(room: Any) -> Any:
+        conn = await real_async(room)
+        await conn.execute(GRANTED_THEN_TIMED_OUT_SQL)
+        return conn
+
+    monkeypatch.setattr(_waiting_room.WaitingRoom, "_connection", connection_)
+    monkeypatch.setattr(_waiting_room.AsyncWaitingRoom, "_connection", aconnection)
+    monkeypatch.setattr(_waiting_room, "ROOM_ENTER_SQL", RACING_ROOM_ENTER_SQL)
+    holder = acquire(lease_name, ttl=30, keepalive=False, holder="holder")
+    timer = threading.Timer(1.5, holder.release)  # after a queueing or two timed out
+    left: list[dict[bool, int]] = []
+    timer.start()
+    try:
+        if flavour == "sync":
+            acquire(lease_name, ttl=5, timeout=30, keepalive=False).release()
+            left.append(room_locks(lease_name))
+        else:
+
+            async def main() -> None:
+                await (await aacquire(lease_name, ttl=5, timeout=30, keepalive=False)).arelease()
+                # Looked at while the loop (and its idle room connections) still lives.
+                left.append(await asyncio.to_thread(room_locks_elsewhere, lease_name))
+
+            asyncio.run(main())
+    finally:
+        timer.join()
+    assert left == [{}], "a waiter's idle connection still holds the room"
+
+
+def room_locks_elsewhere(name: str) -> dict[bool, int]:
+    """:func:`room_locks` on a connection of its own (from a thread an event loop started)."""
+    classid, objid = split_key(room_key(name))
+    with own_connection() as conn:
+        rows = conn.execute(
+            "SELECT granted, count(*) FROM pg_locks WHERE locktype = 'advisory' "
+            "AND classid = %s AND objid = %s AND objsubid = 1 GROUP BY granted",
+            [classid, objid],
+        ).fetchall()
+    return dict(rows)

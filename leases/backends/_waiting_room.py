@@ -81,6 +81,12 @@ SELECT CASE WHEN holder = {group} AND secret_hash IS NULL THEN 'shared' ELSE 'he
 FROM leases_lease
 WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp()"""
 ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
+#: After a queueing timed out. PostgreSQL may grant the lock just as the timeout fires, and then
+#: keeps it although the statement failed: held unknowingly, the next queueing would take it a
+#: second time and the leave release it once, leaving the room locked by an idle pooled
+#: connection (whose next visitor gets in at once, again and again, starving every other
+#: waiter). A room connection holds no other advisory lock between visits or during one.
+ROOM_UNLOCK_ALL_SQL = "SELECT pg_advisory_unlock_all()"
 #: Leave after the grant statement unlocked the room already.
 ROOM_UNLISTEN_SQL = "UNLISTEN *"
 #: Longest a waiter queues for the room at a time (a paused waiter in the room must not hold
@@ -292,7 +298,9 @@ class WaitingRoom:
         try:
             cursor = _execute(visit.conn, statement, None, queue_for + self.timeout)
         except psycopg.errors.LockNotAvailable:
-            return  # queued long enough: try once, then queue again
+            # Queued long enough: try once, then queue again (see ROOM_UNLOCK_ALL_SQL).
+            _execute(visit.conn, ROOM_UNLOCK_ALL_SQL, None, self.timeout)
+            return
         while cursor.nextset():  # past the lock, BEGIN, LISTEN and COMMIT, to the look
             pass
         row = cursor.fetchone()
@@ -562,6 +570,8 @@ class AsyncWaitingRoom:
                     pass
                 row = await cursor.fetchone()
         except psycopg.errors.LockNotAvailable:
+            with aarmed(Deadline(visit.conn.fileno(), self.timeout)):
+                await visit.conn.execute(ROOM_UNLOCK_ALL_SQL)  # see ROOM_UNLOCK_ALL_SQL
             return
         visit.inside = visit.fresh = True
         visit.held = bool(row and row[0])
