@@ -299,7 +299,7 @@ runpy.run_path("manage.py", run_name="__main__")
 """
 
 
-def _peak_rss_of_listing(*args: str) -> tuple[int, int]:
+def _peak_rss_of_listing(*args: str) -> tuple[int, int, list[str]]:
     """KiB, and the lease lines it printed: ``manage.py leases list *args`` in a process of
     its own, seeing the big tables. Its output is counted line by line from a file (read
     whole, a million lines would make this process, not the command, big)."""
@@ -316,9 +316,13 @@ def _peak_rss_of_listing(*args: str) -> tuple[int, int]:
         errors = err.read()
         assert status == 0, errors
         out.seek(0)
-        listed = sum(1 for line in out if line.startswith("lease "))
+        listed, unavailable = 0, []
+        for line in out:
+            listed += line.startswith("lease ")
+            if line.startswith("backend ") and " unavailable: " in line:
+                unavailable.append(line.strip())  # a listing cut short says why
     (peak,) = [int(line.split()[1]) for line in errors.splitlines() if line.startswith("peak-rss")]
-    return peak, listed
+    return peak, listed, unavailable
 
 
 #: The longest a purge or prune may take here (ten million keys take minutes, not this).
@@ -439,11 +443,12 @@ def main(report: Report) -> None:
         )
         _table(report, samples, rows, keys)
         for args in ([], ["--limit", "0"], ["--limit", "0", "--json"]):
-            rss, listed = _peak_rss_of_listing(*args)
+            rss, listed, unavailable = _peak_rss_of_listing(*args)
             lines = f"{listed:,} lease lines" if "--json" not in args else "JSON"
             report.note(
                 f"peak RSS of manage.py leases list {' '.join(args)}".rstrip()
                 + f" at {rows:,} rows: {rss / 1024:.0f} MiB ({lines})"
+                + "".join(f"; {line}" for line in unavailable)
             )
         _use(BIG, backend)
         command = ["purge_idempotency_keys", "--batch-size", str(PURGE_BATCH)]
