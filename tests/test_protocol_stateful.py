@@ -384,4 +384,10 @@ def test_random_operation_sequences_keep_the_contract(lease_backend: str, operat
         (LeaseProtocol,),
         {"alias": lease_backend, "operator": operator},
     )
-    run_state_machine_as_test(machine, settings=PROFILE)
+    # etcd's expiry waits are seconds longer (SERVER_EXPIRY_LAG): half the examples there keep
+    # its run near the others' (47 s of a 15-minute suite, otherwise); the long profile keeps
+    # its count.
+    examples = PROFILE.max_examples
+    if lease_backend in SERVER_EXPIRY_LAG and PROFILE is settings.get_profile("ci"):
+        examples = max(1, examples // 2)
+    run_state_machine_as_test(machine, settings=settings(PROFILE, max_examples=examples))
