@@ -134,6 +134,40 @@ class _Visit(Generic[_Conn]):
     #: the async room reads it; a thread's room decides in its blocking wait instead.
     fresh: bool = False
 
+    def queueing(self) -> tuple[float, sql.Composed] | None:
+        """How long to queue for the room lock this time, and the statement that does it
+        (``None``: no time left)."""
+        left = ROOM_TIMEOUT if self.deadline is None else self.deadline - time.monotonic()
+        queue_for = min(left, ROOM_TIMEOUT)
+        if queue_for <= 0:
+            return None
+        statement = sql.SQL(ROOM_ENTER_SQL).format(
+            timeout_ms=sql.Literal(f"{max(1, int(queue_for * 1000))}ms"),
+            key=sql.Literal(self.key),
+            name=sql.Literal(self.name),
+            group=sql.Literal(GROUP),
+        )
+        return queue_for, statement
+
+    def entered(self, row: Any) -> None:
+        """Inside, with the look the queueing took on the way in."""
+        self.inside = True
+        self.held = bool(row and row[0])
+        self.shared = bool(row and row[0] == "shared")
+        # A hint only (the server's clock, a round trip old): the try then decides.
+        self.expires = time.monotonic() + row[1] if row else math.inf
+
+    def tried(self, rows: list[Any]) -> list[Any]:
+        """What a try inside the room returned: a row with a token is a grant, which also
+        unlocked the room; no grant returns no rows (its token-less row, if any, says
+        readers hold the name)."""
+        if rows and rows[0][0] is not None:
+            self.inside = False
+            return rows
+        self.shared = bool(rows)
+        self.expires = math.inf  # renewed, or taken by another: wait for its release
+        return []
+
 
 #: A thread's visit and a task's.
 _SyncVisit = _Visit[psycopg.Connection[Any]]
@@ -249,12 +283,7 @@ class WaitingRoom:
                 visit.inside = False  # the session is gone, and its room lock with it
                 self._local.visit = None
             return None
-        if rows and rows[0][0] is not None:
-            visit.inside = False
-            return rows
-        visit.shared = bool(rows)
-        visit.expires = math.inf  # renewed, or taken by another: wait for its release
-        return []
+        return visit.tried(rows)
 
     def readers_hold(self, name: str) -> bool | None:
         """Whether readers held ``name`` at this thread's last look from inside its room;
@@ -285,16 +314,10 @@ class WaitingRoom:
         return visit.inside
 
     def _lock_room(self, visit: _SyncVisit) -> None:
-        left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
-        queue_for = min(left, ROOM_TIMEOUT)
-        if queue_for <= 0:
+        queueing = visit.queueing()
+        if queueing is None:
             return
-        statement = sql.SQL(ROOM_ENTER_SQL).format(
-            timeout_ms=sql.Literal(f"{max(1, int(queue_for * 1000))}ms"),
-            key=sql.Literal(visit.key),
-            name=sql.Literal(visit.name),
-            group=sql.Literal(GROUP),
-        )
+        queue_for, statement = queueing
         try:
             cursor = _execute(visit.conn, statement, None, queue_for + self.timeout)
         except psycopg.errors.LockNotAvailable:
@@ -303,12 +326,7 @@ class WaitingRoom:
             return
         while cursor.nextset():  # past the lock, BEGIN, LISTEN and COMMIT, to the look
             pass
-        row = cursor.fetchone()
-        visit.inside = True
-        visit.held = bool(row and row[0])
-        visit.shared = bool(row and row[0] == "shared")
-        # A hint only (the server's clock, a round trip old): the try then decides.
-        visit.expires = time.monotonic() + row[1] if row else math.inf
+        visit.entered(cursor.fetchone())
 
     def _connection(self) -> psycopg.Connection[Any]:
         while True:
@@ -527,12 +545,7 @@ class AsyncWaitingRoom:
                 visit.inside = False
                 await _aclose_quietly(visit.conn)
             return None
-        if rows and rows[0][0] is not None:
-            visit.inside = False
-            return rows
-        visit.shared = bool(rows)
-        visit.expires = math.inf  # renewed, or taken by another: wait for its release
-        return []
+        return visit.tried(rows)
 
     def readers_hold(self, name: str) -> bool | None:
         visit = self._visit(name)
@@ -552,16 +565,10 @@ class AsyncWaitingRoom:
             return None
 
     async def _lock_room(self, visit: _AsyncVisit) -> None:
-        left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
-        queue_for = min(left, ROOM_TIMEOUT)
-        if queue_for <= 0:
+        queueing = visit.queueing()
+        if queueing is None:
             return
-        statement = sql.SQL(ROOM_ENTER_SQL).format(
-            timeout_ms=sql.Literal(f"{max(1, int(queue_for * 1000))}ms"),
-            key=sql.Literal(visit.key),
-            name=sql.Literal(visit.name),
-            group=sql.Literal(GROUP),
-        )
+        queue_for, statement = queueing
         due = Deadline(visit.conn.fileno(), queue_for + self.timeout)
         try:
             with aarmed(due):
@@ -573,11 +580,8 @@ class AsyncWaitingRoom:
             with aarmed(Deadline(visit.conn.fileno(), self.timeout)):
                 await visit.conn.execute(ROOM_UNLOCK_ALL_SQL)  # see ROOM_UNLOCK_ALL_SQL
             return
-        visit.inside = visit.fresh = True
-        visit.held = bool(row and row[0])
-        visit.shared = bool(row and row[0] == "shared")
-        # A hint only (the server's clock, a round trip old): the try then decides.
-        visit.expires = time.monotonic() + row[1] if row else math.inf
+        visit.entered(row)
+        visit.fresh = True
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         while self._idle:
