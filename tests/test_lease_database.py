@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import IO, Any
 
 import psycopg
 import pytest
@@ -274,6 +274,15 @@ def test_lease_connection_ignores_django_pool_and_binding_options() -> None:
         del connections.settings["pooled"]
 
 
+def syncs_sent(trace: IO[str]) -> int:
+    """Round trips the client sent (``Sync`` messages) in a libpq trace file. The async room
+    test once matched a backslash and a ``t`` instead of a tab: it counted nothing, and its
+    "no try while the name was held" could not fail."""
+    trace.seek(0)
+    lines = trace.read().splitlines()
+    return sum(1 for line in lines if line.startswith("F\t") and "\tSync" in line)
+
+
 def room_locks(name: str) -> dict[bool, int]:
     """Granted and waiting sessions on ``name``'s waiting-room lock, from ``pg_locks``."""
     classid, objid = split_key(room_key(name))
@@ -484,9 +493,7 @@ def test_the_waiter_in_the_room_is_woken_by_the_release_not_by_polling(
             return conn
 
         def tries() -> int:
-            trace.seek(0)
-            lines = trace.read().splitlines()
-            return sum(1 for line in lines if line.startswith("F\t") and "\tSync" in line)
+            return syncs_sent(trace)
 
         monkeypatch.setattr(_waiting_room.WaitingRoom, "_connection", traced)
         try:
@@ -537,9 +544,7 @@ def test_async_waiters_queue_in_the_room_in_arrival_order_and_are_woken_by_the_r
             return conn
 
         def tries() -> int:
-            trace.seek(0)
-            lines = trace.read().splitlines()
-            return sum(1 for line in lines if line.startswith("F\\t") and "\\tSync" in line)
+            return syncs_sent(trace)
 
         def in_room() -> int:
             classid, objid = split_key(room_key(lease_name))
