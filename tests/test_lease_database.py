@@ -284,15 +284,16 @@ def syncs_sent(trace: IO[str]) -> int:
 
 
 def room_locks(name: str) -> dict[bool, int]:
-    """Granted and waiting sessions on ``name``'s waiting-room lock, from ``pg_locks``."""
+    """Granted and waiting sessions on ``name``'s waiting-room lock, from ``pg_locks``, read on
+    a connection of its own (so it may also be called from a thread an event loop started)."""
     classid, objid = split_key(room_key(name))
-    with connection.cursor() as cursor:
-        cursor.execute(
+    with own_connection() as conn:
+        rows = conn.execute(
             "SELECT granted, count(*) FROM pg_locks WHERE locktype = 'advisory' "
             "AND classid = %s AND objid = %s AND objsubid = 1 GROUP BY granted",
             [classid, objid],
-        )
-        return dict(cursor.fetchall())
+        ).fetchall()
+    return dict(rows)
 
 
 def room_key(name: str) -> int:
@@ -692,21 +693,9 @@ def test_a_queueing_that_times_out_as_the_lock_is_granted_leaves_no_lock_behind(
             async def main() -> None:
                 await (await aacquire(lease_name, ttl=5, timeout=30, keepalive=False)).arelease()
                 # Looked at while the loop (and its idle room connections) still lives.
-                left.append(await asyncio.to_thread(room_locks_elsewhere, lease_name))
+                left.append(await asyncio.to_thread(room_locks, lease_name))
 
             asyncio.run(main())
     finally:
         timer.join()
     assert left == [{}], "a waiter's idle connection still holds the room"
-
-
-def room_locks_elsewhere(name: str) -> dict[bool, int]:
-    """:func:`room_locks` on a connection of its own (from a thread an event loop started)."""
-    classid, objid = split_key(room_key(name))
-    with own_connection() as conn:
-        rows = conn.execute(
-            "SELECT granted, count(*) FROM pg_locks WHERE locktype = 'advisory' "
-            "AND classid = %s AND objid = %s AND objsubid = 1 GROUP BY granted",
-            [classid, objid],
-        ).fetchall()
-    return dict(rows)
