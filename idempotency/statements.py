@@ -399,6 +399,8 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
     """Prepare statements an attempt will send inside its transaction, while outside it (one
     round trip, once per connection): a statement found missing there would abort the view's
     work."""
+    if not conf.get().prepared_statements:
+        return
     flat: list[Statement] = []
     for statement in statements:
         flat += (
@@ -408,12 +410,12 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
         )
     connection = connections[using]
     connection.ensure_connection()
+    names = _PREPARED.setdefault(connection.connection, set())
+    missing = [statement for statement in flat if statement.name not in names]
+    if not missing:
+        return  # the common case, on every keyed request: no cursor made
     with connection.cursor() as cursor:
         if not _prepares(cursor):
-            return
-        names = _PREPARED.setdefault(connection.connection, set())
-        missing = [statement for statement in flat if statement.name not in names]
-        if not missing:
             return
         # A new session has none; one whose bookkeeping was dropped after a loss may have some.
         cursor.execute(PREPARED_NAMES_SQL, {"names": [statement.name for statement in missing]})
