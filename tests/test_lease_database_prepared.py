@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from leases import acquire
+from leases import aacquire, acquire
 from leases.backends import get_backend
 from leases.backends._pgconn import PrivateConnection, connect
 from leases.backends._pgprepared import Prepared
@@ -22,12 +22,13 @@ from leases.backends.database import (
     PREPARED_ACQUIRE,
     PREPARED_RELEASE,
     PREPARED_RENEW,
+    PREPARED_ROOM_ACQUIRE,
     RELEASE_SQL,
     RENEW_SQL,
     Backend,
 )
 from tests.lease_backends import lease_name
-from tests.test_lease_database import round_trips
+from tests.test_lease_database import room_locks, round_trips, waiting_behind_a_holder
 
 __all__ = ["lease_name"]
 
@@ -224,3 +225,87 @@ def test_async_prepared_statements_off_sends_plain_text(lease_name: str) -> None
         assert asyncio.run(main()) == {}
     finally:
         backend.close()
+
+
+def handed_over_in_the_room(name: str) -> psycopg.Connection[Any]:
+    """Hold ``name``, let one thread wait for it inside its room, release: the waiter's try
+    runs on its room connection. Returns that connection, taken from the room's idle ones
+    (its last reply read) for the caller to inspect and close."""
+    holder, waiter, tokens = waiting_behind_a_holder(name)
+    holder.release()
+    waiter.join(15)
+    assert len(tokens) == 1 and tokens[0] == holder.token + 1
+    backend = get_backend("default")
+    assert isinstance(backend, Backend)
+    return backend._room._connection()
+
+
+def test_the_waiters_try_in_the_room_runs_prepared(lease_name: str) -> None:
+    """The try inside the room is on the hand-off's path (the release's NOTIFY, then this
+    try, then the new holder returns): sent as text, its parse and plan cost the server more
+    than running it. The first hand-off on a room connection prepares it, the next runs it
+    by name; a session that lost it (``DISCARD ALL``) prepares it again, granting once."""
+    conn = handed_over_in_the_room(lease_name)
+    try:
+        assert session_statements(conn) == {PREPARED_ROOM_ACQUIRE.name: 1}
+        get_backend("default")._room._idle.append(conn)  # type: ignore[attr-defined]
+        conn = handed_over_in_the_room(lease_name)
+        # At least 2: the holder may have gone through the room too (its release just now saw
+        # the waiter queued, so its first try is skipped: it takes the free name from inside).
+        ran = session_statements(conn)
+        assert set(ran) == {PREPARED_ROOM_ACQUIRE.name} and ran[PREPARED_ROOM_ACQUIRE.name] >= 2
+        conn.execute("DEALLOCATE ALL")
+        get_backend("default")._room._idle.append(conn)  # type: ignore[attr-defined]
+        conn = handed_over_in_the_room(lease_name)  # the token moved on by one: asserted there
+        assert set(session_statements(conn)) == {PREPARED_ROOM_ACQUIRE.name}
+    finally:
+        conn.close()
+
+
+def test_the_waiters_try_in_the_room_is_plain_text_with_prepared_statements_off(
+    lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = get_backend("default")
+    assert isinstance(backend, Backend)
+    monkeypatch.setattr(backend._room, "prepared", False)
+    conn = handed_over_in_the_room(lease_name)
+    try:
+        assert session_statements(conn) == {}
+    finally:
+        conn.close()
+
+
+def test_the_async_waiters_try_in_the_room_runs_prepared(lease_name: str) -> None:
+    """:func:`test_the_waiters_try_in_the_room_runs_prepared` for ``aacquire``."""
+    holder = acquire(lease_name, ttl=30, keepalive=False, holder="holder")
+    backend = get_backend("default")
+    assert isinstance(backend, Backend)
+
+    async def main() -> tuple[int, dict[str, int]]:
+        room = backend._aroom.get()
+
+        async def wait() -> int:
+            held = await aacquire(lease_name, ttl=5, timeout=30, keepalive=False)
+            await held.arelease()
+            return held.token
+
+        waiter = asyncio.create_task(wait())
+        for _ in range(750):  # bounded: 15 s
+            if await asyncio.to_thread(room_locks, lease_name) == {True: 1}:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(holder.release)
+        async with asyncio.timeout(30):
+            token = await waiter
+        (conn,) = room._idle
+        cursor = await conn.execute(
+            "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements"
+            " WHERE name LIKE 'leases\\_%%'"
+        )
+        ran = dict(await cursor.fetchall())
+        await backend.aclose()
+        return token, ran
+
+    token, ran = asyncio.run(main())
+    assert token == holder.token + 1
+    assert ran == {PREPARED_ROOM_ACQUIRE.name: 1}

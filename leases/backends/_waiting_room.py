@@ -36,6 +36,7 @@ import math
 import select
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,6 +51,7 @@ from ._pg_shared import GROUP
 from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
+from ._pgprepared import Prepared, arun_prepared, run_prepared
 
 __all__ = [
     "ROOM_CONNECTIONS",
@@ -197,12 +199,19 @@ class WaitingRoom:
         *,
         enabled: bool = True,
         timeout: float = REQUEST_TIMEOUT,
+        prepared: bool = True,
     ) -> None:
         self.db_alias = db_alias
         self.alias = alias
         self.enabled = enabled
         #: Seconds a room statement waits for its reply (the backend's ``REQUEST_TIMEOUT``).
         self.timeout = timeout
+        #: Tries go prepared (the backend's ``PREPARED_STATEMENTS``).
+        self.prepared = prepared
+        #: The prepared statements each room connection's session is known to have.
+        self._prepared: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[str]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
         self._local = threading.local()
         self._idle: list[psycopg.Connection[Any]] = []
@@ -264,11 +273,19 @@ class WaitingRoom:
             visit.inside = False
         return False
 
-    def run_inside(self, name: str, statement: str, params: Mapping[str, Any]) -> list[Any] | None:
+    def run_inside(
+        self, name: str, statement: Prepared, params: Mapping[str, Any]
+    ) -> list[Any] | None:
         """Run ``statement`` on the room connection if this thread is inside ``name``'s room
         (else ``None``); a row with a token means the statement also unlocked the room (a
         grant). A failed try returns no rows (its one token-less row, if any, says readers
-        hold the name: :meth:`readers_hold`)."""
+        hold the name: :meth:`readers_hold`).
+
+        Sent prepared (unless the backend's ``PREPARED_STATEMENTS`` is off), as the backend's
+        own tries are: this try is on the hand-off's path, between the release's ``NOTIFY``
+        and the new holder's return, and parsing and planning its text cost the server more
+        than running it.
+        """
         visit = self._visit(name)
         if visit is None or not visit.inside:
             return None
@@ -276,7 +293,12 @@ class WaitingRoom:
             visit.held = False
             return []  # held when we got inside, and no release has woken us since
         try:
-            rows = _execute(visit.conn, statement, params, self.timeout).fetchall()
+            conn = visit.conn
+            if self.prepared:
+                with armed(Deadline(conn.fileno(), self.timeout)):
+                    rows = run_prepared(conn, statement, params, self._names(conn))
+            else:
+                rows = _execute(conn, statement.sql, params, self.timeout).fetchall()
         except psycopg.Error as exc:
             logger.debug("leases: retrying outside the room of %r: %s", name, exc)
             if visit.conn.broken or visit.conn.closed:
@@ -284,6 +306,10 @@ class WaitingRoom:
                 self._local.visit = None
             return None
         return visit.tried(rows)
+
+    def _names(self, conn: psycopg.Connection[Any]) -> set[str]:
+        with self._lock:
+            return self._prepared.setdefault(conn, set())
 
     def readers_hold(self, name: str) -> bool | None:
         """Whether readers held ``name`` at this thread's last look from inside its room;
@@ -390,6 +416,7 @@ class WaitingRoom:
         inherit(*self._idle, visit.conn if visit is not None else None)
         self._idle = []
         self._unsettled = set()
+        self._prepared = weakref.WeakKeyDictionary()
         self._local = threading.local()
 
 
@@ -452,12 +479,22 @@ class AsyncWaitingRoom:
     """
 
     def __init__(
-        self, db_alias: str, alias: str, *, enabled: bool = True, timeout: float = REQUEST_TIMEOUT
+        self,
+        db_alias: str,
+        alias: str,
+        *,
+        enabled: bool = True,
+        timeout: float = REQUEST_TIMEOUT,
+        prepared: bool = True,
     ) -> None:
         self.db_alias = db_alias
         self.alias = alias
         self.enabled = enabled
         self.timeout = timeout
+        self.prepared = prepared
+        self._prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[str]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._idle: list[psycopg.AsyncConnection[Any]] = []
         self._in_use = 0
         #: The current task's visit; a context variable, so the tasks a waiter starts for
@@ -525,20 +562,25 @@ class AsyncWaitingRoom:
         return False
 
     async def run_inside(
-        self, name: str, statement: str, params: Mapping[str, Any]
+        self, name: str, statement: Prepared, params: Mapping[str, Any]
     ) -> list[Any] | None:
-        """:meth:`WaitingRoom.run_inside`, awaited."""
+        """:meth:`WaitingRoom.run_inside`, awaited (prepared likewise)."""
         visit = self._visit(name)
         if visit is None or not visit.inside:
             return None
         if visit.held:
             visit.held = False
             return []
-        due = Deadline(visit.conn.fileno(), self.timeout)
+        conn = visit.conn
+        due = Deadline(conn.fileno(), self.timeout)
         try:
             with aarmed(due):
-                cursor = await visit.conn.execute(statement, params)
-                rows = await cursor.fetchall()
+                if self.prepared:
+                    names = self._prepared.setdefault(conn, set())
+                    rows = await arun_prepared(conn, statement, params, names)
+                else:
+                    cursor = await conn.execute(statement.sql, params)
+                    rows = await cursor.fetchall()
         except psycopg.Error as exc:
             logger.debug("leases: retrying outside the room of %r: %s", name, exc)
             if visit.conn.broken or visit.conn.closed or due.fired:

@@ -248,6 +248,8 @@ ORDER BY name LIMIT %(batch)s
 PREPARED_ACQUIRE = Prepared("acquire", ACQUIRE_SQL)
 PREPARED_RENEW = Prepared("renew", RENEW_SQL)
 PREPARED_RELEASE = Prepared("release", RELEASE_SQL)
+#: The waiter's try inside the name's room, on the room's connection: on the hand-off's path.
+PREPARED_ROOM_ACQUIRE = Prepared("room_acquire", ROOM_ACQUIRE_SQL)
 
 #: The shortest wait for a renewal's reply, however little of the grant is left.
 MIN_RENEWAL_TIMEOUT = 0.05
@@ -392,7 +394,7 @@ class Backend(LeaseBackend):
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
         self._room = WaitingRoom(
-            self.db_alias, alias, enabled=enabled, timeout=self.request_timeout
+            self.db_alias, alias, enabled=enabled, timeout=self.request_timeout, prepared=prepared
         )
         self._async: PerLoop[AsyncState] = PerLoop(
             lambda: AsyncState(self.db_alias, self.request_timeout, prepared=prepared),
@@ -400,7 +402,11 @@ class Backend(LeaseBackend):
         )
         self._aroom: PerLoop[AsyncWaitingRoom] = PerLoop(
             lambda: AsyncWaitingRoom(
-                self.db_alias, alias, enabled=self._room.enabled, timeout=self.request_timeout
+                self.db_alias,
+                alias,
+                enabled=self._room.enabled,
+                timeout=self.request_timeout,
+                prepared=prepared,
             ),
             lambda room: room.close(),
         )
@@ -437,7 +443,7 @@ class Backend(LeaseBackend):
             self._failed_at()[name] = sent_at
             return None
         params = _asking(name, holder, ttl, secret)
-        rows = self._room.run_inside(name, ROOM_ACQUIRE_SQL, {**params, "in_room": True})
+        rows = self._room.run_inside(name, PREPARED_ROOM_ACQUIRE, {**params, "in_room": True})
         if rows is None:
             rows = self._run(PREPARED_ACQUIRE, params)
         if not rows:
@@ -516,7 +522,7 @@ class Backend(LeaseBackend):
         sent_at, secret = time.monotonic(), new_secret()
         params = _asking(name, holder, ttl, secret)
         room = self._aroom.get()
-        rows = await room.run_inside(name, ROOM_ACQUIRE_SQL, {**params, "in_room": True})
+        rows = await room.run_inside(name, PREPARED_ROOM_ACQUIRE, {**params, "in_room": True})
         if rows is None:
             rows = await self._arun(PREPARED_ACQUIRE, params)
         if not rows:
