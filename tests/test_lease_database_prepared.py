@@ -16,7 +16,7 @@ import pytest
 from leases import aacquire, acquire
 from leases.backends import get_backend
 from leases.backends._pgconn import PrivateConnection, connect
-from leases.backends._pgprepared import Prepared
+from leases.backends._pgprepared import Prepared, run_prepared
 from leases.backends.database import (
     ACQUIRE_SQL,
     PREPARED_ACQUIRE,
@@ -309,3 +309,24 @@ def test_the_async_waiters_try_in_the_room_runs_prepared(lease_name: str) -> Non
     token, ran = asyncio.run(main())
     assert token == holder.token + 1
     assert ran == {PREPARED_ROOM_ACQUIRE.name: 1}
+
+
+def test_a_notification_read_with_a_prepared_statements_reply_is_kept(
+    fresh: Backend,
+) -> None:
+    """A listening connection (a waiting room's) that runs a prepared statement gets the
+    notifications that arrived with its reply from ``notifies()``: libpq reads them while it
+    waits for the reply, and left in its queue they were never yielded (``notifies()`` waits
+    for the socket), so the waiter inside the room slept through the release it had missed."""
+    notify = Prepared("test_notify", "SELECT pg_notify('leases_test', %(payload)s::text)")
+    conn = connect("default")
+    try:
+        conn.execute("LISTEN leases_test")
+        names: set[str] = set()
+        for payload in ("first", "second"):  # PREPARE and EXECUTE, then run by name
+            run_prepared(conn, notify, {"payload": payload}, names)
+        assert names == {notify.name}
+        heard = [note.payload for note in conn.notifies(timeout=0.5, stop_after=2)]
+        assert heard == ["first", "second"]
+    finally:
+        conn.close()

@@ -142,7 +142,9 @@ def _bound(
     """
     transformer = Transformer(conn)
     values = transformer.dump_sequence([params[key] for key in statement.order], statement.formats)
-    result = conn.pgconn.exec_prepared(statement.key, values)  # type: ignore[arg-type]  # NULLs
+    pgconn = conn.pgconn
+    result = pgconn.exec_prepared(statement.key, values)  # type: ignore[arg-type]  # NULLs
+    _keep_notifies(pgconn)
     if result.status == pq.ExecStatus.TUPLES_OK:
         transformer.set_pgresult(result)
         return transformer.load_rows(0, result.ntuples, tuple)
@@ -157,6 +159,16 @@ def _bound(
         conn.execute(f"DEALLOCATE {statement.name}")
         return None
     raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+
+
+def _keep_notifies(pgconn: pq.abc.PGconn) -> None:
+    """Hand the notifications libpq read with the reply to psycopg, as its own ``execute``
+    does: left in libpq's queue, a listening connection's ``notifies()`` would not see them
+    (it waits for the socket, which has nothing more to read), and the waiter in a waiting
+    room, whose try runs here, would sleep through the release that it was woken for."""
+    while (note := pgconn.notifies()) is not None:
+        if pgconn.notify_handler:
+            pgconn.notify_handler(note)
 
 
 def _prepared_and_run(
