@@ -227,6 +227,17 @@ def test_async_prepared_statements_off_sends_plain_text(lease_name: str) -> None
         backend.close()
 
 
+@pytest.fixture
+def empty_room() -> Iterator[None]:
+    """The default backend's room with no idle connection left by earlier tests (whose
+    sessions have run the room's try already), before and after."""
+    backend = get_backend("default")
+    assert isinstance(backend, Backend)
+    backend._room.close()
+    yield
+    backend._room.close()
+
+
 def handed_over_in_the_room(name: str) -> psycopg.Connection[Any]:
     """Hold ``name``, let one thread wait for it inside its room, release: the waiter's try
     runs on its room connection. Returns that connection, taken from the room's idle ones
@@ -240,7 +251,7 @@ def handed_over_in_the_room(name: str) -> psycopg.Connection[Any]:
     return backend._room._connection()
 
 
-def test_the_waiters_try_in_the_room_runs_prepared(lease_name: str) -> None:
+def test_the_waiters_try_in_the_room_runs_prepared(lease_name: str, empty_room: None) -> None:
     """The try inside the room is on the hand-off's path (the release's NOTIFY, then this
     try, then the new holder returns): sent as text, its parse and plan cost the server more
     than running it. The first hand-off on a room connection prepares it, the next runs it
@@ -263,7 +274,7 @@ def test_the_waiters_try_in_the_room_runs_prepared(lease_name: str) -> None:
 
 
 def test_the_waiters_try_in_the_room_is_plain_text_with_prepared_statements_off(
-    lease_name: str, monkeypatch: pytest.MonkeyPatch
+    lease_name: str, monkeypatch: pytest.MonkeyPatch, empty_room: None
 ) -> None:
     backend = get_backend("default")
     assert isinstance(backend, Backend)
@@ -275,7 +286,7 @@ def test_the_waiters_try_in_the_room_is_plain_text_with_prepared_statements_off(
         conn.close()
 
 
-def test_the_async_waiters_try_in_the_room_runs_prepared(lease_name: str) -> None:
+def test_the_async_waiters_try_in_the_room_runs_prepared(lease_name: str, empty_room: None) -> None:
     """:func:`test_the_waiters_try_in_the_room_runs_prepared` for ``aacquire``."""
     holder = acquire(lease_name, ttl=30, keepalive=False, holder="holder")
     backend = get_backend("default")
