@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 from django.apps import apps
@@ -123,7 +123,7 @@ class IdempotencySettings:
     middleware_methods: frozenset[str] = frozenset()
     claim_in_transaction: bool = False
 
-    @property
+    @cached_property
     def header_meta_key(self) -> str:
         """Where Django's ``request.META`` keeps the key header (``HTTP_IDEMPOTENCY_KEY``)."""
         return "HTTP_" + self.header.upper().replace("-", "_")

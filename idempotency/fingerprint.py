@@ -1,17 +1,19 @@
 """Request fingerprints: what makes two requests under one key "the same request".
 
 A fingerprint is the method, the path with its query string, and the body. The body is hashed as
-it streams, never read whole into memory for the hash, and read the way Django itself reads it,
-so a keyed request meets exactly the limits an unkeyed one does (``DATA_UPLOAD_MAX_MEMORY_SIZE``
-and its siblings apply where Django applies them, and nowhere else):
+it streams, never held whole in memory past ``FILE_UPLOAD_MAX_MEMORY_SIZE``, and read the way
+Django itself reads it, so a keyed request meets exactly the limits an unkeyed one does
+(``DATA_UPLOAD_MAX_MEMORY_SIZE`` and its siblings apply where Django applies them, and nowhere
+else):
 
 - a multipart form (POST) is parsed by Django, files streaming through the upload handlers (to
   disk past ``FILE_UPLOAD_MAX_MEMORY_SIZE``); its fields, file names and file *contents* are
   hashed. The boundary, which a client picks anew for each attempt, is not part of it, so a retry
   encoded with another boundary is still the same request;
 - a body already read into memory (``request.body``) is hashed as it is;
-- any other body is copied chunk by chunk into a spooled temporary file while it is hashed, and
-  the view reads that copy in place of the original stream (``request.read()``, ``request.body``,
+- any other body is copied chunk by chunk while it is hashed (in memory up to
+  ``FILE_UPLOAD_MAX_MEMORY_SIZE``, past that into a spooled temporary file), and the view reads
+  that copy in place of the original stream (``request.read()``, ``request.body``,
   ``request.POST`` and DRF's parsers all see the same bytes).
 
 Django keeps a request's stream in private attributes (``_stream``, ``_read_started``,
@@ -21,6 +23,7 @@ Django keeps a request's stream in private attributes (``_stream``, ``_read_star
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections.abc import Iterable
 from tempfile import SpooledTemporaryFile
@@ -86,15 +89,32 @@ def _form_part(request: HttpRequest) -> bytes:
     return json.dumps([fields, files]).encode()
 
 
-def _seekable_body(request: HttpRequest) -> BinaryIO:
-    """The unread body as a seekable stream at its start: ASGI's own spooled file, or a spooled
-    copy of WSGI's socket stream put in its place, so the view still reads every byte."""
+def _seekable_body(request: HttpRequest) -> BinaryIO | bytes:
+    """The unread body as a seekable stream at its start (ASGI's own spooled file), or a copy
+    of WSGI's socket stream put in its place, so the view still reads every byte: the bytes
+    themselves (an in-memory stream for the view) while they fit in
+    ``FILE_UPLOAD_MAX_MEMORY_SIZE``, where a spooled file would have kept them in memory too,
+    and past that a spooled file."""
     stream = request._stream
     if stream.seekable():
         return stream
+    limit = settings.FILE_UPLOAD_MAX_MEMORY_SIZE
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in _chunks(stream):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            break
+    else:
+        body = b"".join(chunks)
+        request._stream = io.BytesIO(body)
+        return body
     spool = SpooledTemporaryFile(  # noqa: SIM115 (the request owns it from here)
-        max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, dir=settings.FILE_UPLOAD_TEMP_DIR
+        max_size=limit, dir=settings.FILE_UPLOAD_TEMP_DIR
     )
+    for chunk in chunks:
+        spool.write(chunk)
     for chunk in _chunks(stream):
         spool.write(chunk)
     spool.seek(0)
@@ -111,6 +131,9 @@ def _add_body(hasher: _Digest, request: HttpRequest) -> None:
         hasher.part(request.body)  # cached, or RawPostDataException: the stream is gone
         return
     body = _seekable_body(request)
+    if isinstance(body, bytes):
+        hasher.part(body)
+        return
     start = body.tell()
     size = body.seek(0, 2) - start
     body.seek(start)

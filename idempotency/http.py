@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
@@ -65,6 +66,10 @@ UNREPLAYED_HEADERS = frozenset(
 )
 
 
+# A bare key with nothing to refuse: printable ASCII without a comma, quote or backslash.
+_PLAIN_BARE_KEY = re.compile(r"[ !#-+\--\[\]-~]*")
+
+
 def parse_key(raw: str) -> str:
     """The key in an ``Idempotency-Key`` header value.
 
@@ -86,6 +91,8 @@ def parse_key(raw: str) -> str:
             raise IdempotencyKeyInvalid(
                 raw, "unexpected characters after the string and its parameters"
             )
+    elif _PLAIN_BARE_KEY.fullmatch(value):
+        key = value  # the common case, checked in one pass; the rest says what is wrong
     else:
         key = value
         if "," in key:

@@ -23,7 +23,7 @@ attempt's effects roll back with it.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -72,17 +72,24 @@ class Statement:
     name: str
     params: tuple[tuple[str, str], ...]
     sql: str
+    # Both texts built once: every keyed request sends one of them.
+    _prepare: str = field(init=False, repr=False, compare=False)
+    _execute: str = field(init=False, repr=False, compare=False)
 
-    def prepare_sql(self) -> str:
+    def __post_init__(self) -> None:
         body = self.sql
         for position, (param, _type) in enumerate(self.params, start=1):
             body = body.replace(f"%({param})s", f"${position}")
         types = ", ".join(sql_type for _param, sql_type in self.params)
-        return f"PREPARE {self.name} ({types}) AS {body}"
+        placeholders = ", ".join(f"%({param})s" for param, _type in self.params)
+        object.__setattr__(self, "_prepare", f"PREPARE {self.name} ({types}) AS {body}")
+        object.__setattr__(self, "_execute", f"EXECUTE {self.name} ({placeholders})")
+
+    def prepare_sql(self) -> str:
+        return self._prepare
 
     def execute_sql(self) -> str:
-        placeholders = ", ".join(f"%({param})s" for param, _type in self.params)
-        return f"EXECUTE {self.name} ({placeholders})"
+        return self._execute
 
 
 # The claim. A read-only probe first: a key that is there and may not be taken (completed and
@@ -347,8 +354,13 @@ def _text(cursor: CursorWrapper, statement: Statement) -> str:
 
 def _run(cursor: CursorWrapper, text: str, params: dict[str, Any]) -> None:
     cursor.execute(text, params)
-    while cursor.nextset():
-        pass  # the rows that count are the last statement's (after a PREPARE, a gate)
+    # The rows that count are the last statement's (after a PREPARE, a gate). The driver's own
+    # ``nextset`` under the connection's error translation: going through the wrapper's
+    # attribute lookup would build a translating function on every call.
+    driver = cursor.cursor
+    with cursor.db.wrap_database_errors:
+        while driver.nextset():
+            pass
 
 
 def _forget(cursor: CursorWrapper) -> None:

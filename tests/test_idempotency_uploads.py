@@ -121,3 +121,27 @@ def test_an_asgi_body_is_hashed_where_it_is_spooled() -> None:
     assert json.loads(first.content)["sha256"] == hashlib.sha256(content).hexdigest()
     assert send(content)["Idempotent-Replayed"] == "true"
     assert send(content[:-1] + b"!").status_code == 422
+
+
+@pytest.mark.parametrize("spill_first", [True, False])
+def test_a_streamed_body_hashes_alike_in_memory_and_spooled(spill_first: bool) -> None:
+    """A raw body within FILE_UPLOAD_MAX_MEMORY_SIZE is copied in memory, a larger one into a
+    spooled file; the view reads every byte either way, and the two copies fingerprint alike,
+    so a retry sent while the limit differs (another worker's settings) still replays."""
+    client = identified(Client())
+    content = bytes(range(256)) * 20
+
+    def send(body: bytes, limit: int) -> Any:
+        with override_settings(FILE_UPLOAD_MAX_MEMORY_SIZE=limit):
+            return client.post(
+                "/idem/upload-stream/", body, "application/octet-stream", HTTP_IDEMPOTENCY_KEY="k-m"
+            )
+
+    spilled, in_memory = len(content) // 3, len(content) * 2
+    first = send(content, spilled if spill_first else in_memory)
+    assert first.status_code == 201
+    assert json.loads(first.content)["sha256"] == hashlib.sha256(content).hexdigest()
+    retry = send(content, in_memory if spill_first else spilled)
+    assert retry["Idempotent-Replayed"] == "true" and retry.content == first.content
+    assert send(content[:-1] + b"!", spilled).status_code == 422
+    assert send(content[:-1] + b"!", in_memory).status_code == 422
