@@ -43,7 +43,29 @@ class Lease:
     """A grant held by this process: ``name``, ``token``, ``holder``, ``expires_at``.
 
     ``int(lease)`` is its fencing token, so a lease can be passed wherever a token is expected.
+    Slotted: one is made on every acquire (a subclass without slots gets a ``__dict__``).
     """
+
+    __slots__ = (
+        "__weakref__",
+        "_drift",
+        "_key",
+        "_lost",
+        "_lost_event",
+        "_on_lost",
+        "_pid",
+        "_released",
+        "_state",
+        "_store",
+        "backend",
+        "clock",
+        "grant",
+        "holder",
+        "lost_reason",
+        "name",
+        "token",
+        "valid_until",
+    )
 
     def __init__(
         self,
