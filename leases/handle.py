@@ -248,9 +248,13 @@ class Lease:
         is left untouched) and :class:`LeaseNotHeld` when released twice or from a forked child.
         """
         lost_before = self._before_release()
+        spanning = tracing.span("leases.release", self._span_attributes)
         try:
-            with tracing.span("leases.release", self._span_attributes):
+            if spanning is tracing.NO_SPAN:  # nothing records: no block to enter and leave
                 self._store.release(self.grant)
+            else:
+                with spanning:
+                    self._store.release(self.grant)
         except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
             raise self._release_refused(exc, lost_before) from exc
         except BaseException:
@@ -266,9 +270,13 @@ class Lease:
         until its TTL ran out, with keepalive already stopped.
         """
         lost_before = self._before_release()
+        spanning = tracing.span("leases.release", self._span_attributes)
         try:
-            with tracing.span("leases.release", self._span_attributes):
+            if spanning is tracing.NO_SPAN:
                 await finish(self._store.arelease(self.grant))
+            else:
+                with spanning:
+                    await finish(self._store.arelease(self.grant))
         except (LeaseLost, LeaseNotHeld) as exc:
             raise self._release_refused(exc, lost_before) from exc
         except asyncio.CancelledError:
