@@ -22,11 +22,13 @@ __all__ = [
 ]
 
 
-def valid_ttl(ttl: object) -> float:
+def valid_ttl(ttl: object, settings: conf.LeasesSettings | None = None) -> float:
     """A TTL in seconds; one within the drift allowance would be invalid the moment granted,
-    and one above ``LEASES["MAX_TTL"]`` is a unit mistake or an expiry nothing can read back."""
+    and one above ``LEASES["MAX_TTL"]`` is a unit mistake or an expiry nothing can read back.
+    ``settings``: the ones the caller already read (default: the current ones)."""
     seconds = valid_ttl_shape(ttl)
-    settings = conf.get()
+    if settings is None:
+        settings = conf.get()
     if seconds * (1 - settings.drift_factor) <= settings.drift_min:
         raise InvalidLeaseOption("ttl", ttl, "must exceed the clock drift allowance")
     if seconds > settings.max_ttl:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
@@ -57,12 +56,16 @@ HandleT = TypeVar("HandleT", bound=Lease)
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class Timing:
-    """When an acquisition started, and how long it has spent waiting (monotonic seconds)."""
+    """When an acquisition started, and how long it has spent waiting (monotonic seconds).
 
-    started: float = field(default_factory=SYSTEM_CLOCK.monotonic)
-    waited: float = 0.0
+    A plain class with slots: one is made on every acquire."""
+
+    __slots__ = ("started", "waited")
+
+    def __init__(self, started: float | None = None, waited: float = 0.0) -> None:
+        self.started = SYSTEM_CLOCK.monotonic() if started is None else started
+        self.waited = waited
 
     def elapsed(self) -> float:
         return SYSTEM_CLOCK.monotonic() - self.started
@@ -204,7 +207,8 @@ def prepare(
     lease on a backend without them raises :class:`BackendNotSupported` here."""
     name = validate_lease_name(name)
     settings = conf.get()
-    ttl = valid_ttl(settings.default_ttl if ttl is None else ttl)
+    # The default TTL was checked with the settings (``conf.problems``): a given one is here.
+    ttl = settings.default_ttl if ttl is None else valid_ttl(ttl, settings)
     timeout = valid_timeout(timeout)
     store = get_backend(backend)
     keepalive = valid_flag("keepalive", keepalive)
@@ -241,11 +245,11 @@ def acquire(
     the name excludes them all, and a waiting exclusive acquirer stops new readers.
     """
     ask = prepare(name, ttl, backend, timeout, keepalive, holder, holder_key, shared)
-
-    def grant(timing: Timing) -> Grant:
-        return _grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing, shared)
-
-    return start(ask, grant, Lease, on_lost)
+    valid_on_lost(on_lost)
+    # What start() does, without a closure for the grant: this is every acquire's path.
+    with Acquisition(ask) as doing:
+        won = _grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing.timing, shared)
+        return doing.hold(won, Lease, on_lost)
 
 
 class Acquisition:
@@ -269,8 +273,8 @@ class Acquisition:
         self._attributes = attributes
 
     def __enter__(self) -> Acquisition:
-        self._spanning = tracing.span("leases.acquire", self._spanned)
-        self._span = self._spanning.__enter__()
+        spanning = self._spanning = tracing.span("leases.acquire", self._spanned)
+        self._span = None if spanning is tracing.NO_SPAN else spanning.__enter__()
         self.timing = Timing()
         return self
 
@@ -291,6 +295,8 @@ class Acquisition:
     ) -> bool | None:
         if isinstance(exc, Exception):
             announce_failure(self.ask, exc, self.timing)
+        if self._spanning is tracing.NO_SPAN:
+            return None
         return self._spanning.__exit__(exc_type, exc, tb)
 
     def hold(self, won: Grant, handle: type[HandleT], on_lost: OnLost | None) -> HandleT:

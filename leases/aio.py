@@ -35,8 +35,15 @@ from types import TracebackType
 from typing import Any, NoReturn, ParamSpec, TypeVar, overload
 
 from . import tracing
+from ._arguments import valid_on_lost
 from ._finishing import finish
-from .acquiring import STOP_READERS_EVERY, Timing, astart, prepare, retry_failed_try
+from .acquiring import (
+    STOP_READERS_EVERY,
+    Acquisition,
+    Timing,
+    prepare,
+    retry_failed_try,
+)
 from .backends import Capability, Grant, LeaseBackend
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost
@@ -182,11 +189,13 @@ async def aacquire(
     docstring for what waiting and cancellation do.
     """
     ask = prepare(name, ttl, backend, timeout, keepalive, holder, task_key, shared)
-
-    def grant(timing: Timing) -> Awaitable[Grant]:
-        return _agrant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, timing, shared)
-
-    return await astart(ask, grant, Lease, on_lost)
+    valid_on_lost(on_lost)
+    # What astart() does, without a closure for the grant: this is every acquire's path.
+    with Acquisition(ask) as doing:
+        won = await _agrant(
+            ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing.timing, shared
+        )
+        return doing.hold(won, Lease, on_lost)
 
 
 #: The leases entered by ``async with alease(...)`` blocks in this context, innermost last.

@@ -43,7 +43,29 @@ class Lease:
     """A grant held by this process: ``name``, ``token``, ``holder``, ``expires_at``.
 
     ``int(lease)`` is its fencing token, so a lease can be passed wherever a token is expected.
+    Slotted: one is made on every acquire (a subclass without slots gets a ``__dict__``).
     """
+
+    __slots__ = (
+        "__weakref__",
+        "_drift",
+        "_key",
+        "_lost",
+        "_lost_event",
+        "_on_lost",
+        "_pid",
+        "_released",
+        "_state",
+        "_store",
+        "backend",
+        "clock",
+        "grant",
+        "holder",
+        "lost_reason",
+        "name",
+        "token",
+        "valid_until",
+    )
 
     def __init__(
         self,
@@ -226,9 +248,13 @@ class Lease:
         is left untouched) and :class:`LeaseNotHeld` when released twice or from a forked child.
         """
         lost_before = self._before_release()
+        spanning = tracing.span("leases.release", self._span_attributes)
         try:
-            with tracing.span("leases.release", self._span_attributes):
+            if spanning is tracing.NO_SPAN:  # nothing records: no block to enter and leave
                 self._store.release(self.grant)
+            else:
+                with spanning:
+                    self._store.release(self.grant)
         except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
             raise self._release_refused(exc, lost_before) from exc
         except BaseException:
@@ -244,9 +270,13 @@ class Lease:
         until its TTL ran out, with keepalive already stopped.
         """
         lost_before = self._before_release()
+        spanning = tracing.span("leases.release", self._span_attributes)
         try:
-            with tracing.span("leases.release", self._span_attributes):
+            if spanning is tracing.NO_SPAN:
                 await finish(self._store.arelease(self.grant))
+            else:
+                with spanning:
+                    await finish(self._store.arelease(self.grant))
         except (LeaseLost, LeaseNotHeld) as exc:
             raise self._release_refused(exc, lost_before) from exc
         except asyncio.CancelledError:

@@ -22,13 +22,35 @@ __all__ = ["Holder", "holder_identity", "parse_holder"]
 
 
 _this_process = ""
+#: What every identity this process makes starts with, for the settings it was made from:
+#: ``(settings, "[label@]host:pid:", whether that prefix passes the checks)``.
+_own_prefix: tuple[conf.LeasesSettings, str, bool] | None = None
+#: What a made identity adds to its prefix at most: ``thread:random`` (a thread id has at
+#: most 20 digits).
+_MADE_SUFFIX_LENGTH = 20 + 1 + 8
 
 
 def _read_process_identity() -> None:
     """``host:pid``, read once per process (and again in a forked child, which has a new pid):
     ``gethostname`` is a system call that every acquire would otherwise pay for."""
-    global _this_process
+    global _this_process, _own_prefix
     _this_process = f"{socket.gethostname()[:100]}:{os.getpid()}"
+    _own_prefix = None
+
+
+def _prefix() -> tuple[conf.LeasesSettings, str, bool]:
+    """This process's ``[label@]host:pid:`` for the current settings, made once per process
+    and settings change (the label is a setting) and checked once: every identity made from
+    it is then valid without checking it again (the rest is digits and hex)."""
+    global _own_prefix
+    settings = conf.get()
+    own = _own_prefix
+    if own is None or own[0] is not settings:
+        label = settings.holder_label[: conf.MAX_LABEL_LENGTH]
+        prefix = f"{label}@{_this_process}:" if label else f"{_this_process}:"
+        fits = len(prefix) + _MADE_SUFFIX_LENGTH <= MAX_NAME_LENGTH and prefix.isprintable()
+        own = _own_prefix = (settings, prefix, fits)
+    return own
 
 
 _read_process_identity()
@@ -46,9 +68,10 @@ def holder_identity(holder: str | None) -> str:
     corrupt the admin, the logs and ``manage.py leases``.
     """
     if holder is None:
-        label = conf.get().holder_label
-        ident = f"{_this_process}:{threading.get_ident()}:{random.getrandbits(32):08x}"
-        holder = f"{label[: conf.MAX_LABEL_LENGTH]}@{ident}" if label else ident
+        _, prefix, fits = _prefix()
+        holder = f"{prefix}{threading.get_ident()}:{random.getrandbits(32):08x}"
+        if fits:
+            return holder
     if not isinstance(holder, str) or not 0 < len(holder) <= MAX_NAME_LENGTH:
         raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")
     if not holder.isprintable():

@@ -32,7 +32,6 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable
 from typing import Protocol
 
 from .backends import Grant
@@ -78,21 +77,6 @@ class Job(Protocol):
         ...
 
 
-class _LeaseJob:
-    """A step for one lease; finished as soon as the lease is released or lost."""
-
-    __slots__ = ("lease", "step")
-
-    def __init__(self, lease: Kept, step: Callable[[], float | None]) -> None:
-        self.lease, self.step = lease, step
-
-    def __call__(self) -> float | None:
-        return None if self.lease.done else self.step()
-
-    def finished(self) -> bool:
-        return self.lease.done
-
-
 class Scheduler:
     """One daemon thread running jobs at monotonic times, started on first use.
 
@@ -106,14 +90,16 @@ class Scheduler:
     def __init__(self, name: str, clock: Clock = SYSTEM_CLOCK) -> None:
         self.name = name
         self.clock = clock
-        self._cond = threading.Condition()
+        # A plain lock under the condition: ``schedule`` (on every acquire) takes it directly.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._heap: list[tuple[float, int, Job]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._prune_at = _MIN_PRUNE
 
     def schedule(self, due: float, job: Job) -> None:
-        with self._cond:
+        with self._lock:
             wake = not self._heap or due < self._heap[0][0]
             heapq.heappush(self._heap, (due, next(self._seq), job))
             if len(self._heap) >= self._prune_at:
@@ -202,26 +188,41 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 def watch(lease: Kept) -> None:
     """Declare ``lease`` lost when its validity runs out without a renewal."""
+    _scheduler(None).schedule(lease.valid_until, _Watch(lease))
 
-    def check() -> float | None:
+
+class _Watch:
+    """The watchdog's job for one lease, finished once it is released or lost (a class with
+    slots rather than a closure: one is made on every acquire)."""
+
+    __slots__ = ("lease",)
+
+    def __init__(self, lease: Kept) -> None:
+        self.lease = lease
+
+    def __call__(self) -> float | None:
+        lease = self.lease
+        if lease.done:
+            return None
         deadline = lease.valid_until
         if lease.clock.monotonic() < deadline:
             return deadline  # renewed meanwhile: look again at the new deadline
         lease._mark_lost("expired: not renewed before its validity ran out")
         return None
 
-    _scheduler(None).schedule(lease.valid_until, _LeaseJob(lease, check))
+    def finished(self) -> bool:
+        return self.lease.done
 
 
 def keep_alive(lease: Kept, fraction: float) -> None:
     """Renew ``lease`` every ``fraction`` of its TTL until it is released or lost."""
-    renewal = _Renewal(lease, fraction)
     due = lease.grant.sent_at + lease.grant.ttl * fraction
-    _scheduler(lease.backend).schedule(due, _LeaseJob(lease, renewal.step))
+    _scheduler(lease.backend).schedule(due, _Renewal(lease, fraction))
 
 
 class _Renewal:
-    """One lease's renewals, and the backoff of its current run of failures (if any).
+    """One lease's renewals, and the backoff of its current run of failures (if any): the
+    renewer's job for that lease, finished once it is released or lost.
 
     A failed renewal is retried with full jitter, and only while the lease is still valid: past
     the validity there is nothing left to save, and the watchdog reports the loss.
@@ -233,6 +234,12 @@ class _Renewal:
         self.lease = lease
         self.fraction = fraction
         self.failures: Backoff | None = None
+
+    def __call__(self) -> float | None:
+        return None if self.lease.done else self.step()
+
+    def finished(self) -> bool:
+        return self.lease.done
 
     def step(self) -> float | None:
         """Renew once; when the next step is due (``None``: stop)."""

@@ -11,6 +11,7 @@ truncating to 16 or 32 bits, as some peers do, makes them likely.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from .errors import InvalidLeaseName
@@ -68,7 +69,21 @@ def validate_name(name: object) -> str:
 def validate_lease_name(name: object) -> str:
     """:func:`validate_name`, and not containing :data:`SEPARATOR`: the check at the doors where
     users name leases (``acquire``, ``semaphore``), so their names never collide with a name
-    the package derives (a semaphore's slots). Operators' tools accept derived names."""
+    the package derives (a semaphore's slots). Operators' tools accept derived names.
+
+    Every acquire asks, mostly about the same few names: a plain ``str`` found valid is
+    remembered (the verdict depends on the text alone; a refusal is never remembered)."""
+    if type(name) is str:
+        return _valid_lease_str(name)
+    return _valid_lease_name(name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _valid_lease_str(name: str) -> str:
+    return _valid_lease_name(name)
+
+
+def _valid_lease_name(name: object) -> str:
     name = validate_name(name)
     if SEPARATOR in name:
         raise InvalidLeaseName(

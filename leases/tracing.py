@@ -23,7 +23,7 @@ from .errors import LeaseUnavailable
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
-__all__ = ["INSTRUMENTATION_NAME", "Attributes", "span"]
+__all__ = ["INSTRUMENTATION_NAME", "NO_SPAN", "Attributes", "span"]
 
 #: The instrumentation scope of every span this package starts.
 INSTRUMENTATION_NAME = "django-leases"
@@ -89,8 +89,9 @@ def _provider_of(trace: Any) -> Callable[[], object]:
     return current
 
 
-#: What :func:`span` returns when nothing would record one: entered and left for nothing.
-_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+#: What :func:`span` returns when nothing would record one: entered and left for nothing
+#: (a hot path may compare with it and skip entering it at all).
+NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def span(
@@ -106,7 +107,7 @@ def span(
     """
     tracer = _get_tracer()
     if tracer is None:
-        return _NO_SPAN
+        return NO_SPAN
     return _recorded(tracer, name, attributes() if callable(attributes) else attributes)
 
 

@@ -51,9 +51,15 @@ def get_backend(alias: str = "default") -> LeaseBackend:
     """The backend configured as ``LEASES["BACKENDS"][alias]``.
 
     Instances are per process: a forked child builds its own, because a connection or socket
-    shared with the parent would interleave both processes' requests.
+    shared with the parent would interleave both processes' requests. An existing instance
+    of this process is read without the lock (a dict read is atomic; one replaced meanwhile
+    is as stale as one returned a moment before the replacement).
     """
     global _pid
+    if _pid == _process.pid():  # every acquire asks: the common case takes no lock
+        backend = _instances.get(alias)
+        if backend is not None:
+            return backend
     with _lock:
         if _process.pid() != _pid:
             _instances.clear()

@@ -99,6 +99,10 @@ class LeaseKeys:
 
     @classmethod
     def of(cls, prefix: str, name: str) -> LeaseKeys:
+        """The keys of ``name``, refused (:class:`~leases.errors.InvalidLeaseName`) unless it
+        is one; a plain ``str`` is checked only the first time (see :func:`_lease_keys`)."""
+        if type(name) is str:
+            return _lease_keys(prefix, name)
         return _lease_keys(prefix, validate_name(name))
 
     @staticmethod
@@ -116,7 +120,9 @@ class LeaseKeys:
 @functools.lru_cache(maxsize=1024)
 def _lease_keys(prefix: str, name: str) -> LeaseKeys:
     """Cached: every acquire, renew and release needs the keys, and escaping the name costs
-    more than the rest of building the call."""
+    more than the rest of building the call. The name is checked here, so a name found in the
+    cache was checked when it was put there (a refused one never is)."""
+    validate_name(name)
     # Braces inside the name would move the hash tag; escaping keeps the mapping one-to-one.
     escaped = name.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
     base = f"{prefix}{{{escaped}}}"
