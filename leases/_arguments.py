@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 
 from . import conf
 from .errors import InvalidLeaseOption
+from .keys import validate_lease_name
 
 __all__ = [
+    "valid_decoration",
     "valid_flag",
     "valid_on_lost",
     "valid_timeout",
@@ -80,3 +83,22 @@ def warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def valid_decoration(name: object, options: Mapping[str, object]) -> None:
+    """The checks of an acquire that read no setting, made when a decorator is applied.
+
+    A decorator runs at import, so ``@lease("x", ttl="60")`` fails at the line that wrote it
+    rather than at the function's first call, perhaps in production at night. What depends
+    on the settings (the backend's alias, the TTL against ``MAX_TTL`` and the drift) waits
+    for the call: at import the settings may not be the ones the call will run under.
+    """
+    if name is not None:
+        validate_lease_name(name)
+    if options.get("ttl") is not None:
+        valid_ttl_shape(options["ttl"])
+    valid_timeout(options.get("timeout"))
+    for flag in ("keepalive", "shared"):
+        if flag in options:
+            valid_flag(flag, options[flag])
+    valid_on_lost(options.get("on_lost"))

@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import Any, NoReturn, ParamSpec, TypeVar, overload
 
 from . import tracing
-from ._arguments import valid_on_lost
+from ._arguments import valid_decoration, valid_on_lost
 from ._finishing import finish
 from .acquiring import (
     STOP_READERS_EVERY,
@@ -223,7 +223,9 @@ class _AsyncLeaseBlock:
                 func,
                 "alease() decorates coroutine functions (async def); use lease() for others",
             )
-        block = type(self)(self.name or _default_name(func), self.options)
+        name = _default_name(func) if self.name is None else self.name  # "" is refused
+        block = type(self)(name, self.options)
+        valid_decoration(block.name, self.options)
 
         @functools.wraps(func)
         async def leased(*args: P.args, **kwargs: P.kwargs) -> R:

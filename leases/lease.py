@@ -19,6 +19,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar, overload
 
+from ._arguments import valid_decoration
 from .acquiring import acquire
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseLost
 from .handle import Lease, OnLost
@@ -61,6 +62,7 @@ class _LeaseBlock(contextlib.ContextDecorator):
             )
         if self.name is None:
             return type(self)(_default_name(func), self.options)(func)
+        valid_decoration(self.name, self.options)
         return super().__call__(func)
 
     async def __aenter__(self) -> NoReturn:

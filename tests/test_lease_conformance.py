@@ -572,3 +572,51 @@ def test_decorating_async_or_generator_functions_is_refused() -> None:
             lease(func)
         with pytest.raises(InvalidLeaseOption):
             lease("name", ttl=1)(func)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "field"),
+    [
+        ("job", {"ttl": "60"}, "ttl"),
+        ("job", {"ttl": float("nan")}, "ttl"),
+        ("job", {"timeout": -1}, "timeout"),
+        ("job", {"keepalive": "no"}, "keepalive"),
+        ("job", {"shared": 1}, "shared"),
+        ("job", {"on_lost": 5}, "on_lost"),
+        ("", {}, None),
+    ],
+)
+def test_a_decorators_bad_arguments_fail_where_it_is_applied(
+    name: str, options: dict[str, Any], field: str | None
+) -> None:
+    """``@lease(...)`` and ``@alease(...)`` run at import: a bad argument fails there, at the
+    line that wrote it, not at the decorated function's first call. Nothing reaches a store
+    (the backend named does not exist, and no call is made)."""
+    calls: list[str] = []
+
+    def job() -> None:
+        calls.append("ran")
+
+    async def ajob() -> None:
+        calls.append("ran")
+
+    expected = InvalidLeaseName if field is None else InvalidLeaseOption
+    with pytest.raises(expected) as sync_refusal:
+        lease(name, backend="no-such-backend", **options)(job)
+    with pytest.raises(expected) as async_refusal:
+        leases.alease(name, backend="no-such-backend", **options)(ajob)
+    if field is not None:
+        assert f"{field}" in str(sync_refusal.value) and f"{field}" in str(async_refusal.value)
+    assert calls == []
+
+
+def test_a_decorator_leaves_setting_dependent_checks_to_the_call() -> None:
+    """The backend's alias and the TTL against ``MAX_TTL`` are the settings' business, and a
+    decorator applied at import may run under other settings than its calls: those wait."""
+
+    @lease("job", ttl=10**9, backend="no-such-backend")
+    def job() -> None:
+        raise AssertionError("must not run")
+
+    with pytest.raises(InvalidLeaseOption, match="MAX_TTL"):
+        job()
