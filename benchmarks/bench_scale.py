@@ -388,7 +388,8 @@ class Probed:
             f"{what} {count * 100 // total}%"
             for what, count in sorted(seen.items(), key=lambda item: -item[1])
         )
-        return f"{len(self.slow)} probes > {SLOW_PROBE * 1e3:.0f} ms, their backend: {shares}"
+        probes = f"{len(self.slow)} probe{'s' if len(self.slow) > 1 else ''}"
+        return f"{probes} > {SLOW_PROBE * 1e3:.0f} ms, their backend: {shares}"
 
 
 def _probe_beside(
