@@ -142,9 +142,9 @@ class LeaseNotHeld(LeaseError):
     lock may still be held by a session nobody controls.
     """
 
-    def __init__(self, name: str, detail: str = "") -> None:
+    def __init__(self, name: str, detail: str = "", *, by: str = "this caller") -> None:
         self.name = name
-        msg = f"{name!r} is not held by this caller"
+        msg = f"{name!r} is not held by {by}"
         super().__init__(f"{msg}: {detail}" if detail else msg)
 
 

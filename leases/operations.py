@@ -418,12 +418,13 @@ def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -
     store = get_backend(backend)
     before = store.inspect(name)
     if before is None or not before.held:
-        raise LeaseNotHeld(name, f"nobody holds it on backend {backend!r}; nothing to release")
+        raise LeaseNotHeld(name, "nothing to release", by=f"anyone on backend {backend!r}")
     if before.token != token:
         raise LeaseNotHeld(
             name,
-            f"its token on {backend!r} is now {before.token}, not {token}: it changed hands "
-            "since you looked, so nothing was released",
+            f"its token on {backend!r} is now {before.token}: it changed hands since you "
+            "looked, so nothing was released",
+            by=f"grant {token}",
         )
     revocation.record(backend, name, token)
     after = store.force_release(name, token)

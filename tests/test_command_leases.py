@@ -81,11 +81,23 @@ def test_release_of_a_token_that_changed_hands_releases_nothing(lock_scene: Lock
     current = lock_scene.tokens[lock_scene.held]
     operator: Any = UserFactory(username="careful-operator")
     operator.user_permissions.add(Permission.objects.get(codename="force_release_lease"))
-    with pytest.raises(CommandError, match=f"now {current}, not {current + 1}"):
+    with pytest.raises(CommandError, match=f"not held by grant {current + 1}: .* now {current}"):
         run("release", lock_scene.held, "--token", str(current + 1), "--user", operator.username)
     info = get_backend().inspect(lock_scene.held)
     assert info is not None and info.held and info.token == current
     assert not ForceRelease.objects.filter(name=lock_scene.held).exists()
+
+
+def test_release_of_a_free_name_says_nobody_holds_it(lock_scene: LockScene) -> None:
+    """The operator is not "this caller": the refusal says the name is free, not that the
+    operator does not hold it."""
+    operator: Any = UserFactory(username="tidy-operator")
+    operator.user_permissions.add(Permission.objects.get(codename="force_release_lease"))
+    with pytest.raises(CommandError) as refused:
+        run("release", "never-held-here", "--token", "1", "--user", operator.username)
+    assert str(refused.value) == (
+        "'never-held-here' is not held by anyone on backend 'default': nothing to release"
+    )
 
 
 def test_release_requires_the_token(lock_scene: LockScene) -> None:

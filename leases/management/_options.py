@@ -93,3 +93,12 @@ def duration(option: str, text: str) -> float:
     if not math.isfinite(seconds):
         raise CommandError(f"{option} must be finite, not {text!r}")
     return at_least(option, seconds, 0)
+
+
+def spoken_duration(seconds: float) -> str:
+    """``seconds`` in the largest whole unit of :func:`duration`'s (``90d``, ``36h``, ``45s``),
+    so an operator reads back what they typed, not ``7.776e+06s``."""
+    for unit, size in sorted(_UNITS.items(), key=lambda item: -item[1]):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:g}s"

@@ -43,6 +43,7 @@ from leases.management._options import (
     duration,
     lease_name,
     share_base_options,
+    spoken_duration,
 )
 
 #: Leases ``list`` and ``watch`` show unless told otherwise (held first).
@@ -385,7 +386,9 @@ class Command(BaseCommand):
         except LeaseError as exc:
             raise CommandError(str(exc)) from exc
         if dry_run:
-            self.stdout.write(f"{count} lease row(s) free for {older_than:g}s or more")
+            self.stdout.write(
+                f"{count} lease row(s) free for {spoken_duration(older_than)} or more"
+            )
         elif talk:
             self.stdout.write(self.style.SUCCESS(f"pruned {count} lease row(s) on {backend!r}"))
 
