@@ -383,7 +383,9 @@ class Probed:
             ]:
                 what = event if state == "active" else state
                 seen[what] = seen.get(what, 0) + 1
-        total = sum(seen.values()) or 1
+        if not seen:  # the sampler was not scheduled either: the whole machine stalled
+            seen["not sampled"] = 1
+        total = sum(seen.values())
         shares = ", ".join(
             f"{what} {count * 100 // total}%"
             for what, count in sorted(seen.items(), key=lambda item: -item[1])
