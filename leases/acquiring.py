@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from . import conf, signals, tracing
 from ._arguments import valid_flag, valid_on_lost, valid_timeout, valid_ttl, warn_if_too_short
-from .backends import Capability, Grant, LeaseBackend, get_backend
+from .backends import Capability, Grant, LeaseBackend, get_backend, tries_until
 from .errors import (
     BackendNotSupported,
     BackendUnavailable,
@@ -99,7 +99,7 @@ def _grant(
     writer = not shared and Capability.SHARED_LEASES in store.capabilities
     stop_readers_at = waiting_since
     try:
-        with tracing.span("leases.wait", attributes), room:
+        with tracing.span("leases.wait", attributes), room, tries_until(deadline):
             while True:
                 if (
                     writer

@@ -44,7 +44,7 @@ from .acquiring import (
     prepare,
     retry_failed_try,
 )
-from .backends import Capability, Grant, LeaseBackend
+from .backends import Capability, Grant, LeaseBackend, tries_until
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost
 from .lease import _default_name, _settle
@@ -137,7 +137,7 @@ async def _agrant(
     # Only a store with a waiting room of its own may wait past the backoff's delay.
     queued = not shared and type(store).awaiting_room is not LeaseBackend.awaiting_room
     try:
-        with tracing.span("leases.wait", attributes):
+        with tracing.span("leases.wait", attributes), tries_until(deadline):
             async with room:
                 while True:
                     delay = backoff.next_delay()

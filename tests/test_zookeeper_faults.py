@@ -19,7 +19,7 @@ from django.test import override_settings
 from devservers.proxy import FaultProxy
 from devservers.zookeeper import ZooKeeperEnsemble, zookeeper_classpath
 from leases import LeaseLost, LeaseUnavailable, acquire
-from leases.backends import get_backend
+from leases.backends import get_backend, tries_until
 from leases.errors import BackendUnavailable
 from tests.checker import check_history, new_register, record_write
 from tests.waiting import wait_until
@@ -313,6 +313,25 @@ def test_a_connection_slower_than_one_calls_bound_serves_the_next_call(
         held = acquire(name, ttl=10.0, backend="zk_slow", timeout=0, keepalive=False)
         assert proxy.accepted == 1, f"{proxy.accepted} connections: a client was thrown away"
         held.release()
+
+
+def test_a_try_made_while_waiting_finds_its_client_dead_and_stops_at_the_deadline(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """A try the acquire loop makes while waiting (``tries_until``) reconnects no longer than
+    the acquisition's deadline: bounded by its TTL (10 s) instead, an ``acquire(timeout=2)``
+    whose client died between its wait and its next try overran its timeout by eight seconds
+    (seen in a loaded CI run)."""
+    with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
+        store = _dead_client_behind_a_blackhole(ensemble, backends, proxy, "zk_try", 10.0)
+        store.zk.opened.stop()  # type: ignore[attr-defined]
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable), tries_until(started + 1.0):
+            store.try_acquire(f"zk-dead-try-{time.monotonic_ns()}", "h", 10.0)
+        took = time.monotonic() - started
+        assert took <= 1.0 + 3.0, f"the try took {took:.1f}s, its acquisition's deadline 1.0s"
+        proxy.pass_through()
 
 
 def test_a_waiter_finding_its_client_dead_waits_no_longer_than_its_deadline(

@@ -7,7 +7,7 @@ import threading
 
 from .. import _process, conf
 from ..errors import LeasesImproperlyConfigured
-from .base import Capability, Grant, LeaseBackend, LeaseInfo
+from .base import Capability, Grant, LeaseBackend, LeaseInfo, tries_until
 
 __all__ = [
     "Capability",
@@ -17,6 +17,7 @@ __all__ = [
     "backend_class",
     "get_backend",
     "reset",
+    "tries_until",
 ]
 
 _lock = threading.Lock()

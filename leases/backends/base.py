@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import contextvars
 import enum
 import secrets
 from collections.abc import Callable, Iterator, Mapping
@@ -45,6 +46,8 @@ __all__ = [
     "LeaseWaiter",
     "new_secret",
     "not_revoked",
+    "tries_until",
+    "try_deadline",
 ]
 
 
@@ -53,6 +56,27 @@ __all__ = [
 PRUNE_BATCH = 1000
 #: Rows a whole listing (``manage.py leases list --limit 0``) reads per round trip.
 LIST_BATCH = 1000
+
+
+#: The ``time.monotonic()`` instant by which the acquisition making the current try must end,
+#: while it waits for a name (``None``: no deadline, or its first try). A round trip bounded
+#: by a reply timeout need not read it; a backend whose try can wait on its own, as ZooKeeper's
+#: does to reconnect a client, waits no longer, so ``acquire(timeout=...)`` keeps its
+#: deadline whatever a try meets. Not set for the first try: ``timeout=0`` must still be able
+#: to open a first connection.
+try_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "leases_try_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def tries_until(deadline: float | None) -> Iterator[None]:
+    """Within the block, :data:`try_deadline` is ``deadline`` (the acquire loops' waits)."""
+    token = try_deadline.set(deadline)
+    try:
+        yield
+    finally:
+        try_deadline.reset(token)
 
 
 class Capability(enum.StrEnum):

@@ -76,7 +76,16 @@ from ._zookeeper_line import (
     read_data,
 )
 from ._zookeeper_session import ATTEMPTS, Edge, Session, ms, when
-from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
+from .base import (
+    FORGED,
+    Capability,
+    Grant,
+    LeaseBackend,
+    LeaseInfo,
+    new_secret,
+    not_revoked,
+    try_deadline,
+)
 
 __all__ = ["Backend"]
 
@@ -186,8 +195,11 @@ class Backend(LeaseBackend):
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         granted = min(ttl, self.session_timeout)
         place = self._place(name)
-        # A reconnection longer than the TTL would make a grant with no validity left.
-        with Edge(self.alias, "acquire"), self.zk.bounded(granted):
+        # A reconnection longer than the TTL would make a grant with no validity left, and
+        # one past the acquisition's deadline would break its timeout.
+        until = try_deadline.get()
+        within = granted if until is None else min(granted, until - time.monotonic())
+        with Edge(self.alias, "acquire"), self.zk.bounded(max(0.0, within)):
             if place is not None:
                 return self._claim(place, holder, granted)
             secret = new_secret()
