@@ -60,3 +60,40 @@ def test_keys_cannot_be_deleted_from_the_admin_even_by_a_superuser(
     bulk = {"action": "delete_selected", "_selected_action": [key.pk], "post": "yes"}
     admin_client.post("/admin/idempotency/idempotencykey/", bulk)
     assert IdempotencyKey.objects.filter(pk=key.pk).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_stored_expiring_past_the_year_9999_is_readable_after_migrating(
+    admin_client: Client, key: IdempotencyKey
+) -> None:
+    """Keys written before TTLs were capped could expire past the year 9999, which Python
+    cannot read: the admin's key list failed on them. Migration 0005 brings them within the
+    cap; a key with a sane expiry keeps it."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    sane = IdempotencyKey.objects.get(pk=key.pk).expires_at
+    executor = MigrationExecutor(connection)
+    latest = executor.loader.graph.leaf_nodes("idempotency")
+    executor.migrate([("idempotency", "0004_key_steps")])
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO idempotency_key (scope, key, fingerprint, state, response_status,"
+                " response_headers, response_body, created_at, expires_at, steps)"
+                " SELECT scope, key || '-ancient', fingerprint, state, response_status,"
+                " response_headers, response_body, created_at, '10000-01-01 00:00:00+00', steps"
+                " FROM idempotency_key WHERE id = %s",
+                [key.pk],
+            )
+        with pytest.raises(Exception, match="year"):
+            list(IdempotencyKey.objects.order_by("expires_at").values_list("expires_at"))
+        executor = MigrationExecutor(connection)
+        executor.migrate(latest)
+    finally:
+        MigrationExecutor(connection).migrate(latest)
+    page = admin_client.get("/admin/idempotency/idempotencykey/")
+    assert page.status_code == 200 and b"k-admin-ancient" in page.content
+    ancient = IdempotencyKey.objects.get(key="k-admin-ancient")
+    assert ancient.expires_at.year < 9999
+    assert IdempotencyKey.objects.get(pk=key.pk).expires_at == sane
