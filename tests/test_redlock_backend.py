@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 
 from devservers import RedisServer
 from leases.backends.redis import LeaseKeys
@@ -311,3 +314,75 @@ def test_a_try_refused_by_a_quorum_does_not_wait_for_hung_nodes(
     wait_until(lambda: holders(five, name) == [value] * 5, 10, "the holder's keys, untouched")
     backend.release(holder)
     wait_until(lambda: holders(five, name) == [None] * 5, 10, "the release everywhere")
+
+
+def test_async_round_trips_keep_each_nodes_connection_and_never_reuse_a_dead_or_late_one(
+    redis_servers: Servers, make_backend: Callable[..., Backend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each node's async round trips (acquire, renew, release) run on one connection kept
+    between them, not one checked out of the node's pool each time. A connection the server
+    closed while idle (``CLIENT KILL``) is never used: the next try is granted on every node.
+    One whose reply came too late (a paused node) is dropped: after the node resumes, its late
+    reply is never read as the answer to a later command (every node answers every command
+    right, again on one kept connection)."""
+    servers = redis_servers(3)
+    backend, name = make_backend(servers, NODE_TIMEOUT=0.3), unique()
+    checkouts: dict[int, int] = {server.port: 0 for server in servers}
+    get_connection = redis.asyncio.ConnectionPool.get_connection
+
+    async def counted(pool: Any) -> Any:
+        checkouts[int(pool.connection_kwargs["port"])] += 1
+        return await get_connection(pool)
+
+    monkeypatch.setattr(redis.asyncio.ConnectionPool, "get_connection", counted)
+    tokens: list[int] = []
+
+    async def cycle(holder: str) -> None:
+        grant = await backend.atry_acquire(name, holder, 30)
+        assert grant is not None
+        tokens.append(grant.token)
+        held = holders(servers, name)  # every node answered the SET NX: none on a dead connection
+        assert all(value is not None for value in held), (holder, held)
+        grant = await backend.arenew(grant, 30)
+        await backend.arelease(grant)
+        assert holders(servers, name) == [None] * 3
+
+    async def main() -> dict[str, dict[int, int]]:
+        seen = {}
+        try:
+            await cycle("warm")
+            seen["warm"] = dict(checkouts)
+            for index in range(10):
+                await cycle(f"h{index}")
+            seen["kept"] = dict(checkouts)
+            killer = redis.Redis.from_url(servers[0].url)
+            try:  # ours, idle; the killer's own connection survives
+                assert killer.client_kill_filter(_type="normal", skipme=True) >= 1
+            finally:
+                killer.close()
+            await cycle("after-kill")
+            seen["killed"] = dict(checkouts)
+            servers[1].pause()
+            try:  # servers[1] cannot answer: its reply comes once it resumes, too late
+                grant = await backend.atry_acquire(name, "late", 30)
+            finally:
+                servers[1].resume()
+            assert grant is not None  # two of three
+            wait_until(lambda: holders(servers, name)[1] is not None, 10, "the late SET")
+            grant = await backend.arenew(grant, 30)
+            await backend.arelease(grant)
+            assert holders(servers, name) == [None] * 3
+            for index in range(5):
+                await cycle(f"after-late-{index}")
+            seen["late"] = dict(checkouts)
+            return seen
+        finally:
+            await backend.aclose()
+
+    seen = asyncio.run(main())
+    first, second, third = (server.port for server in servers)
+    assert seen["warm"] == {first: 1, second: 1, third: 1}, seen
+    assert seen["kept"] == seen["warm"], seen  # 30 round trips per node, no checkout
+    assert seen["killed"] == {first: 2, second: 1, third: 1}, seen
+    assert seen["late"] == {first: 2, second: 2, third: 1}, seen
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens

@@ -99,9 +99,9 @@ class Kept:
 
     async def call(self, client: Any, command: tuple[object, ...]) -> Any:
         """The reply to ``command`` (packed here, :func:`~._redis_conn.pack`) on a kept
-        connection of ``client``'s pool, parsed as redis-py would parse it (:func:`~._redis_io.parsed`). The
-        caller bounds it (``asyncio.timeout``); a round trip that ends any way but with its
-        reply read drops its connection."""
+        connection of ``client``'s pool, parsed as redis-py's method for it would
+        (:func:`~._redis_io.parsed`). The caller bounds it (``asyncio.timeout``); a round trip
+        that ends any way but with its reply read drops its connection."""
         connection = await self.take()
         try:
             await connection.send_packed_command([pack(command)], check_health=False)
