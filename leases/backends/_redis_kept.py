@@ -97,14 +97,15 @@ class Kept:
         for connection in idle:
             await self.pool.release(connection)
 
-    async def call(self, client: Any, command: tuple[object, ...]) -> Any:
-        """The reply to ``command`` (packed here, :func:`~._redis_conn.pack`) on a kept
-        connection of ``client``'s pool, parsed as redis-py's method for it would
-        (:func:`~._redis_io.parsed`). The caller bounds it (``asyncio.timeout``); a round trip
-        that ends any way but with its reply read drops its connection."""
+    async def call(self, client: Any, command: tuple[object, ...], packed: bytes = b"") -> Any:
+        """The reply to ``command`` on a kept connection of ``client``'s pool, parsed as
+        redis-py's method for it would (:func:`~._redis_io.parsed`); ``packed`` is ``command``
+        already packed (:func:`~._redis_conn.pack`: once for every node). The caller bounds it
+        (``asyncio.timeout``); a round trip that ends any way but with its reply read drops
+        its connection."""
         connection = await self.take()
         try:
-            await connection.send_packed_command([pack(command)], check_health=False)
+            await connection.send_packed_command([packed or pack(command)], check_health=False)
             response = await connection.read_response()
         except BaseException:
             await self.drop(connection)

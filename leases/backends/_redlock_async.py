@@ -22,6 +22,7 @@ import redis
 
 from ..errors import LeaseLost
 from ._aio import PerLoop
+from ._redis_conn import pack
 from ._redis_io import ablpop, aconnect, expires, ms
 from ._redis_kept import Kept
 from ._redis_nodes import FAILED, node_value
@@ -71,11 +72,12 @@ class AsyncRedlock:
         the ``gather``, so the node timeout cancels that task only; a connection whose round
         trip did not end with its reply read (failed, late, cancelled) is dropped."""
         timeout = self.backend.node_timeout
+        packed = pack(command)
 
         async def ask(client: Any, kept: Kept) -> Any:
             try:
                 async with asyncio.timeout(timeout):
-                    return await kept.call(client, command)
+                    return await kept.call(client, command, packed)
             except (redis.RedisError, OSError, TimeoutError):
                 return FAILED
 
