@@ -31,7 +31,9 @@ import sys
 import tempfile
 import time
 import uuid
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
@@ -331,58 +333,163 @@ COMMAND_TIMEOUT = 1800.0
 BASELINE = 10.0
 
 
+#: A probe slower than this (half the 100 ms goal) is looked at: what its backend waited on.
+SLOW_PROBE = 0.05
+#: What the probe's backend is doing, sampled every 5 ms by a process of its own while the probe
+#: runs (:data:`SAMPLER`). No wait event while ``active`` means running or waiting for a CPU.
+WAIT_EVENT_SQL = (
+    "SELECT state, coalesce(wait_event_type || '/' || wait_event, 'no wait event')"
+    " FROM pg_stat_activity WHERE pid = %s"
+)
+SAMPLER = f"""
+import sys, time, psycopg
+with psycopg.connect(sys.argv[1], autocommit=True) as conn, open(sys.argv[3], "w") as out:
+    while True:
+        row = conn.execute({WAIT_EVENT_SQL!r}, (int(sys.argv[2]),)).fetchone()
+        state, event = row if row else ("-", "-")
+        out.write(f"{{time.monotonic()}}\\t{{state}}\\t{{event}}\\n")
+        out.flush()
+        time.sleep(0.005)
+"""
+
+
+@dataclass
+class Probed:
+    """A probe's latencies alone and beside a command, with what tells the command's cost from
+    the machine's: the probe process's own scheduling lag (how late its 20 ms sleeps woke: no
+    database in it) and the wait events its backend showed during the slow probes."""
+
+    alone: list[float]
+    beside: list[float]
+    lag_alone: list[float]
+    lag_beside: list[float]
+    #: Per slow probe beside the command: (latency, start, end) in ``time.monotonic()``.
+    slow: list[tuple[float, float, float]]
+    samples: list[tuple[float, str, str]]
+    seconds: float
+    progress: str
+
+    def slow_probes(self) -> str:
+        """``3 probes > 50 ms: waited on no wait event 80%, LWLock/WALWrite 20%``: the share of
+        the samples taken during slow probes, by what the probe's backend was doing (``idle``:
+        it was not in the database at all, the time was the probe process's own)."""
+        if not self.slow:
+            return f"no probe > {SLOW_PROBE * 1e3:.0f} ms"
+        seen: dict[str, int] = {}
+        times = [t for t, _, _ in self.samples]
+        for _, start, end in self.slow:
+            for _, state, event in self.samples[
+                bisect_left(times, start) : bisect_right(times, end)
+            ]:
+                what = event if state == "active" else state
+                seen[what] = seen.get(what, 0) + 1
+        if not seen:  # the sampler was not scheduled either: the whole machine stalled
+            seen["not sampled"] = 1
+        total = sum(seen.values())
+        shares = ", ".join(
+            f"{what} {count * 100 // total}%"
+            for what, count in sorted(seen.items(), key=lambda item: -item[1])
+        )
+        probes = f"{len(self.slow)} probe{'s' if len(self.slow) > 1 else ''}"
+        return f"{probes} > {SLOW_PROBE * 1e3:.0f} ms, their backend: {shares}"
+
+
 def _probe_beside(
-    command: list[str], probe: Callable[[], Any], baseline: float
-) -> tuple[list[float], list[float], float, str]:
+    command: list[str], probe: Callable[[], Any], pid: int, baseline: float
+) -> Probed:
     """Call ``probe`` every 20 ms for ``baseline`` seconds, then while ``manage.py
     <command>`` runs in a process of its own (as an operator runs it: a thread here would share
     this process's GIL with the probe and time Python, not the database).
 
-    Returns the probe's latencies alone and beside the command, the command's seconds and its
-    last progress line. On a shared machine the probe alone shows what the machine costs; the
-    difference is what the command costs.
+    On a shared machine the probe alone shows what the machine costs; the difference is what the
+    command costs. What separates the two during the command: the lateness of the probe's own
+    sleeps (the machine's run queue, not the database) and the wait events of its backend
+    (``pid``) during the slow probes (a lock or the WAL: the command's doing).
     """
+    slow: list[tuple[float, float, float]] = []
 
-    def probing(until: Callable[[], bool]) -> list[float]:
+    def probing(until: Callable[[], bool], lags: list[float], note: bool) -> list[float]:
         latencies = []
         while not until():
-            start = time.perf_counter()
+            start = time.monotonic()
             probe()
-            latencies.append(time.perf_counter() - start)
+            end = time.monotonic()
+            latencies.append(end - start)
+            if note and end - start > SLOW_PROBE:
+                slow.append((end - start, start, end))
             time.sleep(0.02)
+            lags.append(time.monotonic() - end - 0.02)
         return latencies
 
-    alone_until = time.perf_counter() + baseline
-    alone = probing(lambda: time.perf_counter() >= alone_until)
-    started = time.perf_counter()
-    # Its progress goes to a file: a pipe nobody reads until the end fills up and stops it.
-    with (
-        tempfile.TemporaryFile("w+") as out,
-        subprocess.Popen(
-            [sys.executable, "manage.py", *command],
-            env=_big_tables_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-        ) as proc,
-    ):
-        beside = probing(
-            lambda: proc.poll() is not None or time.perf_counter() - started > COMMAND_TIMEOUT
+    lag_alone: list[float] = []
+    lag_beside: list[float] = []
+    with tempfile.NamedTemporaryFile("r") as sampled:
+        sampler = subprocess.Popen(
+            [sys.executable, "-c", SAMPLER, os.environ["DATABASE_URL"], str(pid), sampled.name]
         )
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        out.seek(0)
-        output = out.read()
+        try:
+            alone_until = time.monotonic() + baseline
+            alone = probing(lambda: time.monotonic() >= alone_until, lag_alone, False)
+            started = time.monotonic()
+            # Its progress goes to a file: a pipe nobody reads until the end fills it up.
+            with (
+                tempfile.TemporaryFile("w+") as out,
+                subprocess.Popen(
+                    [sys.executable, "manage.py", *command],
+                    env=_big_tables_env(),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ) as proc,
+            ):
+                beside = probing(
+                    lambda: proc.poll() is not None or time.monotonic() - started > COMMAND_TIMEOUT,
+                    lag_beside,
+                    True,
+                )
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                out.seek(0)
+                output = out.read()
+        finally:
+            sampled_throughout = sampler.poll() is None
+            sampler.kill()
+            sampler.wait()
+        samples = []
+        for line in sampled:
+            at, state, event = line.rstrip("\n").split("\t")
+            samples.append((float(at), state, event))
     assert proc.returncode == 0, output
+    assert sampled_throughout, "the wait-event sampler died"
     progress = [line for line in output.splitlines() if line.startswith("[")]
-    return alone, beside, time.perf_counter() - started, progress[-1] if progress else ""
+    return Probed(
+        alone,
+        beside,
+        lag_alone,
+        lag_beside,
+        slow,
+        samples,
+        time.monotonic() - started,
+        progress[-1] if progress else "",
+    )
 
 
 def _summary(latencies: list[float]) -> str:
     p50, p99 = _percentiles(latencies) if latencies else (0.0, 0.0)
     worst = max(latencies, default=0.0)
     return f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms"
+
+
+def _lag(lags: list[float]) -> str:
+    return f"max {max(lags, default=0.0) * 1e3:.1f} ms"
+
+
+def _probe_note(probed: Probed) -> str:
+    return (
+        f"the probe process's own sleeps woke late by: alone {_lag(probed.lag_alone)}, beside "
+        f"{_lag(probed.lag_beside)}; {probed.slow_probes()}"
+    )
 
 
 def _key_insert_probe() -> None:
@@ -452,21 +559,27 @@ def main(report: Report) -> None:
             )
         _use(BIG, backend)
         command = ["purge_idempotency_keys", "--batch-size", str(PURGE_BATCH)]
-        alone, beside, seconds, progress = _probe_beside(command, _key_insert_probe, baseline)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            (pid,) = cursor.fetchone()
+        probed = _probe_beside(command, _key_insert_probe, pid, baseline)
         report.note(
-            f"purge of the expired keys of {keys:,}, --batch-size {PURGE_BATCH}: {seconds:.0f} s"
-            f" ({progress}); a key insert every 20 ms: alone {_summary(alone)}; during the "
-            f"purge ({len(beside)} inserts) {_summary(beside)}"
+            f"purge of the expired keys of {keys:,}, --batch-size {PURGE_BATCH}: "
+            f"{probed.seconds:.0f} s ({probed.progress}); a key insert every 20 ms: alone "
+            f"{_summary(probed.alone)}; during the purge ({len(probed.beside)} inserts) "
+            f"{_summary(probed.beside)}; {_probe_note(probed)}"
         )
         command = ["leases", "prune", "--older-than", "30m", "--batch-size", str(PRUNE_BATCH)]
         probe = _acquire_probe(backend)
-        alone, beside, seconds, progress = _probe_beside(command, probe, baseline)
+        own = backend.connection()
+        assert own is not None
+        probed = _probe_beside(command, probe, own.info.backend_pid, baseline)
         left = Lease.objects.count()
         report.note(
             f"prune of the released lease rows of {rows:,}, --batch-size {PRUNE_BATCH}: "
-            f"{seconds:.0f} s ({progress}), {left:,} rows left; an acquire+release of a new "
-            f"name every 20 ms: alone {_summary(alone)}; during the prune ({len(beside)}) "
-            f"{_summary(beside)}"
+            f"{probed.seconds:.0f} s ({probed.progress}), {left:,} rows left; an acquire+release "
+            f"of a new name every 20 ms: alone {_summary(probed.alone)}; during the prune "
+            f"({len(probed.beside)}) {_summary(probed.beside)}; {_probe_note(probed)}"
         )
     finally:
         hosts.disable()

@@ -6,9 +6,10 @@ wherever the name table joins ``pg_locks``: both ask the same question, answered
 
 from __future__ import annotations
 
-from django.db import connections, models, router
+import psycopg
+from django.db import DatabaseError, connections, models, router
 
-__all__ = ["migrated_databases", "same_database", "where"]
+__all__ = ["migrated_databases", "note_if_unmigrated", "same_database", "where"]
 
 
 def migrated_databases(model: type[models.Model]) -> list[str]:
@@ -40,3 +41,13 @@ def where(alias: str) -> tuple[object, ...]:
 def same_database(first: str, second: str) -> bool:
     """Whether two aliases name one database (a statement on either sees the other's tables)."""
     return where(first) == where(second)
+
+
+def note_if_unmigrated(exc: DatabaseError, alias: str) -> None:
+    """Add a note naming the fix to ``exc`` if a missing table caused it: "relation
+    "leases_fence" does not exist" leaves the reader to work out that the ``leases`` app was
+    never migrated there. The exception keeps its type: callers may already catch it."""
+    if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
+        exc.add_note(
+            f"leases: is the leases app migrated on database {alias!r}? run `manage.py migrate`"
+        )

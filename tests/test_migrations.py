@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -50,3 +51,52 @@ def test_both_apps_migrate_onto_a_database_without_auth_tables(
     found = {row[0] for row in tables}
     assert {"leases_lease", "leases_force_release", "leases_revocation"} <= found
     assert "auth_user" not in found
+
+
+#: Run in a child against the unmigrated ``coordination`` database: an acquire on the database
+#: backend and a table fence, each printing the error it met and its notes.
+UNMIGRATED_CHILD = """
+import json
+import django
+django.setup()
+from leases import acquire
+from leases.fencing import check_fence
+for attempt in (
+    lambda: acquire("job", ttl=5, timeout=0, keepalive=False),
+    lambda: check_fence("invoice:1", 7, using="coordination"),
+):
+    try:
+        attempt()
+    except Exception as exc:
+        print(json.dumps([type(exc).__name__, str(exc), getattr(exc, "__notes__", [])]))
+"""
+
+
+def test_an_unmigrated_database_says_to_run_migrate(
+    child_env: dict[str, str], python: str, coordination_database: str
+) -> None:
+    """A backend or a fence on a database the ``leases`` app was never migrated onto says
+    so, instead of a bare "relation … does not exist" the operator must decode. The fence
+    keeps Django's ``ProgrammingError`` (callers may catch it) and gains a note."""
+    env = {
+        **child_env,
+        "DJANGO_SETTINGS_MODULE": "tests.migrate_elsewhere_settings",
+        "COORDINATION_DATABASE_URL": coordination_database,
+    }
+    done = subprocess.run(
+        [python, "-c", UNMIGRATED_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert len(printed) == 2, done.stdout
+    (backend, said, _), (fence, refused, notes) = printed
+    assert backend == "BackendUnavailable", printed
+    assert "run `manage.py migrate`: UndefinedTable" in said and "leases_lease" in said, said
+    assert fence == "ProgrammingError" and "leases_fence" in refused, printed
+    assert notes == [
+        "leases: is the leases app migrated on database 'coordination'? run `manage.py migrate`"
+    ], notes

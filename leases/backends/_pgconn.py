@@ -44,6 +44,7 @@ __all__ = [
     "close_quietly",
     "connect",
     "connect_params",
+    "driver_failure",
     "inherit",
     "stale",
     "track",
@@ -71,6 +72,15 @@ _CONNECT_DEFAULTS: dict[str, Any] = {
 #: Django's ``OPTIONS["assume_role"]``, applied as Django's own connections apply it: a login
 #: role that does not inherit its privileges reaches the lease tables only through this role.
 SET_ROLE_SQL = "SET ROLE {role}"
+
+
+def driver_failure(alias: str, exc: psycopg.Error, what: str = "") -> BackendUnavailable:
+    """A driver error as :class:`BackendUnavailable`, saying what to do where that is known:
+    a missing table or function means the ``leases`` app is not migrated on that database,
+    which "UndefinedTable: relation … does not exist" leaves the operator to work out."""
+    if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction):
+        what += "is the leases app migrated on its database? run `manage.py migrate`: "
+    return BackendUnavailable(alias, f"{what}{type(exc).__name__}: {exc}")
 
 
 def connect(db_alias: str) -> psycopg.Connection[Any]:

@@ -42,7 +42,7 @@ from typing import Any
 import psycopg
 
 from ..errors import BackendUnavailable
-from ._pgconn import close_quietly, connect
+from ._pgconn import close_quietly, connect, driver_failure
 
 __all__ = [
     "COUNT_SQL",
@@ -224,6 +224,6 @@ def prune_rows(
                 return pruned
             after = last
     except psycopg.Error as exc:
-        raise BackendUnavailable(db_alias, f"prune: {type(exc).__name__}: {exc}") from exc
+        raise driver_failure(db_alias, exc, "prune: ") from exc
     finally:
         close_quietly(conn)

@@ -57,7 +57,7 @@ from ._pg_shared import (
     stop_readers_params,
 )
 from ._pgaio import AsyncState
-from ._pgconn import CHANNEL, Listener, PrivateConnection, inherit, track
+from ._pgconn import CHANNEL, Listener, PrivateConnection, driver_failure, inherit, track
 from ._pgdeadline import REQUEST_TIMEOUT
 from ._pgprepared import Prepared
 from ._pruning import FLOOR_SQL, Progress, prune_rows
@@ -426,7 +426,7 @@ class Backend(LeaseBackend):
         try:
             return self._conn.run(sql, params, timeout)
         except psycopg.Error as exc:
-            raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
+            raise driver_failure(self.alias, exc) from exc
 
     def connection(self) -> psycopg.Connection[Any] | None:
         """The backend's own connection, if open (for diagnostics and round-trip tests)."""
@@ -514,7 +514,7 @@ class Backend(LeaseBackend):
         try:
             return await self._async.get().conn.run(sql, params, timeout)
         except psycopg.Error as exc:
-            raise BackendUnavailable(self.alias, f"{type(exc).__name__}: {exc}") from exc
+            raise driver_failure(self.alias, exc) from exc
 
     async def atry_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         """:meth:`try_acquire`, awaited: inside the name's room on the task's room

@@ -6,9 +6,10 @@ statement advances it or refuses, and consults revocations in the same statement
 
 from __future__ import annotations
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 
 from .. import revocation
+from ..databases import note_if_unmigrated
 from ..keys import validate_name
 from ..revocation import NOT_REVOKED_SQL
 from .tokens import FenceLike, fence_offer, reject, revoked
@@ -43,12 +44,16 @@ def check_fence(resource: str, fence: FenceLike, *, using: str = DEFAULT_DB_ALIA
     validate_name(resource)
     offer = fence_offer(fence)
     token = offer.token
-    with connections[using].cursor() as cursor:
-        cursor.execute(FENCE_SQL, [resource, token, *offer.params()])
-        if cursor.fetchone() is not None:
-            return token
-        cursor.execute(FENCE_STORED_SQL, [resource])
-        row = cursor.fetchone()
+    try:
+        with connections[using].cursor() as cursor:
+            cursor.execute(FENCE_SQL, [resource, token, *offer.params()])
+            if cursor.fetchone() is not None:
+                return token
+            cursor.execute(FENCE_STORED_SQL, [resource])
+            row = cursor.fetchone()
+    except DatabaseError as exc:
+        note_if_unmigrated(exc, using)
+        raise
     from ..models import Fence as FenceRow
 
     stored = None if row is None else int(row[0])

@@ -1,14 +1,17 @@
 """``manage.py purge_idempotency_keys``: delete expired keys in small batches.
 
-Each batch is its own short transaction that locks only the rows it deletes (``SKIP LOCKED``
-leaves rows a request is taking over right now alone), so the purge can run next to live traffic
-and never holds the table. Expiry is judged by the database clock, like everywhere else.
+Each batch is its own short transaction that deletes only expired keys and never waits for a
+row a request holds (it skips a key a request is taking over right now), so the purge can run
+next to live traffic and never holds the table. Expiry is judged by the database clock, like
+everywhere else.
 
-Sizing: a batch of ``--batch-size`` rows holds its row locks for as long as it takes to delete
-them. A request inserting a key never waits on those rows (they are expired: nobody inserts
-them), it only shares the disk and the WAL with the purge. Smaller batches and a ``--sleep``
-trade purge speed for a quieter disk; the progress line shows the rate and the time left, so
-the first run tells what a day's keys cost.
+What a request beside it feels is the purge's WAL: every 16 MB of WAL, the writer that crosses
+into a new segment creates (zero-fills) it holding ``WALWriteLock``, and each commit waits for
+that, a request's key insert included. So a batch deletes without locking its rows first (a
+row lock is a WAL record of its own: twice the WAL per key), and ``--batch-time`` keeps batches
+short on a busy server. Sizing: ``--batch-size`` bounds a batch; ``--sleep`` spreads the WAL
+(and the disk writes) out, trading purge speed for fewer stalls per second; the progress line
+shows the rate and the time left, so the first run tells what a day's keys cost.
 
 Bad input (``--batch-size 0``, a negative ``--sleep``, an unknown ``--database``) ends with one
 ``CommandError`` line and exit status 1; ``-v 0`` prints nothing but errors.
@@ -22,7 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
-from django.db import connections
+from django.db import OperationalError, connections, transaction
 
 from idempotency import conf
 from leases.management._options import at_least, database
@@ -51,17 +54,44 @@ EXACT_BELOW = 10_000
 #: One batch, oldest first, from where the last one ended (``after``: its newest
 #: ``expires_at``). Without that bound every batch would walk the index entries of the rows the
 #: batches before it deleted (dead until the next VACUUM) before finding live ones: a purge of
-#: millions slowed down batch by batch. Returns the rows deleted and the newest expiry among them.
+#: millions slowed down batch by batch. Returns the candidates found (fewer than the batch: the
+#: purge is done), the rows deleted and the newest expiry among the candidates.
+#:
+#: No row lock first: ``FOR UPDATE`` writes a WAL record per row before the delete writes its
+#: own, twice the WAL of the delete alone (112 bytes a key instead of 58). The purge's WAL is what
+#: holds up the requests beside it: each 16 MB of it makes the next writer create a WAL segment
+#: under ``WALWriteLock``, and every commit waits for that (a request's key insert, 60-160 ms on
+#: a loaded disk). The delete re-checks :data:`EXPIRED` itself, so a key a request took over and
+#: committed since the candidates were read is left alone; one a request holds right now would
+#: make the delete wait, so this runs under a tiny ``lock_timeout`` and such a batch is redone
+#: with :data:`PURGE_LOCKED_BATCH_SQL`.
 PURGE_BATCH_SQL = f"""
-WITH gone AS (
-    DELETE FROM idempotency_key WHERE id IN (
-        SELECT id FROM idempotency_key WHERE expires_at >= %(after)s AND {EXPIRED}
-        ORDER BY expires_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
-    )
-    RETURNING expires_at
+WITH candidates AS (
+    SELECT id, expires_at FROM idempotency_key WHERE expires_at >= %(after)s AND {EXPIRED}
+    ORDER BY expires_at LIMIT %(batch)s
+), gone AS (
+    DELETE FROM idempotency_key WHERE id IN (SELECT id FROM candidates) AND {EXPIRED}
+    RETURNING id
 )
-SELECT count(*), max(expires_at) FROM gone
+SELECT (SELECT count(*) FROM candidates), (SELECT count(*) FROM gone),
+       (SELECT max(expires_at) FROM candidates)
 """  # noqa: S608
+#: The same batch locking its rows first and skipping those a request holds (never waiting for
+#: one): the fallback when :data:`PURGE_BATCH_SQL` met a locked row.
+PURGE_LOCKED_BATCH_SQL = f"""
+WITH candidates AS (
+    SELECT id, expires_at FROM idempotency_key WHERE expires_at >= %(after)s AND {EXPIRED}
+    ORDER BY expires_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM idempotency_key WHERE id IN (SELECT id FROM candidates)
+    RETURNING id
+)
+SELECT (SELECT count(*) FROM candidates), (SELECT count(*) FROM gone),
+       (SELECT max(expires_at) FROM candidates)
+"""  # noqa: S608
+#: How long the lock-free batch waits on a row a request holds before it is redone locking.
+NO_WAIT_SQL = "SELECT set_config('lock_timeout', '1ms', true)"
+LOCK_NOT_AVAILABLE = "55P03"
 BAR_WIDTH = 30
 #: What a batch aims to take (``--batch-time``), in milliseconds.
 TARGET_BATCH_MS = 50.0
@@ -115,14 +145,12 @@ class Command(BaseCommand):
         started = time.monotonic()
         while not options["max_batches"] or batches < options["max_batches"]:
             sent = time.monotonic()
-            with connections[alias].cursor() as cursor:
-                cursor.execute(PURGE_BATCH_SQL, {"after": after, "batch": size})
-                count, newest = cursor.fetchone()
+            found, count, newest = purge_batch(alias, after, size)
             took = time.monotonic() - sent
             after = newest or after
             deleted += count
             batches += 1
-            if count < size:  # done: the total is now known
+            if found < size:  # done: the total is now known
                 self.approximate = False
                 self._progress(deleted, deleted, time.monotonic() - started)
                 break
@@ -146,6 +174,24 @@ class Command(BaseCommand):
         eta = f"{(total - done) / rate:.0f}s" if rate else "?"
         about = "~" if self.approximate else ""
         self.say(f"[{bar}] {done}/{about}{total} {rate:,.0f} keys/s ETA {eta}")
+
+
+def purge_batch(alias: str, after: datetime | str, size: int) -> tuple[int, int, datetime | None]:
+    """One batch: candidates found, keys deleted, the candidates' newest expiry. Lock-free
+    (half the WAL); redone with row locks that skip a key a request holds if it met one."""
+    params = {"after": after, "batch": size}
+    try:
+        with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+            cursor.execute(NO_WAIT_SQL)
+            cursor.execute(PURGE_BATCH_SQL, params)
+            found, count, newest = cursor.fetchone()
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+            raise
+        with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+            cursor.execute(PURGE_LOCKED_BATCH_SQL, params)
+            found, count, newest = cursor.fetchone()
+    return int(found), int(count), newest
 
 
 def next_size(size: int, took: float, target: float, largest: int) -> int:
