@@ -386,3 +386,48 @@ def test_async_round_trips_keep_each_nodes_connection_and_never_reuse_a_dead_or_
     assert seen["killed"] == {first: 2, second: 1, third: 1}, seen
     assert seen["late"] == {first: 2, second: 2, third: 1}, seen
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
+
+
+def test_an_async_try_with_hung_nodes_costs_one_node_timeout_and_counts_them_refused(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    """Four of five nodes hung: each async try is refused (unanswered is not a yes) after one
+    node timeout, not one per hung node, twice (the first on the kept connections, the second
+    on new ones: the timed-out ones were dropped). Once the nodes resume, their late replies
+    are never read as answers: a try is granted on every node and released everywhere. (A
+    late ``SET`` may land after its unlock: the tries' short TTL bounds what it holds.)"""
+    timeout = 0.5
+    backend, name = make_backend(five, NODE_TIMEOUT=timeout), unique()
+
+    async def main() -> list[float]:
+        elapsed = []
+        try:
+            grant = await backend.atry_acquire(name, "warm", 30)  # a kept connection per node
+            assert grant is not None
+            await backend.arelease(grant)
+            for server in five[1:]:
+                server.pause()
+            try:
+                for _ in range(2):
+                    started = time.monotonic()
+                    assert await backend.atry_acquire(name, "a", 1) is None
+                    elapsed.append(time.monotonic() - started)
+            finally:
+                for server in five[1:]:
+                    server.resume()
+            for _ in range(500):  # on the loop: the failed tries' unlocks run meanwhile
+                if holders(five, name) == [None] * 5:  # unlocked, or a late SET expired
+                    break
+                await asyncio.sleep(0.02)
+            grant = await backend.atry_acquire(name, "b", 30)
+            assert grant is not None
+            assert all(value is not None for value in holders(five, name))
+            await backend.arelease(grant)
+            assert holders(five, name) == [None] * 5
+            return elapsed
+        finally:
+            await backend.aclose()
+
+    elapsed = asyncio.run(main())
+    # A hang detector with slack for a loaded machine: node by node, four hung cost 2 s a try.
+    assert max(elapsed) < 3 * timeout, elapsed
