@@ -422,8 +422,8 @@ def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -
     if before.token != token:
         raise LeaseNotHeld(
             name,
-            f"its token on {backend!r} is now {before.token}: it changed hands since you "
-            "looked, so nothing was released",
+            f"its token on {backend!r} is now {before.token}, not {token}: it changed hands "
+            "since you looked, so nothing was released",
             by=f"grant {token}",
         )
     revocation.record(backend, name, token)
