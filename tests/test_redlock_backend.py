@@ -429,5 +429,7 @@ def test_an_async_try_with_hung_nodes_costs_one_node_timeout_and_counts_them_ref
             await backend.aclose()
 
     elapsed = asyncio.run(main())
-    # A hang detector with slack for a loaded machine: node by node, four hung cost 2 s a try.
-    assert max(elapsed) < 3 * timeout, elapsed
+    # A hang detector with slack for a loaded machine: concurrent, a try costs one timeout for
+    # its SETs and one for the unlocks of the silent nodes (1 s); node by node, the four hung
+    # nodes' SETs alone cost 2 s, their unlocks 2 s more.
+    assert max(elapsed) < 4 * timeout, elapsed
