@@ -26,6 +26,7 @@ import pytest
 from leases.backends import _redis_async as redis_async
 from leases.backends import _redis_conn as redis_conn
 from leases.backends import _redis_io as redis_io
+from leases.backends import _redis_kept as redis_kept
 from leases.backends import _redis_nodes as redis_nodes
 from leases.backends import _redis_protocol as redis_protocol
 from leases.backends import _redis_scripts as redis_scripts
@@ -40,6 +41,7 @@ MODULES = [
     redis_async,
     redis_conn,
     redis_io,
+    redis_kept,
     redis_nodes,
     redis_protocol,
     redis_scripts,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 
 from devservers import RedisServer
 from leases.backends.redis import LeaseKeys
@@ -311,3 +314,122 @@ def test_a_try_refused_by_a_quorum_does_not_wait_for_hung_nodes(
     wait_until(lambda: holders(five, name) == [value] * 5, 10, "the holder's keys, untouched")
     backend.release(holder)
     wait_until(lambda: holders(five, name) == [None] * 5, 10, "the release everywhere")
+
+
+def test_async_round_trips_keep_each_nodes_connection_and_never_reuse_a_dead_or_late_one(
+    redis_servers: Servers, make_backend: Callable[..., Backend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each node's async round trips (acquire, renew, release) run on one connection kept
+    between them, not one checked out of the node's pool each time. A connection the server
+    closed while idle (``CLIENT KILL``) is never used: the next try is granted on every node.
+    One whose reply came too late (a paused node) is dropped: after the node resumes, its late
+    reply is never read as the answer to a later command (every node answers every command
+    right, again on one kept connection)."""
+    servers = redis_servers(3)
+    backend, name = make_backend(servers, NODE_TIMEOUT=0.3), unique()
+    checkouts: dict[int, int] = {server.port: 0 for server in servers}
+    get_connection = redis.asyncio.ConnectionPool.get_connection
+
+    async def counted(pool: Any) -> Any:
+        checkouts[int(pool.connection_kwargs["port"])] += 1
+        return await get_connection(pool)
+
+    monkeypatch.setattr(redis.asyncio.ConnectionPool, "get_connection", counted)
+    tokens: list[int] = []
+
+    async def cycle(holder: str) -> None:
+        grant = await backend.atry_acquire(name, holder, 30)
+        assert grant is not None
+        tokens.append(grant.token)
+        held = holders(servers, name)  # every node answered the SET NX: none on a dead connection
+        assert all(value is not None for value in held), (holder, held)
+        grant = await backend.arenew(grant, 30)
+        await backend.arelease(grant)
+        assert holders(servers, name) == [None] * 3
+
+    async def main() -> dict[str, dict[int, int]]:
+        seen = {}
+        try:
+            await cycle("warm")
+            seen["warm"] = dict(checkouts)
+            for index in range(10):
+                await cycle(f"h{index}")
+            seen["kept"] = dict(checkouts)
+            killer = redis.Redis.from_url(servers[0].url)
+            try:  # ours, idle; the killer's own connection survives
+                assert killer.client_kill_filter(_type="normal", skipme=True) >= 1
+            finally:
+                killer.close()
+            await cycle("after-kill")
+            seen["killed"] = dict(checkouts)
+            servers[1].pause()
+            try:  # servers[1] cannot answer: its reply comes once it resumes, too late
+                grant = await backend.atry_acquire(name, "late", 30)
+            finally:
+                servers[1].resume()
+            assert grant is not None  # two of three
+            wait_until(lambda: holders(servers, name)[1] is not None, 10, "the late SET")
+            grant = await backend.arenew(grant, 30)
+            await backend.arelease(grant)
+            assert holders(servers, name) == [None] * 3
+            for index in range(5):
+                await cycle(f"after-late-{index}")
+            seen["late"] = dict(checkouts)
+            return seen
+        finally:
+            await backend.aclose()
+
+    seen = asyncio.run(main())
+    first, second, third = (server.port for server in servers)
+    assert seen["warm"] == {first: 1, second: 1, third: 1}, seen
+    assert seen["kept"] == seen["warm"], seen  # 30 round trips per node, no checkout
+    assert seen["killed"] == {first: 2, second: 1, third: 1}, seen
+    assert seen["late"] == {first: 2, second: 2, third: 1}, seen
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
+
+
+def test_an_async_try_with_hung_nodes_costs_one_node_timeout_and_counts_them_refused(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    """Four of five nodes hung: each async try is refused (unanswered is not a yes) after one
+    node timeout, not one per hung node, twice (the first on the kept connections, the second
+    on new ones: the timed-out ones were dropped). Once the nodes resume, their late replies
+    are never read as answers: a try is granted on every node and released everywhere. (A
+    late ``SET`` may land after its unlock: the tries' short TTL bounds what it holds.)"""
+    timeout = 0.5
+    backend, name = make_backend(five, NODE_TIMEOUT=timeout), unique()
+
+    async def main() -> list[float]:
+        elapsed = []
+        try:
+            grant = await backend.atry_acquire(name, "warm", 30)  # a kept connection per node
+            assert grant is not None
+            await backend.arelease(grant)
+            for server in five[1:]:
+                server.pause()
+            try:
+                for _ in range(2):
+                    started = time.monotonic()
+                    assert await backend.atry_acquire(name, "a", 1) is None
+                    elapsed.append(time.monotonic() - started)
+            finally:
+                for server in five[1:]:
+                    server.resume()
+            for _ in range(500):  # on the loop: the failed tries' unlocks run meanwhile
+                if holders(five, name) == [None] * 5:  # unlocked, or a late SET expired
+                    break
+                await asyncio.sleep(0.02)
+            grant = await backend.atry_acquire(name, "b", 30)
+            assert grant is not None
+            assert all(value is not None for value in holders(five, name))
+            await backend.arelease(grant)
+            assert holders(five, name) == [None] * 5
+            return elapsed
+        finally:
+            await backend.aclose()
+
+    elapsed = asyncio.run(main())
+    # A hang detector with slack for a loaded machine: concurrent, a try costs one timeout for
+    # its SETs and one for the unlocks of the silent nodes (1 s); node by node, the four hung
+    # nodes' SETs alone cost 2 s, their unlocks 2 s more.
+    assert max(elapsed) < 4 * timeout, elapsed

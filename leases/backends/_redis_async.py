@@ -9,7 +9,6 @@ that backend's ``atry_acquire``, ``arenew``, ``arelease`` and ``await_for_releas
 from __future__ import annotations
 
 import asyncio
-import select
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,8 @@ from ..errors import FencingUnavailable
 from ._aio import PerLoop
 from ._pgdeadline import Deadline, aarmed
 from ._redis_conn import arun_script, server_run
-from ._redis_io import Edge, ablpop, aconnect, name_back_due, read_timeout, text
+from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
+from ._redis_kept import Kept, fileno
 from ._redis_protocol import (
     TOKEN_SCRIPTS,
     acquire_args,
@@ -42,80 +42,7 @@ __all__ = ["AsyncRedis"]
 
 #: Per event loop: the client, (Redis Cluster only) its registered scripts, and (otherwise)
 #: the connections kept between round trips.
-_Client = tuple[Any, dict[str, Any], "_Kept | None"]
-
-
-def _fileno(connection: Any) -> int:
-    """The socket of a connected ``redis.asyncio`` connection (its stream's transport)."""
-    sock = connection._writer.get_extra_info("socket")
-    return int(sock.fileno())
-
-
-def _stale(connection: Any) -> bool:
-    """Whether a kept connection must not be used: closed, owed a name given back (see
-    :func:`~._redis_io.name_back_due`: its next read would be a stale reply), or with
-    something to read while idle (the server closed it, or sent what nobody asked for),
-    buffered by the loop already or still in the socket (one ``select`` with no wait)."""
-    reader = connection._reader
-    if reader is None or name_back_due(connection):
-        return True
-    if reader.at_eof() or reader.exception() is not None or len(reader._buffer):
-        return True
-    try:
-        return bool(select.select([_fileno(connection)], [], [], 0)[0])
-    except (OSError, ValueError, AttributeError):
-        return True
-
-
-class _Kept:
-    """Connections checked out of one ``redis.asyncio`` pool and kept between script round
-    trips: the async twin of :class:`~._redis_conn.Connections`, for the same reason (the
-    pool's checkout and check-in cost more client time than the loopback round trip).
-
-    Only script round trips use them, each to its end (a reply not read to its end drops the
-    connection), so a kept connection never holds a reply owed to anyone; one handed back
-    owing a name, or with anything to read, is dropped rather than used (:func:`_stale`). A
-    new connection comes from the pool in a task of its own: redis-py bounds connecting with
-    ``asyncio.timeout``, which must cancel that task, never the caller's (see
-    :mod:`leases._finishing`).
-    """
-
-    KEEP = 16
-
-    __slots__ = ("_idle", "pool", "timeout")
-
-    def __init__(self, pool: Any, timeout: float) -> None:
-        self.pool = pool
-        self.timeout = timeout
-        self._idle: list[Any] = []
-
-    async def take(self) -> Any:
-        while self._idle:
-            connection = self._idle.pop()
-            if not _stale(connection):
-                return connection
-            await self.drop(connection)
-        try:
-            return await asyncio.wait_for(self.pool.get_connection(), self.timeout)
-        except TimeoutError as exc:  # asyncio's: the client has no timeout of its own
-            raise redis.TimeoutError(f"not connected within {self.timeout} s") from exc
-
-    async def give(self, connection: Any) -> None:
-        """Back from a round trip whose reply was read to its end."""
-        if len(self._idle) < self.KEEP:
-            self._idle.append(connection)
-        else:
-            await self.pool.release(connection)
-
-    async def drop(self, connection: Any) -> None:
-        """Disconnect (its reply unread, or stale) and hand it back to the pool."""
-        await connection.disconnect(nowait=True)
-        await self.pool.release(connection)
-
-    async def close(self) -> None:
-        idle, self._idle = self._idle, []
-        for connection in idle:
-            await self.pool.release(connection)
+_Client = tuple[Any, dict[str, Any], Kept | None]
 
 
 async def _aclose(made: _Client) -> None:
@@ -137,7 +64,7 @@ class AsyncRedis:
         """A ``redis.asyncio`` client for the running loop (and a cluster client's scripts)."""
         client = aconnect(**self.backend.connect_options())
         if hasattr(client, "connection_pool"):
-            return client, {}, _Kept(client.connection_pool, self._timeout)
+            return client, {}, Kept(client.connection_pool, self._timeout)
         scripts = {name: client.register_script(s.text) for name, s in self.backend.scripts.items()}
         return client, scripts, None
 
@@ -155,9 +82,9 @@ class AsyncRedis:
             return await self._on_connection(kept, script, keys, args)
 
     async def _on_connection(
-        self, kept: _Kept, script: str, keys: list[str], args: list[object]
+        self, kept: Kept, script: str, keys: list[str], args: list[object]
     ) -> Any:
-        """One script round trip on a kept connection (see ``_redis_conn`` and :class:`_Kept`).
+        """One script round trip on a kept connection (see ``_redis_conn`` and ``_redis_kept``).
 
         Bounded by cutting the connection's socket when no reply came in time (a
         :class:`~._pgdeadline.Deadline` on a timer of the loop), not by ``asyncio.timeout``:
@@ -167,7 +94,7 @@ class AsyncRedis:
         connection = await kept.take()
         due: Deadline | None = None
         try:  # one bound for the whole round trip, connecting included
-            due = Deadline(_fileno(connection), self._timeout - (time.monotonic() - started))
+            due = Deadline(fileno(connection), self._timeout - (time.monotonic() - started))
             with aarmed(due):
                 lua = self.backend.scripts[script]
                 if script not in TOKEN_SCRIPTS:

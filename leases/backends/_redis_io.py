@@ -29,7 +29,6 @@ __all__ = [
     "CLOSED_UNDER",
     "Edge",
     "ablpop",
-    "acall",
     "aconnect",
     "blpop",
     "blpop_command",
@@ -209,24 +208,6 @@ def read_timeout(cache: object, socket_timeout: float) -> float:
         return socket_timeout
     config: dict[str, Any] = settings.CACHES[str(cache)]
     return float(config.get("OPTIONS", {}).get("SOCKET_TIMEOUT") or socket_timeout)
-
-
-async def acall(client: Any, command: tuple[object, ...]) -> Any:
-    """The reply to ``command`` on a ``redis.asyncio`` client, parsed as :func:`receive` parses
-    it. Sent through a pooled connection like :func:`send`, so the command's words stay at the
-    call site where a reader (and ``tests/test_redis_static.py``) can see them; a connection
-    whose reply was never read (cancelled, timed out) is dropped, never reused."""
-    pool = client.connection_pool
-    connection = await pool.get_connection()
-    try:
-        await connection.send_command(*command)
-        response = await connection.read_response()
-    except BaseException:
-        await connection.disconnect()
-        raise
-    finally:
-        await pool.release(connection)
-    return parsed(client, command, response)
 
 
 async def ablpop(client: Any, key: str, wait: float, label: str | None = None) -> Any:

@@ -1,8 +1,11 @@
 """The Redlock backend's async round trips: ``redis.asyncio``, every node asked at once.
 
-One set of node clients per event loop (:class:`~leases.backends._aio.PerLoop`); a request goes
-to every node concurrently (``asyncio.gather``) and each answer is bounded by one node timeout,
-so hung nodes cost a try at most that, however many. Only :mod:`leases.backends.redlock` uses
+One set of node clients per event loop (:class:`~leases.backends._aio.PerLoop`), each with the
+connections it keeps between round trips (:class:`~._redis_kept.Kept`, as the async Redis
+backend); a request goes to every node concurrently (``asyncio.gather``) and each answer is
+bounded by one node timeout, so hung nodes cost a try at most that, however many. A node's
+connection that failed, timed out or was cancelled before its reply was read is dropped, so a
+late reply is never read as the answer to a later command. Only :mod:`leases.backends.redlock` uses
 this module: it is that backend's ``atry_acquire``, ``arenew``, ``arelease`` and
 ``await_for_release``, deciding with the backend's own quorum and validity rules.
 """
@@ -19,7 +22,9 @@ import redis
 
 from ..errors import LeaseLost
 from ._aio import PerLoop
-from ._redis_io import ablpop, acall, aconnect, expires, ms
+from ._redis_conn import pack
+from ._redis_io import ablpop, aconnect, expires, ms
+from ._redis_kept import Kept
 from ._redis_nodes import FAILED, node_value
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply
 from ._redis_waiters import label
@@ -31,8 +36,13 @@ if TYPE_CHECKING:
 __all__ = ["AsyncRedlock"]
 
 
-async def _aclose_all(clients: list[Any]) -> None:
-    for client in clients:
+#: One node's ``redis.asyncio`` client and the connections kept out of its pool.
+_Node = tuple[Any, Kept]
+
+
+async def _aclose_all(nodes: list[_Node]) -> None:
+    for client, kept in nodes:
+        await kept.close()
         await client.aclose()
 
 
@@ -41,35 +51,37 @@ class AsyncRedlock:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._clients: PerLoop[list[Any]] = PerLoop(self._make, _aclose_all)
+        self._clients: PerLoop[list[_Node]] = PerLoop(self._make, _aclose_all)
         #: Unlocks nobody awaits (a failed try's), referenced until they end.
         self._unlocking: set[asyncio.Future[Any]] = set()
 
-    def _make(self) -> list[Any]:
+    def _make(self) -> list[_Node]:
         timeout = self.backend.node_timeout
-        return [
-            aconnect(
-                self.backend.alias,
-                None if "://" in loc else loc,
-                loc if "://" in loc else None,
-                timeout,
-            )
-            for loc in self.backend.locations
-        ]
+        nodes = []
+        for loc in self.backend.locations:
+            url = loc if "://" in loc else None
+            client = aconnect(self.backend.alias, None if url else loc, url, timeout)
+            nodes.append((client, Kept(client.connection_pool, timeout)))
+        return nodes
 
     async def _fan_out(self, *command: object) -> list[Any]:
         """The backend's ``_fan_out`` on the event loop: every node asked concurrently, every
-        answer bounded by one node timeout; a node that fails or is late answers ``FAILED``."""
-        timeout = self.backend.node_timeout
+        answer bounded by one node timeout; a node that fails or is late answers ``FAILED``.
 
-        async def ask(client: Any) -> Any:
+        Each node's round trip runs on one of its kept connections, in that node's own task of
+        the ``gather``, so the node timeout cancels that task only; a connection whose round
+        trip did not end with its reply read (failed, late, cancelled) is dropped."""
+        timeout = self.backend.node_timeout
+        packed = pack(command)
+
+        async def ask(client: Any, kept: Kept) -> Any:
             try:
                 async with asyncio.timeout(timeout):
-                    return await acall(client, command)
+                    return await kept.call(client, command, packed)
             except (redis.RedisError, OSError, TimeoutError):
                 return FAILED
 
-        return list(await asyncio.gather(*(ask(client) for client in self._clients.get())))
+        return list(await asyncio.gather(*(ask(*node) for node in self._clients.get())))
 
     def _unlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> Any:
         """Compare-and-delete on every node; without ``confirm`` it runs as a task nobody
@@ -135,7 +147,7 @@ class AsyncRedlock:
         if timeout < 0.001:
             return False
         started = time.monotonic()
-        client = random.choice(self._clients.get())
+        client = random.choice(self._clients.get())[0]
         wake = LeaseKeys.of(self.backend.prefix, name).wake
         named = label(wake, self.backend._waits.since(name, timeout))
         try:
