@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 from collections.abc import Iterable
 from tempfile import SpooledTemporaryFile
@@ -113,9 +114,7 @@ def _seekable_body(request: HttpRequest) -> BinaryIO | bytes:
     spool = SpooledTemporaryFile(  # noqa: SIM115 (the request owns it from here)
         max_size=limit, dir=settings.FILE_UPLOAD_TEMP_DIR
     )
-    for chunk in chunks:
-        spool.write(chunk)
-    for chunk in _chunks(stream):
+    for chunk in itertools.chain(chunks, _chunks(stream)):  # what was read, then the rest
         spool.write(chunk)
     spool.seek(0)
     request._stream = cast(BinaryIO, spool)
