@@ -293,9 +293,11 @@ def test_a_failing_wait_does_not_fail_the_acquisition(
     machine) is slept out and the next try decides."""
     store = get_backend(lease_backend)
     waits: list[float] = []
+    waiting = threading.Event()
 
     def broken_wait(name: str, timeout: float) -> bool:
         waits.append(timeout)
+        waiting.set()
         raise BackendUnavailable(store.alias, "wait: TimeoutError: Timeout reading from socket")
 
     monkeypatch.setattr(store, "wait_for_release", broken_wait)
@@ -305,7 +307,9 @@ def test_a_failing_wait_does_not_fail_the_acquisition(
         target=lambda: got.append(acquire(lease_name, ttl=5, backend=lease_backend, timeout=10))
     )
     waiter.start()
-    time.sleep(0.3)
+    # Released only once the waiter has failed a wait: a fixed sleep let a slow first try (a
+    # fresh ZooKeeper session on a loaded machine) come after the release and never wait.
+    assert waiting.wait(10), "the waiter never waited"
     holder.release()
     waiter.join(timeout=10)
     assert waits and got and got[0].token > holder.token
