@@ -3,7 +3,8 @@
 One real prefork worker (concurrency 1) on the demo's Redis broker; each operation sends one task
 and waits for its result, so a row is the full round trip of one task and the differences to
 the plain task are what each decorator adds: ``locked_task`` (acquire + release on the database
-and on the Redis lease backend), ``idempotent_task`` (claim + record in the body's transaction),
+and on the Redis lease backend), ``idempotent_task`` (claim + record in the body's transaction; with the default row claim
+and with ``claim_in_transaction=True``),
 ``singleton_task`` (a guard taken on enqueue, adopted and released by the worker), and the
 peers that also dedupe on enqueue: celery-once's ``QueueOnce`` and celery-singleton's
 ``Singleton`` (both on the same Redis), when installed.
@@ -84,6 +85,11 @@ locked_db = locked_task(key="bench:{n}", app=app, name="bench.locked_db")(plain.
 locked_redis = locked_task(key="bench:{n}", backend="bench-redis", app=app,
                            name="bench.locked_redis")(plain.run)  # fmt: skip
 idempotent = idempotent_task(app=app, name="bench.idempotent")(plain.run)
+# The same task claiming its key in the body's transaction (an advisory lock, the row written
+# once with the result: one commit a task instead of two), beside the default row claim.
+idempotent_gated = idempotent_task(
+    app=app, name="bench.idempotent_gated", claim_in_transaction=True
+)(plain.run)
 singleton = singleton_task(key="bench:{n}", app=app, name="bench.singleton")(plain.run)
 peer_tasks = {
     label: app.task(base=base, name=f"bench.{base.__name__}")(plain.run)
@@ -128,6 +134,7 @@ def main(report: Report) -> None:
             "locked_task (database backend)": locked_db,
             "locked_task (redis backend)": locked_redis,
             "idempotent_task": idempotent,
+            "idempotent_task (claim_in_transaction)": idempotent_gated,
             "singleton_task (database guard)": singleton,
             **peer_tasks,
         }

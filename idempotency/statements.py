@@ -33,6 +33,7 @@ from django.db.backends.utils import CursorWrapper
 from . import conf
 
 __all__ = [
+    "ASYNC_CLAIM_SQL",
     "BEGIN",
     "FINISH",
     "GATE_SESSION_SQL",
@@ -149,6 +150,18 @@ FROM found WHERE NOT EXISTS (SELECT 1 FROM claimed)
 """,
 )
 
+
+# Sent after BEGIN in the same query when the claim runs in autocommit (one implicit
+# transaction): the started row's commit does not wait for the WAL to reach the disk, which
+# saves a first request or task one of its two fsyncs. Nothing waits on that row being durable:
+# anything the attempt commits afterwards (its effects with the outcome, a recorded step)
+# commits synchronously, and flushing that commit flushes all the WAL before it, the claim's
+# included. So a server crash can lose only a claim under which nothing has committed yet, and
+# losing it frees the key at once, which is what a retry wants (the crashed attempt's
+# uncommitted work died with the server). A duplicate sees the row as soon as it is committed,
+# durable or not. Local to the claim's own implicit transaction: never sent inside an open
+# transaction, whose commit carries effects.
+ASYNC_CLAIM_SQL = "SELECT set_config('synchronous_commit', 'off', true)"
 
 # The writes below find their row by ``id`` and ``owner`` alone. Only a claim sets ``owner`` (a
 # new UUID per attempt, with ``state = 'started'``), and finishing or releasing clears it, so a
@@ -352,15 +365,33 @@ def _text(cursor: CursorWrapper, statement: Statement) -> str:
     return f"{statement.prepare_sql()}; {statement.execute_sql()}"
 
 
-def _run(cursor: CursorWrapper, text: str, params: dict[str, Any]) -> None:
+def _run(
+    cursor: CursorWrapper, text: str, params: dict[str, Any], rows_at: int | None = None
+) -> None:
+    """Send ``text`` and leave the cursor on the rows of its statement number ``rows_at``
+    (from 0), by default its last (after a PREPARE, a gate)."""
     cursor.execute(text, params)
-    # The rows that count are the last statement's (after a PREPARE, a gate). The driver's own
-    # ``nextset`` under the connection's error translation: going through the wrapper's
-    # attribute lookup would build a translating function on every call.
+    # The driver's own ``nextset`` under the connection's error translation: going through the
+    # wrapper's attribute lookup would build a translating function on every call.
     driver = cursor.cursor
     with cursor.db.wrap_database_errors:
-        while driver.nextset():
-            pass
+        if rows_at is None:
+            while driver.nextset():
+                pass
+        else:
+            for _ in range(rows_at):
+                driver.nextset()
+
+
+def _composed(
+    cursor: CursorWrapper, statement: Statement, before: str, after: str
+) -> tuple[str, int]:
+    """The query that sends ``statement`` between ``before`` and ``after``, and the number of
+    the statement whose rows count."""
+    text = _text(cursor, statement)
+    parts = [part for part in (before, text, after) if part]
+    rows_at = (1 if before else 0) + (1 if text.startswith("PREPARE ") else 0)
+    return "; ".join(parts), rows_at
 
 
 def _forget(cursor: CursorWrapper) -> None:
@@ -374,22 +405,23 @@ def execute(
     *,
     before: str = "",
     undo_before: str = "",
+    after: str = "",
 ) -> None:
     """Run ``statement``; a session that lost its prepared statements (or has one of ours
     we did not know of) prepares them again, outside a transaction only: inside one the error
     has aborted it, so it propagates. ``before`` (SQL) runs first in the same query when the
-    cursor sends one query (else as a query of its own); the cursor is left on the statement's
-    rows. When the statement has to be sent again, ``undo_before`` runs first (``before``
-    already ran: a session lock it took would otherwise be taken twice)."""
-    if before and not one_query(cursor):
-        cursor.execute(before, params)
-        before = ""
+    cursor sends one query (else as a query of its own); ``after`` (SQL) follows it in the same
+    query, and is not sent at all when the cursor cannot send one query (it is meant for what
+    only matters inside the statement's own implicit transaction). The cursor is left on the
+    statement's rows. When the statement has to be sent again, ``undo_before`` runs first
+    (``before`` already ran: a session lock it took would otherwise be taken twice)."""
+    if not one_query(cursor):
+        if before:
+            cursor.execute(before, params)
+        before = after = ""
     try:
-        _run(
-            cursor,
-            f"{before}; {_text(cursor, statement)}" if before else _text(cursor, statement),
-            params,
-        )
+        text, rows_at = _composed(cursor, statement, before, after)
+        _run(cursor, text, params, rows_at)
     except DatabaseError as exc:
         if _sqlstate(exc) not in (_NOT_PREPARED, _ALREADY_PREPARED):
             raise
@@ -400,11 +432,8 @@ def execute(
             cursor.execute(f"DEALLOCATE {statement.name}")
         if before and undo_before:
             cursor.execute(undo_before, params)
-        _run(
-            cursor,
-            f"{before}; {_text(cursor, statement)}" if before else _text(cursor, statement),
-            params,
-        )
+        text, rows_at = _composed(cursor, statement, before, after)
+        _run(cursor, text, params, rows_at)
 
 
 def prepare(using: str, *statements: Statement | OwnedWrite) -> None:

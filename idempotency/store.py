@@ -4,7 +4,9 @@
 read-only probe, so a replay or a duplicate writes nothing, then, only when the key may be
 claimed, an insert that on conflict takes over a key whose lock lapsed (a crashed attempt) or
 whose TTL passed. The started row is committed on its own (autocommit) before the work runs, so
-a duplicate sees "in progress" at once instead of queueing behind an uncommitted insert.
+a duplicate sees "in progress" at once instead of queueing behind an uncommitted insert; that
+commit does not wait for the disk (:data:`~idempotency.statements.ASYNC_CLAIM_SQL`): whatever
+the attempt commits later commits synchronously and makes the claim durable with it.
 
 An atomic attempt may instead claim its key in its own transaction (``in_transaction``): an
 advisory lock rather than a row, the row written once with the outcome (see
@@ -45,6 +47,7 @@ from leases.signals import send
 from . import signals, statements
 from .errors import IdempotencyKeyInProgress, IdempotencyKeyLost, IdempotencyKeyMismatch
 from .statements import (
+    ASYNC_CLAIM_SQL,
     BEGIN,
     FINISH,
     GATE_SESSION_SQL,
@@ -264,7 +267,8 @@ def _begin_once(
             return Begun(Status.IN_PROGRESS, retry_after=1.0)
     else:
         with connections[using].cursor() as cursor:
-            statements.execute(cursor, BEGIN, params)
+            # The started row's commit need not wait for the disk (ASYNC_CLAIM_SQL says why).
+            statements.execute(cursor, BEGIN, params, after=ASYNC_CLAIM_SQL)
             row = cursor.fetchone()
     if row is None:
         return None

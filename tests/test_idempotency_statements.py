@@ -148,3 +148,36 @@ def test_owned_writes_find_their_row_by_primary_key() -> None:
         (RELEASE, owned),
     ]:
         assert _index_scanned(statement, params) == {"idempotency_key_pkey"}, statement.name
+
+
+def _synchronous_commit() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        return str(cursor.fetchone()[0])
+
+
+def test_only_the_claims_own_commit_skips_the_wait_for_the_disk() -> None:
+    """The started row commits with synchronous_commit off, set in the claim's own query (one
+    implicit transaction); the attempt's transaction, which commits the effects with the
+    outcome, and the session afterwards keep synchronous commits."""
+    with CaptureQueriesContext(connection) as sent:
+        claim = begin("s", "k-sync", FP, ttl=60, lock_timeout=60).claim
+    assert claim is not None
+    (claim_sql,) = [query["sql"] for query in sent.captured_queries]
+    assert "idempotency_begin" in claim_sql and "'synchronous_commit', 'off', true" in claim_sql
+    attempt = Attempt(claim, atomic=True, ttl=60)
+    attempt.start()
+    in_attempt = _synchronous_commit()
+    attempt.commit(OUTCOME)
+    assert in_attempt == "on" and _synchronous_commit() == "on"
+
+
+def test_a_claim_inside_an_open_transaction_leaves_its_commit_synchronous() -> None:
+    """There the claim's row commits with the caller's effects: nothing may make that commit
+    less durable."""
+    from django.db import transaction
+
+    with transaction.atomic():
+        running = begin("s", "k-open", FP, ttl=60, lock_timeout=60)
+        assert running.claim is not None
+        assert _synchronous_commit() == "on"

@@ -16,11 +16,8 @@ never written is lost).
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
-import psycopg
 import pytest
 from django.conf import settings
 from django.test import override_settings
@@ -29,7 +26,7 @@ from leases import LeaseUnavailable, acquire
 from leases.backends import get_backend
 from leases.backends.database import Backend
 from leases.handle import Lease
-from tests.waiting import wait_until
+from tests.crashing import crash_after
 
 pytestmark = pytest.mark.fault
 
@@ -44,39 +41,6 @@ def crash_backends(alias: str) -> dict[str, Any]:
     return {**settings.LEASES, "BACKENDS": backends}
 
 
-def _admin(server: Any) -> psycopg.Connection[Any]:
-    return psycopg.connect(server.url, autocommit=True, connect_timeout=2)
-
-
-def _walwriter(server: Any) -> int:
-    with _admin(server) as admin:
-        row = admin.execute(
-            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'"
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def _crash_after(server: Any, action: Any) -> None:
-    """Run ``action`` with the WAL writer stopped, then crash the server and wait for its
-    recovery: what ``action`` committed without flushing is lost."""
-    walwriter = _walwriter(server)
-    os.kill(walwriter, signal.SIGSTOP)
-    try:
-        action()
-    finally:
-        os.kill(walwriter, signal.SIGKILL)  # the postmaster ends every backend and recovers
-
-    def recovered() -> bool:
-        try:
-            with _admin(server) as admin:
-                return admin.execute("SELECT NOT pg_is_in_recovery()").fetchone() == (True,)
-        except psycopg.Error:
-            return False
-
-    wait_until(recovered, 60, "the server to recover from the crash")
-
-
 def test_a_release_lost_in_a_crash_leaves_its_grant_to_expire_and_tokens_move_on(
     fault_database: tuple[str, Any],
 ) -> None:
@@ -85,7 +49,7 @@ def test_a_release_lost_in_a_crash_leaves_its_grant_to_expire_and_tokens_move_on
         backend = get_backend("crash")
         assert isinstance(backend, Backend)
         first = acquire("crash-release", ttl=TTL, backend="crash", keepalive=False)
-        _crash_after(server, first.release)
+        crash_after(server, first.release)
         info = backend.inspect("crash-release")
         # The release was not durable: the row is the released grant's, token unchanged.
         assert info is not None and info.holder == first.holder, "the release was flushed"
@@ -121,7 +85,7 @@ def test_a_grant_after_a_release_survives_the_crash_and_so_does_the_release(
             tokens.extend([first.token, second.token])
             kept.append(second)
 
-        _crash_after(server, release_then_grant)
+        crash_after(server, release_then_grant)
         info = backend.inspect("crash-grant")
         assert info is not None and info.held
         assert (info.holder, info.token) == ("second", tokens[1])
@@ -148,7 +112,7 @@ def test_releases_then_crashes_never_regress_tokens_or_grant_twice(
                     held.release()
                     last[:] = [held]
 
-            _crash_after(server, burst)
+            crash_after(server, burst)
             (held,) = last
             assert held.token > highest
             info = backend.inspect("crash-burst")
