@@ -3,9 +3,9 @@
 One real prefork worker (concurrency 1) on the demo's Redis broker; each operation sends one task
 and waits for its result, so a row is the full round trip of one task and the differences to
 the plain task are what each decorator adds: ``locked_task`` (acquire + release on the database
-and on the Redis lease backend), ``idempotent_task`` (claim + record in the body's transaction; with the default row claim
-and with ``claim_in_transaction=True``),
-``singleton_task`` (a guard taken on enqueue, adopted and released by the worker), and the
+and on the Redis lease backend), ``idempotent_task`` (claim + record in the body's transaction;
+with the default row claim and with ``claim_in_transaction=True``), ``singleton_task`` (a
+guard taken on enqueue, adopted and released by the worker), and the
 peers that also dedupe on enqueue: celery-once's ``QueueOnce`` and celery-singleton's
 ``Singleton`` (both on the same Redis), when installed.
 

@@ -163,6 +163,7 @@ FROM found WHERE NOT EXISTS (SELECT 1 FROM claimed)
 # transaction, whose commit carries effects.
 ASYNC_CLAIM_SQL = "SELECT set_config('synchronous_commit', 'off', true)"
 
+
 # The writes below find their row by ``id`` and ``owner`` alone. Only a claim sets ``owner`` (a
 # new UUID per attempt, with ``state = 'started'``), and finishing or releasing clears it, so a
 # matching owner already means "started"; a ``state = 'started'`` test would add nothing but
