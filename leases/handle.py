@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Self
 
-from . import _process, conf, keepalive, revocation, signals, tracing
+from . import _process, conf, keepalive, signals, tracing
 from ._arguments import valid_ttl
 from ._finishing import finish
 from .backends import Grant, LeaseBackend
@@ -235,7 +235,11 @@ class Lease:
 
     def _revoked_through(self) -> int | None:
         """Whether an operator's force release is why the store refused this grant (a database
-        read, bounded, made only after a refusal: see :func:`leases.revocation.revoked_grant`)."""
+        read, bounded, made only after a refusal: see :func:`leases.revocation.revoked_grant`).
+        Imported here: the module needs Django's models, and importing the package (or
+        ``idempotency``) must not load them before settings and the app registry exist."""
+        from . import revocation
+
         return revocation.revoked_grant(self.backend, self.name, self.token)
 
     def _renewed(self, grant: Grant) -> Grant:
