@@ -13,12 +13,13 @@ import redis
 import redis.asyncio
 
 from devservers import RedisServer
+from leases.backends.base import Grant
 from leases.backends.redis import LeaseKeys
 from leases.backends.redlock import Backend, node_value
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
 from tests.lease_backends import wait_overshoots
-from tests.waiting import wait_until
+from tests.waiting import stalled, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -436,3 +437,75 @@ def test_an_async_try_with_hung_nodes_costs_one_node_timeout_and_counts_them_ref
     # its SETs and one for the unlocks of the silent nodes (1 s); node by node, the four hung
     # nodes' SETs alone cost 2 s, their unlocks 2 s more.
     assert max(elapsed) < 4 * timeout, elapsed
+
+
+def test_an_async_round_trip_on_a_stalled_event_loop_reads_the_replies_that_came_in_time(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    """The event loop blocks (a synchronous call in some coroutine, GIL-heavy worker threads)
+    right after every node ran the command, for longer than NODE_TIMEOUT but well within the
+    TTL. The nodes answered in time, their replies waiting in the sockets: the try is granted,
+    the renewal renews and the release releases (each used to count every node silent: "no
+    Redlock node answered"). The fence still orders the grants: a later holder's higher token
+    shuts the stalled holder's writes out."""
+    servers = redis_servers(3)
+    timeout, stall = 0.2, 0.8
+    backend, name, register = make_backend(servers, NODE_TIMEOUT=timeout), unique(), "rl-stall"
+    register = checker.new_register(register)
+    lock = LeaseKeys.of("leases:", name).lock
+
+    def ttls() -> list[int]:
+        return [redis.Redis.from_url(server.url).pttl(lock) for server in servers]
+
+    async def main() -> list[Grant]:
+        try:
+            warm = await backend.atry_acquire(name, "warm", 30)  # a kept connection per node
+            assert warm is not None
+            await backend.arelease(warm)
+            held = lambda: all(value is not None for value in holders(servers, name))  # noqa: E731
+            a = await stalled(backend.atry_acquire(name, "A", 10), held, stall, "the SETs")
+            assert a is not None
+            renewed = lambda: all(ttl > 10_000 for ttl in ttls())  # noqa: E731
+            a = await stalled(backend.arenew(a, 30), renewed, stall, "the renewals")
+            freed = lambda: holders(servers, name) == [None] * 3  # noqa: E731
+            await stalled(backend.arelease(a), freed, stall, "the releases")
+            b = await backend.atry_acquire(name, "B", 10)
+            assert b is not None
+            await backend.arelease(b)
+            return [a, b]
+        finally:
+            await backend.aclose()
+
+    a, b = asyncio.run(main())
+    assert b.token > a.token
+    assert checker.record_write(register, a.token, "A")
+    assert checker.record_write(register, b.token, "B")
+    assert not checker.record_write(register, a.token, "A")
+    checker.check_history(register, [a.token, b.token])
+
+
+def test_an_async_try_whose_event_loop_stalls_past_its_ttl_is_not_granted(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    """The loop stalls longer than the TTL right after every node ran the ``SET``: the
+    replies say yes, but the validity counts from when the ``SET`` was sent, so nothing is
+    granted (the keys may already have expired on the nodes, and another holder be in). The
+    next try is granted as usual."""
+    servers = redis_servers(3)
+    backend, name = make_backend(servers, NODE_TIMEOUT=0.2), unique()
+
+    async def main() -> Grant | None:
+        try:
+            warm = await backend.atry_acquire(name, "warm", 30)
+            assert warm is not None
+            await backend.arelease(warm)
+            held = lambda: all(value is not None for value in holders(servers, name))  # noqa: E731
+            late = await stalled(backend.atry_acquire(name, "A", 0.5), held, 1.0, "the SETs")
+            assert late is None
+            return await backend.atry_acquire(name, "B", 10)
+        finally:
+            await backend.aclose()
+
+    b = asyncio.run(main())
+    assert b is not None and holders(servers, name) == [node_value("B", b.secret).encode()] * 3
+    backend.release(b)

@@ -11,6 +11,13 @@ end. Any error, timeout or cancellation before the reply was read drops the conn
 (disconnected, never used again), so a reply that arrives late can never be read as the answer
 to a later command; one handed back owing a reply, or with anything to read while idle (the
 server closed it, or sent what nobody asked for), is dropped rather than used (:func:`stale`).
+
+A round trip's bound is measured by the event loop, which may stall past it (a blocking call in
+some coroutine, GIL-heavy worker threads) while the reply waits in the socket: so when the bound
+passes, a round trip whose connection has something to read is given one more bound to read it
+(:class:`Bound`), as a blocking socket's timeout would have found the reply once the process ran
+again. Only a round trip with nothing to read when its bound is checked is cut off. Whoever
+counts on the reply judges its lease from when the request was sent, never from the reply.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import redis
 from ._redis_conn import pack
 from ._redis_io import name_back_due, parsed
 
-__all__ = ["Kept", "fileno", "stale"]
+__all__ = ["Bound", "Kept", "fileno", "pending", "stale"]
 
 
 def fileno(connection: Any) -> int:
@@ -33,20 +40,75 @@ def fileno(connection: Any) -> int:
     return int(sock.fileno())
 
 
-def stale(connection: Any) -> bool:
-    """Whether a kept connection must not be used: closed, owed a name given back (see
-    :func:`~._redis_io.name_back_due`: its next read would be a stale reply), or with
-    something to read while idle (the server closed it, or sent what nobody asked for),
-    buffered by the loop already or still in the socket (one ``select`` with no wait)."""
+def pending(connection: Any) -> bool:
+    """Whether a connection has anything to read: buffered by the loop already, or still in
+    the socket (one ``select`` with no wait). End-of-file and errors count (a read ends at once)."""
     reader = connection._reader
-    if reader is None or name_back_due(connection):
+    if reader is None or reader.at_eof() or reader.exception() is not None:
         return True
-    if reader.at_eof() or reader.exception() is not None or len(reader._buffer):
+    if len(reader._buffer):
         return True
     try:
         return bool(select.select([fileno(connection)], [], [], 0)[0])
     except (OSError, ValueError, AttributeError):
         return True
+
+
+def stale(connection: Any) -> bool:
+    """Whether a kept connection must not be used: closed, owed a name given back (see
+    :func:`~._redis_io.name_back_due`: its next read would be a stale reply), or with
+    something to read while idle (:func:`pending`: the server closed it, or sent what nobody
+    asked for)."""
+    return connection._reader is None or name_back_due(connection) or pending(connection)
+
+
+class Bound:
+    """``asyncio.timeout(timeout)`` for one round trip on a kept connection, which a stalled
+    event loop cannot turn into a silent server.
+
+    When ``timeout`` has passed on the loop's clock and the round trip's connection (see
+    :attr:`connection`) has something to read (:func:`pending`), the reply came while the loop
+    was not looking: the round trip gets ``timeout`` more to read it, once. Otherwise (nothing
+    to read, or still connecting) its task is cancelled and the block raises ``TimeoutError``,
+    as ``asyncio.timeout``'s would. A reply is thus read only by the round trip that asked
+    for it; one not read to its end still drops its connection (see :class:`Kept`).
+    """
+
+    __slots__ = ("_cancelling", "_handle", "_task", "connection", "extended", "fired", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        #: The connection the round trip runs on, once it has one.
+        self.connection: Any = None
+        self.extended = self.fired = False
+        self._task: asyncio.Task[Any] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelling = 0
+
+    async def __aenter__(self) -> Bound:
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - always awaited in a task
+            raise RuntimeError("Bound must be used inside a task")
+        self._task, self._cancelling = task, task.cancelling()
+        self._handle = asyncio.get_running_loop().call_later(self.timeout, self._expire)
+        return self
+
+    def _expire(self) -> None:
+        if not self.extended and self.connection is not None and pending(self.connection):
+            self.extended = True
+            self._handle = asyncio.get_running_loop().call_later(self.timeout, self._expire)
+            return
+        assert self._task is not None
+        self.fired = True
+        self._task.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """A cancellation of ours becomes ``TimeoutError``; the caller's stays one."""
+        assert self._task is not None and self._handle is not None
+        self._handle.cancel()
+        ours = self.fired and self._task.uncancel() <= self._cancelling
+        if ours and exc_type is asyncio.CancelledError:
+            raise TimeoutError(f"no reply within {self.timeout} s")
 
 
 class Kept:
@@ -100,15 +162,17 @@ class Kept:
     async def call(self, client: Any, command: tuple[object, ...], packed: bytes = b"") -> Any:
         """The reply to ``command`` on a kept connection of ``client``'s pool, parsed as
         redis-py's method for it would (:func:`~._redis_io.parsed`); ``packed`` is ``command``
-        already packed (:func:`~._redis_conn.pack`: once for every node). The caller bounds it
-        (``asyncio.timeout``); a round trip that ends any way but with its reply read drops
-        its connection."""
-        connection = await self.take()
-        try:
-            await connection.send_packed_command([packed or pack(command)], check_health=False)
-            response = await connection.read_response()
-        except BaseException:
-            await self.drop(connection)
-            raise
+        already packed (:func:`~._redis_conn.pack`: once for every node). Connecting, sending
+        and reading are bounded by :attr:`timeout` as :class:`Bound` says (``TimeoutError``
+        past it); a round trip that ends any way but with its reply read drops its
+        connection."""
+        async with Bound(self.timeout) as bound:
+            connection = bound.connection = await self.take()
+            try:
+                await connection.send_packed_command([packed or pack(command)], check_health=False)
+                response = await connection.read_response()
+            except BaseException:
+                await self.drop(connection)
+                raise
         await self.give(connection)
         return parsed(client, command, response)

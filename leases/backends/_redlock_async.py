@@ -68,16 +68,17 @@ class AsyncRedlock:
         """The backend's ``_fan_out`` on the event loop: every node asked concurrently, every
         answer bounded by one node timeout; a node that fails or is late answers ``FAILED``.
 
-        Each node's round trip runs on one of its kept connections, in that node's own task of
-        the ``gather``, so the node timeout cancels that task only; a connection whose round
-        trip did not end with its reply read (failed, late, cancelled) is dropped."""
-        timeout = self.backend.node_timeout
+        Each node's round trip runs on one of its kept connections (bounded by the node timeout
+        there, see :class:`~._redis_kept.Bound`), in that node's own task of the ``gather``, so
+        the node timeout cancels that task only; a connection whose round trip did not end with
+        its reply read (failed, late, cancelled) is dropped. A node whose reply waited in its
+        socket while the event loop stalled past the node timeout is not late: its reply is
+        read (validity still counts from ``sent_at``, before the stall)."""
         packed = pack(command)
 
         async def ask(client: Any, kept: Kept) -> Any:
             try:
-                async with asyncio.timeout(timeout):
-                    return await kept.call(client, command, packed)
+                return await kept.call(client, command, packed)
             except (redis.RedisError, OSError, TimeoutError):
                 return FAILED
 
