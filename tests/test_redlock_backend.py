@@ -327,10 +327,7 @@ def test_async_round_trips_keep_each_nodes_connection_and_never_reuse_a_dead_or_
     reply is never read as the answer to a later command (every node answers every command
     right, again on one kept connection)."""
     servers = redis_servers(3)
-    # A generous node timeout: an event loop that stalls past it (a loaded 2-core machine, the
-    # other test worker busy) counts every node silent, replies waiting in their sockets (a
-    # fresh-clone CI run at 0.3 s). The paused node below still costs only this once.
-    backend, name = make_backend(servers, NODE_TIMEOUT=1.5), unique()
+    backend, name = make_backend(servers), unique()  # the paused node costs it once
     checkouts: dict[int, int] = {server.port: 0 for server in servers}
     get_connection = redis.asyncio.ConnectionPool.get_connection
 
@@ -400,7 +397,7 @@ def test_an_async_try_with_hung_nodes_costs_one_node_timeout_and_counts_them_ref
     on new ones: the timed-out ones were dropped). Once the nodes resume, their late replies
     are never read as answers: a try is granted on every node and released everywhere. (A
     late ``SET`` may land after its unlock: the tries' short TTL bounds what it holds.)"""
-    timeout = 1.0  # a loop stall past it would also silence the live node (see above)
+    timeout = 0.5
     backend, name = make_backend(five, NODE_TIMEOUT=timeout), unique()
 
     async def main() -> list[float]:

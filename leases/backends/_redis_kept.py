@@ -14,10 +14,10 @@ server closed it, or sent what nobody asked for), is dropped rather than used (:
 
 A round trip's bound is measured by the event loop, which may stall past it (a blocking call in
 some coroutine, GIL-heavy worker threads) while the reply waits in the socket: so when the bound
-passes, a round trip whose connection has something to read is given one more bound to read it
-(:class:`Bound`), as a blocking socket's timeout would have found the reply once the process ran
-again. Only a round trip with nothing to read when its bound is checked is cut off. Whoever
-counts on the reply judges its lease from when the request was sent, never from the reply.
+passes, a round trip whose reply has come (buffered, or in the socket) is given more time to
+read it (:class:`Bound`), as a blocking socket's timeout would have found the reply once the
+process ran again. Only a round trip to which nothing came is cut off. Whoever counts on the
+reply judges its lease from when the request was sent, never from the reply.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import redis
 from ._redis_conn import pack
 from ._redis_io import name_back_due, parsed
 
-__all__ = ["Bound", "Kept", "fileno", "pending", "stale"]
+__all__ = ["Bound", "Kept", "fileno", "stale"]
 
 
 def fileno(connection: Any) -> int:
@@ -40,47 +40,51 @@ def fileno(connection: Any) -> int:
     return int(sock.fileno())
 
 
-def pending(connection: Any) -> bool:
-    """Whether a connection has anything to read: buffered by the loop already, or still in
-    the socket (one ``select`` with no wait). End-of-file and errors count (a read ends at once)."""
-    reader = connection._reader
-    if reader is None or reader.at_eof() or reader.exception() is not None:
-        return True
-    if len(reader._buffer):
-        return True
+def _in_socket(connection: Any, unknown: bool) -> bool:
+    """Whether the socket of a connected connection has something to read (one ``select``
+    with no wait): a reply, more of one, or end-of-file; ``unknown`` when it cannot tell."""
     try:
         return bool(select.select([fileno(connection)], [], [], 0)[0])
     except (OSError, ValueError, AttributeError):
-        return True
+        return unknown
 
 
 def stale(connection: Any) -> bool:
     """Whether a kept connection must not be used: closed, owed a name given back (see
     :func:`~._redis_io.name_back_due`: its next read would be a stale reply), or with
-    something to read while idle (:func:`pending`: the server closed it, or sent what nobody
-    asked for)."""
-    return connection._reader is None or name_back_due(connection) or pending(connection)
+    something to read while idle (the server closed it, or sent what nobody asked for),
+    buffered by the loop already or still in the socket."""
+    reader = connection._reader
+    if reader is None or name_back_due(connection):
+        return True
+    if reader.at_eof() or reader.exception() is not None or len(reader._buffer):
+        return True
+    return _in_socket(connection, unknown=True)
 
 
 class Bound:
     """``asyncio.timeout(timeout)`` for one round trip on a kept connection, which a stalled
     event loop cannot turn into a silent server.
 
-    When ``timeout`` has passed on the loop's clock and the round trip's connection (see
-    :attr:`connection`) has something to read (:func:`pending`), the reply came while the loop
-    was not looking: the round trip gets ``timeout`` more to read it, once. Otherwise (nothing
-    to read, or still connecting) its task is cancelled and the block raises ``TimeoutError``,
-    as ``asyncio.timeout``'s would. A reply is thus read only by the round trip that asked
-    for it; one not read to its end still drops its connection (see :class:`Kept`).
+    When ``timeout`` has passed on the loop's clock, the round trip is cut off (its task
+    cancelled, ``TimeoutError`` out of the block, as ``asyncio.timeout``'s) only if nothing of
+    its reply arrived since it last looked: nothing in the socket of its :attr:`connection`
+    and its reader's buffer as it was. Otherwise the reply came while the loop was not
+    looking (it stalled), and the round trip gets ``timeout`` more to read it. Each extension
+    needs more of the reply (or its reading) to have happened, so a hung server, or one that
+    stopped halfway through a reply, is cut off one ``timeout`` later at most. A reply is only
+    ever read by the round trip that asked for it; one not read to its end still drops its
+    connection (see :class:`Kept`).
     """
 
-    __slots__ = ("_cancelling", "_handle", "_task", "connection", "extended", "fired", "timeout")
+    __slots__ = ("_buffered", "_cancelling", "_handle", "_task", "connection", "fired", "timeout")
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        #: The connection the round trip runs on, once it has one.
+        #: The connection the round trip runs on, once it has one (none: still connecting).
         self.connection: Any = None
-        self.extended = self.fired = False
+        self.fired = False
+        self._buffered = 0
         self._task: asyncio.Task[Any] | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._cancelling = 0
@@ -93,9 +97,16 @@ class Bound:
         self._handle = asyncio.get_running_loop().call_later(self.timeout, self._expire)
         return self
 
+    def _arrived(self) -> bool:
+        """Whether more of the reply arrived, or was read, since the last look."""
+        reader = getattr(self.connection, "_reader", None)
+        if reader is None:
+            return False
+        buffered, self._buffered = self._buffered, len(reader._buffer)
+        return buffered != self._buffered or _in_socket(self.connection, unknown=False)
+
     def _expire(self) -> None:
-        if not self.extended and self.connection is not None and pending(self.connection):
-            self.extended = True
+        if self._arrived():
             self._handle = asyncio.get_running_loop().call_later(self.timeout, self._expire)
             return
         assert self._task is not None
