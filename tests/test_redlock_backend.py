@@ -506,3 +506,43 @@ def test_an_async_try_whose_event_loop_stalls_past_its_ttl_is_not_granted(
     b = asyncio.run(main())
     assert b is not None and holders(servers, name) == [node_value("B", b.secret).encode()] * 3
     backend.release(b)
+
+
+def test_async_renewals_and_releases_send_their_scripts_by_sha1_loading_them_where_missing(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    """Async renewals and releases run their scripts by SHA1 (``EVALSHA``), never with their
+    text each time (``EVAL``): the text crosses the network once per script and server, on
+    the connection that found it missing, and once more after a node lost its scripts
+    (``SCRIPT FLUSH``, as a restart would), the renewal and release answering as before."""
+    servers = redis_servers(3)
+    backend, name = make_backend(servers), unique()
+    clients = [redis.Redis.from_url(server.url) for server in servers]
+
+    def calls(prefix: str) -> list[int]:
+        """Calls per node of the commands ``prefix`` starts (``script`` counts ``script|load``
+        and ``script|flush``, or one ``script`` before Redis 7)."""
+        stats = [client.info("commandstats") for client in clients]
+        return [sum(int(v["calls"]) for k, v in s.items() if k.startswith(prefix)) for s in stats]
+
+    async def cycles(count: int) -> None:
+        for index in range(count):
+            grant = await backend.atry_acquire(name, f"h{index}", 30)
+            assert grant is not None
+            grant = await backend.arenew(grant, 30)
+            await backend.arelease(grant)
+            assert holders(servers, name) == [None] * 3
+
+    async def main() -> None:
+        try:
+            await cycles(3)
+            clients[0].script_flush()
+            await cycles(2)
+        finally:
+            await backend.aclose()
+
+    asyncio.run(main())
+    assert calls("cmdstat_eval") == calls("cmdstat_evalsha")  # no EVAL
+    assert all(count >= 10 for count in calls("cmdstat_evalsha")), calls("cmdstat_evalsha")
+    # Renew's and release's loads; on node 0 the flush, and both loads again after it.
+    assert calls("cmdstat_script") == [5, 2, 2]

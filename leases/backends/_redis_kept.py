@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import select
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
 
-from ._redis_conn import pack
+from ._redis_conn import Script, arun_script, pack
 from ._redis_io import name_back_due, parsed
 
 __all__ = ["Bound", "Kept", "fileno", "stale"]
@@ -170,20 +171,38 @@ class Kept:
         for connection in idle:
             await self.pool.release(connection)
 
-    async def call(self, client: Any, command: tuple[object, ...], packed: bytes = b"") -> Any:
-        """The reply to ``command`` on a kept connection of ``client``'s pool, parsed as
-        redis-py's method for it would (:func:`~._redis_io.parsed`); ``packed`` is ``command``
-        already packed (:func:`~._redis_conn.pack`: once for every node). Connecting, sending
-        and reading are bounded by :attr:`timeout` as :class:`Bound` says (``TimeoutError``
-        past it); a round trip that ends any way but with its reply read drops its
-        connection."""
+    async def _round_trip(self, exchange: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``exchange``'s reply on a kept connection: connecting, sending and reading bounded
+        by :attr:`timeout` as :class:`Bound` says (``TimeoutError`` past it); a round trip
+        that ends any way but with its reply read drops its connection."""
         async with Bound(self.timeout) as bound:
             connection = bound.connection = await self.take()
             try:
-                await connection.send_packed_command([packed or pack(command)], check_health=False)
-                response = await connection.read_response()
+                response = await exchange(connection)
             except BaseException:
                 await self.drop(connection)
                 raise
         await self.give(connection)
-        return parsed(client, command, response)
+        return response
+
+    async def call(self, client: Any, command: tuple[object, ...], packed: bytes = b"") -> Any:
+        """The reply to ``command`` on a kept connection of ``client``'s pool (see
+        :meth:`_round_trip`), parsed as redis-py's method for it would
+        (:func:`~._redis_io.parsed`); ``packed`` is ``command`` already packed
+        (:func:`~._redis_conn.pack`: once for every node)."""
+
+        async def exchange(connection: Any) -> Any:
+            await connection.send_packed_command([packed or pack(command)], check_health=False)
+            return await connection.read_response()
+
+        return parsed(client, command, await self._round_trip(exchange))
+
+    async def run(
+        self, script: Script, keys: list[str], args: list[object], packed: bytes = b""
+    ) -> Any:
+        """The reply of ``script`` by its SHA1 on a kept connection (see :meth:`_round_trip`),
+        loaded there first if the server lacks it (:func:`~._redis_conn.arun_script`);
+        ``packed`` is the call already packed (:meth:`~._redis_conn.Script.packed`)."""
+        return await self._round_trip(
+            lambda connection: arun_script(connection, script, keys, args, packed)
+        )
