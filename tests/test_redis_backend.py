@@ -413,7 +413,7 @@ def test_an_async_round_trip_on_a_stalled_event_loop_reads_the_reply_that_came_i
     the TTL gives a grant with no validity left (counted from when the script was sent: the
     lease layer holds it as lost at once). The round trip is bounded by cutting its socket on
     a timer of the loop, which runs after the loop read what the socket holds."""
-    backend, name, register = make_backend(SOCKET_TIMEOUT=0.2), unique(), checker.new_register()
+    backend, name, register = make_backend(SOCKET_TIMEOUT=0.3), unique(), checker.new_register()
     client = redis.Redis.from_url(os.environ["REDIS_URL"])
     lock = LeaseKeys.of(backend.prefix, name).lock
     stall, drift = 0.8, (conf.get().drift_factor, conf.get().drift_min)

@@ -446,7 +446,7 @@ def test_an_async_round_trip_on_a_stalled_event_loop_reads_the_replies_that_came
     Redlock node answered"). The fence still orders the grants: a later holder's higher token
     shuts the stalled holder's writes out."""
     servers = redis_servers(3)
-    timeout, stall = 0.2, 0.8
+    timeout, stall = 0.3, 1.0
     backend, name, register = make_backend(servers, NODE_TIMEOUT=timeout), unique(), "rl-stall"
     register = checker.new_register(register)
     lock = LeaseKeys.of("leases:", name).lock
@@ -489,7 +489,7 @@ def test_an_async_try_whose_event_loop_stalls_past_its_ttl_is_not_granted(
     granted (the keys may already have expired on the nodes, and another holder be in). The
     next try is granted as usual."""
     servers = redis_servers(3)
-    backend, name = make_backend(servers, NODE_TIMEOUT=0.2), unique()
+    backend, name = make_backend(servers, NODE_TIMEOUT=0.3), unique()
 
     async def main() -> Grant | None:
         try:
