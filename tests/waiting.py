@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["stalled", "wait_until"]
+__all__ = ["stalled", "stalled_handover", "wait_until"]
 
 T = TypeVar("T")
 
@@ -58,3 +58,30 @@ async def stalled(
     finally:
         result = await task
     return result
+
+
+async def stalled_handover(
+    backend: Any,
+    name: str,
+    stall: float,
+    *,
+    held: Callable[[], object],
+    renewed: Callable[[], object],
+    freed: Callable[[], object],
+) -> tuple[Any, Any]:
+    """Through ``backend``'s async methods, holder A acquires ``name`` (TTL 10 s), renews it
+    (to 30 s) and releases it, the loop stalling ``stall`` seconds right after each request
+    reached the store (``held``, ``renewed``, ``freed`` say when, see :func:`stalled`); then
+    B acquires and releases it unstalled. Each must succeed (a warm-up cycle first, so the
+    stalled ones run on kept connections). Returns A's grant as renewed, and B's."""
+    warm = await backend.atry_acquire(name, "warm", 30)
+    assert warm is not None
+    await backend.arelease(warm)
+    a = await stalled(backend.atry_acquire(name, "A", 10), held, stall, "the acquire")
+    assert a is not None
+    a = await stalled(backend.arenew(a, 30), renewed, stall, "the renewal")
+    await stalled(backend.arelease(a), freed, stall, "the release")
+    b = await backend.atry_acquire(name, "B", 10)
+    assert b is not None
+    await backend.arelease(b)
+    return a, b
