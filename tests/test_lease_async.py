@@ -409,6 +409,7 @@ def test_blocking_acquisitions_are_refused_inside_a_running_event_loop(
     refused = arun(lease_backend, main)
     assert "acquire() blocks" in refused[0] and "aacquire()" in refused[0]
     assert "acquire_slot() blocks" in refused[2]
+    assert "elect() blocks" in refused[4] and "aelect()" in refused[4]
 
 
 def test_django_allow_async_unsafe_lifts_the_refusal(
