@@ -41,6 +41,7 @@ __all__ = [
     "Summary",
     "check_attempts",
     "check_grants",
+    "check_handover",
     "check_history",
     "history",
     "new_register",
@@ -278,6 +279,18 @@ def check_history(
             f"token {summary.highest}: a write took effect outside the fenced log"
         )
     return summary
+
+
+def check_handover(old: int, new: int, register: str | None = None) -> None:
+    """The fence at a handover from the grant of token ``old`` to the later one of ``new``:
+    both write, in that order, then the old holder's next write is rejected, and the history
+    passes every check (a register of its own unless ``register`` is given)."""
+    register = register or new_register("handover")
+    assert new > old, (old, new)
+    assert record_write(register, old, "old")
+    assert record_write(register, new, "new")
+    assert not record_write(register, old, "old")
+    check_history(register, [old, new])
 
 
 def run_writes(register: str, writer: str, tokens: Iterable[int]) -> list[bool]:

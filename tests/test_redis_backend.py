@@ -6,6 +6,7 @@ Tests that kill, pause or fail over a server use servers of their own (``redis_s
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import time
@@ -17,7 +18,7 @@ import redis
 from redis.crc import key_slot
 
 from devservers import RedisServer
-from leases import LeaseUnavailable, acquire
+from leases import LeaseUnavailable, acquire, conf
 from leases.acquiring import STOP_READERS_EVERY
 from leases.backends._redis_shared import STOP_READERS_LUA
 from leases.backends.base import Grant
@@ -34,6 +35,7 @@ from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigu
 from tests import checker
 from tests.extra_backends import added_backend
 from tests.lease_backends import wait_overshoots
+from tests.waiting import stalled, stalled_handover
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -400,3 +402,36 @@ def test_a_writer_waiting_behind_a_writer_sends_no_stop_sign_for_readers(
             acquire(name, ttl=10, backend=alias, timeout=STOP_READERS_EVERY / 2, holder="w2")
         assert stop_signs_sent(client) >= 1
         reader.release()
+
+
+def test_an_async_round_trip_on_a_stalled_event_loop_reads_the_reply_that_came_in_time(
+    make_backend: MakeBackend,
+) -> None:
+    """The event loop blocks right after the server ran the script, for longer than the
+    round trip's timeout but well within the TTL: the reply came in time and waits in the
+    socket, so the try is granted, the renewal renews and the release releases. A stall past
+    the TTL gives a grant with no validity left (counted from when the script was sent: the
+    lease layer holds it as lost at once). The round trip is bounded by cutting its socket on
+    a timer of the loop, which runs after the loop read what the socket holds."""
+    backend, name = make_backend(SOCKET_TIMEOUT=0.3), unique()
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    lock = LeaseKeys.of(backend.prefix, name).lock
+    stall, drift = 0.8, (conf.get().drift_factor, conf.get().drift_min)
+
+    async def main() -> tuple[Grant, Grant]:
+        held = lambda: client.exists(lock)  # noqa: E731
+        freed = lambda: not client.exists(lock)  # noqa: E731
+        renewed = lambda: client.pttl(lock) > 10_000  # noqa: E731
+        try:
+            a, b = await stalled_handover(
+                backend, name, stall, held=held, renewed=renewed, freed=freed
+            )
+            late = await stalled(backend.atry_acquire(name, "L", 0.5), held, 1.0, "the acquire")
+            assert late is not None  # granted, but the loop ran again past its TTL: no validity
+            assert time.monotonic() >= late.valid_until(*drift), late
+            return a, b
+        finally:
+            await backend.aclose()
+
+    a, b = asyncio.run(main())
+    checker.check_handover(a.token, b.token)

@@ -7,10 +7,14 @@ happened.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-__all__ = ["wait_until"]
+__all__ = ["stalled", "stalled_handover", "wait_until"]
+
+T = TypeVar("T")
 
 
 def wait_until(
@@ -30,3 +34,54 @@ def wait_until(
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
     return time.monotonic() - start
+
+
+async def stalled(
+    call: Awaitable[T], condition: Callable[[], object], seconds: float, what: str
+) -> T:
+    """``call``'s outcome when the event loop blocks for ``seconds`` (a synchronous sleep, as a
+    blocking call in some coroutine or GIL-heavy worker threads would) once ``condition``
+    holds: the server ran the command, its reply waits in the socket while the loop stalls.
+
+    ``call`` runs as a task made before the polls of ``condition`` (one a loop turn), so each
+    turn runs its steps first (sending), then the poll: the stall starts on the very turn the
+    request went out, before the loop looked at any socket again. ``AssertionError`` naming
+    ``what`` if ``condition`` does not hold within 10 s."""
+    task = asyncio.ensure_future(call)
+    try:
+        deadline = time.monotonic() + 10
+        while not condition():
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"timed out after 10s waiting for {what}")
+            await asyncio.sleep(0)
+        time.sleep(seconds)  # the stall: the loop runs nothing else meanwhile
+    finally:
+        result = await task
+    return result
+
+
+async def stalled_handover(
+    backend: Any,
+    name: str,
+    stall: float,
+    *,
+    held: Callable[[], object],
+    renewed: Callable[[], object],
+    freed: Callable[[], object],
+) -> tuple[Any, Any]:
+    """Through ``backend``'s async methods, holder A acquires ``name`` (TTL 10 s), renews it
+    (to 30 s) and releases it, the loop stalling ``stall`` seconds right after each request
+    reached the store (``held``, ``renewed``, ``freed`` say when, see :func:`stalled`); then
+    B acquires and releases it unstalled. Each must succeed (a warm-up cycle first, so the
+    stalled ones run on kept connections). Returns A's grant as renewed, and B's."""
+    warm = await backend.atry_acquire(name, "warm", 30)
+    assert warm is not None
+    await backend.arelease(warm)
+    a = await stalled(backend.atry_acquire(name, "A", 10), held, stall, "the acquire")
+    assert a is not None
+    a = await stalled(backend.arenew(a, 30), renewed, stall, "the renewal")
+    await stalled(backend.arelease(a), freed, stall, "the release")
+    b = await backend.atry_acquire(name, "B", 10)
+    assert b is not None
+    await backend.arelease(b)
+    return a, b

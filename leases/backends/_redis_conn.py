@@ -220,9 +220,12 @@ def run_script(connection: Any, script: Script, keys: list[str], args: list[obje
         raise closed_under(exc) from exc
 
 
-async def arun_script(connection: Any, script: Script, keys: list[str], args: list[object]) -> Any:
-    """:func:`run_script` on a ``redis.asyncio`` connection."""
-    command = [script.packed(keys, args)]
+async def arun_script(
+    connection: Any, script: Script, keys: list[str], args: list[object], packed: bytes = b""
+) -> Any:
+    """:func:`run_script` on a ``redis.asyncio`` connection; ``packed`` is the call already
+    packed (:meth:`Script.packed`: Redlock packs it once for every node)."""
+    command = [packed or script.packed(keys, args)]
     await connection.send_packed_command(command, check_health=False)
     try:
         return await connection.read_response()

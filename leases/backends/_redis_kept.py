@@ -11,20 +11,28 @@ end. Any error, timeout or cancellation before the reply was read drops the conn
 (disconnected, never used again), so a reply that arrives late can never be read as the answer
 to a later command; one handed back owing a reply, or with anything to read while idle (the
 server closed it, or sent what nobody asked for), is dropped rather than used (:func:`stale`).
+
+A round trip's bound is measured by the event loop, which may stall past it (a blocking call in
+some coroutine, GIL-heavy worker threads) while the reply waits in the socket: so when the bound
+passes, a round trip whose reply has come (buffered, or in the socket) is given more time to
+read it (:class:`Bound`), as a blocking socket's timeout would have found the reply once the
+process ran again. Only a round trip to which nothing came is cut off. Whoever counts on the
+reply judges its lease from when the request was sent, never from the reply.
 """
 
 from __future__ import annotations
 
 import asyncio
 import select
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
 
-from ._redis_conn import pack
+from ._redis_conn import Script, arun_script, pack
 from ._redis_io import name_back_due, parsed
 
-__all__ = ["Kept", "fileno", "stale"]
+__all__ = ["Bound", "Kept", "fileno", "stale"]
 
 
 def fileno(connection: Any) -> int:
@@ -33,20 +41,86 @@ def fileno(connection: Any) -> int:
     return int(sock.fileno())
 
 
+def _in_socket(connection: Any, unknown: bool) -> bool:
+    """Whether the socket of a connected connection has something to read (one ``select``
+    with no wait): a reply, more of one, or end-of-file; ``unknown`` when it cannot tell."""
+    try:
+        return bool(select.select([fileno(connection)], [], [], 0)[0])
+    except (OSError, ValueError, AttributeError):
+        return unknown
+
+
 def stale(connection: Any) -> bool:
     """Whether a kept connection must not be used: closed, owed a name given back (see
     :func:`~._redis_io.name_back_due`: its next read would be a stale reply), or with
     something to read while idle (the server closed it, or sent what nobody asked for),
-    buffered by the loop already or still in the socket (one ``select`` with no wait)."""
+    buffered by the loop already or still in the socket."""
     reader = connection._reader
     if reader is None or name_back_due(connection):
         return True
     if reader.at_eof() or reader.exception() is not None or len(reader._buffer):
         return True
-    try:
-        return bool(select.select([fileno(connection)], [], [], 0)[0])
-    except (OSError, ValueError, AttributeError):
-        return True
+    return _in_socket(connection, unknown=True)
+
+
+class Bound:
+    """``asyncio.timeout(timeout)`` for one round trip on a kept connection, which a stalled
+    event loop cannot turn into a silent server.
+
+    When ``timeout`` has passed on the loop's clock, the round trip is cut off (its task
+    cancelled, ``TimeoutError`` out of the block, as ``asyncio.timeout``'s) only if nothing of
+    its reply arrived since it last looked: nothing in the socket of its :attr:`connection`
+    and its reader's buffer as it was. Otherwise the reply came while the loop was not
+    looking (it stalled), and the round trip gets ``timeout`` more to read it. Each extension
+    needs more of the reply (or its reading) to have happened, so a hung server, or one that
+    stopped halfway through a reply, is cut off one ``timeout`` later at most. A reply is only
+    ever read by the round trip that asked for it; one not read to its end still drops its
+    connection (see :class:`Kept`).
+    """
+
+    __slots__ = ("_buffered", "_cancelling", "_handle", "_task", "connection", "fired", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        #: The connection the round trip runs on, once it has one (none: still connecting).
+        self.connection: Any = None
+        self.fired = False
+        self._buffered = 0
+        self._task: asyncio.Task[Any] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelling = 0
+
+    async def __aenter__(self) -> Bound:
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - always awaited in a task
+            raise RuntimeError("Bound must be used inside a task")
+        self._task, self._cancelling = task, task.cancelling()
+        self._handle = asyncio.get_running_loop().call_later(self.timeout, self._expire)
+        return self
+
+    def _arrived(self) -> bool:
+        """Whether more of the reply arrived, or was read, since the last look."""
+        reader = getattr(self.connection, "_reader", None)
+        if reader is None:
+            return False
+        buffered, self._buffered = self._buffered, len(reader._buffer)
+        return buffered != self._buffered or _in_socket(self.connection, unknown=False)
+
+    def _expire(self) -> None:
+        if self._arrived():
+            self._handle = asyncio.get_running_loop().call_later(self.timeout, self._expire)
+            return
+        assert self._task is not None
+        self.fired = True
+        self._task.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """A cancellation of ours becomes ``TimeoutError``; the caller's stays one."""
+        assert self._task is not None and self._handle is not None
+        self._handle.cancel()
+        ours = self.fired and self._task.uncancel() <= self._cancelling
+        if ours and exc_type is asyncio.CancelledError:
+            raise TimeoutError(f"no reply within {self.timeout} s")
 
 
 class Kept:
@@ -97,18 +171,38 @@ class Kept:
         for connection in idle:
             await self.pool.release(connection)
 
-    async def call(self, client: Any, command: tuple[object, ...], packed: bytes = b"") -> Any:
-        """The reply to ``command`` on a kept connection of ``client``'s pool, parsed as
-        redis-py's method for it would (:func:`~._redis_io.parsed`); ``packed`` is ``command``
-        already packed (:func:`~._redis_conn.pack`: once for every node). The caller bounds it
-        (``asyncio.timeout``); a round trip that ends any way but with its reply read drops
-        its connection."""
-        connection = await self.take()
-        try:
-            await connection.send_packed_command([packed or pack(command)], check_health=False)
-            response = await connection.read_response()
-        except BaseException:
-            await self.drop(connection)
-            raise
+    async def _round_trip(self, exchange: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``exchange``'s reply on a kept connection: connecting, sending and reading bounded
+        by :attr:`timeout` as :class:`Bound` says (``TimeoutError`` past it); a round trip
+        that ends any way but with its reply read drops its connection."""
+        async with Bound(self.timeout) as bound:
+            connection = bound.connection = await self.take()
+            try:
+                response = await exchange(connection)
+            except BaseException:
+                await self.drop(connection)
+                raise
         await self.give(connection)
-        return parsed(client, command, response)
+        return response
+
+    async def call(self, client: Any, command: tuple[object, ...], packed: bytes = b"") -> Any:
+        """The reply to ``command`` on a kept connection of ``client``'s pool (see
+        :meth:`_round_trip`), parsed as redis-py's method for it would
+        (:func:`~._redis_io.parsed`); ``packed`` is ``command`` already packed
+        (:func:`~._redis_conn.pack`: once for every node)."""
+
+        async def exchange(connection: Any) -> Any:
+            await connection.send_packed_command([packed or pack(command)], check_health=False)
+            return await connection.read_response()
+
+        return parsed(client, command, await self._round_trip(exchange))
+
+    async def run(
+        self, script: Script, keys: list[str], args: list[object], packed: bytes = b""
+    ) -> Any:
+        """The reply of ``script`` by its SHA1 on a kept connection (see :meth:`_round_trip`),
+        loaded there first if the server lacks it (:func:`~._redis_conn.arun_script`);
+        ``packed`` is the call already packed (:meth:`~._redis_conn.Script.packed`)."""
+        return await self._round_trip(
+            lambda connection: arun_script(connection, script, keys, args, packed)
+        )

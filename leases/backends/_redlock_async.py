@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ import redis
 
 from ..errors import LeaseLost
 from ._aio import PerLoop
-from ._redis_conn import pack
+from ._redis_conn import Script, pack
 from ._redis_io import ablpop, aconnect, expires, ms
 from ._redis_kept import Kept
 from ._redis_nodes import FAILED, node_value
@@ -54,6 +55,7 @@ class AsyncRedlock:
         self._clients: PerLoop[list[_Node]] = PerLoop(self._make, _aclose_all)
         #: Unlocks nobody awaits (a failed try's), referenced until they end.
         self._unlocking: set[asyncio.Future[Any]] = set()
+        self._release, self._renew = Script(RELEASE_LUA), Script(RENEW_LUA)
 
     def _make(self) -> list[_Node]:
         timeout = self.backend.node_timeout
@@ -65,19 +67,33 @@ class AsyncRedlock:
         return nodes
 
     async def _fan_out(self, *command: object) -> list[Any]:
+        """``command`` on every node (see :meth:`_each`), packed once for all of them."""
+        packed = pack(command)
+        return await self._each(lambda client, kept: kept.call(client, command, packed))
+
+    async def _run_everywhere(
+        self, script: Script, keys: list[str], args: list[object]
+    ) -> list[Any]:
+        """``script`` on every node by its SHA1 (``EVALSHA``; loaded on a connection whose
+        server lacks it), packed once for all of them: the script's text only crosses the
+        network after a server restart or ``SCRIPT FLUSH``, as the sync Redis backend's."""
+        packed = script.packed(keys, args)
+        return await self._each(lambda client, kept: kept.run(script, keys, args, packed))
+
+    async def _each(self, round_trip: Callable[[Any, Kept], Awaitable[Any]]) -> list[Any]:
         """The backend's ``_fan_out`` on the event loop: every node asked concurrently, every
         answer bounded by one node timeout; a node that fails or is late answers ``FAILED``.
 
-        Each node's round trip runs on one of its kept connections, in that node's own task of
-        the ``gather``, so the node timeout cancels that task only; a connection whose round
-        trip did not end with its reply read (failed, late, cancelled) is dropped."""
-        timeout = self.backend.node_timeout
-        packed = pack(command)
+        Each node's round trip runs on one of its kept connections (bounded by the node timeout
+        there, see :class:`~._redis_kept.Bound`), in that node's own task of the ``gather``, so
+        the node timeout cancels that task only; a connection whose round trip did not end with
+        its reply read (failed, late, cancelled) is dropped. A node whose reply waited in its
+        socket while the event loop stalled past the node timeout is not late: its reply is
+        read (validity still counts from ``sent_at``, before the stall)."""
 
         async def ask(client: Any, kept: Kept) -> Any:
             try:
-                async with asyncio.timeout(timeout):
-                    return await kept.call(client, command, packed)
+                return await round_trip(client, kept)
             except (redis.RedisError, OSError, TimeoutError):
                 return FAILED
 
@@ -88,7 +104,7 @@ class AsyncRedlock:
         awaits (kept referenced until it ends), so hung nodes cost the caller nothing."""
         keys = LeaseKeys.of(self.backend.prefix, grant.name)
         owner = ("", grant.holder, grant.secret)
-        unlock = self._fan_out("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
+        unlock = self._run_everywhere(self._release, [keys.lock, keys.wake], [*owner, WAKE_TTL_MS])
         if confirm:
             return unlock
         task = asyncio.ensure_future(unlock)
@@ -123,7 +139,7 @@ class AsyncRedlock:
         keys = LeaseKeys.of(backend.prefix, grant.name)
         sent_at = time.monotonic()
         owner = ("", grant.holder, grant.secret)
-        answers = await self._fan_out("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
+        answers = await self._run_everywhere(self._renew, [keys.lock], [*owner, ms(ttl)])
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if sum(answer == Reply.OK for answer in answers) >= backend.quorum and backend.valid(
             renewed
