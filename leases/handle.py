@@ -164,7 +164,10 @@ class Lease:
     def remaining(self) -> float:
         """Seconds this holder may still rely on the lease; pessimistic, never negative (0
         while its backend doubts the grant, see :meth:`ensure_held`)."""
-        if self.done or _process.pid != self._pid or self._store.doubts(self.grant):
+        # ``done`` spelt out: every release after a block asks (a property is a call).
+        if self._released or self._lost or _process.pid != self._pid:
+            return 0.0
+        if self._store.doubts(self.grant):
             return 0.0
         return max(0.0, self.valid_until - self.clock.monotonic())
 
