@@ -175,4 +175,4 @@ def idempotent_task(
         "idempotency_atomic": atomic,
         "idempotency_claim_in_transaction": claim_in_transaction,
     }
-    return task_decorator(IdempotentTask, fun, attrs, options)
+    return task_decorator(IdempotentTask, fun, attrs, options, key="idempotency_key")

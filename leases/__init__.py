@@ -12,6 +12,7 @@ from ._lazy import lazy_exports
 from .errors import (
     BackendNotSupported,
     BackendUnavailable,
+    BlockingInEventLoop,
     FenceRequired,
     FencingTokenRevoked,
     FencingUnavailable,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # each feature module adds its line when it lands
 __all__ = [
     "BackendNotSupported",
     "BackendUnavailable",
+    "BlockingInEventLoop",
     "FenceRequired",
     "FencedModel",
     "FencingTokenRevoked",

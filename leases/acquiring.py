@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from . import conf, signals, tracing
 from ._arguments import valid_flag, valid_on_lost, valid_timeout, valid_ttl, warn_if_too_short
+from ._event_loop import refuse_blocking
 from .backends import Capability, Grant, LeaseBackend, get_backend, tries_until
 from .errors import (
     BackendNotSupported,
@@ -248,6 +249,7 @@ def acquire(
     """
     ask = prepare(name, ttl, backend, timeout, keepalive, holder, holder_key, shared)
     valid_on_lost(on_lost)
+    refuse_blocking("acquire()", "aacquire() or alease()")
     # What start() does, without a closure for the grant: this is every acquire's path.
     with Acquisition(ask) as doing:
         won = _grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing.timing, shared)

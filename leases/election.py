@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import signals
 from ._arguments import valid_on_lost
+from ._event_loop import refuse_blocking
 from .acquiring import acquire
 from .backends import get_backend
 from .errors import BackendUnavailable, LeaseLost, LeaseNotHeld
@@ -225,6 +226,7 @@ def elect(
     thread) when leadership is lost without resigning.
     """
     leadership = Leadership(validate_name(name), backend, on_lost)
+    refuse_blocking("elect()", "aelect()")
     leadership._lease = acquire(
         election_lease_name(name),
         ttl=ttl,

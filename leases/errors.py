@@ -11,11 +11,12 @@ import functools
 import inspect
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperation
 
 __all__ = [
     "BackendNotSupported",
     "BackendUnavailable",
+    "BlockingInEventLoop",
     "FenceRequired",
     "FencingTokenRevoked",
     "FencingUnavailable",
@@ -103,6 +104,25 @@ class InvalidLeaseOption(LeaseError, ValueError):
         self.value = value
         self.reason = reason
         super().__init__(f"invalid {option}={value!r}: {reason}")
+
+
+class BlockingInEventLoop(LeaseError, SynchronousOnlyOperation):
+    """A blocking acquisition (``acquire()``, ``with lease()``, ``semaphore()``) was called
+    from a thread running an event loop.
+
+    It would stall every task of that loop for its round trips and its whole wait (up to its
+    ``timeout``), and a stalled loop cannot renew or even notice what its other tasks hold. A
+    ``SynchronousOnlyOperation``, as Django's ORM raises for the same mistake, and lifted by the
+    same switch: the ``DJANGO_ALLOW_ASYNC_UNSAFE`` environment variable.
+    """
+
+    def __init__(self, call: str, instead: str) -> None:
+        self.call = call
+        self.instead = instead
+        super().__init__(
+            f"{call} blocks, and this thread runs an event loop: use {instead} in async code, "
+            "or call it through sync_to_async"
+        )
 
 
 class LeasesImproperlyConfigured(LeaseError, ImproperlyConfigured):

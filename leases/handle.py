@@ -14,14 +14,13 @@ watched, kept alive); the registry of held leases is what makes leases non-reent
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Self
 
-from . import _process, conf, keepalive, signals, tracing
+from . import _process, conf, keepalive, revocation, signals, tracing
 from ._arguments import valid_ttl
 from ._finishing import finish
 from .backends import Grant, LeaseBackend
@@ -199,15 +198,26 @@ class Lease:
     def renew(self, ttl: float | None = None) -> Grant:
         """Extend the lease to ``ttl`` seconds (default: its TTL) from now, in one round trip."""
         ttl = self._before_renew(ttl)
-        with self._renewal_verdict():
+        try:
             grant = self._store.renew(self.grant, ttl)
+        except (LeaseLost, LeaseNotHeld) as exc:
+            raise self._renewal_refused(exc, self._revoked_through()) from exc
+        except Exception as exc:
+            self._renewal_failed(exc)
+            raise
         return self._renewed(grant)
 
     async def arenew(self, ttl: float | None = None) -> Grant:
         """:meth:`renew` from async code: the round trip never blocks the event loop."""
         ttl = self._before_renew(ttl)
-        with self._renewal_verdict():
+        try:
             grant = await self._store.arenew(self.grant, ttl)
+        except (LeaseLost, LeaseNotHeld) as exc:
+            revoked = await asyncio.to_thread(self._revoked_through)
+            raise self._renewal_refused(exc, revoked) from exc
+        except Exception as exc:
+            self._renewal_failed(exc)
+            raise
         return self._renewed(grant)
 
     def _before_renew(self, ttl: float | None) -> float:
@@ -215,25 +225,21 @@ class Lease:
         self._ensure_valid()
         return self.grant.ttl if ttl is None else valid_ttl(ttl)
 
-    @contextlib.contextmanager
-    def _renewal_verdict(self) -> Iterator[None]:
-        """What a failed renewal round trip means, for ``renew`` and ``arenew`` alike.
+    def _renewal_refused(self, exc: LeaseLost | LeaseNotHeld, revoked: int | None) -> LeaseLost:
+        """A refusal loses the lease (our own secret refused too: another grant holds the name
+        now, or an operator revoked ours)."""
+        self._mark_lost(_refusal("renewal refused", exc, revoked))
+        return LeaseLost(self.name, self.token, self.lost_reason or str(exc))
 
-        A refusal loses the lease (our own secret refused too: another grant holds the name
-        now); any other error gives no verdict (the store is unreachable): still held for now,
-        announced as ``lease_renew_failed``, and the caller retries within the validity.
-        """
-        try:
-            yield
-        except LeaseLost as exc:
-            self._mark_lost(f"renewal refused: {exc}")
-            raise
-        except LeaseNotHeld as exc:
-            self._mark_lost(f"renewal refused: {exc}")
-            raise LeaseLost(self.name, self.token, self.lost_reason or str(exc)) from exc
-        except Exception as exc:
-            signals.send(signals.lease_renew_failed, self.backend, lease=self, error=exc)
-            raise
+    def _renewal_failed(self, exc: Exception) -> None:
+        """Any error but a refusal gives no verdict (the store is unreachable): still held for
+        now, announced as ``lease_renew_failed``, and the caller retries within the validity."""
+        signals.send(signals.lease_renew_failed, self.backend, lease=self, error=exc)
+
+    def _revoked_through(self) -> int | None:
+        """Whether an operator's force release is why the store refused this grant (a database
+        read, bounded, made only after a refusal: see :func:`leases.revocation.revoked_grant`)."""
+        return revocation.revoked_grant(self.backend, self.name, self.token)
 
     def _renewed(self, grant: Grant) -> Grant:
         with self._state:
@@ -259,7 +265,8 @@ class Lease:
                 with spanning:
                     self._store.release(self.grant)
         except (LeaseLost, LeaseNotHeld) as exc:  # NotHeld: our secret refused, so lost too
-            raise self._release_refused(exc, lost_before) from exc
+            revoked = None if lost_before else self._revoked_through()
+            raise self._release_refused(exc, lost_before, revoked) from exc
         except BaseException:
             self._outcome_unknown()
             raise
@@ -281,7 +288,8 @@ class Lease:
                 with spanning:
                     await finish(self._store.arelease(self.grant))
         except (LeaseLost, LeaseNotHeld) as exc:
-            raise self._release_refused(exc, lost_before) from exc
+            revoked = None if lost_before else await asyncio.to_thread(self._revoked_through)
+            raise self._release_refused(exc, lost_before, revoked) from exc
         except asyncio.CancelledError:
             raise  # finish() ran the release to its end: its outcome is known
         except Exception:
@@ -313,9 +321,11 @@ class Lease:
         with self._state:
             self._released = False
 
-    def _release_refused(self, exc: LeaseLost | LeaseNotHeld, lost_before: bool) -> LeaseLost:
+    def _release_refused(
+        self, exc: LeaseLost | LeaseNotHeld, lost_before: bool, revoked: int | None
+    ) -> LeaseLost:
         if not lost_before:
-            self._report_lost(f"release refused: {exc}")
+            self._report_lost(_refusal("release refused", exc, revoked))
         return LeaseLost(self.name, self.token, self.lost_reason or str(exc))
 
     def _released_cleanly(self, lost_before: bool) -> None:
@@ -372,8 +382,18 @@ class Lease:
         signals.send(signals.lease_lost, self.backend, lease=self, reason=reason, cause=cause)
 
 
+def _refusal(how: str, exc: Exception, revoked: int | None) -> str:
+    """A refused renewal's or release's loss reason, or "revoked" when an operator's force
+    release is why: the backend only knows its grant is gone ("expired or taken over"), not who
+    took it away, and saying both would contradict itself."""
+    if revoked is None:
+        return f"{how}: {exc}"
+    return f"revoked: an operator force-released it (through token {revoked}): {how}"
+
+
 #: How a loss reason begins (every one is "<how>: <detail>") -> ``lease_lost``'s ``cause``.
 _LOSS_CAUSES = {
+    "revoked": "revoked",
     "expired": "expired",
     "renewal refused": "renewal_refused",
     "release refused": "release_refused",

@@ -14,6 +14,8 @@ is the form that gets this protection.
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 
 from django.db import DatabaseError, connections, router
@@ -28,8 +30,11 @@ __all__ = [
     "checked_on",
     "not_revoked",
     "record",
+    "revoked_grant",
     "revoked_through",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Record a revocation; a later one of the same name only ever raises the revoked-through token.
 REVOKE_SQL = """
@@ -47,6 +52,8 @@ NOT_REVOKED_SQL = (
 READ_ONLY_SQLSTATE = "25006"
 #: Read only after a rejection, to say which revocation refused the write.
 REVOKED_THROUGH_SQL = "SELECT token FROM leases_revocation WHERE backend = %s AND name = %s"
+#: How long a refused holder waits to learn whether it was revoked (see :func:`revoked_grant`).
+LOOKUP_TIMEOUT = 1.0
 
 
 @dataclass(frozen=True)
@@ -139,3 +146,45 @@ def revoked_through(offer: Offer, using: str) -> int | None:
     if row is None or int(row[0]) < offer.token:
         return None
     return int(row[0])
+
+
+def revoked_grant(backend: str, name: str, token: int) -> int | None:
+    """The revoked-through token when an operator's force release covers grant ``token`` of
+    ``name`` on ``backend``; ``None`` when none does, or when it cannot be told in
+    :data:`LOOKUP_TIMEOUT` (no database has the table, or it does not answer).
+
+    Asked only after the store refused a holder's renewal or release, so the loss it reports
+    says "revoked" instead of "expired or taken over": an operator's act is an incident to
+    explain, an expiry a tuning question. The read runs on a private connection in a thread of
+    its own, bounded: the caller is often the backend's shared renewer thread, which must not
+    stall every other lease's renewal on a database that hangs, nor leave a connection open. It
+    never raises: how a loss is worded must not change that it is reported.
+    """
+    from .models import Revocation
+
+    found: list[int | None] = []
+
+    def read() -> None:
+        for alias in migrated_databases(Revocation):
+            private = connections.create_connection(alias)
+            try:
+                with private.cursor() as cursor:
+                    cursor.execute(REVOKED_THROUGH_SQL, [backend, name])
+                    row = cursor.fetchone()
+            finally:
+                private.close()
+            if row is not None and int(row[0]) >= token:
+                found.append(int(row[0]))
+                return
+        found.append(None)
+
+    def guarded() -> None:
+        try:
+            read()
+        except Exception as exc:  # wording only: any failure leaves the plain reason
+            logger.debug("leases: could not tell whether %r was revoked: %s", name, exc)
+
+    reader = threading.Thread(target=guarded, name="leases-revocation-lookup", daemon=True)
+    reader.start()
+    reader.join(LOOKUP_TIMEOUT)
+    return found[0] if found else None

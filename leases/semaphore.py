@@ -27,6 +27,7 @@ import random
 from collections.abc import Callable
 from typing import Any, TypeVar, cast, overload
 
+from ._event_loop import refuse_blocking
 from .acquiring import Request, Timing, _wait, attempt, prepare, start
 from .backends import Grant, LeaseBackend
 from .errors import InvalidLeaseOption, LeaseUnavailable
@@ -167,6 +168,7 @@ def acquire_slot(
     :class:`~leases.errors.LeaseUnavailable` within the timeout.
     """
     ask, limit = prepare_slots(name, limit, ttl, backend, timeout, keepalive, holder)
+    refuse_blocking("acquire_slot()", "aacquire_slot() or asemaphore()")
     grant = functools.partial(_grant, ask, limit)
     return start(ask, grant, Slot, on_lost, {"leases.limit": limit})
 

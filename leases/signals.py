@@ -68,7 +68,7 @@ leader_elected = Signal()
 leader_lost = Signal()
 
 #: The values of ``lease_lost``'s ``cause``: few and fixed, so metrics can count by them.
-LOSS_CAUSES = ("expired", "renewal_refused", "release_refused", "other")
+LOSS_CAUSES = ("expired", "renewal_refused", "release_refused", "revoked", "other")
 
 
 def send(signal: Signal, sender: Any, **kwargs: Any) -> None:

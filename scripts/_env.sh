@@ -2,8 +2,12 @@
 # the development dependency groups of pyproject.toml (PEP 735).
 # LEASES_EXTRAS (default binary,redis,celery,drf) and LEASES_GROUPS (default dev) choose them.
 # Reinstalls only when pyproject.toml or the choice changed, so repeated runs start at once.
+# It leaves the caller's shell options alone (the install runs in a strict subshell): a developer
+# who sources it by hand keeps a shell where a failing pipeline does not end what follows. The
+# scripts set their own `set -euo pipefail`.
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || return 1
+(
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON_BIN="${PYTHON:-python3}"
 EXTRAS="${LEASES_EXTRAS:-binary,redis,celery,drf}"
 DEV_GROUPS="${LEASES_GROUPS:-dev}"
@@ -21,4 +25,5 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+) || return 1
 export PATH="$PWD/.venv/bin:$PATH"

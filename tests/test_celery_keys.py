@@ -44,12 +44,61 @@ def test_key_of_a_bound_task_skips_self_and_the_injected_lease() -> None:
     assert bound.lease_name((3,), {}) == "bound:3"
 
 
-def test_a_key_naming_no_parameter_fails_with_the_template_in_the_message() -> None:
-    @locked_task(key="x:{acount}", app=app, name="keys.typo")
-    def typo(account: int) -> None: ...
+@pytest.mark.parametrize(
+    "decorator",
+    [
+        lambda key: locked_task(key=key, app=app, name="keys.typo.locked"),
+        lambda key: singleton_task(key=key, app=app, name="keys.typo.singleton"),
+        lambda key: partitioned(key=key, partitions=4, app=app, name="keys.typo.partitioned"),
+        lambda key: idempotent_task(key=key, app=app, name="keys.typo.idempotent"),
+    ],
+    ids=["locked", "singleton", "partitioned", "idempotent"],
+)
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("x:{acount}", r"\{acount\} is not a parameter of .*typo \(its parameters: account\)"),
+        ("x:{acount.id}", r"\{acount\} is not a parameter"),
+        ("x:{0}", r"\{0\} is positional"),
+        ("x:{}", r"\{\} is positional"),
+        ("x:{account", "not a str.format template"),
+    ],
+)
+def test_a_key_naming_no_parameter_is_refused_when_the_task_is_defined(
+    decorator: Any, template: str, says: str
+) -> None:
+    """Found only when the task ran, a misspelt field failed every call in a worker."""
+    with pytest.raises(InvalidLeaseOption, match=says):
+
+        @decorator(template)
+        def typo(account: int) -> None: ...
+
+
+def test_a_key_template_of_a_bound_task_may_name_its_parameters_not_self() -> None:
+    @locked_task(key="b:{account.pk}:{region[0]}", bind=True, app=app, name="keys.bound.ok")
+    def ok(self: Any, account: Any, region: str) -> None: ...
+
+    with pytest.raises(InvalidLeaseOption, match=r"\{self\} is not a parameter"):
+
+        @locked_task(key="b:{self}", bind=True, app=app, name="keys.bound.self")
+        def bad(self: Any, account: int) -> None: ...
+
+
+def test_a_locked_tasks_key_cannot_name_the_injected_lease() -> None:
+    with pytest.raises(InvalidLeaseOption, match=r"\{lease\} is not a parameter"):
+
+        @locked_task(key="x:{lease}", app=app, name="keys.lease")
+        def injected(account: int, lease: Any) -> None: ...
+
+
+def test_a_template_met_only_at_run_time_still_fails_with_its_name() -> None:
+    """A template a task class computes (``lease_name`` overridden) is checked when used."""
+
+    @locked_task(key="ok:{account}", app=app, name="keys.runtime")
+    def task(account: int) -> None: ...
 
     with pytest.raises(TypeError, match="acount"):
-        typo.lease_name((1,), {})
+        format_key("x:{acount}", task, 1)
 
 
 def test_a_callable_key_gets_the_task_arguments() -> None:

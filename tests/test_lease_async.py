@@ -374,3 +374,52 @@ def test_the_wrong_with_names_the_right_one() -> None:
 
     with pytest.raises(InvalidLeaseOption, match="use alease"):
         asyncio.run(main())
+
+
+def test_blocking_acquisitions_are_refused_inside_a_running_event_loop(
+    lease_backend: str, lease_name: str
+) -> None:
+    """``with lease()`` in an async view would freeze every task of the loop for its wait: it
+    fails at once, like Django's ORM, and takes nothing (the name is free to ``aacquire``)."""
+    from django.core.exceptions import SynchronousOnlyOperation
+
+    from leases import BlockingInEventLoop, acquire, elect, lease, semaphore
+    from leases.semaphore import acquire_slot
+
+    async def main() -> list[str]:
+        refused: list[str] = []
+        calls: list[Callable[[], object]] = [
+            lambda: acquire(lease_name, backend=lease_backend),
+            lambda: lease(lease_name, backend=lease_backend).__enter__(),
+            lambda: acquire_slot(lease_name, limit=2, backend=lease_backend),
+            lambda: semaphore(lease_name, limit=2, backend=lease_backend).__enter__(),
+            lambda: elect(lease_name, backend=lease_backend),
+        ]
+        for call in calls:
+            with pytest.raises(BlockingInEventLoop) as caught:
+                call()
+            assert isinstance(caught.value, SynchronousOnlyOperation)
+            refused.append(str(caught.value))
+        with pytest.raises(InvalidLeaseOption):  # bad input still says what is wrong first
+            acquire(lease_name, ttl=-1, backend=lease_backend)
+        held = await aacquire(lease_name, timeout=0, backend=lease_backend)
+        await held.arelease()
+        return refused
+
+    refused = arun(lease_backend, main)
+    assert "acquire() blocks" in refused[0] and "aacquire()" in refused[0]
+    assert "acquire_slot() blocks" in refused[2]
+    assert "elect() blocks" in refused[4] and "aelect()" in refused[4]
+
+
+def test_django_allow_async_unsafe_lifts_the_refusal(
+    lease_backend: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+    async def main() -> int:
+        held = leases.acquire(lease_name, timeout=0, backend=lease_backend, keepalive=False)
+        held.release()
+        return held.token
+
+    assert arun(lease_backend, main) > 0

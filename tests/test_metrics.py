@@ -121,7 +121,10 @@ def test_losses_and_fence_rejections_are_counted(
         fresh.save(fence=6)
 
     samples = scrape()
-    lost = {"backend": lease_backend, "cause": "release_refused"}
+    lost = {
+        "backend": lease_backend,
+        "cause": "revoked",
+    }  # not "release_refused": the record says why
     assert value(samples, "leases_lost_total", **lost) == 1
     rejected = "leases_fence_rejections_total"
     assert value(samples, rejected, model="testapp.FencedDoc", reason="revoked") == 1

@@ -225,3 +225,64 @@ def test_force_release_refuses_a_token_that_cannot_be_one(
 
 def test_stale_and_revoked_are_both_stale_fencing_token() -> None:
     assert issubclass(FencingTokenRevoked, StaleFencingToken)
+
+
+def test_a_revoked_holder_hears_it_was_revoked_not_that_it_expired(
+    lease_backend: str, lease_name: str, evict: Evict
+) -> None:
+    """The store only knows its grant is gone; the holder's loss names the operator's act, so
+    whoever reads the log or the metric does not go tuning TTLs after an eviction."""
+    from leases import signals
+
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    causes: list[str] = []
+
+    def on_lost(sender: str, lease: Lease, reason: str, cause: str, **_: Any) -> None:
+        causes.append(cause)
+
+    signals.lease_lost.connect(on_lost)
+    try:
+        evict(held)
+        with pytest.raises(
+            LeaseLost, match=rf"revoked: .*\(through token {held.token}\): renewal refused"
+        ):
+            held.renew()
+    finally:
+        signals.lease_lost.disconnect(on_lost)
+    assert causes == ["revoked"]
+    assert held.lost_reason is not None and held.lost_reason.startswith("revoked")
+
+
+def test_a_revoked_holders_release_says_revoked(
+    lease_backend: str, lease_name: str, operator: Any
+) -> None:
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    force_release(held.name, backend=held.backend, token=held.token, user=operator, via="test")
+    with pytest.raises(LeaseLost, match="revoked: an operator force-released it"):
+        held.release()
+
+
+def test_an_async_revoked_holder_hears_it_was_revoked(
+    lease_backend: str, lease_name: str, operator: Any
+) -> None:
+    """``arenew``/``arelease`` learn it too (the database read on a worker thread)."""
+    import asyncio
+
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    other = acquire(f"{lease_name}-2", ttl=30, backend=lease_backend, keepalive=False)
+    for one in (held, other):
+        force_release(one.name, backend=one.backend, token=one.token, user=operator, via="test")
+
+    async def scenario() -> tuple[str, str]:
+        with pytest.raises(LeaseLost) as renewed:
+            await held.arenew()
+        with pytest.raises(LeaseLost) as released:
+            await other.arelease()
+        await get_backend(lease_backend).aclose()  # the loop's async clients end with it
+        return str(renewed.value), str(released.value)
+
+    renewal, release = asyncio.run(scenario())
+    assert "revoked: an operator force-released it" in renewal
+    assert "revoked: an operator force-released it" in release
+    with pytest.raises(LeaseLost):
+        held.release()

@@ -56,7 +56,7 @@ def test_loss_and_fence_rejections_log_their_fields(
 
     (lost,) = records(caplog, "lease_lost", lease=held.name)
     assert (lost.lease, lost.token, lost.backend) == (held.name, held.token, lease_backend)
-    assert lost.cause == "release_refused" and lost.reason.startswith("release refused")
+    assert lost.cause == "revoked" and lost.reason.startswith("revoked: an operator")
     assert lost.holder == held.holder
     resource = f"testapp.FencedDoc(pk={doc.pk!r})"
     (revoked,) = records(caplog, "fence_rejected", resource=resource)

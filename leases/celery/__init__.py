@@ -115,7 +115,7 @@ def locked_task(
         "on_lease_lost": on_lost,
         "lease_limit": limit,
     }
-    return task_decorator(LockedTask, fun, attrs, options)
+    return task_decorator(LockedTask, fun, attrs, options, key="lease_key")
 
 
 @overload
@@ -151,7 +151,7 @@ def singleton_task(
         "on_duplicate": on_duplicate,
         "singleton_backend": backend,
     }
-    return task_decorator(SingletonTask, fun, attrs, options)
+    return task_decorator(SingletonTask, fun, attrs, options, key="singleton_key")
 
 
 @overload
@@ -192,5 +192,5 @@ def partitioned(
     partition_for("x", partitions)  # validates partitions now, not at the first delay()
     attrs = {"partition_key": key, "partitions": partitions, "partition_queue_prefix": queue_prefix}
     decorate: Callable[[Callable[..., Any]], PartitionedTask]
-    decorate = task_decorator(PartitionedTask, None, attrs, options)
+    decorate = task_decorator(PartitionedTask, None, attrs, options, key="partition_key")
     return decorate

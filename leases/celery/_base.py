@@ -10,6 +10,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from celery import Task, shared_task
 from celery.exceptions import Ignore
 
+from ..errors import InvalidLeaseOption
 from ..handle import Lease
 from ..keys import validate_name
 from ..retry import Backoff
@@ -25,6 +27,7 @@ __all__ = [
     "SKIPPED",
     "Key",
     "backoff",
+    "check_key",
     "current_call",
     "format_key",
     "skip",
@@ -82,6 +85,36 @@ def format_key(template: Key, task: Task[..., Any], *args: Any, **kwargs: Any) -
         ) from None
 
 
+def check_key(template: Key | None, run: Callable[..., Any], *, bind: bool = False) -> None:
+    """Refuse a key template that names no parameter of the task's function ``run`` (its first,
+    ``self``, left out when ``bind``) when the task is defined.
+
+    Found at run time instead, a misspelt field (``"sync:{acount_id}"``) would fail every call
+    of the task, in a worker, long after the deploy; a positional field (``"{0}"``) or broken
+    braces would too. A callable key is the caller's code and is left to run. The function is
+    read, not the task: a ``shared_task`` is a proxy that would bind to an app if touched now.
+    """
+    if not isinstance(template, str):
+        return
+    parameters = list(inspect.signature(run).parameters)[1 if bind else 0 :]
+    name = getattr(run, "__qualname__", repr(run))
+    try:
+        fields = [
+            field for _, field, _, _ in string.Formatter().parse(template) if field is not None
+        ]
+    except ValueError as exc:
+        raise InvalidLeaseOption("key", template, f"not a str.format template: {exc}") from None
+    for field in fields:
+        root = field.replace("[", ".").partition(".")[0]
+        if not root or root.isdigit():
+            reason = f"{{{field}}} is positional: name one of {name}'s parameters"
+            raise InvalidLeaseOption("key", template, reason)
+        if root not in parameters:
+            known = ", ".join(parameters) or "none"
+            reason = f"{{{root}}} is not a parameter of {name} (its parameters: {known})"
+            raise InvalidLeaseOption("key", template, reason)
+
+
 def backoff(retries: int, base: float, cap: float) -> float:
     """The countdown of retry number ``retries``: exponential, with full jitter.
 
@@ -133,6 +166,7 @@ def task_decorator(
     fun: Callable[..., Any] | None,
     attrs: dict[str, Any],
     options: dict[str, Any],
+    key: str | None = None,
 ) -> Any:
     """Sugar shared by every decorator: a Celery task with ``base`` and ``attrs`` set.
 
@@ -141,7 +175,8 @@ def task_decorator(
     (``locked_task(base=IdempotentTask)`` holds the lease around the idempotent run), and
     ``app=`` picks the app (default: ``shared_task``). Bare (``@deco``) and called forms work.
     When the base says ``inject_lease`` (a locked task does), a ``lease`` parameter of the
-    function gets the run's lease.
+    function gets the run's lease. ``key`` names the attribute holding the task's key template,
+    checked against the task's parameters here (:func:`check_key`).
     """
     app = options.pop("app", None)
     extra = options.pop("base", None)
@@ -156,6 +191,8 @@ def task_decorator(
     def decorate(f: Callable[..., Any]) -> Any:
         make = app.task if app is not None else shared_task
         run = _inject_lease(f) if getattr(base, "inject_lease", False) else f
+        if key is not None:
+            check_key(attrs[key], run, bind=bool(options.get("bind")))
         return make(base=base, **attrs, **options)(run)
 
     return decorate(fun) if fun is not None else decorate
