@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import Context
+from types import CoroutineType
 from typing import Any, Generic, TypeVar
 
 __all__ = ["finish"]
@@ -74,24 +75,33 @@ class _Held:
 
 
 class _Driven(Generic[T]):
-    """``step`` run in the awaiting task, its futures behind :class:`_Held`; ``cancelled`` is
-    the cancellation the task delivered meanwhile (``None``: none)."""
+    """``step`` run in the awaiting task, its futures behind :class:`_Held`: what
+    :func:`finish` returns. An awaitable of its own rather than a coroutine around one: it is
+    on every async acquire's and release's path, and a coroutine would add a frame to every
+    resumption of the step."""
 
-    __slots__ = ("_step", "cancelled")
+    __slots__ = ("_step", "_undo")
 
-    def __init__(self, step: Coroutine[Any, Any, T]) -> None:
+    def __init__(
+        self, step: Coroutine[Any, Any, T], undo: Callable[[Any], Awaitable[object]] | None
+    ) -> None:
         self._step = step
-        self.cancelled: asyncio.CancelledError | None = None
+        self._undo = undo
 
     def __await__(self) -> Generator[Any, None, T]:
-        step = self._step
+        step, undo = self._step, self._undo
+        cancelled: asyncio.CancelledError | None = None  # delivered to the task meanwhile
         try:
             while True:
                 try:
                     waited = step.send(None)
                 except StopIteration as end:
-                    result: T = end.value
-                    return result
+                    won: T = end.value
+                    break
+                except BaseException:
+                    if cancelled is not None and undo is not None:
+                        raise cancelled from None
+                    raise
                 if getattr(waited, "_asyncio_future_blocking", None):
                     waited._asyncio_future_blocking = False
                     waited = _Held(waited)
@@ -101,35 +111,31 @@ class _Driven(Generic[T]):
                 except asyncio.CancelledError as exc:
                     # Raised only when the task wakes: the future waited on is done, and the
                     # step, resumed, reads its outcome as if nothing had happened.
-                    self.cancelled = exc
+                    cancelled = exc
         except GeneratorExit:
             step.close()
             raise
+        if cancelled is None:
+            return won
+        if undo is not None and won is not None:
+            with contextlib.suppress(Exception):
+                yield from finish(undo(won)).__await__()
+        raise cancelled
 
 
 async def _future(step: Awaitable[T]) -> T:
     return await step
 
 
-async def finish(step: Awaitable[T], undo: Callable[[Any], Awaitable[object]] | None = None) -> T:
-    """``await step``, to its end even if the caller is cancelled meanwhile; then the
-    cancellation is raised.
+def finish(
+    step: Awaitable[T], undo: Callable[[Any], Awaitable[object]] | None = None
+) -> Awaitable[T]:
+    """``await finish(step)``: ``await step``, to its end even if the caller is cancelled
+    meanwhile; then the cancellation is raised.
 
     Without ``undo`` the step's own failure comes first (a failed release must not be hidden
     by the cancellation). With ``undo``, a step cancelled that way is undone instead: its
     result, if not ``None``, is given to ``undo`` (run to its end likewise), its failure
     ignored, and the cancellation raised.
     """
-    driven: _Driven[T] = _Driven(step if asyncio.iscoroutine(step) else _future(step))
-    try:
-        won = await driven
-    except BaseException:
-        if driven.cancelled is not None and undo is not None:
-            raise driven.cancelled from None
-        raise
-    if driven.cancelled is None:
-        return won
-    if undo is not None and won is not None:
-        with contextlib.suppress(Exception):
-            await finish(undo(won))
-    raise driven.cancelled
+    return _Driven(step if type(step) is CoroutineType else _future(step), undo)

@@ -11,17 +11,15 @@ import os
 
 __all__ = ["pid"]
 
-_pid = os.getpid()
-
-
-def pid() -> int:
-    """``os.getpid()``, without the system call."""
-    return _pid
+#: ``os.getpid()`` without the system call, rebound in a forked child. Read as
+#: ``_process.pid`` (the module's attribute, never imported by name, which would keep the
+#: parent's): a read rather than a call, as every acquire and release asks several times.
+pid = os.getpid()
 
 
 def _forked() -> None:
-    global _pid
-    _pid = os.getpid()
+    global pid
+    pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_forked)

@@ -212,8 +212,10 @@ def prepare(
     ttl = settings.default_ttl if ttl is None else valid_ttl(ttl, settings)
     timeout = valid_timeout(timeout)
     store = get_backend(backend)
-    keepalive = valid_flag("keepalive", keepalive)
-    if valid_flag("shared", shared) and Capability.SHARED_LEASES not in store.capabilities:
+    if type(keepalive) is not bool or type(shared) is not bool:  # valid_flag's test, no call
+        valid_flag("keepalive", keepalive)
+        valid_flag("shared", shared)
+    if shared and Capability.SHARED_LEASES not in store.capabilities:
         raise BackendNotSupported(store.alias, Capability.SHARED_LEASES.value)
     key = key_of(store, name, holder)
     identity = holder_identity(holder)

@@ -86,7 +86,7 @@ class Lease:
         self._store = backend
         self._on_lost = on_lost
         self._drift = (settings.drift_factor, settings.drift_min)
-        self._pid = _process.pid()
+        self._pid = _process.pid
         self._key: tuple[str, str, str] = (self.backend, self.name, "")
         self._state = threading.Lock()
         self._released = False
@@ -163,7 +163,10 @@ class Lease:
     def remaining(self) -> float:
         """Seconds this holder may still rely on the lease; pessimistic, never negative (0
         while its backend doubts the grant, see :meth:`ensure_held`)."""
-        if self.done or _process.pid() != self._pid or self._store.doubts(self.grant):
+        # ``done`` spelt out: every release after a block asks (a property is a call).
+        if self._released or self._lost or _process.pid != self._pid:
+            return 0.0
+        if self._store.doubts(self.grant):
             return 0.0
         return max(0.0, self.valid_until - self.clock.monotonic())
 
@@ -183,7 +186,7 @@ class Lease:
     def _ensure_valid(self) -> None:
         """:meth:`ensure_held` without the backend's doubts: what renewing needs (a renewal
         is how a doubted lease is confirmed or found lost)."""
-        if _process.pid() != self._pid:
+        if _process.pid != self._pid:
             raise LeaseLost(self.name, self.token, f"held by process {self._pid}, not this child")
         if self._released:
             raise LeaseLost(self.name, self.token, "it was released")
@@ -335,7 +338,7 @@ class Lease:
         signals.send(signals.lease_released, self.backend, lease=self)
 
     def _check_owner(self, action: str) -> None:
-        if _process.pid() != self._pid:
+        if _process.pid != self._pid:
             raise LeaseNotHeld(
                 self.name, f"cannot {action} in a forked child: process {self._pid} holds it"
             )
@@ -402,9 +405,13 @@ _LOSS_CAUSES = {
 
 
 def held_by(key: tuple[str, str, str]) -> Lease | None:
-    """The lease this process holds under ``key`` (see :func:`holder_key`), if any."""
-    with _held_lock:
-        return _held.get(key)
+    """The lease this process holds under ``key`` (see :func:`holder_key`), if any.
+
+    Read without the lock (every acquire asks): one ``dict.get`` is atomic, and the lock
+    would not make the answer any fresher, as nothing holds it between this check and the
+    registration of the lease acquired after it. Registering and unregistering (a
+    compare-and-delete) take it."""
+    return _held.get(key)
 
 
 def holder_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:

@@ -159,12 +159,10 @@ _renewers: dict[str, Scheduler] = {}
 def _scheduler(alias: str | None) -> Scheduler:
     """The watchdog (``alias`` None) or the alias's renewer, made on first use.
 
-    Every acquire asks for one; once it exists it is read without taking the lock.
+    Every acquire needs one; once it exists it is read without the lock or this call
+    (:func:`watch` and :func:`keep_alive` read it first and call this only when it is not).
     """
     global _watchdog
-    existing = _watchdog if alias is None else _renewers.get(alias)
-    if existing is not None:
-        return existing
     with _lock:
         if alias is None:
             if _watchdog is None:
@@ -188,7 +186,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 def watch(lease: Kept) -> None:
     """Declare ``lease`` lost when its validity runs out without a renewal."""
-    _scheduler(None).schedule(lease.valid_until, _Watch(lease))
+    watchdog = _watchdog if _watchdog is not None else _scheduler(None)  # no ``or``: __len__
+    watchdog.schedule(lease.valid_until, _Watch(lease))
 
 
 class _Watch:
@@ -217,7 +216,10 @@ class _Watch:
 def keep_alive(lease: Kept, fraction: float) -> None:
     """Renew ``lease`` every ``fraction`` of its TTL until it is released or lost."""
     due = lease.grant.sent_at + lease.grant.ttl * fraction
-    _scheduler(lease.backend).schedule(due, _Renewal(lease, fraction))
+    renewer = _renewers.get(lease.backend)
+    if renewer is None:
+        renewer = _scheduler(lease.backend)
+    renewer.schedule(due, _Renewal(lease, fraction))
 
 
 class _Renewal:

@@ -26,10 +26,12 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """``time.monotonic`` and ``time.sleep``."""
+    """``time.monotonic`` and ``time.sleep``.
 
-    def monotonic(self) -> float:
-        return time.monotonic()
+    ``monotonic`` is ``time.monotonic`` itself rather than a method calling it: every
+    acquire and release reads the clock several times."""
+
+    monotonic = staticmethod(time.monotonic)
 
     def sleep(self, seconds: float) -> None:
         if seconds > 0:

@@ -16,7 +16,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from .errors import LeaseUnavailable
 
@@ -35,8 +35,11 @@ _tracer: Tracer | None = _UNSET
 #: The providers that record nothing: the API's placeholder before an SDK is set up, and the
 #: explicit no-op one.
 _SILENT: tuple[type, ...] = ()
-#: Reads the global tracer provider, once the API is imported (see ``_provider_of``).
+#: Reads the global tracer provider, once the API is imported: its ``get_tracer_provider``.
 _provider: Callable[[], object] = object
+#: The API's ``trace`` module when the global provider is read as its module variable instead
+#: (see ``_read_directly``), else ``None``.
+_direct: Any = None
 #: A recording provider was seen: it is set for good (the API sets the global one once).
 _recording = False
 _lock = threading.Lock()
@@ -50,7 +53,7 @@ def _get_tracer() -> Tracer | None:
     package adds to an uncontended acquire + release: so spans start only once a recording
     provider is set (checked on every call: a provider may be set up at any time).
     """
-    global _tracer, _SILENT, _provider, _recording
+    global _tracer, _SILENT, _provider, _direct, _recording
     if _recording:
         return _tracer
     if _tracer is _UNSET:
@@ -62,31 +65,28 @@ def _get_tracer() -> Tracer | None:
                     _tracer = None
                 else:
                     _SILENT = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
-                    _provider = _provider_of(trace)
+                    _provider = trace.get_tracer_provider
+                    _direct = trace if _read_directly(trace) else None
                     _tracer = trace.get_tracer(INSTRUMENTATION_NAME)
     if _tracer is None:
         return None
-    provider = _provider()
+    # An attribute read rather than a call: this is every acquire's and release's path.
+    provider = _direct._TRACER_PROVIDER if _direct is not None else _provider()
     if provider is None or isinstance(provider, _SILENT):
         return None
     _recording = True  # the global provider is set once and for all: no need to look again
     return _tracer
 
 
-def _provider_of(trace: Any) -> Callable[[], object]:
-    """How to read the global provider on every acquire while none is set: the API's
+def _read_directly(trace: Any) -> bool:
+    """Whether the global provider can be read as the API's module variable on every acquire
+    while none is set (``None`` until set: the proxy's, silent): the API's
     ``get_tracer_provider`` looks the environment up (``OTEL_PYTHON_TRACER_PROVIDER``) each
-    time it finds none, so its module variable is read directly, unless that variable is gone
-    (another API version) or the environment names a provider (the API loads it on first get)."""
+    time it finds none. Not when that variable is gone (another API version) or the
+    environment names a provider (the API loads it on first get)."""
     from opentelemetry.environment_variables import OTEL_PYTHON_TRACER_PROVIDER
 
-    if not hasattr(trace, "_TRACER_PROVIDER") or OTEL_PYTHON_TRACER_PROVIDER in os.environ:
-        return cast(Callable[[], object], trace.get_tracer_provider)
-
-    def current() -> object:
-        return trace._TRACER_PROVIDER  # None until set: the proxy's, silent
-
-    return current
+    return hasattr(trace, "_TRACER_PROVIDER") and OTEL_PYTHON_TRACER_PROVIDER not in os.environ
 
 
 #: What :func:`span` returns when nothing would record one: entered and left for nothing

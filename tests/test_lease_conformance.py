@@ -431,6 +431,8 @@ def test_caller_rollback_neither_unacquires_nor_unreleases(
         ({"holder": "\x7f"}, InvalidLeaseOption),
         # keepalive="no" is truthy: the lease was kept alive against the caller's wish.
         ({"keepalive": "no"}, InvalidLeaseOption),
+        # 1 == True: it would have been taken as a reader's lease (or refused as unsupported).
+        ({"shared": 1}, InvalidLeaseOption),
         # Accepted, then the keepalive thread failed to call it when the lease was lost.
         ({"on_lost": 5}, InvalidLeaseOption),
     ],

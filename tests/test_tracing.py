@@ -8,6 +8,8 @@ once) and each test reads the spans of its own lease name.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -148,3 +150,46 @@ def test_async_acquires_and_slots_are_the_same_spans(lease_backend: str, lease_n
     (wait,) = by_name(spans_of(lease_name), "leases.wait")
     assert wait.parent is not None and acquires[-1].context is not None
     assert wait.parent.span_id == acquires[-1].context.span_id
+
+
+_QUIET_UNTIL_SET = """
+import sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from leases import tracing
+
+def recording():
+    with tracing.span("leases.acquire", {"leases.name": "n"}) as current:
+        return current is not None and current.is_recording()
+
+if sys.argv[1] == "named":  # the environment names the SDK's: the API loads it on first get
+    assert recording()
+    sys.exit(0)
+assert tracing.span("leases.acquire", {}) is tracing.NO_SPAN  # no provider yet: silent
+assert tracing.span("leases.acquire", {}) is tracing.NO_SPAN  # ...and looked up again
+if sys.argv[1] == "noop":
+    trace.set_tracer_provider(trace.NoOpTracerProvider())
+    assert tracing.span("leases.acquire", {}) is tracing.NO_SPAN
+else:
+    trace.set_tracer_provider(TracerProvider())
+    assert recording()
+"""
+
+
+@pytest.mark.parametrize("provider", ["sdk", "noop", "named"])
+def test_spans_start_once_a_recording_provider_is_set(python: str, provider: str) -> None:
+    """A process starts spans from the moment a recording provider is set, however many
+    acquires found none before (each looks again), and never for the API's no-op provider. In
+    a fresh process: the global provider can be set only once. With
+    ``OTEL_PYTHON_TRACER_PROVIDER`` naming one (``named``), spans record from the first."""
+    env = {k: v for k, v in os.environ.items() if k != "OTEL_PYTHON_TRACER_PROVIDER"}
+    if provider == "named":
+        env["OTEL_PYTHON_TRACER_PROVIDER"] = "sdk_tracer_provider"
+    done = subprocess.run(
+        [python, "-c", _QUIET_UNTIL_SET, provider],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr

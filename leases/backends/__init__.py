@@ -22,7 +22,7 @@ __all__ = [
 
 _lock = threading.Lock()
 _instances: dict[str, LeaseBackend] = {}
-_pid = _process.pid()
+_pid = _process.pid
 
 
 def backend_class(alias: str) -> type[LeaseBackend]:
@@ -57,14 +57,14 @@ def get_backend(alias: str = "default") -> LeaseBackend:
     is as stale as one returned a moment before the replacement).
     """
     global _pid
-    if _pid == _process.pid():  # every acquire asks: the common case takes no lock
+    if _pid == _process.pid:  # every acquire asks: the common case takes no lock
         backend = _instances.get(alias)
         if backend is not None:
             return backend
     with _lock:
-        if _process.pid() != _pid:
+        if _process.pid != _pid:
             _instances.clear()
-            _pid = _process.pid()
+            _pid = _process.pid
         backend = _instances.get(alias)
         if backend is None:
             cls = backend_class(alias)
