@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -275,12 +276,19 @@ def test_lease_connection_ignores_django_pool_and_binding_options() -> None:
 
 
 def syncs_sent(trace: IO[str]) -> int:
-    """Round trips the client sent (``Sync`` messages) in a libpq trace file. The async room
-    test once matched a backslash and a ``t`` instead of a tab: it counted nothing, and its
-    "no try while the name was held" could not fail."""
+    """Tries a room connection sent, from its libpq trace file: ``Sync`` messages (a try run
+    by name, ``Bind``/``Execute``) and simple queries that ``EXECUTE`` a room statement (a
+    session's first try: ``PREPARE`` and ``EXECUTE`` in one message, no ``Sync``). Counting
+    ``Sync`` alone saw no first try, so a test whose room connection was new (run on its own)
+    failed. The async room test once matched a backslash and a ``t`` instead of a tab: it
+    counted nothing, and its "no try while the name was held" could not fail."""
     trace.seek(0)
-    lines = trace.read().splitlines()
-    return sum(1 for line in lines if line.startswith("F\t") and "\tSync" in line)
+    sent = ("\n" + trace.read()).split("\nF\t")[1:]  # a simple query's text spans lines
+    return sum(1 for message in sent if _ROOM_TRY.match(message))
+
+
+#: A frontend message that is a try: ``<length>\tSync`` or a ``Query`` that runs a room statement.
+_ROOM_TRY = re.compile(r"\d+\t(Sync\b|Query\t.*\bEXECUTE leases_room_)", re.S)
 
 
 def room_locks(name: str) -> dict[bool, int]:
