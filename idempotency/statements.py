@@ -30,7 +30,7 @@ import psycopg
 from django.db import DatabaseError, connections
 from django.db.backends.utils import CursorWrapper
 
-from . import conf
+from . import _direct, conf
 
 __all__ = [
     "ASYNC_CLAIM_SQL",
@@ -47,6 +47,7 @@ __all__ = [
     "OwnedWrite",
     "Statement",
     "execute",
+    "fetch_one",
     "owned_write",
     "prepare",
 ]
@@ -76,6 +77,9 @@ class Statement:
     # Both texts built once: every keyed request sends one of them.
     _prepare: str = field(init=False, repr=False, compare=False)
     _execute: str = field(init=False, repr=False, compare=False)
+    #: For libpq (:mod:`idempotency._direct`): the name, and the parameters in ``$n`` order.
+    key: bytes = field(init=False, repr=False, compare=False)
+    order: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         body = self.sql
@@ -85,12 +89,29 @@ class Statement:
         placeholders = ", ".join(f"%({param})s" for param, _type in self.params)
         object.__setattr__(self, "_prepare", f"PREPARE {self.name} ({types}) AS {body}")
         object.__setattr__(self, "_execute", f"EXECUTE {self.name} ({placeholders})")
+        object.__setattr__(self, "key", self.name.encode())
+        object.__setattr__(self, "order", tuple(param for param, _type in self.params))
 
     def prepare_sql(self) -> str:
         return self._prepare
 
     def execute_sql(self) -> str:
         return self._execute
+
+
+# Evaluated by BEGIN when its ``async`` parameter is true (a claim in autocommit, one implicit
+# transaction) and only for a row it claimed: the started row's commit does not wait for the
+# WAL to reach the disk, which saves a first request or task one of its two fsyncs. Nothing
+# waits on that row being durable: anything the attempt commits afterwards (its effects with the
+# outcome, a recorded step) commits synchronously, and flushing that commit flushes all the WAL
+# before it, the claim's included. So a server crash can lose only a claim under which nothing
+# has committed yet, and losing it frees the key at once, which is what a retry wants (the
+# crashed attempt's uncommitted work died with the server). A duplicate sees the row as soon as
+# it is committed, durable or not. Local to the claim's own implicit transaction: never asked
+# for inside an open transaction, whose commit carries effects. Part of the statement rather
+# than a query of its own, so the claim stays one prepared statement that libpq can run by name
+# (:mod:`idempotency._direct`).
+ASYNC_CLAIM_SQL = "set_config('synchronous_commit', 'off', true)"
 
 
 # The claim. A read-only probe first: a key that is there and may not be taken (completed and
@@ -102,7 +123,7 @@ class Statement:
 # tells a fresh insert from a take-over. A key committed between the statement's snapshot and
 # its conflict check shows up in neither half; the caller runs it again.
 BEGIN = Statement(
-    "idempotency_begin_v2",
+    "idempotency_begin_v3",
     (
         ("scope", "text"),
         ("key", "text"),
@@ -110,6 +131,7 @@ BEGIN = Statement(
         ("owner", "uuid"),
         ("lock", "float8"),
         ("ttl", "float8"),
+        ("async", "boolean"),
     ),
     """
 WITH found AS (
@@ -142,26 +164,15 @@ WITH found AS (
            AND (k.fingerprint = EXCLUDED.fingerprint OR k.expires_at < clock_timestamp()))
     RETURNING k.id, CASE WHEN k.xmax = 0 THEN 'new' ELSE 'taken_over' END AS kind, k.steps
 )
-SELECT id, kind, NULL, NULL, NULL, NULL, NULL, 0.0, steps FROM claimed
+SELECT id, kind, NULL, NULL, NULL, NULL, NULL, 0.0, steps,
+       CASE WHEN %(async)s THEN {ASYNC_CLAIM_SQL} END
+FROM claimed
 UNION ALL
 SELECT id, 'existing', state, fingerprint, response_status, response_headers, response_body,
-       extract(epoch FROM locked_until - clock_timestamp())::float8, NULL
+       extract(epoch FROM locked_until - clock_timestamp())::float8, NULL, NULL
 FROM found WHERE NOT EXISTS (SELECT 1 FROM claimed)
-""",
+""".replace("{ASYNC_CLAIM_SQL}", ASYNC_CLAIM_SQL),
 )
-
-
-# Sent after BEGIN in the same query when the claim runs in autocommit (one implicit
-# transaction): the started row's commit does not wait for the WAL to reach the disk, which
-# saves a first request or task one of its two fsyncs. Nothing waits on that row being durable:
-# anything the attempt commits afterwards (its effects with the outcome, a recorded step)
-# commits synchronously, and flushing that commit flushes all the WAL before it, the claim's
-# included. So a server crash can lose only a claim under which nothing has committed yet, and
-# losing it frees the key at once, which is what a retry wants (the crashed attempt's
-# uncommitted work died with the server). A duplicate sees the row as soon as it is committed,
-# durable or not. Local to the claim's own implicit transaction: never sent inside an open
-# transaction, whose commit carries effects.
-ASYNC_CLAIM_SQL = "SELECT set_config('synchronous_commit', 'off', true)"
 
 
 # The writes below find their row by ``id`` and ``owner`` alone. Only a claim sets ``owner`` (a
@@ -384,13 +395,11 @@ def _run(
                 driver.nextset()
 
 
-def _composed(
-    cursor: CursorWrapper, statement: Statement, before: str, after: str
-) -> tuple[str, int]:
-    """The query that sends ``statement`` between ``before`` and ``after``, and the number of
-    the statement whose rows count."""
+def _composed(cursor: CursorWrapper, statement: Statement, before: str) -> tuple[str, int]:
+    """The query that sends ``statement`` after ``before``, and the number of the statement
+    whose rows count."""
     text = _text(cursor, statement)
-    parts = [part for part in (before, text, after) if part]
+    parts = [part for part in (before, text) if part]
     rows_at = (1 if before else 0) + (1 if text.startswith("PREPARE ") else 0)
     return "; ".join(parts), rows_at
 
@@ -406,22 +415,19 @@ def execute(
     *,
     before: str = "",
     undo_before: str = "",
-    after: str = "",
 ) -> None:
     """Run ``statement``; a session that lost its prepared statements (or has one of ours
     we did not know of) prepares them again, outside a transaction only: inside one the error
     has aborted it, so it propagates. ``before`` (SQL) runs first in the same query when the
-    cursor sends one query (else as a query of its own); ``after`` (SQL) follows it in the same
-    query, and is not sent at all when the cursor cannot send one query (it is meant for what
-    only matters inside the statement's own implicit transaction). The cursor is left on the
-    statement's rows. When the statement has to be sent again, ``undo_before`` runs first
+    cursor sends one query (else as a query of its own). The cursor is left on the statement's
+    rows. When the statement has to be sent again, ``undo_before`` runs first
     (``before`` already ran: a session lock it took would otherwise be taken twice)."""
     if not one_query(cursor):
         if before:
             cursor.execute(before, params)
-        before = after = ""
+        before = ""
     try:
-        text, rows_at = _composed(cursor, statement, before, after)
+        text, rows_at = _composed(cursor, statement, before)
         _run(cursor, text, params, rows_at)
     except DatabaseError as exc:
         if _sqlstate(exc) not in (_NOT_PREPARED, _ALREADY_PREPARED):
@@ -433,8 +439,33 @@ def execute(
             cursor.execute(f"DEALLOCATE {statement.name}")
         if before and undo_before:
             cursor.execute(undo_before, params)
-        text, rows_at = _composed(cursor, statement, before, after)
+        text, rows_at = _composed(cursor, statement, before)
         _run(cursor, text, params, rows_at)
+
+
+def fetch_one(using: str, statement: Statement, params: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The first row of ``statement`` run alone on ``using``'s connection (None: no row).
+
+    Run by name through libpq when nothing watches the connection and its session is known to
+    have the statement (:mod:`idempotency._direct`), else sent as :func:`execute` sends it. A
+    session found without it (SQLSTATE 26000, nothing ran) is handled as there: forgotten, and
+    outside a transaction the statement is prepared again through the cursor."""
+    connection = connections[using]
+    conn = _direct.connection(connection) if conf.get().prepared_statements else None
+    if conn is not None and statement.name in _PREPARED.get(conn, ()):
+        try:
+            rows = _direct.run(connection, conn, statement.key, statement.order, params)
+        except DatabaseError as exc:
+            if _sqlstate(exc) != _NOT_PREPARED:
+                raise
+            _PREPARED.pop(conn, None)
+            if not connection.get_autocommit():
+                raise
+        else:
+            return rows[0] if rows else None
+    with connection.cursor() as cursor:
+        execute(cursor, statement, params)
+        return cursor.fetchone() if cursor.description else None
 
 
 def prepare(using: str, *statements: Statement | OwnedWrite) -> None:

@@ -47,7 +47,6 @@ from leases.signals import send
 from . import signals, statements
 from .errors import IdempotencyKeyInProgress, IdempotencyKeyLost, IdempotencyKeyMismatch
 from .statements import (
-    ASYNC_CLAIM_SQL,
     BEGIN,
     FINISH,
     GATE_SESSION_SQL,
@@ -167,7 +166,7 @@ def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> An
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
             cursor.execute(BOUND_LOCK_WAIT_SQL, {"timeout": f"{timeout_ms}ms"})
             previous = cursor.fetchone()[0]
-            statements.execute(cursor, BEGIN, params)
+            statements.execute(cursor, BEGIN, {**params, "async": False})
             row = cursor.fetchone()
             cursor.execute(RESTORE_LOCK_TIMEOUT_SQL, {"previous": previous})
     except OperationalError as exc:
@@ -266,13 +265,11 @@ def _begin_once(
         if row is _Busy.BUSY:
             return Begun(Status.IN_PROGRESS, retry_after=1.0)
     else:
-        with connections[using].cursor() as cursor:
-            # The started row's commit need not wait for the disk (ASYNC_CLAIM_SQL says why).
-            statements.execute(cursor, BEGIN, params, after=ASYNC_CLAIM_SQL)
-            row = cursor.fetchone()
+        # The started row's commit need not wait for the disk (ASYNC_CLAIM_SQL says why).
+        row = statements.fetch_one(using, BEGIN, {**params, "async": True})
     if row is None:
         return None
-    row_id, kind, state, fingerprint, status, headers, body, remaining, steps = row
+    row_id, kind, state, fingerprint, status, headers, body, remaining, steps, _ = row
     scope, key = params["scope"], params["key"]
     if kind in ("new", "taken_over"):
         claim = Claim(
@@ -432,8 +429,7 @@ def release(claim: Claim) -> None:
             with connections[claim.using].cursor() as cursor:
                 cursor.execute(UNLOCK_SQL, {"gate": claim.gate})
         return
-    with connections[claim.using].cursor() as cursor:
-        statements.execute(cursor, RELEASE, {"id": claim.id, "owner": claim.owner})
+    statements.fetch_one(claim.using, RELEASE, {"id": claim.id, "owner": claim.owner})
 
 
 # The attempts running in this context, innermost last: what ``idempotency.step`` works under.

@@ -37,9 +37,16 @@ def _begin(alias: str, key: str) -> Begun:
     return begin("crash", key, FP, ttl=60, lock_timeout=60, using=alias)
 
 
-def test_a_claim_lost_in_a_crash_frees_its_key_at_once(crashable: tuple[str, Any]) -> None:
-    """Fails with a durable claim: the started row would come back locked for LOCK_TIMEOUT."""
+@pytest.mark.parametrize("by_name", [False, True], ids=["prepared_here", "run_by_name"])
+def test_a_claim_lost_in_a_crash_frees_its_key_at_once(
+    crashable: tuple[str, Any], by_name: bool
+) -> None:
+    """Fails with a durable claim: the started row would come back locked for LOCK_TIMEOUT.
+    A session's first claim prepares the statement in its query; later ones run it by name
+    through libpq (``idempotency._direct``): the same statement, so the same commit."""
     alias, server = crashable
+    if by_name:
+        assert _begin(alias, "k-earlier").status is Status.NEW
     claimed: list[Begun] = []
     crash_after(server, lambda: claimed.append(_begin(alias, "k-lost")))
     assert claimed[0].status is Status.NEW

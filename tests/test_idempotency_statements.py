@@ -160,11 +160,14 @@ def test_only_the_claims_own_commit_skips_the_wait_for_the_disk() -> None:
     """The started row commits with synchronous_commit off, set in the claim's own query (one
     implicit transaction); the attempt's transaction, which commits the effects with the
     outcome, and the session afterwards keep synchronous commits."""
+    from idempotency.statements import ASYNC_CLAIM_SQL, BEGIN
+
     with CaptureQueriesContext(connection) as sent:
         claim = begin("s", "k-sync", FP, ttl=60, lock_timeout=60).claim
     assert claim is not None
     (claim_sql,) = [query["sql"] for query in sent.captured_queries]
-    assert "idempotency_begin" in claim_sql and "'synchronous_commit', 'off', true" in claim_sql
+    assert "'synchronous_commit', 'off', true" in ASYNC_CLAIM_SQL and ASYNC_CLAIM_SQL in BEGIN.sql
+    assert "idempotency_begin" in claim_sql and claim_sql.endswith(", true)"), claim_sql
     attempt = Attempt(claim, atomic=True, ttl=60)
     attempt.start()
     in_attempt = _synchronous_commit()
