@@ -22,6 +22,7 @@ the first use of one, its recovery after a session lost it, server-side binding 
 from __future__ import annotations
 
 import os
+import re
 import types
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ from leases.backends._pgprepared import _keep_notifies
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
 
-__all__ = ["connection", "run"]
+__all__ = ["IN_TRANSACTION", "connection", "run", "run_text"]
 
 _DJANGO = os.path.dirname(django.__file__) + os.sep
 # What a debug toolbar or an agent sets on a connection to watch its cursors.
@@ -45,7 +46,10 @@ _CURSOR_HOOKS = ("cursor", "chunked_cursor", "make_cursor", "make_debug_cursor",
 # (cursor wrapper's execute, connection's cursor, make_cursor) -> whether all are Django's.
 _STOCK: dict[tuple[Any, ...], bool] = {}
 _IDLE = pq.TransactionStatus.IDLE
-_INTRANS = pq.TransactionStatus.INTRANS
+IN_TRANSACTION = _INTRANS = pq.TransactionStatus.INTRANS
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+# A query text -> its pieces between placeholders (encoded) and the placeholders' names.
+_SPLIT: dict[str, tuple[tuple[bytes, ...], tuple[str, ...]]] = {}
 
 
 def _djangos(function: Any) -> bool:
@@ -107,14 +111,53 @@ def run(
             pgconn = conn.pgconn
             result = pgconn.exec_prepared(name, values)  # type: ignore[arg-type]  # NULLs
             _keep_notifies(pgconn)
-        status = result.status
-        if status == pq.ExecStatus.TUPLES_OK:
-            tx.set_pgresult(result)
-            return tx.load_rows(0, result.ntuples, tuple)
-        if status == pq.ExecStatus.COMMAND_OK:
-            return []
-        if status == pq.ExecStatus.FATAL_ERROR:
-            raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
-        raise psycopg.InterfaceError(
-            f"unexpected result from the server: {pq.ExecStatus(status).name}"
-        )
+        return _rows(conn, tx, result)
+
+
+def run_text(
+    db: BaseDatabaseWrapper,
+    conn: psycopg.Connection[Any],
+    texts: Sequence[str],
+    params: Mapping[str, Any],
+) -> list[tuple[Any, ...]]:
+    """The rows of the last of ``texts`` (``%(name)s`` placeholders), sent as one simple query
+    whose values are quoted as psycopg's client-side cursor quotes them: the very query the
+    cursor would send. ``PQexec`` keeps the last result, or the error that stopped the query
+    (a statement after a failed one does not run)."""
+    tx = Transformer(conn)
+    query = b"; ".join(_render(tx, text, params) for text in texts)
+    with db.wrap_database_errors:
+        with conn.lock:
+            pgconn = conn.pgconn
+            result = pgconn.exec_(query)
+            _keep_notifies(pgconn)
+        return _rows(conn, tx, result)
+
+
+def _render(tx: Any, text: str, params: Mapping[str, Any]) -> bytes:
+    split = _SPLIT.get(text)
+    if split is None:
+        pieces = _PLACEHOLDER.split(text)
+        split = _SPLIT[text] = tuple(p.encode() for p in pieces[::2]), tuple(pieces[1::2])
+    literals, names = split
+    out = [literals[0]]
+    for name, literal in zip(names, literals[1:], strict=True):
+        value = params[name]
+        out.append(b"NULL" if value is None else tx.as_literal(value))
+        out.append(literal)
+    return b"".join(out)
+
+
+def _rows(conn: psycopg.Connection[Any], tx: Any, result: pq.abc.PGresult) -> list[tuple[Any, ...]]:
+    """A result's rows as a cursor would load them, or its error raised (in the caller's
+    ``wrap_database_errors``, which makes it Django's)."""
+    status = result.status
+    if status == pq.ExecStatus.TUPLES_OK:
+        tx.set_pgresult(result)
+        rows: list[tuple[Any, ...]] = tx.load_rows(0, result.ntuples, tuple)
+        return rows
+    if status == pq.ExecStatus.COMMAND_OK:
+        return []
+    if status == pq.ExecStatus.FATAL_ERROR:
+        raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+    raise psycopg.InterfaceError(f"unexpected result from the server: {pq.ExecStatus(status).name}")

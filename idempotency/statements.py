@@ -49,6 +49,7 @@ __all__ = [
     "execute",
     "fetch_one",
     "owned_write",
+    "owned_write_on",
     "prepare",
 ]
 
@@ -529,3 +530,39 @@ def owned_write(
             return False
         raise
     return True
+
+
+def owned_write_on(
+    using: str,
+    write: OwnedWrite,
+    params: dict[str, Any],
+    *,
+    commit: bool,
+    after_commit: str = "",
+) -> tuple[bool, bool]:
+    """:func:`owned_write` on ``using``'s connection: whether the write changed its row, and
+    whether its query carried the transaction's ``COMMIT``. Committing, and when nothing
+    watches the connection and its session is known to have the statement, the query goes
+    straight through libpq (:func:`idempotency._direct.run_text`: the text the cursor would
+    send, without the cursor)."""
+    connection = connections[using]
+    conn = _direct.connection(connection) if commit and conf.get().prepared_statements else None
+    if (
+        conn is not None
+        and write.strict.name in _PREPARED.get(conn, ())
+        and conn.pgconn.transaction_status == _direct.IN_TRANSACTION
+    ):
+        texts = [write.strict.execute_sql(), "COMMIT"] + ([after_commit] if after_commit else [])
+        try:
+            _direct.run_text(connection, conn, texts, params)
+        except DatabaseError as exc:
+            if _sqlstate(exc) == _NOT_PREPARED:
+                _PREPARED.pop(conn, None)
+            if _sqlstate(exc) == LOST:
+                return False, False
+            raise
+        return True, True
+    with connection.cursor() as cursor:
+        committed = commit and one_query(cursor)
+        done = owned_write(cursor, write, params, commit=commit, after_commit=after_commit)
+    return done, committed

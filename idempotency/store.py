@@ -357,11 +357,9 @@ def _owned_write(
     """A write only the key's owner may make (else IdempotencyKeyLost), committing the open
     transaction in the same round trip when ``commit`` (the caller's outermost block) and the
     driver sends one query; returns whether it did (and ran ``after_commit`` after it)."""
-    with connections[claim.using].cursor() as cursor:
-        committed = commit and statements.one_query(cursor)
-        done = statements.owned_write(
-            cursor, write, params, commit=commit, after_commit=after_commit
-        )
+    done, committed = statements.owned_write_on(
+        claim.using, write, params, commit=commit, after_commit=after_commit
+    )
     if not done:
         send(signals.conflict, claim.using, scope=claim.scope, key=claim.key, reason="lost")
         raise IdempotencyKeyLost(claim.scope, claim.key)
