@@ -7,7 +7,12 @@ than running it (measured on the benchmark's server: ~450 µs a call as plain SQ
 prepared statement). So each statement is prepared (``PREPARE``) on a connection the first time
 that connection needs it, in the same query as its first ``EXECUTE`` when the cursor binds on
 the client (Django's default), and then sent as ``EXECUTE name(...)`` through Django's own
-cursor (its execute wrappers, query logging and error translation all still apply).
+cursor (its execute wrappers, query logging and error translation all still apply). When
+nothing would see the difference (no query log, no execute wrapper, Django's own cursor path),
+the hot path's two queries skip the cursor, whose client CPU is now the larger share: the claim
+runs by name with libpq's ``Bind``/``Execute`` (:func:`fetch_one`) and the outcome's write with
+its ``COMMIT`` goes as the same text through ``PQexec`` (:func:`owned_write_on`); see
+:mod:`idempotency._direct`.
 Prepared statements live as long as the database session (a rollback keeps them); a session
 that lost them (a pooler that swaps server connections, ``DEALLOCATE ALL``) is detected by
 SQLSTATE 26000 and prepared again, outside a transaction. Behind a pooler in transaction mode

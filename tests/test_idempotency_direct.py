@@ -3,6 +3,7 @@ nothing watches the connection's queries; every watcher Django offers still sees
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -106,16 +107,16 @@ def test_an_execute_wrapper_sees_every_query_of_the_store() -> None:
     seen: list[str] = []
 
     def spy(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
-        seen.append(sql.split(" (")[0])
+        seen.append(re.sub(r"_v\d+", "", sql.split(" (")[0]))  # whatever their version
         return execute(sql, *args)
 
     with connection.execute_wrapper(spy):
         _first_request_and_replay("wrapped")
     assert seen == [
-        "EXECUTE idempotency_begin_v3",
+        "EXECUTE idempotency_begin",
         "SELECT 1",
-        "EXECUTE idempotency_finish_v3_strict",
-        "EXECUTE idempotency_begin_v3",
+        "EXECUTE idempotency_finish_strict",
+        "EXECUTE idempotency_begin",
     ], seen
 
 
