@@ -166,9 +166,11 @@ def revoked_grant(backend: str, name: str, token: int) -> int | None:
     Asked only after the store refused a holder's renewal or release, so the loss it reports
     says "revoked" instead of "expired or taken over": an operator's act is an incident to
     explain, an expiry a tuning question. The read runs on a private connection in a thread of
-    its own, bounded: the caller is often the backend's shared renewer thread, which must not
-    stall every other lease's renewal on a database that hangs, nor leave a connection open. It
-    never raises: how a loss is worded must not change that it is reported.
+    its own, bounded: a database that hangs must not hold back the loss's report (``on_lost``,
+    ``lease_lost``) or the caller's :class:`~leases.errors.LeaseLost` for longer, nor leave a
+    connection open. Never on the alias's shared renewer thread: keepalive words its refusals
+    on a thread of their own (``Lease._report_refusal_aside``). It never raises: how a loss is
+    worded must not change that it is reported.
     """
     from .models import Revocation
 
