@@ -213,7 +213,9 @@ class Command(BaseCommand):
             help="the token shown by list/show: only that grant is released",
         )
         release.add_argument(
-            "--user", required=True, help="username holding leases.force_release_lease"
+            "--user",
+            required=True,
+            help="the username (USERNAME_FIELD) of a user holding leases.force_release_lease",
         )
         terminate = sub.add_parser(
             "terminate", help="end the database session holding or awaiting advisory locks"
@@ -432,7 +434,10 @@ def _advisory_database(requested: str | None) -> str:
 
 
 def _user(username: str) -> Any:
-    user = get_user_model().objects.filter(username=username).first()
+    """The user whose ``USERNAME_FIELD`` is ``username``: a custom user model may log in by
+    e-mail address and have no ``username`` field at all."""
+    model = get_user_model()
+    user = model._default_manager.filter(**{model.USERNAME_FIELD: username}).first()
     if user is None:
         raise CommandError(f"no user {username!r}")
     return user
