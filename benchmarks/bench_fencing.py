@@ -18,7 +18,7 @@ from benchmarks.bench_advisory import round_trips
 from benchmarks.common import Report, per_op
 from demo_project.shop.models import Invoice
 from leases import StaleFencingToken, check_fence
-from leases.fencing import FENCE_SQL
+from leases.fencing import FENCE_SQL, fence_offer
 
 TITLE = "fencing: save(fence=...) and check_fence vs the same statement sent by hand"
 
@@ -70,7 +70,7 @@ def main(report: Report) -> None:
         report.table("what the fence adds to a model save (per op)", rows[2:4])
 
         def by_driver() -> None:
-            raw.execute(FENCE_SQL, ["bench:fence", TOKEN]).fetchone()
+            raw.execute(FENCE_SQL, ["bench:fence", TOKEN, *fence_offer(TOKEN).params()]).fetchone()
 
         report.table(
             "check_fence on a leases_fence row (per op)",
