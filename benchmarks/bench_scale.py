@@ -509,6 +509,22 @@ def _acquire_probe(backend: Backend) -> Callable[[], None]:
     return probe
 
 
+#: What the big tables weigh against the server's buffer cache: a table far bigger than the cache
+#: turns each random row into a miss (served by the OS page cache), whatever the statement.
+SIZES_SQL = f"""
+SELECT current_setting('shared_buffers'),
+       pg_size_pretty(pg_total_relation_size('{BIG}.leases_lease')),
+       pg_size_pretty(pg_total_relation_size('{BIG}.idempotency_key'))
+"""
+
+
+def _sizes() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute(SIZES_SQL)
+        buffers, leases, keys = cursor.fetchone()
+    return f"shared_buffers {buffers}; big tables with their indexes: leases {leases}, keys {keys}"
+
+
 def main(report: Report) -> None:
     rows = int(report.options.get("rows") or 1_000_000)
     keys = int(report.options.get("keys") or 10 * rows)
@@ -521,6 +537,7 @@ def main(report: Report) -> None:
         f"filled {rows:,} lease rows and {keys:,} keys (vs {SMALL_ROWS} each) in "
         f"{time.perf_counter() - started:.0f} s"
     )
+    report.note(_sizes())
     connection_created.connect(_set_search_path)
     backend = get_backend("default")
     assert isinstance(backend, Backend)

@@ -242,8 +242,11 @@ class PostgresServer:
         base_dir: str | None = None,
         env: Mapping[str, str] | None = None,
         replica_of: PostgresServer | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
+        #: Server settings over the defaults of :meth:`start` (a benchmark's buffer cache).
+        self.settings = dict(settings or {})
         #: Extra environment for the server process (a fake clock: :mod:`devservers.clock`).
         self.env = dict(env or {})
         self.user = _unprivileged_user()
@@ -325,6 +328,7 @@ class PostgresServer:
             "shared_buffers": "32MB",
             "log_min_messages": "warning",
             "deadlock_timeout": "200ms",
+            **self.settings,
         }
         args = [str(self.bindir / "postgres"), "-D", str(self.data), "-p", str(self.port)]
         for key, value in settings.items():
@@ -525,6 +529,7 @@ _SERVER_CLASSES: dict[str, type[PostgresServer] | type[RedisServer]] = {
 def configured_or_throwaway(
     owned: list[PostgresServer | RedisServer],
     variables: tuple[str, ...] = ("DATABASE_URL", "REDIS_URL"),
+    postgres_settings: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """``DATABASE_URL`` and ``REDIS_URL`` (or just ``variables``): the configured ones, else
     new servers.
@@ -532,7 +537,7 @@ def configured_or_throwaway(
     A configured URL whose server does not answer is an error: quietly running against a
     throwaway server instead would show someone a demo (or a green test run) of a database
     they did not mean. Servers started here are appended to ``owned``; the caller destroys
-    them when done.
+    them when done. ``postgres_settings`` apply to a PostgreSQL server started here only.
     """
     urls: dict[str, str] = {}
     for variable in variables:
@@ -542,7 +547,11 @@ def configured_or_throwaway(
                 raise ServerUnreachable(variable, configured)
             urls[variable] = configured
         else:
-            server = _SERVER_CLASSES[variable]().start()
+            server = (
+                PostgresServer(settings=postgres_settings)
+                if variable == "DATABASE_URL"
+                else _SERVER_CLASSES[variable]()
+            ).start()
             owned.append(server)
             urls[variable] = server.url
     return urls
