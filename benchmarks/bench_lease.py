@@ -20,10 +20,12 @@
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import multiprocessing
 import os
 import queue
+import signal
 import statistics
 import tempfile
 import threading
@@ -167,8 +169,11 @@ def _contend(kind: str, name: str, seconds: float, start: Any, results: Any) -> 
 
     Reports every grant as (token or sequence number, arrived, granted) on the monotonic
     clock, which is one clock for every process on the machine, so the parent can tell who
-    was served when and whether later arrivals overtook earlier ones.
+    was served when and whether later arrivals overtook earlier ones. SIGUSR1 prints every
+    thread's stack: the parent asks for it before it kills a process that did not report, so a
+    stuck run says where it was stuck (a starved wait, a lock inherited over the fork).
     """
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     connections.close_all()
     acquire_release = _contender(kind, name)
     start.wait()
@@ -298,6 +303,10 @@ def contended(kind: str, seconds: float = CONTENDED_SECONDS) -> Contended:
             per_process[pid] = grants
     finally:
         for proc in procs:
+            if proc.pid not in per_process and proc.is_alive() and proc.pid is not None:
+                print(f"contender {proc.pid} ({kind}) did not report; its stacks:", flush=True)
+                os.kill(proc.pid, signal.SIGUSR1)
+                time.sleep(0.5)
             proc.join(timeout=0 if proc.pid not in per_process else 10)
             if proc.is_alive():
                 proc.kill()

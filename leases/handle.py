@@ -197,11 +197,24 @@ class Lease:
 
     def renew(self, ttl: float | None = None) -> Grant:
         """Extend the lease to ``ttl`` seconds (default: its TTL) from now, in one round trip."""
+        return self._renew(ttl, aside=False)
+
+    def _renew_kept(self) -> Grant:
+        """:meth:`renew` for keepalive, on the alias's shared renewer thread: a refusal is worded
+        and reported from a thread of its own (see :meth:`_report_refusal_aside`)."""
+        return self._renew(None, aside=True)
+
+    def _renew(self, ttl: float | None, *, aside: bool) -> Grant:
         ttl = self._before_renew(ttl)
         try:
             grant = self._store.renew(self.grant, ttl)
         except (LeaseLost, LeaseNotHeld) as exc:
-            raise self._renewal_refused(exc, self._revoked_through()) from exc
+            if self._refused(exc):
+                if aside:
+                    self._report_refusal_aside(exc)
+                else:
+                    self._report_refusal(exc, self._revoked_through())
+            raise self._refused_error(exc) from exc
         except Exception as exc:
             self._renewal_failed(exc)
             raise
@@ -213,8 +226,9 @@ class Lease:
         try:
             grant = await self._store.arenew(self.grant, ttl)
         except (LeaseLost, LeaseNotHeld) as exc:
-            revoked = await asyncio.to_thread(self._revoked_through)
-            raise self._renewal_refused(exc, revoked) from exc
+            if self._refused(exc):
+                self._report_refusal(exc, await asyncio.to_thread(self._revoked_through))
+            raise self._refused_error(exc) from exc
         except Exception as exc:
             self._renewal_failed(exc)
             raise
@@ -225,11 +239,47 @@ class Lease:
         self._ensure_valid()
         return self.grant.ttl if ttl is None else valid_ttl(ttl)
 
-    def _renewal_refused(self, exc: LeaseLost | LeaseNotHeld, revoked: int | None) -> LeaseLost:
-        """A refusal loses the lease (our own secret refused too: another grant holds the name
-        now, or an operator revoked ours)."""
-        self._mark_lost(_refusal("renewal refused", exc, revoked))
+    def _refused(self, exc: LeaseLost | LeaseNotHeld) -> bool:
+        """A refused renewal loses the lease (our own secret refused too: another grant holds
+        the name now, or an operator revoked ours); whether this refusal is what lost it.
+
+        Marked at once, in the store's words: ``lost`` is set and :meth:`ensure_held` raises
+        from here on, before anyone asks the database whether an operator's force release is
+        why. Only the wording waits for that read (:meth:`_report_refusal`)."""
+        return self._claim_loss(_refusal("renewal refused", exc, None))
+
+    def _refused_error(self, exc: LeaseLost | LeaseNotHeld) -> LeaseLost:
         return LeaseLost(self.name, self.token, self.lost_reason or str(exc))
+
+    def _report_refusal(self, exc: LeaseLost | LeaseNotHeld, revoked: int | None) -> None:
+        """Word a refusal :meth:`_refused` marked ("revoked" when ``revoked`` says an operator
+        is why) and report it: the log line, ``on_lost`` and ``lease_lost`` carry the final
+        word, and ``lost_reason`` has it before they run."""
+        reason = _refusal("renewal refused", exc, revoked)
+        with self._state:
+            self.lost_reason = reason  # the store's words until now
+        self._report_lost(reason)
+
+    def _report_refusal_aside(self, exc: LeaseLost | LeaseNotHeld) -> None:
+        """:meth:`_report_refusal` on a short-lived thread, for a refusal keepalive met.
+
+        The revocation read behind the wording is bounded (``LOOKUP_TIMEOUT``, 1 s), but on the
+        alias's shared renewer thread even a bounded wait on a database that hangs would hold
+        up the renewal of every other lease of the alias. Not on the watchdog's thread either:
+        it reports expiries when stores do not answer, and must wait on none. A thread per
+        refused renewal is cheap (each is a loss, one per lease at most), unlike one per
+        acquire. The loss is marked already (:meth:`_refused`), so only the report waits for
+        the read: whoever waits for ``on_lost`` or ``lease_lost`` gets the final cause, while
+        a waiter on ``lost`` may still read ``lost_reason`` in the store's words.
+        """
+
+        def report() -> None:
+            try:
+                self._report_refusal(exc, self._revoked_through())
+            except Exception:  # a thread's last resort: _report_lost guards its callbacks
+                logger.exception("leases: reporting the loss of %r failed", self.name)
+
+        threading.Thread(target=report, name="leases-loss-report", daemon=True).start()
 
     def _renewal_failed(self, exc: Exception) -> None:
         """Any error but a refusal gives no verdict (the store is unreachable): still held for
@@ -345,12 +395,18 @@ class Lease:
 
     def _mark_lost(self, reason: str) -> None:
         """Record the loss once and tell everyone (keepalive, watchdog and checks call this)."""
+        if self._claim_loss(reason):
+            self._report_lost(reason)
+
+    def _claim_loss(self, reason: str) -> bool:
+        """Record the loss unless the lease is already done; whether this call recorded it
+        (and so must report it)."""
         with self._state:
             if self.done:
-                return
+                return False
             self._flag_lost(reason)
         _unregister(self)
-        self._report_lost(reason)
+        return True
 
     def _flag_lost(self, reason: str) -> None:
         """Record the loss; the caller holds ``_state``."""

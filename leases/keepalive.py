@@ -9,9 +9,11 @@ cost more than the acquire's round trip in hot paths, the churn pottery suffers 
 - one **watchdog** per process declares a lease lost the moment its pessimistic validity runs
   out without a renewal, even while the renewer is stuck in a call to an unreachable store.
 
-So loss is never silent: either a renewal is refused (the renewer reports it) or time runs out
-(the watchdog reports it); :meth:`leases.lease.Lease._mark_lost` sets ``lost``, calls
-``on_lost``, sends ``lease_lost`` and logs, once. Both threads catch and log everything.
+So loss is never silent: either a renewal is refused (the renewer marks the loss at once, and a
+short-lived thread reports it once a bounded database read has said whether an operator revoked
+the grant: the renewer never waits on that database) or time runs out (the watchdog reports
+it); ``lost`` is set, ``on_lost`` called, ``lease_lost`` sent and a line logged, once. Both
+threads catch and log everything.
 
 **Async leases use the same threads**, not an asyncio task per loop. A task renews only when
 its loop gets round to it: a loop blocked by one slow synchronous call (a ``time.sleep``, a
@@ -62,7 +64,7 @@ class Kept(Protocol):
 
     def remaining(self) -> float: ...
 
-    def renew(self, ttl: float | None = None) -> Grant: ...
+    def _renew_kept(self) -> Grant: ...
 
     def _mark_lost(self, reason: str) -> None: ...
 
@@ -246,7 +248,7 @@ class _Renewal:
     def step(self) -> float | None:
         """Renew once; when the next step is due (``None``: stop)."""
         try:
-            grant = self.lease.renew()
+            grant = self.lease._renew_kept()
         except LeaseLost:
             return None  # renew() already reported the loss
         except Exception as exc:

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from django.db import DatabaseError, connections, router
+from django.db.backends.utils import CursorWrapper
 from django.db.models import Exists, Q
 
 from .databases import migrated_databases
@@ -138,12 +139,21 @@ def not_revoked(offer: Offer) -> Q:
 
 def revoked_through(offer: Offer, using: str) -> int | None:
     """The revoked-through token when a revocation covers ``offer``'s grant, else ``None``."""
-    if not offer.revocable or not checked_on(using):
+    backend, name = offer.backend, offer.name
+    if backend is None or name is None or not checked_on(using):  # not revocable
         return None
     with connections[using].cursor() as cursor:
-        cursor.execute(REVOKED_THROUGH_SQL, [offer.backend, offer.name])
-        row = cursor.fetchone()
-    if row is None or int(row[0]) < offer.token:
+        return _covering(cursor, backend, name, offer.token)
+
+
+def _covering(cursor: CursorWrapper, backend: str, name: str, token: int) -> int | None:
+    """The revoked-through token when the revocation of ``name`` on ``backend`` covers grant
+    ``token`` (it revoked that token or a later one), else ``None``: the one read behind both
+    :func:`revoked_through` (on the caller's connection, after a refused write) and
+    :func:`revoked_grant` (on a private one, after a refused renewal or release)."""
+    cursor.execute(REVOKED_THROUGH_SQL, [backend, name])
+    row = cursor.fetchone()
+    if row is None or int(row[0]) < token:
         return None
     return int(row[0])
 
@@ -156,9 +166,11 @@ def revoked_grant(backend: str, name: str, token: int) -> int | None:
     Asked only after the store refused a holder's renewal or release, so the loss it reports
     says "revoked" instead of "expired or taken over": an operator's act is an incident to
     explain, an expiry a tuning question. The read runs on a private connection in a thread of
-    its own, bounded: the caller is often the backend's shared renewer thread, which must not
-    stall every other lease's renewal on a database that hangs, nor leave a connection open. It
-    never raises: how a loss is worded must not change that it is reported.
+    its own, bounded: a database that hangs must not hold back the loss's report (``on_lost``,
+    ``lease_lost``) or the caller's :class:`~leases.errors.LeaseLost` for longer, nor leave a
+    connection open. Never on the alias's shared renewer thread: keepalive words its refusals
+    on a thread of their own (``Lease._report_refusal_aside``). It never raises: how a loss is
+    worded must not change that it is reported.
     """
     from .models import Revocation
 
@@ -169,12 +181,11 @@ def revoked_grant(backend: str, name: str, token: int) -> int | None:
             private = connections.create_connection(alias)
             try:
                 with private.cursor() as cursor:
-                    cursor.execute(REVOKED_THROUGH_SQL, [backend, name])
-                    row = cursor.fetchone()
+                    through = _covering(cursor, backend, name, token)
             finally:
                 private.close()
-            if row is not None and int(row[0]) >= token:
-                found.append(int(row[0]))
+            if through is not None:
+                found.append(through)
                 return
         found.append(None)
 

@@ -6,12 +6,15 @@ strength of the recorded revocation alone, in the statement that would write.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import Permission
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from leases import (
@@ -21,14 +24,16 @@ from leases import (
     StaleFencingToken,
     acquire,
     check_fence,
+    revocation,
 )
-from leases.backends import get_backend
+from leases.backends import Capability, get_backend
 from leases.lease import Lease
 from leases.models import ForceRelease, Revocation
 from leases.operations import force_release
+from leases.revocation import REVOKE_SQL
 from tests.checker import check_history, history, new_register, record_write
 from tests.factories import UserFactory
-from tests.lease_backends import lease_backend, lease_name
+from tests.lease_backends import lease_backend, lease_name, require
 from tests.testapp.models_fencing import FencedDoc, FencedDocPart, FencedRegister
 
 __all__ = ["lease_backend", "lease_name"]  # fixtures, re-exported for pytest
@@ -284,5 +289,157 @@ def test_an_async_revoked_holder_hears_it_was_revoked(
     renewal, release = asyncio.run(scenario())
     assert "revoked: an operator force-released it" in renewal
     assert "revoked: an operator force-released it" in release
+    with pytest.raises(LeaseLost):
+        held.release()
+
+
+class HungLookup:
+    """Revokes grants in a transaction that holds ``leases_revocation`` locked, so every
+    revocation lookup waits on the lock (a database that does not answer) until :meth:`answer`
+    commits, and then finds the revocations. Revoking here, not with ``force_release``, makes
+    sure the store's refusal (and so the lookup) cannot come before the lock."""
+
+    def __init__(self) -> None:
+        self.connection = connections.create_connection("default")
+        self.connection.set_autocommit(False)
+        with self.connection.cursor() as cursor:
+            cursor.execute("SET LOCAL lock_timeout = '10s'")  # fail rather than hang
+            cursor.execute("LOCK TABLE leases_revocation IN ACCESS EXCLUSIVE MODE")
+
+    def revoke(self, held: Lease) -> None:
+        with self.connection.cursor() as cursor:
+            cursor.execute(REVOKE_SQL, [held.backend, held.name, held.token])
+        get_backend(held.backend).force_release(held.name, held.token)
+
+    def answer(self) -> None:
+        if self.connection.connection is not None:
+            self.connection.commit()
+            self.connection.close()
+
+
+@pytest.fixture
+def hung_lookup(lease_backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[HungLookup]:
+    """A revocation lookup that hangs, bounded by a minute instead of a second (the renewer
+    that waited for it missed every renewal meanwhile), and keepalive renewing every second
+    with a validity of about 20: a lease missing its renewals is not lost within a test."""
+    require(lease_backend, Capability.FORCE_RELEASE)
+    monkeypatch.setattr(revocation, "LOOKUP_TIMEOUT", 60.0)
+    hung = HungLookup()
+    try:
+        with override_settings(LEASES={**settings.LEASES, "RENEW_FRACTION": 0.05}):
+            yield hung
+    finally:
+        hung.answer()
+
+
+def test_a_hung_revocation_lookup_does_not_hold_up_other_leases_renewals(
+    lease_backend: str, lease_name: str, hung_lookup: HungLookup
+) -> None:
+    """A revoked holder's refused renewal is worded after a database read; the alias's shared
+    renewer thread does not wait for it, so the other leases of the alias renew on time."""
+    from leases import signals
+
+    lost_reasons: list[str] = []
+    causes: list[str] = []
+    reported, renewed_thrice = threading.Event(), threading.Event()
+    evicted = acquire(
+        lease_name,
+        ttl=20,
+        backend=lease_backend,
+        on_lost=lambda lost: lost_reasons.append(lost.lost_reason or ""),
+    )
+    other = acquire(f"{lease_name}-other", ttl=20, backend=lease_backend)
+    renewals = 0
+
+    def renewed(sender: str, lease: Lease, **_: Any) -> None:
+        nonlocal renewals
+        if lease is other:
+            renewals += 1
+            if renewals == 3:
+                renewed_thrice.set()
+
+    def lost(sender: str, lease: Lease, reason: str, cause: str, **_: Any) -> None:
+        if lease is evicted:
+            causes.append(cause)
+            reported.set()
+
+    signals.lease_renewed.connect(renewed)
+    signals.lease_lost.connect(lost)
+    try:
+        hung_lookup.revoke(evicted)
+        # Renewals are due every second; the renewer that waited for the lookup (a minute
+        # here) renewed the other lease at most once more, before it met the refusal.
+        assert renewed_thrice.wait(15), f"{renewals} renewals of the other lease in 15 s"
+        assert evicted.done, "the evicted lease's renewal, due before, was not refused"
+        assert not reported.is_set(), "reported before the revocation could be read"
+        hung_lookup.answer()
+        assert reported.wait(15), "the loss was never reported"
+        other.ensure_held()
+    finally:
+        signals.lease_renewed.disconnect(renewed)
+        signals.lease_lost.disconnect(lost)
+        hung_lookup.answer()
+        other.release()
+        with pytest.raises(LeaseLost):
+            evicted.release()
+    assert causes == ["revoked"]
+    assert len(lost_reasons) == 1 and lost_reasons[0].startswith("revoked: an operator")
+
+
+def test_a_refused_renewal_is_lost_at_once_while_the_revocation_lookup_hangs(
+    lease_backend: str, lease_name: str, hung_lookup: HungLookup
+) -> None:
+    """The store's refusal is the verdict: ``lost`` is set and ``ensure_held()`` raises at
+    once; only the wording waits for the database, and ``on_lost`` waits for the wording."""
+    reasons: list[str] = []
+    reported = threading.Event()
+
+    def on_lost(lost: Lease) -> None:
+        reasons.append(lost.lost_reason or "")
+        reported.set()
+
+    held = acquire(lease_name, ttl=20, backend=lease_backend, on_lost=on_lost)
+    try:
+        hung_lookup.revoke(held)
+        assert held.lost.wait(15), "not lost while its revocation lookup hung"
+        with pytest.raises(LeaseLost, match="renewal refused"):
+            held.ensure_held()
+        assert held.remaining() == 0 and not reported.is_set()
+        hung_lookup.answer()
+        assert reported.wait(15), "on_lost never ran"
+    finally:
+        hung_lookup.answer()
+        with pytest.raises(LeaseLost, match="revoked"):
+            held.release()
+    assert len(reasons) == 1 and reasons[0].startswith("revoked: an operator force-released it")
+    assert held.lost_reason == reasons[0]
+
+
+def test_a_renew_call_marks_the_loss_before_its_revocation_lookup_answers(
+    lease_backend: str, lease_name: str, hung_lookup: HungLookup
+) -> None:
+    """A caller's own ``renew()`` waits for the wording (its error says "revoked"), but the
+    lease is lost for every other thread from the refusal on."""
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
+    raised: list[LeaseLost] = []
+
+    def renew() -> None:
+        with pytest.raises(LeaseLost) as refused:
+            held.renew()
+        raised.append(refused.value)
+
+    hung_lookup.revoke(held)
+    renewing = threading.Thread(target=renew)
+    renewing.start()
+    try:
+        assert held.lost.wait(15), "not lost while its revocation lookup hung"
+        with pytest.raises(LeaseLost):
+            held.ensure_held()
+        assert renewing.is_alive(), "renew() did not wait for the revocation lookup"
+    finally:
+        hung_lookup.answer()
+        renewing.join(15)
+    assert len(raised) == 1
+    assert "revoked: an operator force-released it" in str(raised[0])
     with pytest.raises(LeaseLost):
         held.release()
