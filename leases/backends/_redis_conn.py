@@ -3,10 +3,10 @@
 The Redis backend needs one fact per acquire that only the server can give: the replication id
 of the server run it is talking to (see the module docstring of :mod:`leases.backends.redis`).
 By default every acquire script reads it (``INFO``): that is the only answer that cannot be
-stale. Reading it costs about a third of the script's server time (some 4 µs), so a deployment
-may let each connection remember the id it last learned (:class:`ServerRun`) for at most the
-backend's ``TRUST_SERVER_ID`` seconds, and the acquire script then reads it again only when the
-connection does not know it.
+stale. Reading it costs a fifth to a quarter of the script's server time (5-10 µs), so a
+deployment may let each connection remember the id it last learned (:class:`ServerRun`) for at
+most the backend's ``TRUST_SERVER_ID`` seconds, and the acquire script then reads it again only
+when the connection does not know it.
 
 A connection forgets it when it (re)connects (a restarted or failed-over server is always a new
 TCP connection: redis-py's connect callbacks), after any error (the connection is dropped, so
