@@ -98,7 +98,9 @@ def check_advisory_database(app_configs: Any = None, **kwargs: Any) -> list[Chec
                     f"database {alias!r} is {vendor}, but advisory locks and the lease "
                     "backends that use it need PostgreSQL",
                     hint="Point it at PostgreSQL (psycopg 3), or silence leases.E002 if you "
-                    "use neither advisory locks nor a lease backend on it.",
+                    "use neither advisory locks nor a lease backend on it and a database router "
+                    "keeps the leases and idempotency tables off it (their migrations need "
+                    "PostgreSQL: `migrate` fails on any other database).",
                     id="leases.E002",
                 )
             )

@@ -394,7 +394,7 @@ def expires_in(info: LeaseInfo, now: datetime | None = None) -> timedelta | None
 
 def _require(user: Any, permission: str) -> None:
     if user is None or not user.is_active or not user.has_perm(permission):
-        who = getattr(user, "username", None) or "anonymous"
+        who = (user.get_username() if user is not None else "") or "anonymous"
         raise PermissionDenied(f"{who} lacks the {permission} permission")
 
 
@@ -479,7 +479,9 @@ def _audit(user: Any, via: str, message: str, **fields: Any) -> Any:
 
     record = ForceRelease.objects.create(
         by=user if getattr(user, "pk", None) else None,
-        by_username=user.get_username(),
+        # An e-mail address as USERNAME_FIELD may be longer than the column: cut it rather
+        # than fail the audit of a release already done.
+        by_username=user.get_username()[: ForceRelease._meta.get_field("by_username").max_length],
         via=via,
         **fields,
     )

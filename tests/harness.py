@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -225,3 +226,17 @@ def fault_database(
             connections[alias].close()
         del connections[alias]
         connections.settings.pop(alias, None)
+
+
+@pytest.fixture
+def silent() -> Iterator[socket.socket]:
+    """A port that takes connections (the kernel completes the handshake) and never answers:
+    a store behind a firewall that drops its replies, or a paused server. Closing it resets
+    the connections waiting in it, which ends the calls stuck on them."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    try:
+        yield listener
+    finally:
+        listener.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -135,20 +134,6 @@ def test_every_backend_page_lists_and_releases(client: Client, lock_scene: LockS
     assert info is not None and not info.held and info.token > grant.token
     record = ForceRelease.objects.get(name=grant.name)
     assert (record.backend, record.via, record.token) == ("redis", "admin", grant.token)
-
-
-@pytest.fixture
-def silent() -> Iterator[socket.socket]:
-    """A port that takes connections (the kernel completes the handshake) and never answers:
-    a store behind a firewall that drops its replies, or a paused server. Closing it resets
-    the connections waiting in it, which ends the calls stuck on them."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    try:
-        yield listener
-    finally:
-        listener.close()
 
 
 def test_every_backend_page_shows_stores_that_do_not_answer_as_unreachable(

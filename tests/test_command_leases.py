@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 import uuid
 from datetime import datetime, timedelta
@@ -13,8 +14,10 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
+from django.test import override_settings
 
 from leases import acquire
+from leases._asking import ANSWER_BOUND
 from leases.backends import get_backend
 from leases.models import ForceRelease
 from leases.operations import advisory_locks
@@ -215,3 +218,72 @@ def test_a_name_with_control_characters_stays_on_its_row() -> None:
         assert "\\x1b[2J" in row and "\x1b" not in output
     finally:
         held.release()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_list_names_a_waiting_room_instead_of_a_bare_key() -> None:
+    """The advisory lock a lease waiter takes for its waiting room is the package's own: the
+    admin labels it, and so must the terminal, where a bare 64-bit key held by an application
+    called django-leases invites an operator to terminate a waiter's session."""
+    import threading
+
+    from leases.operations import lease_waiters
+    from tests.waiting import wait_until
+
+    name = f"waited-{uuid.uuid4().hex[:8]}"
+    held = acquire(name, ttl=30)
+
+    def wait_for_it() -> None:
+        from django.db import connection
+
+        try:
+            acquire(name, ttl=30, timeout=120).release()  # `show` asks every backend in turn
+        finally:
+            connection.close()
+
+    waiter = threading.Thread(target=wait_for_it)
+    try:
+        waiter.start()
+        wait_until(lambda: len(lease_waiters()) == 1, 10, "a waiter in the room")
+        (room,) = lease_waiters()
+        listing = run("list", "--limit", "0")
+        line = line_of(listing, f"waiting room of lease {name!r}", "held")
+        assert f"pid {room.pid}" in line and room.key not in line
+        line_of(run("show", name), f"waiting room of lease {name!r}", "held")
+        locks = json.loads(run("list", "--json", "--limit", "0"))["advisory_locks"]
+        (row,) = [lock for lock in locks if lock["pid"] == room.pid]
+        assert row["room_of"] == name and row["key"] == room.key and row["name"] is None
+    finally:
+        held.release()
+        waiter.join(30)
+
+
+def test_show_asks_every_backend_at_once_within_the_bound(
+    lock_scene: LockScene, silent: socket.socket
+) -> None:
+    """``show`` asked the backends one after the other, so an etcd that never answers held the
+    operator's terminal for its own timeouts (30 s here) before the healthy backends were
+    even asked; like ``list`` it now waits at most the bound and says which store is down."""
+    hung = 30.0
+    backends = {
+        "default": {"ENGINE": "leases.backends.database"},
+        "etcd-down": {
+            "ENGINE": "leases.backends.etcd",
+            "ENDPOINTS": [f"http://127.0.0.1:{silent.getsockname()[1]}"],
+            "CONNECT_TIMEOUT": hung,
+            "REQUEST_TIMEOUT": hung,
+        },
+    }
+    out, err = StringIO(), StringIO()
+    with override_settings(LEASES={"BACKENDS": backends}):
+        started = time.monotonic()
+        call_command("leases", "show", lock_scene.held, stdout=out, stderr=err)
+        took = time.monotonic() - started
+        silent.close()  # the stuck call ends before its backend is closed
+    # A bound with slack for a loaded machine, well below the store's own timeout.
+    assert took < ANSWER_BOUND + 15, f"show took {took:.1f}s"
+    assert f"token: {lock_scene.tokens[lock_scene.held]}" in out.getvalue()
+    assert "backend etcd-down unavailable: lease backend 'etcd-down' is unavailable: " in (
+        err.getvalue()
+    )
+    assert f"no answer within {ANSWER_BOUND:g}s" in err.getvalue()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from redis.crc import key_slot
 from devservers import RedisServer
 from leases import LeaseUnavailable, acquire, conf
 from leases.acquiring import STOP_READERS_EVERY
+from leases.backends._redis_scripts import WAKE_TTL_MS
 from leases.backends._redis_shared import STOP_READERS_LUA
 from leases.backends.base import Grant
 from leases.backends.redis import (
@@ -35,7 +37,7 @@ from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigu
 from tests import checker
 from tests.extra_backends import added_backend
 from tests.lease_backends import wait_overshoots
-from tests.waiting import stalled, stalled_handover
+from tests.waiting import stalled, stalled_handover, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -131,6 +133,59 @@ def test_renew_extends_on_the_servers_clock(make_backend: MakeBackend) -> None:
     time.sleep(1.1)
     with pytest.raises(LeaseLost):
         backend.renew(grant, 1)
+
+
+def test_every_release_leaves_one_wake_up_lasting_the_wake_ttl(make_backend: MakeBackend) -> None:
+    """A waiter between its failed try and its ``BLPOP`` must find the release's wake-up for at
+    least ``WAKE_TTL_MS``. A release that finds one still there pushes no second one (one
+    release wakes one waiter), but renews it once less than that is left."""
+    backend, name = make_backend(), unique()
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    wake = LeaseKeys.of(backend.prefix, name).wake
+    for round_ in range(6):
+        if round_ == 3:
+            client.pexpire(wake, 50)  # a wake-up near the end of its life
+        grant = backend.try_acquire(name, "a", 5)
+        assert grant is not None
+        backend.release(grant)
+        assert client.llen(wake) == 1
+        assert client.pttl(wake) > WAKE_TTL_MS - 1000  # (slack for a loaded machine)
+
+
+def test_a_release_between_the_failed_try_and_the_wait_wakes_the_wait(
+    make_backend: MakeBackend,
+) -> None:
+    backend, name = make_backend(), unique()
+    holder = backend.try_acquire(name, "a", 30)
+    assert holder is not None
+    assert backend.try_acquire(name, "b", 30) is None  # the waiter's failed try
+    backend.release(holder)
+    assert backend.wait_for_release(name, 10) is True  # the wake-up waited for it
+
+
+def test_a_wait_blocked_after_a_spent_wake_up_is_woken_by_the_next_release(
+    make_backend: MakeBackend,
+) -> None:
+    """A release pushes a wake-up only when the list is missing: then it must, since a
+    blocked waiter means an empty (so missing) list. A 30 s grant and a 10 s wait: only the
+    release can end the wait with ``True``."""
+    backend, name = make_backend(), unique()
+    first = backend.try_acquire(name, "a", 30)
+    assert first is not None
+    backend.release(first)  # leaves a wake-up nobody takes yet
+    second = backend.try_acquire(name, "a", 30)
+    assert second is not None
+    assert backend.wait_for_release(name, 5) is True  # that stale one, at once
+    woken: list[bool] = []
+    waiter = threading.Thread(target=lambda: woken.append(backend.wait_for_release(name, 10)))
+    waiter.start()
+    try:
+        blocked = lambda: any(w.name == name for w in backend.waiters())  # noqa: E731
+        wait_until(blocked, 10, "the wait blocked in BLPOP")
+        backend.release(second)
+    finally:
+        waiter.join(15)
+    assert woken == [True]
 
 
 def test_wait_returns_false_on_timeout(make_backend: MakeBackend) -> None:

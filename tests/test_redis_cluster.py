@@ -6,6 +6,7 @@ Without the ``{name}`` hash tag a script touching ``:lock`` and ``:fence`` would
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import threading
@@ -19,8 +20,11 @@ import redis
 from redis.cluster import RedisCluster
 
 from devservers import RedisServer, free_port
+from leases.backends.base import Grant
 from leases.backends.redis import Backend, LeaseKeys
 from leases.errors import LeaseLost
+from tests import checker
+from tests.waiting import stalled_handover
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -106,3 +110,34 @@ def test_leases_on_every_node_of_a_cluster(cluster: list[RedisServer]) -> None:
         assert revoked is not None and revoked.token > held.token and not revoked.held
     finally:
         backend.close()
+
+
+def test_an_async_cluster_round_trip_on_a_stalled_event_loop_reads_the_reply_that_came_in_time(
+    cluster: list[RedisServer],
+) -> None:
+    """Async, on a cluster: the event loop blocks right after the node ran the script, for
+    longer than the round trip's timeout but well within the TTL. The reply came in time and
+    waits in the socket: the try is granted, the renewal renews, the release releases. The
+    round trip used to be cut off by the loop's clock alone (``asyncio.wait_for``), which
+    made the node look down (``BackendUnavailable``); the fence still orders the grants."""
+    backend = Backend("cluster", {"URL": cluster[0].url, "CLUSTER": True, "SOCKET_TIMEOUT": 0.3})
+    name = f"c-{uuid.uuid4().hex[:8]}"
+    lock = LeaseKeys.of("leases:", name).lock
+    client = backend.client
+
+    async def main() -> tuple[Grant, Grant]:
+        held = lambda: client.exists(lock)  # noqa: E731
+        freed = lambda: not client.exists(lock)  # noqa: E731
+        renewed = lambda: client.pttl(lock) > 10_000  # noqa: E731
+        try:
+            return await stalled_handover(
+                backend, name, 1.0, held=held, renewed=renewed, freed=freed
+            )
+        finally:
+            await backend.aclose()
+
+    try:
+        a, b = asyncio.run(main())
+    finally:
+        backend.close()
+    checker.check_handover(a.token, b.token)

@@ -279,6 +279,9 @@ def test_a_quorum_decides_without_waiting_for_a_hung_node(
     finally:
         servers[0].resume()
     assert elapsed < timeout, elapsed  # waiting for the hung node took 3 x NODE_TIMEOUT
+    # The node had no scripts yet: the drain thread loads them there and runs the renewal
+    # and the release again, once it has read their NOSCRIPT, one round trip later.
+    wait_until(lambda: holders(servers, name) == [None] * 3, 10, "the release on every node")
     tokens = [grant.token]
     for _ in range(5):
         grant = backend.try_acquire(name, "a", 30)
@@ -533,3 +536,105 @@ def test_async_renewals_and_releases_send_their_scripts_by_sha1_loading_them_whe
     assert all(count >= 10 for count in calls("cmdstat_evalsha")), calls("cmdstat_evalsha")
     # Renew's and release's loads; on node 0 the flush, and both loads again after it.
     assert calls("cmdstat_script") == [5, 2, 2]
+
+
+def test_renewals_and_releases_send_their_scripts_by_sha1_loading_them_where_missing(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    """The blocking twin of the async test above: renewals and releases run their scripts by
+    SHA1 (``EVALSHA``), never with their text each time (``EVAL``); a node that lacks a script
+    (``SCRIPT FLUSH``, as a restart would) loads it on the connection that found it missing,
+    including the node whose reply is left to the drain thread once a quorum decided."""
+    servers = redis_servers(3)
+    backend, name = make_backend(servers), unique()
+    clients = [redis.Redis.from_url(server.url) for server in servers]
+    lock = LeaseKeys.of("leases:", name).lock
+
+    def calls(prefix: str) -> list[int]:
+        stats = [client.info("commandstats") for client in clients]
+        return [sum(int(v["calls"]) for k, v in s.items() if k.startswith(prefix)) for s in stats]
+
+    def cycles(count: int) -> None:
+        # A quorum decides; the last node's reply is read (and its script loaded and run
+        # again) by the drain thread: each step waits until every node ran it.
+        for index in range(count):
+            grant = backend.try_acquire(name, f"h{index}", 10)
+            assert grant is not None
+            wait_until(lambda: None not in holders(servers, name), 10, "the SET on every node")
+            grant = backend.renew(grant, 30)
+            renewed = lambda: all(client.pttl(lock) > 10_000 for client in clients)  # noqa: E731
+            wait_until(renewed, 10, "the renewal on every node")
+            backend.release(grant)
+            wait_until(lambda: holders(servers, name) == [None] * 3, 10, "the release everywhere")
+
+    cycles(3)
+    clients[0].script_flush()
+    cycles(2)
+    assert calls("cmdstat_eval") == calls("cmdstat_evalsha")  # no EVAL
+    assert all(count >= 10 for count in calls("cmdstat_evalsha")), calls("cmdstat_evalsha")
+    # Renew's and release's loads; on node 0 the flush, and both loads again after it.
+    assert calls("cmdstat_script") == [5, 2, 2]
+
+
+@pytest.mark.parametrize("phase", ["tcp", "handshake"])
+def test_async_connects_on_a_stalled_event_loop_are_not_counted_silent(
+    redis_servers: Servers,
+    make_backend: Callable[..., Backend],
+    monkeypatch: pytest.MonkeyPatch,
+    phase: str,
+) -> None:
+    """The event loop blocks for longer than NODE_TIMEOUT (a blocking call in a callback of
+    its own) while new connections to every live node are being made: queued as the last
+    node's TCP connect starts, or as it ends (the handshakes then in flight). The connects
+    completed in time, while the loop was not looking: the try, the renewal and the release,
+    each on new connections (the kept ones killed before it), are answered by every node.
+    They used to count the nodes silent ("no Redlock node answered"). The fence still orders
+    A's grant before B's."""
+    servers = redis_servers(3)
+    timeout, stall = 0.3, 1.0
+    backend, name = make_backend(servers, NODE_TIMEOUT=timeout), unique()
+    connect = redis.asyncio.Connection._connect
+    connects: list[object] = []
+
+    def stall_after_the_last_of_three(connection: object) -> None:
+        connects.append(connection)
+        if len(connects) % 3 == 0:  # the loop's next turn blocks, all three connects under way
+            asyncio.get_running_loop().call_soon(time.sleep, stall)
+
+    async def stalling(connection: Any) -> None:
+        if phase == "tcp":
+            stall_after_the_last_of_three(connection)
+        await connect(connection)
+        if phase == "handshake":
+            stall_after_the_last_of_three(connection)
+
+    monkeypatch.setattr(redis.asyncio.Connection, "_connect", stalling)
+
+    def kill_kept_connections() -> None:
+        for server in servers:
+            killer = redis.Redis.from_url(server.url)
+            try:  # ours, idle; the killer's own connection survives
+                assert killer.client_kill_filter(_type="normal", skipme=True) >= 1
+            finally:
+                killer.close()
+
+    async def main() -> tuple[Grant, Grant]:
+        try:
+            a = await backend.atry_acquire(name, "A", 10)
+            assert a is not None
+            assert None not in holders(servers, name)
+            kill_kept_connections()
+            a = await backend.arenew(a, 30)
+            kill_kept_connections()
+            await backend.arelease(a)
+            assert holders(servers, name) == [None] * 3
+            b = await backend.atry_acquire(name, "B", 10)
+            assert b is not None
+            await backend.arelease(b)
+            return a, b
+        finally:
+            await backend.aclose()
+
+    a, b = asyncio.run(main())
+    assert len(connects) == 9, connects  # three stalls, each with every node connecting
+    checker.check_handover(a.token, b.token)

@@ -19,7 +19,7 @@ from ._aio import PerLoop
 from ._pgdeadline import Deadline, aarmed
 from ._redis_conn import arun_script, server_run
 from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
-from ._redis_kept import Kept, fileno
+from ._redis_kept import Kept, bounded, fileno
 from ._redis_protocol import (
     TOKEN_SCRIPTS,
     acquire_args,
@@ -73,12 +73,9 @@ class AsyncRedis:
         round trip whose reply was not read to its end drops its connection."""
         client, cluster, kept = self._clients.get()
         with Edge(self.backend.alias, script):
-            if kept is None:  # Redis Cluster: bounded in a task of its own (wait_for)
-                try:
-                    call = cluster[script](keys=keys, args=args, client=client)
-                    return await asyncio.wait_for(call, self._timeout)
-                except TimeoutError as exc:  # the client has no read timeout of its own
-                    raise redis.TimeoutError(f"no reply within {self._timeout} s") from exc
+            if kept is None:  # Redis Cluster: bounded in a task of its own
+                call = cluster[script](keys=keys, args=args, client=client)
+                return await bounded(call, self._timeout, "no reply")
             return await self._on_connection(kept, script, keys, args)
 
     async def _on_connection(

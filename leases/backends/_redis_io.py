@@ -168,30 +168,29 @@ def aconnect(
 ) -> Any:
     """The ``redis.asyncio`` twin of :func:`connect`, for the running event loop only.
 
-    A URL gives the same client as :func:`connect` (no retries, the same connect timeout),
-    async. A django-redis cache alias has no async client of its own, so one is made from the
-    cache's ``LOCATION`` (its first, writable server) and its ``PASSWORD`` and
-    ``SOCKET_CONNECT_TIMEOUT`` options: the same server the sync client talks to.
+    A URL gives the same client as :func:`connect` (no retries), async, but for its timeouts
+    (``socket_timeout`` is the callers' to bound their round trips with, see below). A
+    django-redis cache alias has no async client of its own, so one is made from the cache's
+    ``LOCATION`` (its first, writable server) and its ``PASSWORD`` option: the same server the
+    sync client talks to.
 
     The client has no read timeout (not even redis-py's default): every caller bounds its
     round trip with ``asyncio.timeout`` instead (``socket_timeout``, or the cache's
     ``SOCKET_TIMEOUT``, is what :func:`read_timeout` returns for it). A socket timeout would
     make redis.asyncio wrap each send in ``asyncio.wait_for``, a task and an event-loop turn
-    per command.
+    per command. Nor a connect timeout: redis-py's runs on the loop's clock alone, so a stall
+    of the loop would fail a live server; the callers bound connecting with the round trip
+    (:class:`~._redis_kept.Bound`, :func:`~._redis_kept.bounded`, a wait's own deadline).
     """
     import redis.asyncio
     from redis.asyncio.retry import Retry as AsyncRetry
 
-    timeouts: dict[str, Any] = {"socket_timeout": None, "socket_connect_timeout": socket_timeout}
+    timeouts: dict[str, Any] = {"socket_timeout": None, "socket_connect_timeout": None}
     if cache is not None:
         config: dict[str, Any] = settings.CACHES[str(cache)]
         location = config["LOCATION"]
         url = (location if isinstance(location, str) else location[0]).split(",")[0]
         options = config.get("OPTIONS", {})
-        timeouts = {
-            "socket_timeout": None,
-            "socket_connect_timeout": options.get("SOCKET_CONNECT_TIMEOUT", socket_timeout),
-        }
         if options.get("PASSWORD") is not None:
             timeouts["password"] = options["PASSWORD"]
     if cluster:

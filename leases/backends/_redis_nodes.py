@@ -18,12 +18,13 @@ import queue
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
-from ._redis_conn import Connections, pack
+from ._redis_conn import Connections, Script, load_and_rerun, pack
 from ._redis_io import CLOSED_UNDER, connect, name_back_due, parsed, read_name_back, send
 
 __all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "gather", "node_value"]
@@ -42,13 +43,18 @@ def node_value(holder: str, secret: str) -> str:
 
 
 class Node:
-    """One Redis server's client (no retries, the short node timeout, no connect handshake)."""
+    """One Redis server's client (no retries, the short node timeout, no connect handshake).
 
-    def __init__(self, alias: str, location: str, timeout: float) -> None:
+    ``scripts`` are the scripts sent to it by SHA1 (``EVALSHA``, see :meth:`answer`)."""
+
+    def __init__(
+        self, alias: str, location: str, timeout: float, scripts: Iterable[Script] = ()
+    ) -> None:
         url = location if "://" in location else None
         self.location = location
         self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
         self.connections = Connections(self.client.connection_pool)
+        self.scripts = {script.sha: script for script in scripts}
 
     def send(
         self, command: tuple[object, ...], label: str | None = None, packed: bytes = b""
@@ -79,12 +85,14 @@ class Node:
         """The reply to ``command`` sent on ``connection`` by ``deadline``, or :data:`FAILED`.
 
         A reply that arrived while an earlier node was awaited is read at once (the last
-        millisecond is granted even past the deadline, for one already in the socket)."""
+        millisecond is granted even past the deadline, for one already in the socket).
+        ``NOSCRIPT`` to an ``EVALSHA`` of one of :attr:`scripts` (a restarted server, ``SCRIPT
+        FLUSH``) loads it on this connection and runs it again, by the same deadline."""
         if connection is None:
             return FAILED
         name_back = name_back_due(connection)
         try:
-            response = connection.read_response(timeout=max(0.001, deadline - time.monotonic()))
+            response = self._reply(connection, command, deadline)
             if name_back:
                 read_name_back(connection, None)
         except BaseException as exc:
@@ -97,6 +105,16 @@ class Node:
         finally:
             self.connections.give(connection)
         return parsed(self.client, command, response)
+
+    def _reply(self, connection: Any, command: tuple[object, ...], deadline: float) -> Any:
+        """The raw reply, its script loaded and run again where the server lacked it."""
+        try:
+            return connection.read_response(timeout=max(0.001, deadline - time.monotonic()))
+        except NoScriptError:
+            script = self.scripts.get(str(command[1])) if command[0] == "EVALSHA" else None
+            if script is None:
+                raise
+            return load_and_rerun(connection, script, [pack(command)], deadline)
 
     def close(self) -> None:
         self.connections.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import LeaseLost, LeaseNotHeld
 from ._redis_io import expires, ms, text
-from ._redis_scripts import WAKE_TTL_MS, LeaseKeys, Reply, lua
+from ._redis_scripts import WAKE_TTL_MS, LeaseKeys, Reply, lua, wake_lua
 from ._redis_shared import GROUP, NEXT_GRANT_LUA, WRITER_INTENT_MS
 from .base import FORGED, Grant
 
@@ -80,7 +80,8 @@ return {OK, value, run}
 #: Compare-and-revoke: only while the stored token is still the one given, free the name (if
 #: that grant still holds it), advance the counter so the evicted holder's renewals fail, and
 #: wake one waiter. Returns {OK, epoch, new counter} | {LOST, stored epoch, stored counter}.
-FORCE_RELEASE_LUA = lua("""
+FORCE_RELEASE_LUA = lua(
+    """
 local state = redis.call('HMGET', KEYS[3], 'epoch', 'counter')
 if tonumber(state[1]) ~= tonumber(ARGV[1]) or tonumber(state[2]) ~= tonumber(ARGV[2]) then
   return {LOST, state[1], state[2]}
@@ -89,11 +90,12 @@ if string.sub(redis.call('GET', KEYS[1]) or '', 1, #ARGV[4]) == ARGV[4] then
   redis.call('DEL', KEYS[1])
 end
 local counter = redis.call('HINCRBY', KEYS[3], 'counter', 1)
-redis.call('RPUSH', KEYS[2], '1')
-redis.call('LTRIM', KEYS[2], 0, 0)
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
+"""
+    + wake_lua("KEYS[2]", "ARGV[3]")
+    + """
 return {OK, state[1], counter}
-""")
+"""
+)
 
 
 def token_of(value: str) -> tuple[int, str]:

@@ -14,9 +14,19 @@ from typing import Literal
 
 from ..keys import validate_name
 
-__all__ = ["RELEASE_LUA", "RENEW_LUA", "WAKE_TTL_MS", "KeyKind", "LeaseKeys", "Reply", "lua"]
+__all__ = [
+    "RELEASE_LUA",
+    "RENEW_LUA",
+    "WAKE_TTL_MS",
+    "KeyKind",
+    "LeaseKeys",
+    "Reply",
+    "lua",
+    "wake_lua",
+]
 
-#: How long a release's wake-up waits in the list for a waiter that is about to ``BLPOP``.
+#: How long, at least, a release's wake-up waits in the list for a waiter that is about to
+#: ``BLPOP`` (up to twice as long: see :func:`wake_lua`).
 WAKE_TTL_MS = 5000
 
 #: Which of a name's keys (see :class:`LeaseKeys`).
@@ -69,6 +79,31 @@ return refused()
 """
 )
 
+
+def wake_lua(key: str, ttl: str) -> str:
+    """Lua that leaves one wake-up in the list ``key`` lasting at least ``ttl`` ms (both Lua
+    expressions): what every release does, so a waiter's ``BLPOP`` returns without polling.
+
+    It pushes only when the list is missing. A client blocked in ``BLPOP`` on a list means the
+    list is empty, and Redis deletes an empty list (a push is handed to a blocked client before
+    the next command runs), so while the list exists nobody is blocked on it: the release has
+    no one to wake now, only a waiter between its failed try and its ``BLPOP`` to keep the
+    wake-up for. It then renews the wake-up's life (to twice ``ttl``) once less than ``ttl``
+    is left, so every release still leaves one that lasts at least ``ttl``. An uncontended
+    release costs a ``PTTL`` (and a ``PEXPIRE`` every ``ttl``), not ``RPUSH`` + ``LTRIM`` +
+    ``PEXPIRE``; the list never holds more than one wake-up, so one release wakes one waiter.
+    """
+    return f"""
+  local wake_left = redis.call('PTTL', {key})
+  if wake_left < tonumber({ttl}) then
+    if wake_left == -2 then
+      redis.call('RPUSH', {key}, '1')
+    end
+    redis.call('PEXPIRE', {key}, 2 * {ttl})
+  end
+"""
+
+
 #: KEYS: lock, wake. ARGV: token prefix, holder, secret, wake ttl ms.
 #: Compare-and-delete, then wake one waiter; the counter in ``fence`` is never deleted.
 RELEASE_LUA = lua(
@@ -76,9 +111,9 @@ RELEASE_LUA = lua(
     + """
 if redis.call('GET', KEYS[1]) == owned then
   redis.call('DEL', KEYS[1])
-  redis.call('RPUSH', KEYS[2], '1')
-  redis.call('LTRIM', KEYS[2], 0, 0)
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+"""
+    + wake_lua("KEYS[2]", "ARGV[4]")
+    + """
   return OK
 end
 return refused()

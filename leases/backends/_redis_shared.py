@@ -15,7 +15,7 @@ retries (:data:`STOP_READERS_LUA`); readers may not join, nor start a group, whi
 
 from __future__ import annotations
 
-from ._redis_scripts import lua
+from ._redis_scripts import lua, wake_lua
 
 __all__ = [
     "GROUP",
@@ -174,9 +174,9 @@ for i = 1, #entries, 2 do
 end
 if latest == 0 then
   redis.call('DEL', KEYS[1], KEYS[2])
-  redis.call('RPUSH', KEYS[3], '1')
-  redis.call('LTRIM', KEYS[3], 0, 0)
-  redis.call('PEXPIRE', KEYS[3], ARGV[5])
+"""
+    + wake_lua("KEYS[3]", "ARGV[5]")
+    + """
 else
   redis.call('PEXPIRE', KEYS[1], latest - now)
   redis.call('PEXPIRE', KEYS[2], latest - now)

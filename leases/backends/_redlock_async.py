@@ -27,7 +27,7 @@ from ._redis_conn import Script, pack
 from ._redis_io import ablpop, aconnect, expires, ms
 from ._redis_kept import Kept
 from ._redis_nodes import FAILED, node_value
-from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply
+from ._redis_scripts import LeaseKeys, Reply
 from ._redis_waiters import label
 from .base import Grant, new_secret
 
@@ -55,7 +55,6 @@ class AsyncRedlock:
         self._clients: PerLoop[list[_Node]] = PerLoop(self._make, _aclose_all)
         #: Unlocks nobody awaits (a failed try's), referenced until they end.
         self._unlocking: set[asyncio.Future[Any]] = set()
-        self._release, self._renew = Script(RELEASE_LUA), Script(RENEW_LUA)
 
     def _make(self) -> list[_Node]:
         timeout = self.backend.node_timeout
@@ -101,13 +100,12 @@ class AsyncRedlock:
 
     def _unlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> Any:
         """Compare-and-delete on every node; without ``confirm`` it runs as a task nobody
-        awaits (kept referenced until it ends), so hung nodes cost the caller nothing."""
-        keys = LeaseKeys.of(self.backend.prefix, grant.name)
-        owner = ("", grant.holder, grant.secret)
-        unlock = self._run_everywhere(self._release, [keys.lock, keys.wake], [*owner, WAKE_TTL_MS])
+        awaits (kept referenced until it ends), so hung nodes cost the caller nothing, with
+        the script's text (see the backend's ``give_back``)."""
+        backend = self.backend
         if confirm:
-            return unlock
-        task = asyncio.ensure_future(unlock)
+            return self._run_everywhere(backend.release_script, *backend.unlock_call(grant))
+        task = asyncio.ensure_future(self._fan_out(*backend.give_back(grant)))
         self._unlocking.add(task)
         task.add_done_callback(self._unlocking.discard)
         return None
@@ -136,10 +134,8 @@ class AsyncRedlock:
 
     async def renew(self, grant: Grant, ttl: float) -> Grant:
         backend = self.backend
-        keys = LeaseKeys.of(backend.prefix, grant.name)
         sent_at = time.monotonic()
-        owner = ("", grant.holder, grant.secret)
-        answers = await self._run_everywhere(self._renew, [keys.lock], [*owner, ms(ttl)])
+        answers = await self._run_everywhere(backend.renew_script, *backend.renew_call(grant, ttl))
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if sum(answer == Reply.OK for answer in answers) >= backend.quorum and backend.valid(
             renewed

@@ -15,8 +15,8 @@ retries anything).
 
 Keys of one name share a Redis Cluster hash tag, ``<prefix>{<name>}``: ``:lock`` (the grant,
 value ``epoch:counter:sha1(secret):holder``, expiring by Redis's clock), ``:fence`` (the name's
-counter, no TTL) and ``:wake`` (a list a release pushes to, so a waiter's ``BLPOP`` wakes
-without polling).
+counter, no TTL) and ``:wake`` (a list where a release leaves one wake-up, so a waiter's
+``BLPOP`` wakes without polling; see :func:`~._redis_scripts.wake_lua`).
 Renew and release compare the whole value before they touch the key, so a holder whose grant
 expired can never extend or delete its successor's.
 

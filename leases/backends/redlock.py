@@ -55,7 +55,7 @@ from django.utils.module_loading import import_string
 from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._counter import DurableCounter
-from ._redis_conn import pack
+from ._redis_conn import Script, pack
 from ._redis_io import (
     Edge,
     blpop_command,
@@ -173,6 +173,9 @@ class Backend(LeaseBackend):
             self.counter.bump_lease if self._source_is_database else import_string(str(source))
         )
         self._nodes: list[Node] | None = None
+        #: Sent by SHA1, loaded on a node's connection where the node lacks them.
+        self.release_script, self.renew_script = Script(RELEASE_LUA), Script(RENEW_LUA)
+        self._revoke_script = Script(REVOKE_LUA)
         self._drain = ReplyDrain(alias)
         self._async = AsyncRedlock(self)
         self._waits = WaitClock()
@@ -181,20 +184,27 @@ class Backend(LeaseBackend):
     def nodes(self) -> list[Node]:
         """Clients made on first use (never at import); a race makes spare clients, no harm."""
         if self._nodes is None:
-            self._nodes = [Node(self.alias, loc, self.node_timeout) for loc in self.locations]
+            scripts = (self.release_script, self.renew_script, self._revoke_script)
+            self._nodes = [
+                Node(self.alias, loc, self.node_timeout, scripts) for loc in self.locations
+            ]
         return self._nodes
 
-    def _send_all(self, command: tuple[object, ...]) -> Pending:
-        """Send ``command`` to every node at once; replies are due one node timeout from now.
+    def _send_all(self, command: tuple[object, ...], packed: bytes = b"") -> Pending:
+        """Send ``command`` (``packed`` if given) to every node at once; replies are due one
+        node timeout from now.
 
         Sending never waits on a node (connections make no handshake), so the nodes work in
         parallel and a hung one costs no more than a live one until the replies are read."""
         deadline = time.monotonic() + self.node_timeout
-        packed = pack(command)
+        packed = packed or pack(command)
         return [(node, node.send(command, packed=packed)) for node in self.nodes], command, deadline
 
     def _fan_out(
-        self, *command: object, decided: Callable[[list[Any]], bool] | None = None
+        self,
+        *command: object,
+        decided: Callable[[list[Any]], bool] | None = None,
+        packed: bytes = b"",
     ) -> list[Any]:
         """Send ``command`` to every node, then read every reply by one shared deadline.
 
@@ -208,7 +218,7 @@ class Backend(LeaseBackend):
         and answer :data:`FAILED` here. ``decided`` must not be settled by ``FAILED`` answers
         alone (only by real ones), or a store nobody answered would look merely busy.
         """
-        pending = self._send_all(command)
+        pending = self._send_all(command, packed)
         if decided is None:
             sent, _, deadline = pending
             return [node.answer(connection, command, deadline) for node, connection in sent]
@@ -236,14 +246,44 @@ class Backend(LeaseBackend):
         """Compare-and-delete on every node (a timed-out ``SET`` may still have landed).
 
         Without ``confirm`` (giving up a failed try or renewal) the replies are left to the
-        drain thread, so hung nodes cost the caller nothing more."""
-        keys = LeaseKeys.of(self.prefix, grant.name)
-        owner = ("", grant.holder, grant.secret)
-        command = ("EVAL", RELEASE_LUA, 2, keys.lock, keys.wake, *owner, WAKE_TTL_MS)
+        drain thread, so hung nodes cost the caller nothing more; and the script goes with
+        its text (:meth:`give_back`), not by SHA1."""
         if confirm:
-            return self._fan_out(*command, decided=self._done)
-        self._drain.put(self._send_all(command))
+            return self._run_everywhere(self.release_script, *self.unlock_call(grant), self._done)
+        self._drain.put(self._send_all(self.give_back(grant)))
         return []
+
+    def give_back(self, grant: Grant) -> tuple[object, ...]:
+        """The unlock of a failed try or a lost renewal: :data:`RELEASE_LUA` by its text
+        (``EVAL``), because nobody may read its reply in time. A slow node that lacks the
+        script would answer an ``EVALSHA`` with ``NOSCRIPT`` after the node timeout, too late
+        to load it and run it again, and keep what the try set for a whole TTL."""
+        keys, args = self.unlock_call(grant)
+        return ("EVAL", RELEASE_LUA, len(keys), *keys, *args)
+
+    def unlock_call(self, grant: Grant) -> tuple[list[str], list[object]]:
+        """Keys and arguments of :data:`RELEASE_LUA` for ``grant``: its owner's proof (the
+        nodes' values have no token prefix), then the wake-up's TTL."""
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        return [keys.lock, keys.wake], ["", grant.holder, grant.secret, WAKE_TTL_MS]
+
+    def renew_call(self, grant: Grant, ttl: float) -> tuple[list[str], list[object]]:
+        """Keys and arguments of :data:`RENEW_LUA` for ``grant``, extended to ``ttl``."""
+        keys = LeaseKeys.of(self.prefix, grant.name)
+        return [keys.lock], ["", grant.holder, grant.secret, ms(ttl)]
+
+    def _run_everywhere(
+        self,
+        script: Script,
+        keys: list[str],
+        args: list[object],
+        decided: Callable[[list[Any]], bool] | None = None,
+    ) -> list[Any]:
+        """:meth:`_fan_out` of ``script`` by its SHA1 (``EVALSHA``), packed once for every
+        node: its text crosses the network only to a node that lacks it (restarted, ``SCRIPT
+        FLUSH``), which loads it on that connection and runs it again (:meth:`Node.answer`)."""
+        command = script.command(keys, args)
+        return self._fan_out(*command, decided=decided, packed=script.packed(keys, args))
 
     def refusal(self, grant: Grant, answers: list[Any], what: str) -> LeaseLost | LeaseNotHeld:
         """Why a quorum refused. The nodes know holders but no tokens, so "holder matches,
@@ -294,11 +334,8 @@ class Backend(LeaseBackend):
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         """Extend on a quorum within the new validity, or give the lease up everywhere."""
-        keys = LeaseKeys.of(self.prefix, grant.name)
         sent_at = time.monotonic()
-        owner = ("", grant.holder, grant.secret)
-        extend = ("EVAL", RENEW_LUA, 1, keys.lock, *owner, ms(ttl))
-        answers = self._fan_out(*extend, decided=self._done)
+        answers = self._run_everywhere(self.renew_script, *self.renew_call(grant, ttl), self._done)
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if self._done(answers) and self.valid(renewed):
             return renewed
@@ -393,8 +430,8 @@ class Backend(LeaseBackend):
         if new is None:
             raise LeaseNotHeld(name, not_revoked(token, current))
         if held:
-            revoke = ("EVAL", REVOKE_LUA, 2, keys.lock, keys.wake, held.pop(), WAKE_TTL_MS)
-            self._fan_out(*revoke)
+            revoke = [held.pop(), WAKE_TTL_MS]
+            self._run_everywhere(self._revoke_script, [keys.lock, keys.wake], revoke)
         return LeaseInfo(name, "", new, False, self.alias)
 
     def _revoke_token(self, name: str, token: int) -> tuple[int | None, int | None]:

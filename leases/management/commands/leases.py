@@ -25,6 +25,7 @@ import json
 import textwrap
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -34,8 +35,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from leases import conf, operations
+from leases._asking import ask_every_backend
 from leases.backends import get_backend
-from leases.backends.base import PRUNE_BATCH, LeaseInfo
+from leases.backends.base import PRUNE_BATCH, LeaseBackend, LeaseInfo
 from leases.errors import LeaseError
 from leases.management._options import (
     at_least,
@@ -83,7 +85,7 @@ def advisory_rows(locks: Iterable[operations.AdvisoryLockRow], using: str) -> li
         (
             "advisory",
             f"postgres:{using}",
-            row.name or row.key,
+            row.label,  # a lease waiter's waiting room says so, as in the admin
             row.status,
             f"pid {row.pid} {row.application} {row.client}".strip(),
             row.mode,
@@ -142,6 +144,7 @@ def json_listing(
             "database": using,
             "name": row.name or None,
             "key": row.key,
+            "room_of": row.room_of or None,
             "state": row.status,
             "mode": row.mode,
             "pid": row.pid,
@@ -213,7 +216,9 @@ class Command(BaseCommand):
             help="the token shown by list/show: only that grant is released",
         )
         release.add_argument(
-            "--user", required=True, help="username holding leases.force_release_lease"
+            "--user",
+            required=True,
+            help="the username (USERNAME_FIELD) of a user holding leases.force_release_lease",
         )
         terminate = sub.add_parser(
             "terminate", help="end the database session holding or awaiting advisory locks"
@@ -316,13 +321,15 @@ class Command(BaseCommand):
             self.stdout.write(f"backend {alias} unavailable: {error}")
 
     def show(self, name: str, using: str) -> None:
+        """Every backend asked at once, each for at most ``ANSWER_BOUND`` seconds, as ``list``
+        does: one after the other, each unreachable cluster added its own timeouts."""
         found = False
+        answers, errors = ask_every_backend(("inspect", name), _Inspect(name))
         for alias in conf.get().backends:
-            try:
-                info = get_backend(alias).inspect(name)
-            except LeaseError as exc:
-                self.stderr.write(f"backend {alias} unavailable: {exc}")
+            if alias in errors:
+                self.stderr.write(f"backend {alias} unavailable: {errors[alias]}")
                 continue
+            info = answers.get(alias)
             if info is None:
                 continue
             found = True
@@ -341,7 +348,11 @@ class Command(BaseCommand):
             ]:
                 self.stdout.write(f"{label:>20}: {value}")
             self.stdout.write("")
-        locks = [row for row in operations.advisory_locks(using) if name in (row.name, row.key)]
+        locks = [
+            row
+            for row in operations.advisory_locks(using)
+            if name in (row.name, row.key, row.room_of)  # the lease's waiting room too
+        ]
         if locks:
             found = True
             self.stdout.write(format_table(HEADERS, advisory_rows(locks, using)))
@@ -420,6 +431,16 @@ class Command(BaseCommand):
             time.sleep(interval)
 
 
+@dataclass(frozen=True)
+class _Inspect:
+    """The question ``show`` asks each backend."""
+
+    name: str
+
+    def __call__(self, backend: LeaseBackend) -> LeaseInfo | None:
+        return backend.inspect(self.name)
+
+
 def _advisory_database(requested: str | None) -> str:
     """The database whose advisory locks to show: ``--database`` if it is one operators may
     look at (it exists and has the leases tables), else the first such database."""
@@ -432,7 +453,10 @@ def _advisory_database(requested: str | None) -> str:
 
 
 def _user(username: str) -> Any:
-    user = get_user_model().objects.filter(username=username).first()
+    """The user whose ``USERNAME_FIELD`` is ``username``: a custom user model may log in by
+    e-mail address and have no ``username`` field at all."""
+    model = get_user_model()
+    user = model._default_manager.filter(**{model.USERNAME_FIELD: username}).first()
     if user is None:
         raise CommandError(f"no user {username!r}")
     return user
