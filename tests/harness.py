@@ -87,12 +87,18 @@ def _close_lease_backends_at_the_end(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture
-def child_env(transactional_db: None) -> dict[str, str]:
+def child_env(request: pytest.FixtureRequest, transactional_db: None) -> dict[str, str]:
     """Environment for a child Python process that uses this test's database.
 
     Children see only committed data, so tests using them need ``transactional_db`` (implied).
+    A test's lease backend is set up first: an etcd or ZooKeeper cluster publishes its
+    addresses in the environment when it starts, and a child spawned before that (a test
+    naming ``server`` before ``lease_backend``, run on its own) could not reach it.
     """
     from django.db import connection
+
+    if "lease_backend" in request.fixturenames:
+        request.getfixturevalue("lease_backend")
 
     env = dict(os.environ)
     env["DATABASE_URL"] = url_with_database(
