@@ -152,3 +152,17 @@ def main(report: Report) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+        _let_go_of_the_broker()
+
+
+def _let_go_of_the_broker() -> None:
+    """Close this process's broker connections before the next topic forks.
+
+    kombu closes the connections a forked child inherits (an after-fork hook), and closing a
+    Redis channel reads the reply to the ``BRPOP`` it left pending: the parent and every child
+    then wait on one shared socket for one reply, and all children but one block for good.
+    That is what hung the ``lease`` topic's contending processes (they never reached their own
+    code) whenever it ran after this one: a harness bug, not starvation.
+    """
+    app.pool.force_close_all()
+    app.close()
