@@ -246,3 +246,22 @@ def silent() -> Iterator[socket.socket]:
         yield listener
     finally:
         listener.close()
+
+
+@pytest.fixture
+def empty_database(child_env: dict[str, str]) -> Iterator[str]:
+    """The URL of a fresh, empty database on the test server (for a child project that
+    migrates its own); dropped afterwards, its connections cut."""
+    import uuid
+
+    import psycopg
+
+    name = f"empty_{uuid.uuid4().hex[:10]}"
+    admin_url = child_env["DATABASE_URL"]
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield url_with_database(admin_url, name)
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -11,13 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import uuid
-from collections.abc import Iterator
-
-import psycopg
-import pytest
-
-from tests.harness import url_with_database
 
 #: An e-mail address longer than ``ForceRelease.by_username`` (150 characters).
 LONG_EMAIL = "operator-" + "x" * 170 + "@example.com"
@@ -66,27 +59,13 @@ print(json.dumps(found))
 """
 
 
-@pytest.fixture
-def email_users_database(child_env: dict[str, str]) -> Iterator[str]:
-    """A fresh, empty database on the test server; dropped afterwards."""
-    name = f"email_users_{uuid.uuid4().hex[:10]}"
-    admin_url = child_env["DATABASE_URL"]
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield url_with_database(admin_url, name)
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 def test_release_from_a_terminal_finds_the_user_by_its_username_field(
-    child_env: dict[str, str], python: str, email_users_database: str
+    child_env: dict[str, str], python: str, empty_database: str
 ) -> None:
     env = {
         **child_env,
         "DJANGO_SETTINGS_MODULE": "tests.email_user_settings",
-        "EMAIL_USERS_DATABASE_URL": email_users_database,
+        "EMAIL_USERS_DATABASE_URL": empty_database,
     }
     done = subprocess.run(
         [python, "-c", CHILD % {"operator": LONG_EMAIL}],

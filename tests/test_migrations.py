@@ -4,37 +4,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-import pytest
-
-from tests.harness import url_with_database
-
-
-@pytest.fixture
-def coordination_database(child_env: dict[str, str]) -> Iterator[str]:
-    """A fresh, empty database on the test server; dropped afterwards."""
-    name = f"coordination_{uuid.uuid4().hex[:10]}"
-    admin_url = child_env["DATABASE_URL"]
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield url_with_database(admin_url, name)
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_both_apps_migrate_onto_a_database_without_auth_tables(
-    child_env: dict[str, str], python: str, coordination_database: str
+    child_env: dict[str, str], python: str, empty_database: str
 ) -> None:
     env = {
         **child_env,
         "DJANGO_SETTINGS_MODULE": "tests.migrate_elsewhere_settings",
-        "COORDINATION_DATABASE_URL": coordination_database,
+        "COORDINATION_DATABASE_URL": empty_database,
     }
     done = subprocess.run(
         [python, "-m", "django", "migrate", "--database", "coordination", "-v", "0"],
@@ -44,7 +25,7 @@ def test_both_apps_migrate_onto_a_database_without_auth_tables(
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    with psycopg.connect(coordination_database) as conn:
+    with psycopg.connect(empty_database) as conn:
         tables: Any = conn.execute(
             "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
         ).fetchall()
@@ -73,7 +54,7 @@ for attempt in (
 
 
 def test_an_unmigrated_database_says_to_run_migrate(
-    child_env: dict[str, str], python: str, coordination_database: str
+    child_env: dict[str, str], python: str, empty_database: str
 ) -> None:
     """A backend or a fence on a database the ``leases`` app was never migrated onto says
     so, instead of a bare "relation … does not exist" the operator must decode. The fence
@@ -81,7 +62,7 @@ def test_an_unmigrated_database_says_to_run_migrate(
     env = {
         **child_env,
         "DJANGO_SETTINGS_MODULE": "tests.migrate_elsewhere_settings",
-        "COORDINATION_DATABASE_URL": coordination_database,
+        "COORDINATION_DATABASE_URL": empty_database,
     }
     done = subprocess.run(
         [python, "-c", UNMIGRATED_CHILD],

@@ -215,19 +215,6 @@ def test_stream_leases_reads_page_by_page_in_the_listings_order(big_tables: None
     assert len(streamed) == 2 * ROWS
 
 
-@pytest.fixture
-def silent() -> Iterator[socket.socket]:
-    """A port that takes connections and never answers (a store behind a firewall that drops
-    its replies); closing it resets the connections waiting in it."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    try:
-        yield listener
-    finally:
-        listener.close()
-
-
 def test_stores_that_stop_answering_end_only_their_own_streams(
     big_tables: None, silent: socket.socket
 ) -> None:
