@@ -27,7 +27,7 @@ from redis.exceptions import NoScriptError
 from ._redis_conn import Connections, Script, load_and_rerun, pack
 from ._redis_io import CLOSED_UNDER, connect, name_back_due, parsed, read_name_back, send
 
-__all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "gather", "node_value"]
+__all__ = ["FAILED", "Node", "OnReply", "Pending", "ReplyDrain", "gather", "node_value"]
 
 logger = logging.getLogger("leases")
 
@@ -129,15 +129,20 @@ class ReplyDrain:
     timeout for hung nodes to confirm: it sends the unlock and hands the connections here,
     where the replies are read (bounded by the same deadline) and the connections returned to
     their pools. Persistent, never a thread per call; made again in a forked child.
+
+    A job may come with ``on_reply``, called with each node and the reply read from it (or
+    :data:`FAILED`): the only place that learns when a command left unread has run, since a
+    node runs the commands of different connections in no promised order (see
+    :meth:`~leases.backends.redlock.Backend.try_acquire`).
     """
 
     def __init__(self, alias: str) -> None:
         self._name = f"leases-redlock-{alias}"
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._pid = 0
 
-    def put(self, pending: Pending) -> None:
+    def put(self, pending: Pending, on_reply: OnReply | None = None) -> None:
         with self._lock:
             if self._pid != os.getpid():
                 self._queue, self._pid = queue.SimpleQueue(), os.getpid()
@@ -145,17 +150,23 @@ class ReplyDrain:
                     target=self._run, args=(self._queue,), name=self._name, daemon=True
                 )
                 reader.start()
-            self._queue.put(pending)
+            self._queue.put((pending, on_reply))
 
     @staticmethod
-    def _run(jobs: queue.SimpleQueue[Pending | None]) -> None:
+    def _run(jobs: queue.SimpleQueue[Job | None]) -> None:
         while (job := jobs.get()) is not None:
-            sent, command, deadline = job
+            (sent, command, deadline), on_reply = job
             for node, connection in sent:
+                reply = FAILED
                 try:
-                    node.answer(connection, command, deadline)
+                    reply = node.answer(connection, command, deadline)
                 except Exception as exc:  # e.g. its client was closed meanwhile: never die
                     logger.debug("leases: unlock reply from %s lost: %r", node.location, exc)
+                if on_reply is not None:
+                    try:
+                        on_reply(node, reply)
+                    except Exception as exc:
+                        logger.debug("leases: after the reply from %s: %r", node.location, exc)
 
     def stop(self) -> None:
         with self._lock:
@@ -166,6 +177,10 @@ class ReplyDrain:
 
 #: Commands in flight: (node, connection) pairs, the command, and the deadline for replies.
 Pending = tuple[list[tuple[Node, Any]], tuple[object, ...], float]
+#: Called by the drain with each node and the reply it read from it.
+OnReply = Callable[[Node, Any], None]
+#: A drain job: what is pending, and who is told of each reply.
+Job = tuple[Pending, OnReply | None]
 
 
 def _ready(waiting: list[tuple[Node, Any]], deadline: float) -> list[tuple[Node, Any]]:

@@ -68,7 +68,7 @@ from ._redis_io import (
     text,
     url_problems,
 )
-from ._redis_nodes import FAILED, Node, Pending, ReplyDrain, gather, node_value
+from ._redis_nodes import FAILED, Node, OnReply, Pending, ReplyDrain, gather, node_value
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 from ._redis_waiters import WaitClock, distinct, label, waiters
 from ._redlock_async import AsyncRedlock
@@ -99,6 +99,40 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return LOST
 """)
+
+
+class _LateSets:
+    """The ``SET`` commands of one try whose replies were left to the drain thread, and whether the
+    try has been given back (:meth:`Backend._unlock_everywhere`) meanwhile.
+
+    A node runs the commands of different connections in no promised order: a give-back or a
+    release sent on a fresh connection can run *before* the try's own ``SET`` that was sent
+    earlier on another (a connection the server has not read yet, a new one it has not even
+    accepted), find nothing to delete, and the ``SET`` then lands and holds that node for a
+    whole TTL. Under contention those leftovers pile up as split votes nobody can break: every
+    contender waits out the TTL (issue: the Redlock contention benchmark's collapse). So the
+    drain, which reads those replies, gives back again on each node whose ``SET`` it reads as
+    landed (or cannot tell) once the try was given back; a give-back sent after the ``SET``'s
+    reply was read runs after it. Either the drain reads the mark, or the mark was made after
+    the reply was read: then the give-back that follows the mark runs after the ``SET`` too.
+    """
+
+    __slots__ = ("attempt", "backend", "given_back", "left")
+
+    def __init__(self, backend: Backend, attempt: Grant, left: int) -> None:
+        self.backend, self.attempt, self.left = backend, attempt, left
+        self.given_back = False
+
+    def __call__(self, node: Node, reply: Any) -> None:
+        """The drain read ``node``'s reply (``None``: refused, nothing landed)."""
+        self.left -= 1
+        if self.left <= 0:
+            self.backend._late.pop(self.attempt.secret, None)
+        if self.given_back and reply is not None:
+            backend = self.backend
+            command = backend.give_back(self.attempt)
+            deadline = time.monotonic() + backend.node_timeout
+            backend._drain.put(([(node, node.send(command))], command, deadline))
 
 
 def _token_source_problems(alias: str, source: object) -> list[str]:
@@ -179,6 +213,9 @@ class Backend(LeaseBackend):
         self._drain = ReplyDrain(alias)
         self._async = AsyncRedlock(self)
         self._waits = WaitClock()
+        #: Tries whose ``SET`` replies the drain has yet to read, by secret (see
+        #: :class:`_LateSets`).
+        self._late: dict[str, _LateSets] = {}
 
     @property
     def nodes(self) -> list[Node]:
@@ -205,6 +242,7 @@ class Backend(LeaseBackend):
         *command: object,
         decided: Callable[[list[Any]], bool] | None = None,
         packed: bytes = b"",
+        on_unread: Callable[[int], OnReply] | None = None,
     ) -> list[Any]:
         """Send ``command`` to every node, then read every reply by one shared deadline.
 
@@ -217,6 +255,8 @@ class Backend(LeaseBackend):
         a grant, renewal or release waits for the fastest quorum, never for the slowest node,
         and answer :data:`FAILED` here. ``decided`` must not be settled by ``FAILED`` answers
         alone (only by real ones), or a store nobody answered would look merely busy.
+        ``on_unread``, given how many were left, makes what the drain calls with each of their
+        replies.
         """
         pending = self._send_all(command, packed)
         if decided is None:
@@ -224,7 +264,9 @@ class Backend(LeaseBackend):
             return [node.answer(connection, command, deadline) for node, connection in sent]
         answers, unread = gather(pending, decided)
         if unread:
-            self._drain.put((unread, command, time.monotonic() + self.node_timeout))
+            deadline = time.monotonic() + self.node_timeout
+            told = None if on_unread is None else on_unread(len(unread))
+            self._drain.put((unread, command, deadline), told)
         # Unread is unknown, as a node that did not answer: it may have run the command.
         return answers + [FAILED] * len(unread)
 
@@ -247,7 +289,12 @@ class Backend(LeaseBackend):
 
         Without ``confirm`` (giving up a failed try or renewal) the replies are left to the
         drain thread, so hung nodes cost the caller nothing more; and the script goes with
-        its text (:meth:`give_back`), not by SHA1."""
+        its text (:meth:`give_back`), not by SHA1. A ``SET`` of the grant still unread is
+        marked given back first, for the drain to undo where it lands later (see
+        :class:`_LateSets`)."""
+        late = self._late.get(grant.secret)
+        if late is not None:
+            late.given_back = True
         if confirm:
             return self._run_everywhere(self.release_script, *self.unlock_call(grant), self._done)
         self._drain.put(self._send_all(self.give_back(grant)))
@@ -310,8 +357,15 @@ class Backend(LeaseBackend):
         secret = new_secret()
         sent_at = time.monotonic()
         value = node_value(holder, secret)
-        answers = self._fan_out("SET", keys.lock, value, "NX", "PX", ms(ttl), decided=self._settled)
         attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
+
+        def late(left: int) -> OnReply:
+            self._late[secret] = found = _LateSets(self, attempt, left)
+            return found
+
+        answers = self._fan_out(
+            "SET", keys.lock, value, "NX", "PX", ms(ttl), decided=self._settled, on_unread=late
+        )
         if self._granted(answers):
             try:
                 token = self.next_token(name)
