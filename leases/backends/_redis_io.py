@@ -133,6 +133,7 @@ def connect(
     *,
     cluster: bool = False,
     handshake: bool = True,
+    max_connections: int | None = None,
 ) -> Any:
     """A redis-py client for a django-redis cache alias or a URL (never both).
 
@@ -160,6 +161,8 @@ def connect(
         with Edge(alias, "connect"):
             return RedisCluster.from_url(str(url), **timeouts)
     quiet: dict[str, Any] = {} if handshake else {"driver_info": None, "protocol": 2}
+    if max_connections is not None:
+        quiet["max_connections"] = max_connections
     return redis.Redis.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts, **quiet)
 
 

@@ -31,6 +31,13 @@ __all__ = ["FAILED", "Node", "OnReply", "Pending", "ReplyDrain", "gather", "node
 
 logger = logging.getLogger("leases")
 
+#: The most connections a node's own client (a URL node) opens: redis-py's pools refuse more
+#: than 100 by default since 6.0, and a contended process needs more (each contender's try and
+#: wait, and the replies the drain thread has yet to read). A refused connection costs a try its
+#: node's vote, and a give-back never sent holds that node for a whole TTL. (A django-redis
+#: cache alias keeps its own pool and limit.)
+POOL = 10_000
+
 #: What :meth:`Node.answer` returns for a node that failed or did not answer in time.
 FAILED = object()
 
@@ -52,7 +59,9 @@ class Node:
     ) -> None:
         url = location if "://" in location else None
         self.location = location
-        self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
+        self.client: Any = connect(
+            alias, None if url else location, url, timeout, handshake=False, max_connections=POOL
+        )
         self.connections = Connections(self.client.connection_pool)
         self.scripts = {script.sha: script for script in scripts}
 
@@ -130,6 +139,11 @@ class ReplyDrain:
     where the replies are read (bounded by the same deadline) and the connections returned to
     their pools. Persistent, never a thread per call; made again in a forked child.
 
+    :meth:`later` hands it a request to *send* (a give-back): it goes out once the replies
+    queued before it are read, so on each node it runs after the commands those replies answer
+    (a node orders only the commands of one connection), and on the connections their reading
+    gave back rather than on new ones a busy pool may refuse.
+
     A job may come with ``on_reply``, called with each node and the reply read from it (or
     :data:`FAILED`): the only place that learns when a command left unread has run, since a
     node runs the commands of different connections in no promised order (see
@@ -139,10 +153,18 @@ class ReplyDrain:
     def __init__(self, alias: str) -> None:
         self._name = f"leases-redlock-{alias}"
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job | Callable[[], Pending] | None] = queue.SimpleQueue()
         self._pid = 0
 
     def put(self, pending: Pending, on_reply: OnReply | None = None) -> None:
+        """Read the replies of ``pending`` (telling ``on_reply`` of each, if given)."""
+        self._enqueue((pending, on_reply))
+
+    def later(self, send: Callable[[], Pending]) -> None:
+        """Call ``send`` on this thread after every job queued before, then read its replies."""
+        self._enqueue(send)
+
+    def _enqueue(self, item: Job | Callable[[], Pending]) -> None:
         with self._lock:
             if self._pid != os.getpid():
                 self._queue, self._pid = queue.SimpleQueue(), os.getpid()
@@ -150,11 +172,17 @@ class ReplyDrain:
                     target=self._run, args=(self._queue,), name=self._name, daemon=True
                 )
                 reader.start()
-            self._queue.put((pending, on_reply))
+            self._queue.put(item)
 
     @staticmethod
-    def _run(jobs: queue.SimpleQueue[Job | None]) -> None:
+    def _run(jobs: queue.SimpleQueue[Job | Callable[[], Pending] | None]) -> None:
         while (job := jobs.get()) is not None:
+            if callable(job):  # sent now, read once the jobs queued meanwhile are
+                try:
+                    jobs.put((job(), None))
+                except Exception as exc:
+                    logger.debug("leases: a give-back could not be sent: %r", exc)
+                continue
             (sent, command, deadline), on_reply = job
             for node, connection in sent:
                 reply = FAILED

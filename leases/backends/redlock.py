@@ -22,8 +22,10 @@ lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity 
 drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
 ``sent_at``). A failed try that any node accepted (or did not answer) unlocks on *every*
 node, with the same compare-and-delete a release uses, because a node that timed out may still
-have set the key. Renewal extends on a quorum or
-reports the lease lost. The :class:`~leases.lease.Lease` layer retries failed tries with
+have set the key. The drain thread sends that unlock once it has read the try's replies still
+owed: a node orders only the commands of one connection, and an unlock sent at once on another
+could run before the try's own ``SET`` and leave it there for a whole TTL. Renewal extends on
+a quorum or reports the lease lost. The :class:`~leases.lease.Lease` layer retries failed tries with
 jittered backoff; between them a waiter blocks in ``BLPOP`` on one node for the wake-up every
 release pushes to all nodes.
 
@@ -102,19 +104,18 @@ return LOST
 
 
 class _LateSets:
-    """The ``SET`` commands of one try whose replies were left to the drain thread, and whether the
-    try has been given back (:meth:`Backend._unlock_everywhere`) meanwhile.
+    """The ``SET`` commands of one try whose replies were left to the drain thread, and whether
+    the grant was released (:meth:`Backend._unlock_everywhere`) meanwhile.
 
-    A node runs the commands of different connections in no promised order: a give-back or a
-    release sent on a fresh connection can run *before* the try's own ``SET`` that was sent
-    earlier on another (a connection the server has not read yet, a new one it has not even
-    accepted), find nothing to delete, and the ``SET`` then lands and holds that node for a
-    whole TTL. Under contention those leftovers pile up as split votes nobody can break: every
-    contender waits out the TTL (issue: the Redlock contention benchmark's collapse). So the
-    drain, which reads those replies, gives back again on each node whose ``SET`` it reads as
-    landed (or cannot tell) once the try was given back; a give-back sent after the ``SET``'s
-    reply was read runs after it. Either the drain reads the mark, or the mark was made after
-    the reply was read: then the give-back that follows the mark runs after the ``SET`` too.
+    A node runs the commands of different connections in no promised order: a release sent on
+    a fresh connection can run *before* the grant's own ``SET`` sent earlier on another (one
+    the server has not read yet, or not even accepted), find nothing to delete there, and the
+    ``SET`` then lands and holds that node for a whole TTL. (A give-back of a failed try is
+    sent by the drain itself, after it read the try's replies: see
+    :meth:`Backend._give_back_later`.) So the drain, which reads those replies, gives back again
+    on each node whose ``SET`` it reads as landed (or cannot tell) once the grant was released.
+    Either the drain sees the mark, or the mark was made after the reply was read, and then
+    the release that follows the mark runs after the ``SET``.
     """
 
     __slots__ = ("attempt", "backend", "given_back", "left")
@@ -129,10 +130,7 @@ class _LateSets:
         if self.left <= 0:
             self.backend._late.pop(self.attempt.secret, None)
         if self.given_back and reply is not None:
-            backend = self.backend
-            command = backend.give_back(self.attempt)
-            deadline = time.monotonic() + backend.node_timeout
-            backend._drain.put(([(node, node.send(command))], command, deadline))
+            self.backend._give_back_later(self.attempt, [node])
 
 
 def _token_source_problems(alias: str, source: object) -> list[str]:
@@ -243,6 +241,7 @@ class Backend(LeaseBackend):
         decided: Callable[[list[Any]], bool] | None = None,
         packed: bytes = b"",
         on_unread: Callable[[int], OnReply] | None = None,
+        unsent: list[Node] | None = None,
     ) -> list[Any]:
         """Send ``command`` to every node, then read every reply by one shared deadline.
 
@@ -256,9 +255,11 @@ class Backend(LeaseBackend):
         and answer :data:`FAILED` here. ``decided`` must not be settled by ``FAILED`` answers
         alone (only by real ones), or a store nobody answered would look merely busy.
         ``on_unread``, given how many were left, makes what the drain calls with each of their
-        replies.
+        replies. ``unsent``, if given, gets the nodes the command could not be sent to.
         """
         pending = self._send_all(command, packed)
+        if unsent is not None:
+            unsent += [node for node, connection in pending[0] if connection is None]
         if decided is None:
             sent, _, deadline = pending
             return [node.answer(connection, command, deadline) for node, connection in sent]
@@ -287,18 +288,45 @@ class Backend(LeaseBackend):
     def _unlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> list[Any]:
         """Compare-and-delete on every node (a timed-out ``SET`` may still have landed).
 
-        Without ``confirm`` (giving up a failed try or renewal) the replies are left to the
-        drain thread, so hung nodes cost the caller nothing more; and the script goes with
-        its text (:meth:`give_back`), not by SHA1. A ``SET`` of the grant still unread is
-        marked given back first, for the drain to undo where it lands later (see
-        :class:`_LateSets`)."""
+        Without ``confirm`` (giving up a failed try or renewal) the drain thread sends it and
+        reads the replies (:meth:`_give_back_later`), so hung nodes cost the caller nothing
+        more; and the script goes with its text (:meth:`give_back`), not by SHA1. With it (a
+        release), a ``SET`` of the grant whose reply is still unread is marked first, for the
+        drain to undo where it lands after the release (:class:`_LateSets`), and nodes it
+        could not be sent to get it from the drain."""
+        if not confirm:
+            self._give_back_later(grant, self.nodes)
+            return []
         late = self._late.get(grant.secret)
         if late is not None:
             late.given_back = True
-        if confirm:
-            return self._run_everywhere(self.release_script, *self.unlock_call(grant), self._done)
-        self._drain.put(self._send_all(self.give_back(grant)))
-        return []
+        keys, args = self.unlock_call(grant)
+        unsent: list[Node] = []
+        answers = self._fan_out(
+            *self.release_script.command(keys, args),
+            decided=self._done,
+            packed=self.release_script.packed(keys, args),
+            unsent=unsent,
+        )
+        if unsent:  # no connection to spare (a busy pool) or a node down: once more, later
+            self._give_back_later(grant, unsent)
+        return answers
+
+    def _give_back_later(self, grant: Grant, nodes: list[Node]) -> None:
+        """:meth:`give_back` to ``nodes``, sent by the drain thread after the replies queued
+        before it are read: a try's ``SET`` whose reply was still unread has then run, so the
+        give-back cannot run before it on any node (a node orders only the commands of one
+        connection: sent at once on another, it could, and the ``SET`` would then hold that
+        node for a whole TTL); and it goes out on connections those reads gave back, where
+        under contention a new one may be refused (the pool's limit) and the give-back lost."""
+        command = self.give_back(grant)
+        packed = pack(command)
+
+        def send() -> Pending:
+            deadline = time.monotonic() + self.node_timeout
+            return [(node, node.send(command, packed=packed)) for node in nodes], command, deadline
+
+        self._drain.later(send)
 
     def give_back(self, grant: Grant) -> tuple[object, ...]:
         """The unlock of a failed try or a lost renewal: :data:`RELEASE_LUA` by its text
