@@ -226,7 +226,9 @@ def _ready(waiting: list[tuple[Node, Any]], deadline: float) -> list[tuple[Node,
 
 
 def gather(
-    pending: Pending, decided: Callable[[list[Any]], bool]
+    pending: Pending,
+    decided: Callable[[list[Any]], bool],
+    said: list[tuple[Node, Any]] | None = None,
 ) -> tuple[list[Any], list[tuple[Node, Any]]]:
     """The replies of ``pending`` in the order they arrive, until ``decided`` says the ones
     read so far settle the outcome (a quorum granted), or all are read.
@@ -235,7 +237,8 @@ def gather(
     those to :class:`ReplyDrain`, so a grant or a release waits for the fastest quorum, not
     for the slowest node (on a loaded machine the last node's reply can come a scheduler
     slice later; a hung node costs a whole node timeout). Replies are read as they become
-    readable, so a slow first node does not hold up the others.
+    readable, so a slow first node does not hold up the others. ``said``, if given, gets each
+    node read and its reply.
     """
     sent, command, deadline = pending
     answers: list[Any] = []
@@ -250,6 +253,8 @@ def gather(
             waiting.remove(pair)
             node, connection = pair
             answers.append(node.answer(connection, command, deadline))
+            if said is not None:
+                said.append((node, answers[-1]))
             if decided(answers):
                 break
     return answers, waiting

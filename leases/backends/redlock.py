@@ -20,11 +20,12 @@ however many (no thread per call; replies still owed, and a failed try's unlock 
 read by one persistent drain thread); the
 lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity = TTL - elapsed -
 drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
-``sent_at``). A failed try that any node accepted (or did not answer) unlocks on *every*
-node, with the same compare-and-delete a release uses, because a node that timed out may still
-have set the key. The drain thread sends that unlock once it has read the try's replies still
-owed: a node orders only the commands of one connection, and an unlock sent at once on another
-could run before the try's own ``SET`` and leave it there for a whole TTL. Renewal extends on
+``sent_at``). A failed try unlocks, with the same compare-and-delete a release uses, on
+every node that accepted it and every node whose reply was not read (a node that timed out
+may still have set the key); a node that refused has nothing to undo. The nodes that
+accepted get it at once; the others from the drain thread once it has read the try's replies
+still owed: a node orders only the commands of one connection, and an unlock sent at once on
+another could run before the try's own ``SET`` and leave it there for a whole TTL. Renewal extends on
 a quorum or reports the lease lost. The :class:`~leases.lease.Lease` layer retries failed tries with
 jittered backoff; between them a waiter blocks in ``BLPOP`` on one node for the wake-up every
 release pushes to all nodes.
@@ -242,6 +243,7 @@ class Backend(LeaseBackend):
         packed: bytes = b"",
         on_unread: Callable[[int], OnReply] | None = None,
         unsent: list[Node] | None = None,
+        said: list[tuple[Node, Any]] | None = None,
     ) -> list[Any]:
         """Send ``command`` to every node, then read every reply by one shared deadline.
 
@@ -255,7 +257,8 @@ class Backend(LeaseBackend):
         and answer :data:`FAILED` here. ``decided`` must not be settled by ``FAILED`` answers
         alone (only by real ones), or a store nobody answered would look merely busy.
         ``on_unread``, given how many were left, makes what the drain calls with each of their
-        replies. ``unsent``, if given, gets the nodes the command could not be sent to.
+        replies. ``unsent``, if given, gets the nodes the command could not be sent to, and
+        ``said`` each node whose reply was read here, with the reply.
         """
         pending = self._send_all(command, packed)
         if unsent is not None:
@@ -263,7 +266,7 @@ class Backend(LeaseBackend):
         if decided is None:
             sent, _, deadline = pending
             return [node.answer(connection, command, deadline) for node, connection in sent]
-        answers, unread = gather(pending, decided)
+        answers, unread = gather(pending, decided, said)
         if unread:
             deadline = time.monotonic() + self.node_timeout
             told = None if on_unread is None else on_unread(len(unread))
@@ -391,20 +394,48 @@ class Backend(LeaseBackend):
             self._late[secret] = found = _LateSets(self, attempt, left)
             return found
 
+        said: list[tuple[Node, Any]] = []
         answers = self._fan_out(
-            "SET", keys.lock, value, "NX", "PX", ms(ttl), decided=self._settled, on_unread=late
+            "SET",
+            keys.lock,
+            value,
+            "NX",
+            "PX",
+            ms(ttl),
+            decided=self._settled,
+            on_unread=late,
+            said=said,
         )
+
+        def give_back(grant: Grant, *, confirm: bool = False) -> None:
+            self._give_back_tried(grant, said)
+
         if self._granted(answers):
             try:
                 token = self.next_token(name)
             except BaseException:
-                self._unlock_everywhere(attempt, confirm=False)
+                give_back(attempt)
                 raise
             grant = Grant(name, holder, token, ttl, sent_at, expires(ttl), secret=secret)
             if self.valid(grant):
                 return grant
-        self.lost_try(attempt, answers, self._unlock_everywhere)
+        self.lost_try(attempt, answers, give_back)
         return None
+
+    def _give_back_tried(self, attempt: Grant, said: list[tuple[Node, Any]]) -> None:
+        """Give back a failed try: at once on the nodes that said yes (their ``SET`` has run),
+        by the drain thread after it read the replies still owed on those whose reply was not
+        read (:meth:`_give_back_later`); nothing on those that said no."""
+        now = [node for node, answer in said if answer is True]
+        read = {id(node) for node, answer in said if answer is not FAILED}
+        if now:
+            command = self.give_back(attempt)
+            deadline = time.monotonic() + self.node_timeout
+            packed = pack(command)
+            self._drain.put(([(n, n.send(command, packed=packed)) for n in now], command, deadline))
+        later = [node for node in self.nodes if id(node) not in read]
+        if later:
+            self._give_back_later(attempt, later)
 
     def lost_try(self, attempt: Grant, answers: list[Any], unlock: Callable[..., object]) -> None:
         """Give back what a failed try may hold: a node that said no has nothing to undo, one
