@@ -27,8 +27,8 @@ accepted get it at once; the others from the drain thread once it has read the t
 still owed: a node orders only the commands of one connection, and an unlock sent at once on
 another could run before the try's own ``SET`` and leave it there for a whole TTL. Renewal
 extends on a quorum or reports the lease lost. The :class:`~leases.lease.Lease` layer retries
-failed tries with jittered backoff; between them a waiter blocks in ``BLPOP`` on one node for the wake-up every
-release pushes to all nodes.
+failed tries with jittered backoff; between them a waiter blocks in ``BLPOP`` on one node for
+the wake-up every release pushes to all nodes.
 
 **Fencing.** Redlock has no monotonic counter of its own: node values are random and a node that
 restarts empty forgets everything (Kleppmann's objection: right after A's grant a node restarts,
