@@ -142,7 +142,8 @@ def connect(
     ``cluster`` makes a Redis Cluster client from the URL of any of its nodes. Without
     ``handshake`` a new connection sends nothing before its first command (no ``CLIENT
     SETINFO``), so connecting to a hung server cannot block: the first read is bounded by the
-    caller's deadline instead (Redlock talks to all its nodes at once).
+    caller's deadline instead (Redlock talks to all its nodes at once). ``max_connections``
+    replaces the URL client's pool limit (redis-py's default is 100 since 6.0).
     """
     if (cache is None) == (url is None):
         raise LeasesImproperlyConfigured(
