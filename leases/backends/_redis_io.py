@@ -133,6 +133,7 @@ def connect(
     *,
     cluster: bool = False,
     handshake: bool = True,
+    max_connections: int | None = None,
 ) -> Any:
     """A redis-py client for a django-redis cache alias or a URL (never both).
 
@@ -141,7 +142,8 @@ def connect(
     ``cluster`` makes a Redis Cluster client from the URL of any of its nodes. Without
     ``handshake`` a new connection sends nothing before its first command (no ``CLIENT
     SETINFO``), so connecting to a hung server cannot block: the first read is bounded by the
-    caller's deadline instead (Redlock talks to all its nodes at once).
+    caller's deadline instead (Redlock talks to all its nodes at once). ``max_connections``
+    replaces the URL client's pool limit (redis-py's default is 100 since 6.0).
     """
     if (cache is None) == (url is None):
         raise LeasesImproperlyConfigured(
@@ -160,6 +162,8 @@ def connect(
         with Edge(alias, "connect"):
             return RedisCluster.from_url(str(url), **timeouts)
     quiet: dict[str, Any] = {} if handshake else {"driver_info": None, "protocol": 2}
+    if max_connections is not None:
+        quiet["max_connections"] = max_connections
     return redis.Redis.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts, **quiet)
 
 

@@ -27,9 +27,16 @@ from redis.exceptions import NoScriptError
 from ._redis_conn import Connections, Script, load_and_rerun, pack
 from ._redis_io import CLOSED_UNDER, connect, name_back_due, parsed, read_name_back, send
 
-__all__ = ["FAILED", "Node", "Pending", "ReplyDrain", "gather", "node_value"]
+__all__ = ["FAILED", "Node", "OnReply", "Pending", "ReplyDrain", "gather", "node_value"]
 
 logger = logging.getLogger("leases")
+
+#: The most connections a node's own client (a URL node) opens: redis-py's pools refuse more
+#: than 100 by default since 6.0, and a contended process needs more (each contender's try and
+#: wait, and the replies the drain thread has yet to read). A refused connection costs a try its
+#: node's vote, and a give-back never sent holds that node for a whole TTL. (A django-redis
+#: cache alias keeps its own pool and limit.)
+POOL = 10_000
 
 #: What :meth:`Node.answer` returns for a node that failed or did not answer in time.
 FAILED = object()
@@ -52,7 +59,9 @@ class Node:
     ) -> None:
         url = location if "://" in location else None
         self.location = location
-        self.client: Any = connect(alias, None if url else location, url, timeout, handshake=False)
+        self.client: Any = connect(
+            alias, None if url else location, url, timeout, handshake=False, max_connections=POOL
+        )
         self.connections = Connections(self.client.connection_pool)
         self.scripts = {script.sha: script for script in scripts}
 
@@ -129,15 +138,33 @@ class ReplyDrain:
     timeout for hung nodes to confirm: it sends the unlock and hands the connections here,
     where the replies are read (bounded by the same deadline) and the connections returned to
     their pools. Persistent, never a thread per call; made again in a forked child.
+
+    :meth:`later` hands it a request to *send* (a give-back): it goes out once the replies
+    queued before it are read, so on each node it runs after the commands those replies answer
+    (a node orders only the commands of one connection), and on the connections their reading
+    gave back rather than on new ones a busy pool may refuse.
+
+    A job may come with ``on_reply``, called with each node and the reply read from it (or
+    :data:`FAILED`): the only place that learns when a command left unread has run, since a
+    node runs the commands of different connections in no promised order (see
+    :meth:`~leases.backends.redlock.Backend.try_acquire`).
     """
 
     def __init__(self, alias: str) -> None:
         self._name = f"leases-redlock-{alias}"
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job | Callable[[], Pending] | None] = queue.SimpleQueue()
         self._pid = 0
 
-    def put(self, pending: Pending) -> None:
+    def put(self, pending: Pending, on_reply: OnReply | None = None) -> None:
+        """Read the replies of ``pending`` (telling ``on_reply`` of each, if given)."""
+        self._enqueue((pending, on_reply))
+
+    def later(self, send: Callable[[], Pending]) -> None:
+        """Call ``send`` on this thread after every job queued before, then read its replies."""
+        self._enqueue(send)
+
+    def _enqueue(self, item: Job | Callable[[], Pending]) -> None:
         with self._lock:
             if self._pid != os.getpid():
                 self._queue, self._pid = queue.SimpleQueue(), os.getpid()
@@ -145,17 +172,29 @@ class ReplyDrain:
                     target=self._run, args=(self._queue,), name=self._name, daemon=True
                 )
                 reader.start()
-            self._queue.put(pending)
+            self._queue.put(item)
 
     @staticmethod
-    def _run(jobs: queue.SimpleQueue[Pending | None]) -> None:
+    def _run(jobs: queue.SimpleQueue[Job | Callable[[], Pending] | None]) -> None:
         while (job := jobs.get()) is not None:
-            sent, command, deadline = job
-            for node, connection in sent:
+            if callable(job):  # sent now, read once the jobs queued meanwhile are
                 try:
-                    node.answer(connection, command, deadline)
+                    jobs.put((job(), None))
+                except Exception as exc:
+                    logger.debug("leases: a give-back could not be sent: %r", exc)
+                continue
+            (sent, command, deadline), on_reply = job
+            for node, connection in sent:
+                reply = FAILED
+                try:
+                    reply = node.answer(connection, command, deadline)
                 except Exception as exc:  # e.g. its client was closed meanwhile: never die
                     logger.debug("leases: unlock reply from %s lost: %r", node.location, exc)
+                if on_reply is not None:
+                    try:
+                        on_reply(node, reply)
+                    except Exception as exc:
+                        logger.debug("leases: after the reply from %s: %r", node.location, exc)
 
     def stop(self) -> None:
         with self._lock:
@@ -166,6 +205,10 @@ class ReplyDrain:
 
 #: Commands in flight: (node, connection) pairs, the command, and the deadline for replies.
 Pending = tuple[list[tuple[Node, Any]], tuple[object, ...], float]
+#: Called by the drain with each node and the reply it read from it.
+OnReply = Callable[[Node, Any], None]
+#: A drain job: what is pending, and who is told of each reply.
+Job = tuple[Pending, OnReply | None]
 
 
 def _ready(waiting: list[tuple[Node, Any]], deadline: float) -> list[tuple[Node, Any]]:
@@ -183,7 +226,9 @@ def _ready(waiting: list[tuple[Node, Any]], deadline: float) -> list[tuple[Node,
 
 
 def gather(
-    pending: Pending, decided: Callable[[list[Any]], bool]
+    pending: Pending,
+    decided: Callable[[list[Any]], bool],
+    said: list[tuple[Node, Any]] | None = None,
 ) -> tuple[list[Any], list[tuple[Node, Any]]]:
     """The replies of ``pending`` in the order they arrive, until ``decided`` says the ones
     read so far settle the outcome (a quorum granted), or all are read.
@@ -192,7 +237,8 @@ def gather(
     those to :class:`ReplyDrain`, so a grant or a release waits for the fastest quorum, not
     for the slowest node (on a loaded machine the last node's reply can come a scheduler
     slice later; a hung node costs a whole node timeout). Replies are read as they become
-    readable, so a slow first node does not hold up the others.
+    readable, so a slow first node does not hold up the others. ``said``, if given, gets each
+    node read and its reply.
     """
     sent, command, deadline = pending
     answers: list[Any] = []
@@ -207,6 +253,8 @@ def gather(
             waiting.remove(pair)
             node, connection = pair
             answers.append(node.answer(connection, command, deadline))
+            if said is not None:
+                said.append((node, answers[-1]))
             if decided(answers):
                 break
     return answers, waiting

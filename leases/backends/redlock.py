@@ -20,12 +20,15 @@ however many (no thread per call; replies still owed, and a failed try's unlock 
 read by one persistent drain thread); the
 lease is granted when a quorum (N // 2 + 1) said yes and time is left (validity = TTL - elapsed -
 drift, drift = TTL * DRIFT_FACTOR + DRIFT_MIN, which :meth:`Grant.valid_until` computes from
-``sent_at``). A failed try that any node accepted (or did not answer) unlocks on *every*
-node, with the same compare-and-delete a release uses, because a node that timed out may still
-have set the key. Renewal extends on a quorum or
-reports the lease lost. The :class:`~leases.lease.Lease` layer retries failed tries with
-jittered backoff; between them a waiter blocks in ``BLPOP`` on one node for the wake-up every
-release pushes to all nodes.
+``sent_at``). A failed try unlocks, with the same compare-and-delete a release uses, on
+every node that accepted it and every node whose reply was not read (a node that timed out
+may still have set the key); a node that refused has nothing to undo. The nodes that
+accepted get it at once; the others from the drain thread once it has read the try's replies
+still owed: a node orders only the commands of one connection, and an unlock sent at once on
+another could run before the try's own ``SET`` and leave it there for a whole TTL. Renewal
+extends on a quorum or reports the lease lost. The :class:`~leases.lease.Lease` layer retries
+failed tries with jittered backoff; between them a waiter blocks in ``BLPOP`` on one node for
+the wake-up every release pushes to all nodes.
 
 **Fencing.** Redlock has no monotonic counter of its own: node values are random and a node that
 restarts empty forgets everything (Kleppmann's objection: right after A's grant a node restarts,
@@ -68,7 +71,7 @@ from ._redis_io import (
     text,
     url_problems,
 )
-from ._redis_nodes import FAILED, Node, Pending, ReplyDrain, gather, node_value
+from ._redis_nodes import FAILED, Node, OnReply, Pending, ReplyDrain, gather, node_value
 from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
 from ._redis_waiters import WaitClock, distinct, label, waiters
 from ._redlock_async import AsyncRedlock
@@ -99,6 +102,36 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return LOST
 """)
+
+
+class _LateSets:
+    """The ``SET`` commands of one try whose replies were left to the drain thread, and whether
+    the grant was released (:meth:`Backend._unlock_everywhere`) meanwhile.
+
+    A node runs the commands of different connections in no promised order: a release sent on
+    a fresh connection can run *before* the grant's own ``SET`` sent earlier on another (one
+    the server has not read yet, or not even accepted), find nothing to delete there, and the
+    ``SET`` then lands and holds that node for a whole TTL. (A give-back of a failed try is
+    sent by the drain itself, after it read the try's replies: see
+    :meth:`Backend._give_back_later`.) So the drain, which reads those replies, gives back again
+    on each node whose ``SET`` it reads as landed (or cannot tell) once the grant was released.
+    Either the drain sees the mark, or the mark was made after the reply was read, and then
+    the release that follows the mark runs after the ``SET``.
+    """
+
+    __slots__ = ("attempt", "backend", "given_back", "left")
+
+    def __init__(self, backend: Backend, attempt: Grant, left: int) -> None:
+        self.backend, self.attempt, self.left = backend, attempt, left
+        self.given_back = False
+
+    def __call__(self, node: Node, reply: Any) -> None:
+        """The drain read ``node``'s reply (``None``: refused, nothing landed)."""
+        self.left -= 1
+        if self.left <= 0:
+            self.backend._late.pop(self.attempt.secret, None)
+        if self.given_back and reply is not None:
+            self.backend._give_back_later(self.attempt, [node])
 
 
 def _token_source_problems(alias: str, source: object) -> list[str]:
@@ -179,6 +212,9 @@ class Backend(LeaseBackend):
         self._drain = ReplyDrain(alias)
         self._async = AsyncRedlock(self)
         self._waits = WaitClock()
+        #: Tries whose ``SET`` replies the drain has yet to read, by secret (see
+        #: :class:`_LateSets`).
+        self._late: dict[str, _LateSets] = {}
 
     @property
     def nodes(self) -> list[Node]:
@@ -205,6 +241,9 @@ class Backend(LeaseBackend):
         *command: object,
         decided: Callable[[list[Any]], bool] | None = None,
         packed: bytes = b"",
+        on_unread: Callable[[int], OnReply] | None = None,
+        unsent: list[Node] | None = None,
+        said: list[tuple[Node, Any]] | None = None,
     ) -> list[Any]:
         """Send ``command`` to every node, then read every reply by one shared deadline.
 
@@ -217,14 +256,21 @@ class Backend(LeaseBackend):
         a grant, renewal or release waits for the fastest quorum, never for the slowest node,
         and answer :data:`FAILED` here. ``decided`` must not be settled by ``FAILED`` answers
         alone (only by real ones), or a store nobody answered would look merely busy.
+        ``on_unread``, given how many were left, makes what the drain calls with each of their
+        replies. ``unsent``, if given, gets the nodes the command could not be sent to, and
+        ``said`` each node whose reply was read here, with the reply.
         """
         pending = self._send_all(command, packed)
+        if unsent is not None:
+            unsent += [node for node, connection in pending[0] if connection is None]
         if decided is None:
             sent, _, deadline = pending
             return [node.answer(connection, command, deadline) for node, connection in sent]
-        answers, unread = gather(pending, decided)
+        answers, unread = gather(pending, decided, said)
         if unread:
-            self._drain.put((unread, command, time.monotonic() + self.node_timeout))
+            deadline = time.monotonic() + self.node_timeout
+            told = None if on_unread is None else on_unread(len(unread))
+            self._drain.put((unread, command, deadline), told)
         # Unread is unknown, as a node that did not answer: it may have run the command.
         return answers + [FAILED] * len(unread)
 
@@ -245,13 +291,45 @@ class Backend(LeaseBackend):
     def _unlock_everywhere(self, grant: Grant, *, confirm: bool = True) -> list[Any]:
         """Compare-and-delete on every node (a timed-out ``SET`` may still have landed).
 
-        Without ``confirm`` (giving up a failed try or renewal) the replies are left to the
-        drain thread, so hung nodes cost the caller nothing more; and the script goes with
-        its text (:meth:`give_back`), not by SHA1."""
-        if confirm:
-            return self._run_everywhere(self.release_script, *self.unlock_call(grant), self._done)
-        self._drain.put(self._send_all(self.give_back(grant)))
-        return []
+        Without ``confirm`` (giving up a failed try or renewal) the drain thread sends it and
+        reads the replies (:meth:`_give_back_later`), so hung nodes cost the caller nothing
+        more; and the script goes with its text (:meth:`give_back`), not by SHA1. With it (a
+        release), a ``SET`` of the grant whose reply is still unread is marked first, for the
+        drain to undo where it lands after the release (:class:`_LateSets`), and nodes it
+        could not be sent to get it from the drain."""
+        if not confirm:
+            self._give_back_later(grant, self.nodes)
+            return []
+        late = self._late.get(grant.secret)
+        if late is not None:
+            late.given_back = True
+        keys, args = self.unlock_call(grant)
+        unsent: list[Node] = []
+        answers = self._fan_out(
+            *self.release_script.command(keys, args),
+            decided=self._done,
+            packed=self.release_script.packed(keys, args),
+            unsent=unsent,
+        )
+        if unsent:  # no connection to spare (a busy pool) or a node down: once more, later
+            self._give_back_later(grant, unsent)
+        return answers
+
+    def _give_back_later(self, grant: Grant, nodes: list[Node]) -> None:
+        """:meth:`give_back` to ``nodes``, sent by the drain thread after the replies queued
+        before it are read: a try's ``SET`` whose reply was still unread has then run, so the
+        give-back cannot run before it on any node (a node orders only the commands of one
+        connection: sent at once on another, it could, and the ``SET`` would then hold that
+        node for a whole TTL); and it goes out on connections those reads gave back, where
+        under contention a new one may be refused (the pool's limit) and the give-back lost."""
+        command = self.give_back(grant)
+        packed = pack(command)
+
+        def send() -> Pending:
+            deadline = time.monotonic() + self.node_timeout
+            return [(node, node.send(command, packed=packed)) for node in nodes], command, deadline
+
+        self._drain.later(send)
 
     def give_back(self, grant: Grant) -> tuple[object, ...]:
         """The unlock of a failed try or a lost renewal: :data:`RELEASE_LUA` by its text
@@ -310,19 +388,54 @@ class Backend(LeaseBackend):
         secret = new_secret()
         sent_at = time.monotonic()
         value = node_value(holder, secret)
-        answers = self._fan_out("SET", keys.lock, value, "NX", "PX", ms(ttl), decided=self._settled)
         attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
+
+        def late(left: int) -> OnReply:
+            self._late[secret] = found = _LateSets(self, attempt, left)
+            return found
+
+        said: list[tuple[Node, Any]] = []
+        answers = self._fan_out(
+            "SET",
+            keys.lock,
+            value,
+            "NX",
+            "PX",
+            ms(ttl),
+            decided=self._settled,
+            on_unread=late,
+            said=said,
+        )
+
+        def give_back(grant: Grant, *, confirm: bool = False) -> None:
+            self._give_back_tried(grant, said)
+
         if self._granted(answers):
             try:
                 token = self.next_token(name)
             except BaseException:
-                self._unlock_everywhere(attempt, confirm=False)
+                give_back(attempt)
                 raise
             grant = Grant(name, holder, token, ttl, sent_at, expires(ttl), secret=secret)
             if self.valid(grant):
                 return grant
-        self.lost_try(attempt, answers, self._unlock_everywhere)
+        self.lost_try(attempt, answers, give_back)
         return None
+
+    def _give_back_tried(self, attempt: Grant, said: list[tuple[Node, Any]]) -> None:
+        """Give back a failed try: at once on the nodes that said yes (their ``SET`` has run),
+        by the drain thread after it read the replies still owed on those whose reply was not
+        read (:meth:`_give_back_later`); nothing on those that said no."""
+        now = [node for node, answer in said if answer is True]
+        read = {id(node) for node, answer in said if answer is not FAILED}
+        if now:
+            command = self.give_back(attempt)
+            deadline = time.monotonic() + self.node_timeout
+            packed = pack(command)
+            self._drain.put(([(n, n.send(command, packed=packed)) for n in now], command, deadline))
+        later = [node for node in self.nodes if id(node) not in read]
+        if later:
+            self._give_back_later(attempt, later)
 
     def lost_try(self, attempt: Grant, answers: list[Any], unlock: Callable[..., object]) -> None:
         """Give back what a failed try may hold: a node that said no has nothing to undo, one
