@@ -322,14 +322,14 @@ class Backend(LeaseBackend):
         connection: sent at once on another, it could, and the ``SET`` would then hold that
         node for a whole TTL); and it goes out on connections those reads gave back, where
         under contention a new one may be refused (the pool's limit) and the give-back lost."""
+        self._drain.later(lambda: self._send_give_back(grant, nodes))
+
+    def _send_give_back(self, grant: Grant, nodes: list[Node]) -> Pending:
+        """Send :meth:`give_back` to ``nodes`` (packed once); its replies are the drain's."""
         command = self.give_back(grant)
         packed = pack(command)
-
-        def send() -> Pending:
-            deadline = time.monotonic() + self.node_timeout
-            return [(node, node.send(command, packed=packed)) for node in nodes], command, deadline
-
-        self._drain.later(send)
+        deadline = time.monotonic() + self.node_timeout
+        return [(node, node.send(command, packed=packed)) for node in nodes], command, deadline
 
     def give_back(self, grant: Grant) -> tuple[object, ...]:
         """The unlock of a failed try or a lost renewal: :data:`RELEASE_LUA` by its text
@@ -429,10 +429,7 @@ class Backend(LeaseBackend):
         now = [node for node, answer in said if answer is True]
         read = {id(node) for node, answer in said if answer is not FAILED}
         if now:
-            command = self.give_back(attempt)
-            deadline = time.monotonic() + self.node_timeout
-            packed = pack(command)
-            self._drain.put(([(n, n.send(command, packed=packed)) for n in now], command, deadline))
+            self._drain.put(self._send_give_back(attempt, now))
         later = [node for node in self.nodes if id(node) not in read]
         if later:
             self._give_back_later(attempt, later)
