@@ -191,6 +191,15 @@ def _public_names() -> set[str]:
 
 
 @pytest.mark.parametrize(("where", "code"), _python_samples(), ids=lambda v: str(v)[:40])
+def test_every_sample_compiles(where: str, code: str) -> None:
+    """``ast.parse`` accepts what the compiler refuses (a ``return`` outside a function, a
+    ``nonlocal`` at module level, a duplicate argument), so a sample is compiled as written.
+    A top-level ``await``/``async with`` is allowed: those samples are fragments of async code,
+    as typed into ``python -m asyncio``."""
+    compile(code, where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+
+
+@pytest.mark.parametrize(("where", "code"), _python_samples(), ids=lambda v: str(v)[:40])
 def test_a_sample_that_imports_imports_what_it_uses(where: str, code: str) -> None:
     """A sample with an import line is copied whole: a name of ours it uses but does not import
     (``step`` used below ``from idempotency import idempotency_key``) fails as written."""
