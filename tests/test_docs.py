@@ -182,7 +182,7 @@ def _python_samples() -> list[tuple[str, str]]:
     return samples
 
 
-def _public_names() -> set[str]:
+def _exported_names() -> set[str]:
     import idempotency
     import leases
     import leases.celery
@@ -216,5 +216,5 @@ def test_a_sample_that_imports_imports_what_it_uses(where: str, code: str) -> No
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             bound.add(node.name)
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    missing = sorted((used & _public_names()) - bound)
+    missing = sorted((used & _exported_names()) - bound)
     assert not missing, f"{where} uses {missing} without importing them"
