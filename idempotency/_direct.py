@@ -24,13 +24,14 @@ from __future__ import annotations
 import os
 import re
 import types
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import django
 import psycopg
 from django.db.backends.utils import CursorWrapper
-from psycopg import pq
+from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
 from leases.backends._pgprepared import _keep_notifies
@@ -50,6 +51,8 @@ IN_TRANSACTION = _INTRANS = pq.TransactionStatus.INTRANS
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 # A query text -> its pieces between placeholders (encoded) and the placeholders' names.
 _SPLIT: dict[str, tuple[tuple[bytes, ...], tuple[str, ...]]] = {}
+# psycopg connection -> the Transformer its statements are dumped and loaded with (see _tx).
+_TRANSFORMERS: weakref.WeakKeyDictionary[Any, abc.Transformer] = weakref.WeakKeyDictionary()
 
 
 def _djangos(function: Any) -> bool:
@@ -67,8 +70,7 @@ def connection(db: BaseDatabaseWrapper) -> psycopg.Connection[Any] | None:
     or it is not a psycopg connection with Django's own client-side binding cursors."""
     if db.queries_logged or db.execute_wrappers or db.needs_rollback:
         return None
-    hooks = vars(db)
-    if any(name in hooks for name in _CURSOR_HOOKS):
+    if not vars(db).keys().isdisjoint(_CURSOR_HOOKS):
         return None
     kind = type(db)
     functions = (CursorWrapper.execute, kind.cursor, kind.make_cursor)
@@ -95,6 +97,19 @@ def connection(db: BaseDatabaseWrapper) -> psycopg.Connection[Any] | None:
     return conn
 
 
+def _tx(conn: psycopg.Connection[Any]) -> abc.Transformer:
+    """The connection's Transformer, made once: it keeps the dumpers and loaders it looked up
+    (a new one per call looked them all up again). Safe to keep: it reads the connection's
+    adapters map, and the only adapter Django changes on a live connection is the
+    ``timestamptz`` loader (``ensure_timezone``), which no statement sent here loads (no
+    parameter is a datetime, no returned column a timestamp). Used under ``conn.lock`` only,
+    so threads sharing a connection take turns with it as with the connection."""
+    tx = _TRANSFORMERS.get(conn)
+    if tx is None:
+        tx = _TRANSFORMERS[conn] = Transformer(conn)
+    return tx
+
+
 def run(
     db: BaseDatabaseWrapper,
     conn: psycopg.Connection[Any],
@@ -104,13 +119,12 @@ def run(
 ) -> list[tuple[Any, ...]]:
     """The rows of prepared statement ``name`` run with ``params`` (in ``order``), the values
     in text form, which the server parses as the types the statement was prepared with."""
-    tx = Transformer(conn)
-    values = tx.dump_sequence([params[key] for key in order], (PyFormat.TEXT,) * len(order))
-    with db.wrap_database_errors:
-        with conn.lock:
-            pgconn = conn.pgconn
-            result = pgconn.exec_prepared(name, values)  # type: ignore[arg-type]  # NULLs
-            _keep_notifies(pgconn)
+    with db.wrap_database_errors, conn.lock:
+        tx = _tx(conn)
+        values = tx.dump_sequence([params[key] for key in order], _formats(len(order)))
+        pgconn = conn.pgconn
+        result = pgconn.exec_prepared(name, values)  # type: ignore[arg-type]  # NULLs
+        _keep_notifies(pgconn)
         return _rows(conn, tx, result)
 
 
@@ -124,14 +138,24 @@ def run_text(
     whose values are quoted as psycopg's client-side cursor quotes them: the very query the
     cursor would send. ``PQexec`` keeps the last result, or the error that stopped the query
     (a statement after a failed one does not run)."""
-    tx = Transformer(conn)
-    query = b"; ".join(_render(tx, text, params) for text in texts)
-    with db.wrap_database_errors:
-        with conn.lock:
-            pgconn = conn.pgconn
-            result = pgconn.exec_(query)
-            _keep_notifies(pgconn)
+    with db.wrap_database_errors, conn.lock:
+        tx = _tx(conn)
+        query = b"; ".join([_render(tx, text, params) for text in texts])
+        pgconn = conn.pgconn
+        result = pgconn.exec_(query)
+        _keep_notifies(pgconn)
         return _rows(conn, tx, result)
+
+
+_FORMATS: dict[int, tuple[PyFormat, ...]] = {}
+
+
+def _formats(count: int) -> tuple[PyFormat, ...]:
+    """``count`` text formats (the values go as text, parsed as the prepared types)."""
+    formats = _FORMATS.get(count)
+    if formats is None:
+        formats = _FORMATS[count] = (PyFormat.TEXT,) * count
+    return formats
 
 
 def _render(tx: Any, text: str, params: Mapping[str, Any]) -> bytes:

@@ -143,7 +143,10 @@ class Begun:
 
 
 def _json(value: Any) -> Any:
-    """A jsonb column's value: Django's psycopg adapters hand it over as text."""
+    """A jsonb column's value: Django's psycopg adapters hand it over as text (a new claim's
+    empty steps, the common case, without the parser)."""
+    if value == "{}":
+        return {}
     return json.loads(value) if isinstance(value, str) else value
 
 
@@ -317,10 +320,11 @@ def begin(
         "owner": uuid.uuid4(),
         "lock": lock_timeout,
         "ttl": max(ttl, lock_timeout),
-        "gate": gate_key(scope, key),
     }
+    if in_transaction:
+        params["gate"] = gate_key(scope, key)  # only the claim in the transaction has one
     deadline = time.monotonic() + wait
-    backoff = Backoff(base=0.01, cap=0.25, deadline=deadline)  # the package's one backoff
+    backoff: Backoff | None = None
     misses = 0
     while True:
         begun = _begin_once(params, using, deadline - time.monotonic(), in_transaction)
@@ -329,8 +333,14 @@ def begin(
             if misses < _BEGIN_ATTEMPTS:
                 continue
             begun = Begun(Status.IN_PROGRESS, retry_after=1.0)
-        # Done unless in progress with time left to wait (next_delay: None past the deadline).
-        if begun.status is not Status.IN_PROGRESS or (delay := backoff.next_delay()) is None:
+        if begun.status is not Status.IN_PROGRESS:
+            if begun.status is not Status.NEW:
+                _announce(begun, scope, key, using)
+            return begun
+        if backoff is None:  # made only to wait: most claims are new keys, or not waiting
+            backoff = Backoff(base=0.01, cap=0.25, deadline=deadline)  # the package's one backoff
+        # Done unless there is time left to wait (next_delay: None past the deadline).
+        if (delay := backoff.next_delay()) is None:
             _announce(begun, scope, key, using)
             return begun
         time.sleep(min(delay, max(begun.retry_after, 0.001)))
