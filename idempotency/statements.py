@@ -488,6 +488,16 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
     work."""
     if not conf.get().prepared_statements:
         return
+    connection = connections[using]
+    connection.ensure_connection()
+    names = _PREPARED.get(connection.connection)
+    if names is not None and all(
+        statement.name in names
+        if isinstance(statement, Statement)
+        else statement.counting.name in names and statement.strict.name in names
+        for statement in statements
+    ):
+        return  # the common case, on every keyed request: nothing to list, no cursor made
     flat: list[Statement] = []
     for statement in statements:
         flat += (
@@ -495,12 +505,10 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
             if isinstance(statement, OwnedWrite)
             else [statement]
         )
-    connection = connections[using]
-    connection.ensure_connection()
     names = _PREPARED.setdefault(connection.connection, set())
     missing = [statement for statement in flat if statement.name not in names]
     if not missing:
-        return  # the common case, on every keyed request: no cursor made
+        return
     with connection.cursor() as cursor:
         if not _prepares(cursor):
             return

@@ -190,16 +190,21 @@ class _Guard:
         call: Callable[[], HttpResponseBase],
         scope_source: Callable[[], Any] | None = None,
     ) -> HttpResponseBase:
-        if _nested(request):
-            return call()
+        inner = drf.http_request(request)
+        if getattr(inner, _GUARDED_ATTR, False):
+            return call()  # an outer guard runs this request's attempt
         opened = self.open(request, scope_source)
         if opened is None:
             return call()
         if isinstance(opened, HttpResponseBase):
             return opened
         try:
-            with _guarding(request):
+            # What _guarding does, without a generator's context manager on every request.
+            setattr(inner, _GUARDED_ATTR, True)
+            try:
                 response = call()
+            finally:
+                delattr(inner, _GUARDED_ATTR)
         except BaseException:
             opened.abort()
             raise
