@@ -21,10 +21,10 @@ the first use of one, its recovery after a session lost it, server-side binding 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import types
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +51,8 @@ IN_TRANSACTION = _INTRANS = pq.TransactionStatus.INTRANS
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 # A query text -> its pieces between placeholders (encoded) and the placeholders' names.
 _SPLIT: dict[str, tuple[tuple[bytes, ...], tuple[str, ...]]] = {}
-# psycopg connection -> the Transformer its statements are dumped and loaded with (see _tx).
-_TRANSFORMERS: weakref.WeakKeyDictionary[Any, abc.Transformer] = weakref.WeakKeyDictionary()
+# Where a psycopg connection keeps the Transformer its statements are dumped and loaded with.
+_TRANSFORMER_ATTR = "_idempotency_transformer"
 
 
 def _djangos(function: Any) -> bool:
@@ -103,10 +103,16 @@ def _tx(conn: psycopg.Connection[Any]) -> abc.Transformer:
     adapters map, and the only adapter Django changes on a live connection is the
     ``timestamptz`` loader (``ensure_timezone``), which no statement sent here loads (no
     parameter is a datetime, no returned column a timestamp). Used under ``conn.lock`` only,
-    so threads sharing a connection take turns with it as with the connection."""
-    tx = _TRANSFORMERS.get(conn)
+    so threads sharing a connection take turns with it as with the connection.
+
+    Kept on the connection itself: the Transformer refers to its connection, so a mapping
+    keyed by connections (even weakly) would keep every closed one alive; as an attribute it
+    makes a cycle that goes with the connection."""
+    tx: abc.Transformer | None = getattr(conn, _TRANSFORMER_ATTR, None)
     if tx is None:
-        tx = _TRANSFORMERS[conn] = Transformer(conn)
+        tx = Transformer(conn)
+        with contextlib.suppress(AttributeError):  # a connection class that takes no attribute
+            setattr(conn, _TRANSFORMER_ATTR, tx)
     return tx
 
 

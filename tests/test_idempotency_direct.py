@@ -3,8 +3,10 @@ nothing watches the connection's queries; every watcher Django offers still sees
 
 from __future__ import annotations
 
+import gc
 import re
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -92,6 +94,17 @@ def test_unwatched_the_claims_run_by_name_and_the_store_skips_the_cursor() -> No
     with connection.cursor() as cursor:
         cursor.execute("SHOW synchronous_commit")  # the claim's setting was its own
         assert cursor.fetchone() == ("on",)
+
+
+def test_a_closed_connection_is_not_kept_alive_by_the_direct_path() -> None:
+    """What the direct path keeps per connection goes with the connection: Django opens a new
+    one per request with ``CONN_MAX_AGE = 0``, and a closed one kept alive would be a leak."""
+    _first_request_and_replay("warm")
+    _first_request_and_replay("direct-then-closed")  # the claim and the store went direct
+    closed = weakref.ref(connection.connection)
+    connection.close()
+    gc.collect()
+    assert closed() is None, gc.get_referrers(closed())
 
 
 def test_captured_queries_include_every_claim_and_replay() -> None:
