@@ -812,3 +812,23 @@ def test_the_next_waiter_gets_in_only_after_the_grant_before_it_committed(
             for conn in traced_conns:
                 if not conn.closed:
                     conn.pgconn.untrace()
+
+
+def test_a_left_room_whose_unlock_found_no_lock_disables_the_room(lease_name: str) -> None:
+    """A granted waiter's leave is sent without waiting for its reply; the reply is read when
+    the connection is next taken, and an unlock that found no lock there (it ran on another
+    server session than the lock: a transaction-pooling proxy) turns the room off, as the
+    waited leave does, rather than leak a room lock on every grant."""
+    room = _waiting_room.WaitingRoom("default", "default")
+    try:
+        conn = room._connection()
+        leave = _waiting_room.ROOM_LEAVE_SQL.format(key=room_key(lease_name))
+        assert _waiting_room._send(conn, leave)  # this session never took that lock
+        with room._lock:
+            room._idle.append(conn)
+            room._unsettled.add(conn)
+        other = room._connection()
+        assert other is not conn and conn.closed and not room.enabled
+        other.close()
+    finally:
+        room.close()
