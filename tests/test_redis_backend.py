@@ -13,9 +13,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 from redis.crc import key_slot
 
 from devservers import RedisServer
@@ -489,4 +491,58 @@ def test_an_async_round_trip_on_a_stalled_event_loop_reads_the_reply_that_came_i
             await backend.aclose()
 
     a, b = asyncio.run(main())
+    checker.check_handover(a.token, b.token)
+
+
+@pytest.mark.parametrize("phase", ["tcp", "handshake"])
+def test_an_async_connect_on_a_stalled_event_loop_leaves_the_round_trip_its_full_bound(
+    make_backend: MakeBackend,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    phase: str,
+) -> None:
+    """The event loop blocks for longer than SOCKET_TIMEOUT (a blocking call in a callback of
+    its own) while a new connection is being made: queued as its TCP connect starts, or as it
+    ends (the handshake then in flight). The connect completed in time, while the loop was not
+    looking, and the server answers the script at once: the try, the renewal and the release,
+    each on a new connection (the kept one killed before it), succeed. The stall used to be
+    charged to the script's reply, whose bound was what the connect had left of one timeout:
+    none, so its socket was cut before the reply was read ("no reply")."""
+    timeout, stall = 0.3, 1.0
+    backend, name = make_backend(redis_server.url, SOCKET_TIMEOUT=timeout), unique()
+    client = redis.Redis.from_url(redis_server.url)
+    connect = redis.asyncio.Connection._connect
+    connects: list[object] = []
+
+    async def stalling(connection: Any) -> None:
+        connects.append(connection)
+        if phase == "tcp":  # the loop's next turn blocks, the connect under way
+            asyncio.get_running_loop().call_soon(time.sleep, stall)
+        await connect(connection)
+        if phase == "handshake":
+            asyncio.get_running_loop().call_soon(time.sleep, stall)
+
+    monkeypatch.setattr(redis.asyncio.Connection, "_connect", stalling)
+
+    def kill_kept_connection() -> None:  # ours, idle; the test's own client survives
+        assert client.client_kill_filter(_type="normal", skipme=True) >= 1
+
+    async def main() -> tuple[Grant, Grant]:
+        try:
+            a = await backend.atry_acquire(name, "A", 10)
+            assert a is not None
+            kill_kept_connection()
+            a = await backend.arenew(a, 30)
+            kill_kept_connection()
+            await backend.arelease(a)
+            assert not client.exists(LeaseKeys.of(backend.prefix, name).lock)
+            b = await backend.atry_acquire(name, "B", 10)
+            assert b is not None
+            await backend.arelease(b)
+            return a, b
+        finally:
+            await backend.aclose()
+
+    a, b = asyncio.run(main())
+    assert len(connects) == 3, connects  # one stall for each new connection
     checker.check_handover(a.token, b.token)
