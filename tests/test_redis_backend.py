@@ -39,7 +39,7 @@ from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigu
 from tests import checker
 from tests.extra_backends import added_backend
 from tests.lease_backends import wait_overshoots
-from tests.waiting import stalled, stalled_handover, wait_until
+from tests.waiting import released_past_blocked_waits, stalled, stalled_handover, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -546,3 +546,29 @@ def test_an_async_connect_on_a_stalled_event_loop_leaves_the_round_trip_its_full
     a, b = asyncio.run(main())
     assert len(connects) == 3, connects  # one stall for each new connection
     checker.check_handover(a.token, b.token)
+
+
+def test_more_async_waiters_than_redis_py_pools_allow_leave_room_for_the_release(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    """redis.asyncio (like redis-py, 6.0 on) caps a pool at 100 connections by default. An
+    event loop with that many waits blocked on the server must still reach it: the waits past
+    the cap failed at once, and a release that got no connection left the name held for a
+    whole TTL (every waiter timing out meanwhile)."""
+    backend, name = make_backend(redis_server.url), unique()
+    client = redis.Redis.from_url(redis_server.url)
+    grant = backend.try_acquire(name, "holder", 30)  # the sync client: none of the loop's
+    assert grant is not None
+
+    async def main() -> list[object]:
+        try:
+            return await released_past_blocked_waits(
+                backend, name, grant, lambda: sum(c["cmd"] == "blpop" for c in client.client_list())
+            )
+        finally:
+            await backend.aclose()
+
+    woken = asyncio.run(main())
+    assert not client.exists(LeaseKeys.of(backend.prefix, name).lock)
+    assert all(type(outcome) is bool for outcome in woken), woken
+    assert any(woken)
