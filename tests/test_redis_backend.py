@@ -572,3 +572,40 @@ def test_more_async_waiters_than_redis_py_pools_allow_leave_room_for_the_release
     assert not client.exists(LeaseKeys.of(backend.prefix, name).lock)
     assert all(type(outcome) is bool for outcome in woken), woken
     assert any(woken)
+
+
+def test_more_waiters_than_redis_py_pools_allow_leave_room_for_the_release(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    """redis-py (6.0 on) caps a pool at 100 connections by default. A process with that many
+    threads waiting on the server must still reach it: the waits past the cap failed at once,
+    and a release that got no connection left the name held for a whole TTL."""
+    backend, name = make_backend(redis_server.url), unique()
+    client = redis.Redis.from_url(redis_server.url)
+    grant = backend.try_acquire(name, "holder", 30)
+    assert grant is not None
+    waits = 110
+    woken: list[object] = []
+
+    def wait() -> None:
+        try:
+            woken.append(backend.wait_for_release(name, 3))
+        except BackendUnavailable as exc:
+            woken.append(exc)
+
+    threads = [threading.Thread(target=wait) for _ in range(waits)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(
+            lambda: sum(c["cmd"] == "blpop" for c in client.client_list()) + len(woken) >= waits,
+            10,
+            f"{waits} waits blocked on the server or ended",
+        )
+        backend.release(grant)  # BackendUnavailable when the pool had no connection left
+        assert not client.exists(LeaseKeys.of(backend.prefix, name).lock)
+    finally:
+        for thread in threads:
+            thread.join(10)
+    assert len(woken) == waits and all(type(outcome) is bool for outcome in woken), woken
+    assert any(woken)
