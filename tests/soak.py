@@ -18,9 +18,11 @@ by a seeded random generator, injects one fault at a time:
 At the end the checker runs on every register's whole history: accepted tokens never go down,
 no token accepted from two writers, every stale refusal explained, the register's row is the
 last accepted write. The summary gives, per backend and in total, the critical sections (grants
-that wrote at least once), the faults injected and the violations, which must be 0 (the exit
-status is 1 otherwise). The seed is printed first; on a violation the history is saved to a
-JSON file that ``--check FILE`` runs the checker on again.
+that wrote at least once), the faults injected, the violations, and the workers that broke the
+error contract (an exception from ``acquire`` or ``release`` that is not a ``LeaseError``, or a
+worker that crashed or hung): both must be 0 (the exit status is 1 otherwise). The seed is
+printed first; on a violation the history is saved to a JSON file that ``--check FILE`` runs
+the checker on again.
 
 Every loop is bounded by the deadline; every fault by its own duration; the workers are
 SIGKILLed if they outlive the deadline by 20 s. Not part of ``.ci/run``: a few-second run on
@@ -54,6 +56,8 @@ FAULTS = ("pause", "kill", "blackhole", "delay", "restart")
 TTL = 2.0
 #: The longest the controller waits for its workers to be set up before it starts anyway.
 SETUP_BOUND = 180.0
+#: A worker's exit status when the package raised something other than ``LeaseError``.
+FOREIGN_EXIT = 3
 
 
 # -- the worker -------------------------------------------------------------------------------
@@ -78,6 +82,7 @@ def worker(index: int, names: list[str], seed: int) -> int:
     rng = random.Random(seed * 1000 + index)
     holder = f"w{index}.{os.getpid()}"
     stats: Counter[str] = Counter()
+    foreign = 0  # errors from the package that are not LeaseError: a broken contract
     began = time.monotonic()
     while time.monotonic() < until:
         name = rng.choice(names)
@@ -99,8 +104,9 @@ def worker(index: int, names: list[str], seed: int) -> int:
             stats["acquire_s"] += time.monotonic() - t0
             stats["refused"] += 1
             continue
-        except Exception as exc:  # a soak keeps going: the history judges
+        except Exception as exc:  # a soak keeps going; the exit status reports it
             print(f"{holder}: acquire: {type(exc).__name__}: {exc}", file=sys.stderr)
+            foreign += 1
             time.sleep(0.1)
             continue
         try:
@@ -111,11 +117,16 @@ def worker(index: int, names: list[str], seed: int) -> int:
         except Exception as exc:
             print(f"{holder}: write: {type(exc).__name__}: {exc}", file=sys.stderr)
         finally:
-            with contextlib.suppress(LeaseError):
+            try:
                 held.release()
+            except LeaseError:
+                pass
+            except Exception as exc:
+                print(f"{holder}: release: {type(exc).__name__}: {exc}", file=sys.stderr)
+                foreign += 1
     if os.environ.get("SOAK_DEBUG"):
         print(holder, dict(stats), f"ran {time.monotonic() - began:.1f}s", file=sys.stderr)
-    return 0
+    return FOREIGN_EXIT if foreign else 0
 
 
 # -- servers and proxies ----------------------------------------------------------------------
@@ -220,6 +231,7 @@ class Outcome:
     sections: int = 0
     faults: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
+    broken: int = 0
     seconds: float = 0.0
     saved: str = ""
     skipped: str = ""
@@ -232,7 +244,8 @@ class Outcome:
         return (
             f"soak {self.kind}: {self.sections} critical sections, "
             f"{sum(self.faults.values())} faults ({kinds or 'none'}), "
-            f"{len(self.violations)} violations, {self.seconds:.1f} s{saved}"
+            f"{len(self.violations)} violations, {self.broken} workers broke the error "
+            f"contract, {self.seconds:.1f} s{saved}"
         )
 
 
@@ -247,6 +260,7 @@ class Run:
         self.procs: dict[int, tuple[subprocess.Popen[bytes], bool]] = {}
         self.next_index = 0
         self.faults: Counter[str] = Counter()
+        self.broken = 0  # workers that exited with an error of their own, not the nemesis's
 
     def spawn(self, proxied: bool) -> None:
         index, self.next_index = self.next_index, self.next_index + 1
@@ -330,7 +344,8 @@ class Run:
         live = self.live()
         if not live:
             return
-        proc, proxied = self.procs[self.rng.choice(live)]
+        index = self.rng.choice(live)
+        proc, proxied = self.procs.pop(index)
         proc.kill()
         proc.wait()
         self.spawn(proxied)
@@ -364,6 +379,9 @@ class Run:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # A worker the nemesis did not kill exits 0; anything else (a crash, or an error from
+        # outside LeaseError, FOREIGN_EXIT) is a broken contract even if the history is sound.
+        self.broken = sum(1 for proc, _ in self.procs.values() if proc.returncode != 0)
 
 
 def check(names: list[str]) -> tuple[int, list[str], list[dict[str, Any]]]:
@@ -394,7 +412,7 @@ def soak_backend(kind: str, args: argparse.Namespace, rng: random.Random) -> Out
         run = Run(store, args, rng)
         run.run()
         sections, violations, saved = check(run.names)
-        outcome = Outcome(kind, sections, run.faults, violations)
+        outcome = Outcome(kind, sections, run.faults, violations, run.broken)
         if violations:
             path = Path(args.save_dir) / f"soak-{kind}-seed{args.seed}.json"
             path.write_text(json.dumps(saved, indent=1))
@@ -489,12 +507,14 @@ def main(argv: list[str]) -> int:
     ran = [o for o in outcomes if not o.skipped]
     faults = sum(sum(o.faults.values()) for o in ran)
     violations = sum(len(o.violations) for o in ran)
+    broken = sum(o.broken for o in ran)
     print(
         f"soak total: {sum(o.sections for o in ran)} critical sections on {len(ran)} backends, "
-        f"{faults} faults, {violations} violations, seed {args.seed}",
+        f"{faults} faults, {violations} violations, {broken} workers broke the error contract, "
+        f"seed {args.seed}",
         flush=True,
     )
-    return 1 if violations else 0
+    return 1 if violations or broken else 0
 
 
 if __name__ == "__main__":

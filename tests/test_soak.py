@@ -37,6 +37,7 @@ def test_a_short_soak_on_redis_injects_faults_and_finds_no_violation(tmp_path: P
     assert line, run.stdout
     sections, faults, violations = map(int, line.groups())
     assert sections > 0 and faults > 0 and violations == 0, run.stdout
+    assert "0 workers broke the error contract" in run.stdout, run.stdout
     assert "soak total:" in run.stdout
     assert not list(tmp_path.iterdir()), "a history was saved although nothing failed"
 

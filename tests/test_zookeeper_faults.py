@@ -202,6 +202,60 @@ def test_connection_lost_during_create_finds_its_own_node_and_leaves_no_orphan(
         assert direct.client.get_children(line) == []  # type: ignore[attr-defined]
 
 
+def test_a_lost_create_of_a_new_name_is_made_again_not_failed(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """The first try on a name nobody used yet: the create's reply is held and the connection
+    reset, so the client looks for its node by GUID, under a name node that does not exist.
+    That means "not created" (create again), not a failed try: before, the look-up's
+    ``NoNodeError`` escaped and failed the acquire."""
+    member = ensemble.ids[0]
+    with FaultProxy(ensemble.ports[member]) as proxy:
+        backends(session=10.0, request=5.0, zk_proxied=f"127.0.0.1:{proxy.port}")
+        store = get_backend("zk_proxied")
+        store.inspect("zk-warm-up")  # connected before the network stalls
+        name = f"zk-new-{time.monotonic_ns()}"
+        proxy.blackhole(replies_only=True)
+        outcome: list[Any] = []
+
+        def try_it() -> None:
+            try:
+                outcome.append(store.try_acquire(name, "holder", 10))
+            except BaseException as exc:  # handed back to the test
+                outcome.append(exc)
+
+        trying = threading.Thread(target=try_it, daemon=True)
+        trying.start()
+        wait_until(lambda: proxy.holding > 0, 5, "the create to be sent")
+        assert proxy.reset_all() >= 1
+        proxy.pass_through()
+        trying.join(15)
+        assert outcome and not isinstance(outcome[0], BaseException), outcome
+        grant = outcome[0]
+        assert grant is not None and grant.holder == "holder"
+        store.release(grant)
+
+
+def test_a_reply_out_of_sequence_is_a_connection_loss(backends: Any, ensemble: Any) -> None:
+    """kazoo fails the request whose reply was lost with a bare ``RuntimeError`` when the next
+    reply arrives out of sequence ("xids do not match"; seen in the nemesis soak, where it
+    escaped ``acquire``). The session turns it into a connection loss, which the backend's
+    edge reports as ``BackendUnavailable`` and the join's recovery handles. The failed
+    request is made the way kazoo's connection thread fails it: on a real client's result."""
+    from kazoo.exceptions import ConnectionLoss
+
+    from leases.backends._zookeeper_session import Edge
+
+    backends(zk=ensemble.host(ensemble.ids[0]))
+    session = get_backend("zk").zk  # type: ignore[attr-defined]
+    failed = session.client.handler.async_result()
+    failed.set_exception(RuntimeError("xids do not match, expected %r received %r", 2, 3))
+    with pytest.raises(ConnectionLoss):
+        session.get(failed)
+    with pytest.raises(BackendUnavailable, match="out of sequence"), Edge("zk", "acquire"):
+        session.get(failed)
+
+
 def test_a_closed_backend_never_opens_a_client_again(
     ensemble: ZooKeeperEnsemble, backends: Any
 ) -> None:

@@ -224,8 +224,19 @@ class Session:
         return f"{self.prefix}/names/{quote(name, safe='').replace('.', '%2E')}"
 
     def get(self, result: Any) -> Any:
-        """Wait for one kazoo request, bounded by ``REQUEST_TIMEOUT``: every wait has a deadline."""
-        return result.get(timeout=self.request_timeout)
+        """Wait for one kazoo request, bounded by ``REQUEST_TIMEOUT``: every wait has a deadline.
+
+        When a reply is lost and the next one arrives out of sequence, kazoo fails the pending
+        request with a bare ``RuntimeError`` ("xids do not match") and drops the connection.
+        For the caller that is a connection loss (whether the request was applied is unknown),
+        so it is raised as one: the callers' recovery (look for the node by its GUID) and the
+        edge's translation to ``BackendUnavailable`` then apply, instead of a ``RuntimeError``
+        escaping the package's exceptions.
+        """
+        try:
+            return result.get(timeout=self.request_timeout)
+        except RuntimeError as exc:
+            raise ConnectionLoss(f"reply out of sequence: {exc.args}") from exc
 
     def commit(self, ops: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """Run one multi: all of ``ops`` or none; raises the operation's error if aborted."""
@@ -297,6 +308,8 @@ class Session:
                 return None
             path = f"{self.name_path(name)}/{mine[0]}"
             return path, self.get(self.client.exists_async(path))
+        except NoNodeError:
+            return None  # no name node: the create (a child of it) is not there to be found
         except (ConnectionLoss, KazooTimeoutError):
             self._orphans.add((name, guid_of(secret)))
             raise
