@@ -15,7 +15,8 @@ its ``COMMIT`` goes as the same text through ``PQexec`` (:func:`owned_write_on`)
 :mod:`idempotency._direct`.
 Prepared statements live as long as the database session (a rollback keeps them); a session
 that lost them (a pooler that swaps server connections, ``DEALLOCATE ALL``) is detected by
-SQLSTATE 26000 and prepared again, outside a transaction. Behind a pooler in transaction mode
+SQLSTATE 26000 and prepared again, outside a transaction (and, for the outcome's write with
+its ``COMMIT``, inside one too: see :func:`owned_write_on`). Behind a pooler in transaction mode
 that cannot keep SQL-level prepared statements, set ``IDEMPOTENCY["PREPARED_STATEMENTS"] =
 False``: the same SQL is then sent as it is.
 
@@ -63,6 +64,13 @@ __all__ = [
 LOST = "22P02"
 _NOT_PREPARED = "26000"
 _ALREADY_PREPARED = "42P05"
+
+#: Taken in the same query before a committing write sent by name straight through libpq
+#: (:func:`owned_write_on`): if the session lost the statement during the attempt, the
+#: ``EXECUTE``'s error aborts only what follows the savepoint, so the write can be prepared
+#: and sent again in the same transaction instead of losing the view's work with it.
+_WRITE_SAVEPOINT = "SAVEPOINT idempotency_owned_write"
+_BACK_TO_WRITE_SAVEPOINT = "ROLLBACK TO SAVEPOINT idempotency_owned_write"
 
 # The last line of a conditional write: one row changed, or an error that aborts the
 # transaction (and any COMMIT after it in the same query). The cast's operand is not a
@@ -549,7 +557,9 @@ def owned_write_on(
     whether its query carried the transaction's ``COMMIT``. Committing, and when nothing
     watches the connection and its session is known to have the statement, the query goes
     straight through libpq (:func:`idempotency._direct.run_text`: the text the cursor would
-    send, without the cursor)."""
+    send, without the cursor), after a savepoint: a session that lost the statement since the
+    attempt began (SQLSTATE 26000, nothing written) has it prepared and sent again in the same
+    transaction, so the request does not fail and the view's work is kept."""
     connection = connections[using]
     conn = _direct.connection(connection) if commit and conf.get().prepared_statements else None
     if (
@@ -557,15 +567,27 @@ def owned_write_on(
         and write.strict.name in _PREPARED.get(conn, ())
         and conn.pgconn.transaction_status == _direct.IN_TRANSACTION
     ):
-        texts = [write.strict.execute_sql(), "COMMIT"] + ([after_commit] if after_commit else [])
+        after = [after_commit] if after_commit else []
+        texts = [_WRITE_SAVEPOINT, write.strict.execute_sql(), "COMMIT", *after]
         try:
             _direct.run_text(connection, conn, texts, params)
         except DatabaseError as exc:
-            if _sqlstate(exc) == _NOT_PREPARED:
-                _PREPARED.pop(conn, None)
             if _sqlstate(exc) == LOST:
                 return False, False
-            raise
+            if _sqlstate(exc) != _NOT_PREPARED:
+                raise
+            # The session lost its statements during the attempt (the view's DEALLOCATE ALL,
+            # a pooler's reset): nothing of the write ran, and the savepoint kept the view's
+            # work, so the write is prepared and sent again in the same transaction.
+            _PREPARED.pop(conn, None)
+            texts = [_BACK_TO_WRITE_SAVEPOINT, write.strict.prepare_sql(), *texts[1:]]
+            try:
+                _direct.run_text(connection, conn, texts, params)
+            except DatabaseError as again:
+                if _sqlstate(again) == LOST:
+                    return False, False
+                raise
+            _PREPARED.setdefault(conn, set()).add(write.strict.name)
         return True, True
     with connection.cursor() as cursor:
         committed = commit and one_query(cursor)

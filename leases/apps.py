@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.db.models.signals import pre_migrate
 
 
 class LeasesConfig(AppConfig):
@@ -8,5 +9,9 @@ class LeasesConfig(AppConfig):
 
     def ready(self) -> None:
         from . import _session_leaks, checks  # noqa: F401  (checks registers system checks)
+        from ._migrating import refuse_unsupported_database
 
         _session_leaks.install()
+        pre_migrate.connect(
+            refuse_unsupported_database, sender=self, dispatch_uid="leases.refuse_database"
+        )

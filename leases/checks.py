@@ -100,7 +100,7 @@ def check_advisory_database(app_configs: Any = None, **kwargs: Any) -> list[Chec
                     hint="Point it at PostgreSQL (psycopg 3), or silence leases.E002 if you "
                     "use neither advisory locks nor a lease backend on it and a database router "
                     "keeps the leases and idempotency tables off it (their migrations need "
-                    "PostgreSQL: `migrate` fails on any other database).",
+                    "PostgreSQL: `migrate` refuses any other database).",
                     id="leases.E002",
                 )
             )

@@ -17,6 +17,7 @@ __all__ = [
     "BackendNotSupported",
     "BackendUnavailable",
     "BlockingInEventLoop",
+    "DatabaseNotSupported",
     "FenceRequired",
     "FencingTokenRevoked",
     "FencingUnavailable",
@@ -127,6 +128,28 @@ class BlockingInEventLoop(LeaseError, SynchronousOnlyOperation):
 
 class LeasesImproperlyConfigured(LeaseError, ImproperlyConfigured):
     """The ``LEASES`` setting is wrong; ``manage.py check`` reports the same problems."""
+
+
+class DatabaseNotSupported(LeaseError, ImproperlyConfigured):
+    """``manage.py migrate`` would create the ``leases`` or ``idempotency`` tables on a
+    database that is not PostgreSQL.
+
+    Raised before anything is migrated (by any app): their migrations use PostgreSQL-only
+    operations (indexes built ``CONCURRENTLY``), so letting the run start would stop it half-way
+    and leave a half-migrated database. ``leases.E002`` reports the same database under
+    ``manage.py check``; this is what still refuses when that check is silenced.
+    """
+
+    def __init__(self, alias: str, vendor: str, app_label: str) -> None:
+        self.alias = alias
+        self.vendor = vendor
+        self.app_label = app_label
+        super().__init__(
+            f"database {alias!r} is {vendor}, but the {app_label!r} app's migrations need "
+            "PostgreSQL; nothing was migrated. Point it at PostgreSQL (psycopg 3), or have a "
+            "database router's allow_migrate() keep the leases and idempotency apps off it "
+            "(leases.E002)"
+        )
 
 
 class LeaseUnavailable(LeaseError, TimeoutError):

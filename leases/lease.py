@@ -15,13 +15,14 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar, overload
 
 from ._arguments import valid_decoration
 from .acquiring import acquire
-from .errors import BackendUnavailable, InvalidLeaseOption, LeaseLost
+from .errors import BackendUnavailable, InvalidLeaseName, InvalidLeaseOption, LeaseLost
 from .handle import Lease, OnLost
 
 __all__ = ["Lease", "acquire", "lease"]
@@ -125,7 +126,29 @@ def _settle(
 
 
 def _default_name(func: Callable[..., Any]) -> str:
-    return f"{func.__module__}.{func.__qualname__}"
+    """The name a bare ``@lease`` (``@alease``, ``@semaphore``...) gives ``func``:
+    ``module.qualname``, the same in every process that imports the function.
+
+    A module run with ``python -m pkg.mod`` is ``__main__`` to Python, but its spec keeps its
+    real name, which is used: the function is named as when imported (by a worker, by the
+    next script), so both exclude each other. A script run by path (``python job.py``),
+    ``python -c`` or a REPL has no such name: ``__main__`` would make every script's ``main``
+    one lease, and the same function imported elsewhere another, so the lock would silently
+    not exclude what it should. That is refused with :class:`InvalidLeaseName`, at decoration.
+    """
+    module = func.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules.get(module), "__spec__", None)
+        if spec is None or spec.name in ("", "__main__"):
+            raise InvalidLeaseName(
+                f"{module}.{func.__qualname__}",
+                "a function of a script run as __main__ has no name other processes share: "
+                "imported elsewhere it would hold another lease, and another script's function "
+                'of that name this one; name the lease (@lease("...")) or run the script as a '
+                "module (python -m package.module)",
+            )
+        module = spec.name
+    return f"{module}.{func.__qualname__}"
 
 
 @overload
@@ -157,7 +180,8 @@ def lease(
 ) -> Any:
     """Hold ``name`` for the duration of a ``with`` block or a decorated function.
 
-    ``@lease`` bare names the lease after the function (``module.qualname``). Arguments are
+    ``@lease`` bare names the lease after the function (``module.qualname``, see
+    :func:`_default_name` for a script run as ``__main__``). Arguments are
     those of :func:`acquire` (``shared=True``: as one of many readers). Leaving the block
     releases; see :func:`_finish` for errors.
     """

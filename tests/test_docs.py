@@ -182,12 +182,21 @@ def _python_samples() -> list[tuple[str, str]]:
     return samples
 
 
-def _public_names() -> set[str]:
+def _exported_names() -> set[str]:
     import idempotency
     import leases
     import leases.celery
 
     return {*leases.__all__, *idempotency.__all__, *leases.celery.__all__}
+
+
+@pytest.mark.parametrize(("where", "code"), _python_samples(), ids=lambda v: str(v)[:40])
+def test_every_sample_compiles(where: str, code: str) -> None:
+    """``ast.parse`` accepts what the compiler refuses (a ``return`` outside a function, a
+    ``nonlocal`` at module level, a duplicate argument), so a sample is compiled as written.
+    A top-level ``await``/``async with`` is allowed: those samples are fragments of async code,
+    as typed into ``python -m asyncio``."""
+    compile(code, where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
 
 
 @pytest.mark.parametrize(("where", "code"), _python_samples(), ids=lambda v: str(v)[:40])
@@ -207,5 +216,5 @@ def test_a_sample_that_imports_imports_what_it_uses(where: str, code: str) -> No
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             bound.add(node.name)
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    missing = sorted((used & _public_names()) - bound)
+    missing = sorted((used & _exported_names()) - bound)
     assert not missing, f"{where} uses {missing} without importing them"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from leases.backends import get_backend
 from leases.election import elect, election_lease_name, leader_of
+from leases.management.commands.run_elected import Command
 from tests.harness import manage
 from tests.waiting import wait_until
 
@@ -157,7 +159,27 @@ def test_verbosity_0_silences_progress(child_env: dict[str, str]) -> None:
     loud = manage(child_env, "run_elected", name, "--", "true")
     quiet = manage(child_env, "run_elected", name, "-v", "0", "--", "true")
     assert loud.returncode == quiet.returncode == 0
-    assert "elected leader" in loud.stderr and quiet.stderr == ""
+    assert "leading" in loud.stderr and quiet.stderr == ""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_election_is_announced_once(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator who logs ``leases`` at INFO (to the same stderr, as under systemd) saw the
+    election twice: the election's own log line, then the command's progress line saying the
+    same. The election is logged once; the command's line says what it adds (the child)."""
+    name = f"run-elected-{uuid.uuid4().hex[:8]}"
+    with caplog.at_level(logging.INFO, logger="leases"):
+        Command().run_from_argv(["manage.py", "run_elected", name, "--", "true"])
+    logged = [r.getMessage() for r in caplog.records if "elected leader" in r.getMessage()]
+    said = capsys.readouterr().err.splitlines()
+    (election,) = logged
+    token = election.removeprefix(f"elected leader of {name!r} with token ")
+    assert token.isdigit(), logged
+    assert not [line for line in said if "elected leader" in line], said
+    (started,) = [line for line in said if line.startswith(f"leading {name!r} (token {token})")]
+    assert ": started pid " in started and started.endswith(": true"), said
 
 
 @pytest.mark.fault

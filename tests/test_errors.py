@@ -8,6 +8,7 @@ import pytest
 
 from idempotency.errors import IdempotencyKeyLost, IdempotencyKeyMismatch
 from leases.errors import (
+    DatabaseNotSupported,
     InvalidLeaseName,
     LeaseError,
     LeaseLost,
@@ -22,6 +23,7 @@ ERRORS = [
     InvalidLeaseName("", "must not be empty"),
     IdempotencyKeyMismatch("user:1", "k-1"),
     IdempotencyKeyLost("user:1", "k-2"),
+    DatabaseNotSupported("default", "sqlite", "leases"),
 ]
 
 

@@ -160,3 +160,31 @@ def test_a_session_that_lost_its_statements_prepares_the_claim_again() -> None:
     with wire() as again:
         _first_request_and_replay("found-again")
     assert _claims_by_name(again) == 2
+
+
+def test_statements_lost_inside_the_attempt_are_prepared_again_in_its_transaction() -> None:
+    """A session that lost its prepared statements between the claim and the store (a
+    ``DEALLOCATE ALL`` in the view, a pooler's reset) used to fail the request: the store's
+    ``EXECUTE`` (SQLSTATE 26000) aborted the transaction with the view's work in it. The store
+    is prepared again and sent again in the same transaction, which commits the view's work
+    with the outcome."""
+    from tests.testapp.models_idempotency import Charge
+
+    _first_request_and_replay("warm")  # the session has the statements; the store goes direct
+    claim = begin("d", "lost-mid-attempt", FP, ttl=60, lock_timeout=60).claim
+    assert claim is not None
+    attempt = Attempt(claim, atomic=True, ttl=60)
+    attempt.start()
+    Charge.objects.create(key="lost-mid-attempt", amount=7)  # the view's work
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+    with psycopg_cursors() as cursors:
+        attempt.commit(OUTCOME)
+    assert not cursors, "the store still went straight through libpq"
+    assert not connection.in_atomic_block
+    assert Charge.objects.filter(key="lost-mid-attempt").count() == 1
+    done = begin("d", "lost-mid-attempt", FP, ttl=60, lock_timeout=60)
+    assert done.status is Status.COMPLETED and done.outcome == OUTCOME
+    with wire() as again:
+        _first_request_and_replay("found-again")  # and the session has its statements again
+    assert _claims_by_name(again) == 2

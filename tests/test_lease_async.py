@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -357,8 +357,31 @@ def test_aacquire_reports_elapsed_and_waited_like_acquire(
         first = await aacquire(lease_name, ttl=10, backend=lease_backend, keepalive=False)
         with pytest.raises(LeaseUnavailable):
             await aacquire(lease_name, ttl=10, backend=lease_backend, timeout=0, holder="c")
-        asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(first.arelease()))
-        second = await aacquire(lease_name, ttl=10, backend=lease_backend, timeout=20, holder="c")
+        # Release only once the waiter's first try was refused: a release that lands before
+        # it (a slow try on a loaded machine) would make it an acquire that never waited.
+        store, refused = get_backend(lease_backend), asyncio.Event()
+        trying = store.atry_acquire
+
+        async def spied(name: str, holder: str, ttl: float) -> Any:
+            grant = await trying(name, holder, ttl)
+            if grant is None and holder == "w":
+                refused.set()
+            return grant
+
+        async def release_when_waited() -> None:
+            await asyncio.wait_for(refused.wait(), 20)
+            await asyncio.sleep(0.3)
+            await first.arelease()
+
+        store.atry_acquire = spied  # type: ignore[method-assign]
+        try:
+            releasing = asyncio.ensure_future(release_when_waited())
+            second = await aacquire(
+                lease_name, ttl=10, backend=lease_backend, timeout=20, holder="w"
+            )
+            await releasing
+        finally:
+            del store.atry_acquire
         await second.arelease()
 
     signals.lease_acquired.connect(on_acquired, weak=False)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sqlite3
 import subprocess
+import sys
+from pathlib import Path
+from subprocess import CompletedProcess
 from typing import Any
 
 import psycopg
+
+from tests.harness import ROOT
 
 
 def test_both_apps_migrate_onto_a_database_without_auth_tables(
@@ -81,3 +89,55 @@ def test_an_unmigrated_database_says_to_run_migrate(
     assert notes == [
         "leases: is the leases app migrated on database 'coordination'? run `manage.py migrate`"
     ], notes
+
+
+def _migrate_sqlite(tmp_path: Path, *args: str, **env: str) -> tuple[CompletedProcess[str], Path]:
+    """``manage.py migrate ARGS`` in a child, onto a fresh SQLite file (tests/sqlite_settings)."""
+    database = tmp_path / "project.sqlite3"
+    done = subprocess.run(
+        [sys.executable, "-m", "django", "migrate", "-v", "0", *args],
+        env={
+            **os.environ,
+            **env,
+            "DJANGO_SETTINGS_MODULE": "tests.sqlite_settings",
+            "SQLITE_PATH": str(database),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done, database
+
+
+def _tables(database: Path) -> set[str]:
+    """The tables of a SQLite file (none if it was never created)."""
+    if not database.exists():
+        return set()
+    with contextlib.closing(sqlite3.connect(database)) as conn:
+        rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    return {name for (name,) in rows}
+
+
+def test_migrate_onto_sqlite_is_refused_before_anything_is_created(tmp_path: Path) -> None:
+    """With ``leases.E002`` silenced, ``migrate`` onto SQLite used to create the first tables
+    and die at the first index built ``CONCURRENTLY`` (a TypeError of the SQLite schema
+    editor), leaving a half-migrated database; it is refused up front, with a typed error."""
+    done, database = _migrate_sqlite(tmp_path)
+    assert done.returncode != 0
+    assert "leases.errors.DatabaseNotSupported: database 'default' is sqlite" in done.stderr, (
+        done.stderr[-2000:]
+    )
+    assert "migrations need PostgreSQL; nothing was migrated" in done.stderr
+    assert _tables(database) == set()
+
+
+def test_migrate_onto_sqlite_goes_ahead_when_a_router_keeps_the_apps_off_it(
+    tmp_path: Path,
+) -> None:
+    """The refusal honours the routers: the project's other apps still migrate onto SQLite."""
+    done, database = _migrate_sqlite(tmp_path, "--database", "default", ROUTE_ELSEWHERE="1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    tables = _tables(database)
+    assert "auth_user" in tables
+    assert not {name for name in tables if name.startswith(("leases_", "idempotency_"))}

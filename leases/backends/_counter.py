@@ -15,6 +15,7 @@ import psycopg
 
 from ..errors import BackendUnavailable, FencingUnavailable
 from ._pgconn import PrivateConnection
+from ._pgprepared import Prepared
 from ._pruning import FLOOR_SQL
 
 __all__ = ["DurableCounter"]
@@ -45,10 +46,15 @@ TIMELINE_FLOOR_SQL = (
 #: timeline's floor (:data:`TIMELINE_FLOOR_SQL`).
 BUMP_LEASE_SQL = f"""
 INSERT INTO leases_lease (name, holder, token, meta)
-VALUES (%s, '', GREATEST({FLOOR_SQL}, {TIMELINE_FLOOR_SQL}), '{{}}')
+VALUES (%(name)s, '', GREATEST({FLOOR_SQL}, {TIMELINE_FLOOR_SQL}), '{{}}')
 ON CONFLICT (name) DO UPDATE SET token = GREATEST(leases_lease.token + 1, {TIMELINE_FLOOR_SQL})
 RETURNING token
 """  # noqa: S608
+
+#: Every Redlock grant runs :data:`BUMP_LEASE_SQL`: prepared, so the server parses and plans it
+#: once per session and the client runs it by name (libpq ``Bind``/``Execute``, no cursor; see
+#: :mod:`~._pgprepared`). As plain text it cost the server more to plan than to run.
+PREPARED_BUMP_LEASE = Prepared("bump_lease", BUMP_LEASE_SQL)
 
 CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
 
@@ -78,11 +84,15 @@ class DurableCounter:
         self.alias = alias
         self._connection = PrivateConnection(alias)
 
-    def _execute(self, sql: str, params: tuple[object, ...]) -> int | None:
+    def _execute(
+        self, sql: str | Prepared, params: tuple[object, ...] | dict[str, object]
+    ) -> int | None:
         row = self._fetch(sql, params)
         return None if row is None else int(row[0])
 
-    def _fetch(self, sql: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
+    def _fetch(
+        self, sql: str | Prepared, params: tuple[object, ...] | dict[str, object]
+    ) -> tuple[Any, ...] | None:
         try:
             rows = self._connection.run(sql, params)
         except (psycopg.Error, BackendUnavailable) as exc:
@@ -101,7 +111,7 @@ class DurableCounter:
 
     def bump_lease(self, name: str) -> int:
         """The next token of lease ``name``, shared with the database backend's counter."""
-        value = self._execute(BUMP_LEASE_SQL, (name,))
+        value = self._execute(PREPARED_BUMP_LEASE, {"name": name})
         assert value is not None
         return value
 

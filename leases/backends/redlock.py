@@ -38,7 +38,8 @@ default the database backend's ``leases_lease`` row for the name, bumped in one 
 connection of its own. B's token is then higher than A's, and the fence at the resource rejects
 whatever A writes after B has written. Taking it after the quorum, not before, keeps the order
 of tokens the order of grants (a try delayed in the network cannot win with an older token) and
-spends no counter on failed tries; the price is one database statement per grant. If the source
+spends no counter on failed tries; the price is one database statement per grant (prepared,
+run by name: see :data:`~._counter.PREPARED_BUMP_LEASE`). If the source
 is unavailable, the quorum is given back and the grant refused with
 :class:`~leases.errors.FencingUnavailable`.
 """

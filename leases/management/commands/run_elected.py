@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -185,7 +186,6 @@ class Command(BaseCommand):
             "LEASES_LEADER_TOKEN": str(leadership.token),
             "LEASES_LEADER_BACKEND": leadership.backend,
         }
-        self.say(f"elected leader of {leadership.name!r} (token {leadership.token})")
         try:
             child = subprocess.Popen(
                 command, env=env, start_new_session=True, preexec_fn=_die_with_parent
@@ -196,6 +196,13 @@ class Command(BaseCommand):
         except PermissionError:
             self.stderr.write(f"run_elected: {command[0]}: permission denied")
             return NOT_EXECUTABLE_EXIT_CODE
+        # Not "elected leader ...": elect() has logged that (leases.election, INFO), and an
+        # operator logging it to this stderr would read the election twice. This line says
+        # what the command adds: which process now runs under the leadership.
+        self.say(
+            f"leading {leadership.name!r} (token {leadership.token}): "
+            f"started pid {child.pid}: {shlex.join(command)}"
+        )
         try:
             while child.poll() is None:
                 if not leadership.is_leader:
