@@ -119,9 +119,7 @@ class Lease:
         signals.send(
             signals.lease_acquired, held.backend, lease=held, elapsed=elapsed, waited=waited
         )
-        keepalive.watch(held)
-        if renew_fraction is not None:
-            keepalive.keep_alive(held, renew_fraction)
+        keepalive.watch(held, renew_fraction)  # and, with a fraction, renewed when due
         return held
 
     def __repr__(self) -> str:

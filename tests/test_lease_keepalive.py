@@ -12,12 +12,13 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
-from leases import LeaseLost, acquire
+from leases import LeaseLost, acquire, keepalive
 from leases.backends import Capability
 from leases.checks import check_default_ttl
 from leases.keepalive import Scheduler
 from leases.retry import Backoff, FakeClock
 from tests.lease_backends import lease_backend, lease_name, require
+from tests.waiting import wait_until
 
 __all__ = ["lease_backend", "lease_name"]
 
@@ -100,6 +101,35 @@ def test_scheduler_drops_finished_jobs_without_running_them() -> None:
     scheduler.schedule(now + 0.05, live)
     assert live.ran.wait(5)
     assert order == ["live"]
+
+
+def _renewer_jobs_of(lease: Any) -> int:
+    """How many jobs of ``lease`` its alias's renewer holds (its private heap)."""
+    renewer = keepalive._renewers.get(lease.backend)
+    if renewer is None:
+        return 0
+    with renewer._cond:
+        return sum(getattr(job, "lease", None) is lease for _, _, job in renewer._heap)
+
+
+def test_a_lease_reaches_its_renewer_only_when_its_first_renewal_is_due(
+    lease_backend: str, lease_name: str
+) -> None:
+    """The hot path (acquire, release long before a third of the TTL) never touches the
+    renewer; a lease that lives to its first renewal is handed over by the watchdog and renewed
+    (its validity moves on)."""
+    short = acquire(lease_name, ttl=30, backend=lease_backend)
+    try:
+        assert _renewer_jobs_of(short) == 0
+    finally:
+        short.release()
+    kept = acquire(lease_name, ttl=3, backend=lease_backend)
+    try:
+        first = kept.valid_until
+        wait_until(lambda: kept.valid_until > first, 10, "the first renewal")
+        kept.ensure_held()
+    finally:
+        kept.release()
 
 
 def test_revoked_lease_is_reported_by_the_next_renewal(lease_backend: str, lease_name: str) -> None:

@@ -13,9 +13,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 from redis.crc import key_slot
 
 from devservers import RedisServer
@@ -37,7 +39,7 @@ from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigu
 from tests import checker
 from tests.extra_backends import added_backend
 from tests.lease_backends import wait_overshoots
-from tests.waiting import stalled, stalled_handover, wait_until
+from tests.waiting import released_past_blocked_waits, stalled, stalled_handover, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -490,3 +492,120 @@ def test_an_async_round_trip_on_a_stalled_event_loop_reads_the_reply_that_came_i
 
     a, b = asyncio.run(main())
     checker.check_handover(a.token, b.token)
+
+
+@pytest.mark.parametrize("phase", ["tcp", "handshake"])
+def test_an_async_connect_on_a_stalled_event_loop_leaves_the_round_trip_its_full_bound(
+    make_backend: MakeBackend,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    phase: str,
+) -> None:
+    """The event loop blocks for longer than SOCKET_TIMEOUT (a blocking call in a callback of
+    its own) while a new connection is being made: queued as its TCP connect starts, or as it
+    ends (the handshake then in flight). The connect completed in time, while the loop was not
+    looking, and the server answers the script at once: the try, the renewal and the release,
+    each on a new connection (the kept one killed before it), succeed. The stall used to be
+    charged to the script's reply, whose bound was what the connect had left of one timeout:
+    none, so its socket was cut before the reply was read ("no reply")."""
+    timeout, stall = 0.3, 1.0
+    backend, name = make_backend(redis_server.url, SOCKET_TIMEOUT=timeout), unique()
+    client = redis.Redis.from_url(redis_server.url)
+    connect = redis.asyncio.Connection._connect
+    connects: list[object] = []
+
+    async def stalling(connection: Any) -> None:
+        connects.append(connection)
+        if phase == "tcp":  # the loop's next turn blocks, the connect under way
+            asyncio.get_running_loop().call_soon(time.sleep, stall)
+        await connect(connection)
+        if phase == "handshake":
+            asyncio.get_running_loop().call_soon(time.sleep, stall)
+
+    monkeypatch.setattr(redis.asyncio.Connection, "_connect", stalling)
+
+    def kill_kept_connection() -> None:  # ours, idle; the test's own client survives
+        assert client.client_kill_filter(_type="normal", skipme=True) >= 1
+
+    async def main() -> tuple[Grant, Grant]:
+        try:
+            a = await backend.atry_acquire(name, "A", 10)
+            assert a is not None
+            kill_kept_connection()
+            a = await backend.arenew(a, 30)
+            kill_kept_connection()
+            await backend.arelease(a)
+            assert not client.exists(LeaseKeys.of(backend.prefix, name).lock)
+            b = await backend.atry_acquire(name, "B", 10)
+            assert b is not None
+            await backend.arelease(b)
+            return a, b
+        finally:
+            await backend.aclose()
+
+    a, b = asyncio.run(main())
+    assert len(connects) == 3, connects  # one stall for each new connection
+    checker.check_handover(a.token, b.token)
+
+
+def test_more_async_waiters_than_redis_py_pools_allow_leave_room_for_the_release(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    """redis.asyncio (like redis-py, 6.0 on) caps a pool at 100 connections by default. An
+    event loop with that many waits blocked on the server must still reach it: the waits past
+    the cap failed at once, and a release that got no connection left the name held for a
+    whole TTL (every waiter timing out meanwhile)."""
+    backend, name = make_backend(redis_server.url), unique()
+    client = redis.Redis.from_url(redis_server.url)
+    grant = backend.try_acquire(name, "holder", 30)  # the sync client: none of the loop's
+    assert grant is not None
+
+    async def main() -> list[object]:
+        try:
+            return await released_past_blocked_waits(
+                backend, name, grant, lambda: sum(c["cmd"] == "blpop" for c in client.client_list())
+            )
+        finally:
+            await backend.aclose()
+
+    woken = asyncio.run(main())
+    assert not client.exists(LeaseKeys.of(backend.prefix, name).lock)
+    assert all(type(outcome) is bool for outcome in woken), woken
+    assert any(woken)
+
+
+def test_more_waiters_than_redis_py_pools_allow_leave_room_for_the_release(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    """redis-py (6.0 on) caps a pool at 100 connections by default. A process with that many
+    threads waiting on the server must still reach it: the waits past the cap failed at once,
+    and a release that got no connection left the name held for a whole TTL."""
+    backend, name = make_backend(redis_server.url), unique()
+    client = redis.Redis.from_url(redis_server.url)
+    grant = backend.try_acquire(name, "holder", 30)
+    assert grant is not None
+    waits = 110
+    woken: list[object] = []
+
+    def wait() -> None:
+        try:
+            woken.append(backend.wait_for_release(name, 3))
+        except BackendUnavailable as exc:
+            woken.append(exc)
+
+    threads = [threading.Thread(target=wait) for _ in range(waits)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(
+            lambda: sum(c["cmd"] == "blpop" for c in client.client_list()) + len(woken) >= waits,
+            10,
+            f"{waits} waits blocked on the server or ended",
+        )
+        backend.release(grant)  # BackendUnavailable when the pool had no connection left
+        assert not client.exists(LeaseKeys.of(backend.prefix, name).lock)
+    finally:
+        for thread in threads:
+            thread.join(10)
+    assert len(woken) == waits and all(type(outcome) is bool for outcome in woken), woken
+    assert any(woken)

@@ -20,7 +20,7 @@ from leases.backends.redlock import Backend, node_value
 from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
 from tests import checker
 from tests.lease_backends import wait_overshoots
-from tests.waiting import stalled, stalled_handover, wait_until
+from tests.waiting import released_past_blocked_waits, stalled, stalled_handover, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -674,3 +674,30 @@ def test_more_waiters_than_redis_py_pools_allow_leave_room_for_the_release(
         for thread in threads:
             thread.join(10)
     assert len(woken) == waits and any(woken)
+
+
+def test_more_async_waiters_than_redis_py_pools_allow_leave_room_for_the_release(
+    redis_servers: Servers, make_backend: Callable[..., Backend]
+) -> None:
+    """The async twin of the test above: redis.asyncio caps a pool at 100 connections too. An
+    event loop with that many waits blocked on a node must still reach it: the waits past the
+    cap failed at once, and a release that got no connection left the key on the node for a
+    whole TTL."""
+    (server,) = redis_servers(1)
+    backend, name = make_backend([server]), unique()
+    client = redis.Redis.from_url(server.url)
+    grant = backend.try_acquire(name, "holder", 30)  # the sync client: none of the loop's
+    assert grant is not None
+
+    async def main() -> list[object]:
+        try:
+            return await released_past_blocked_waits(
+                backend, name, grant, lambda: sum(c["cmd"] == "blpop" for c in client.client_list())
+            )
+        finally:
+            await backend.aclose()
+
+    woken = asyncio.run(main())
+    assert holders([server], name) == [None]
+    assert all(type(outcome) is bool for outcome in woken), woken
+    assert any(woken)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["stalled", "stalled_handover", "wait_until"]
+__all__ = ["released_past_blocked_waits", "stalled", "stalled_handover", "wait_until"]
 
 T = TypeVar("T")
 
@@ -85,3 +85,24 @@ async def stalled_handover(
     assert b is not None
     await backend.arelease(b)
     return a, b
+
+
+async def released_past_blocked_waits(
+    backend: Any, name: str, grant: Any, blocked: Callable[[], int], waits: int = 110
+) -> list[object]:
+    """``waits`` tasks of this event loop each wait for ``name`` to be released
+    (``await_for_release``, up to 3 s), ``grant`` holding it (won elsewhere, so this loop's
+    client has no connection of its own yet); once every wait is blocked on the server
+    (``blocked()`` counts them) or has ended, ``grant`` is released from this loop, which
+    needs a connection of its own. Each wait's outcome (an exception if it raised)."""
+    tasks = [asyncio.ensure_future(backend.await_for_release(name, 3)) for _ in range(waits)]
+    try:
+        deadline = time.monotonic() + 10
+        while blocked() + sum(task.done() for task in tasks) < waits:
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"timed out after 10s waiting for {waits} waits to block")
+            await asyncio.sleep(0.02)
+        await backend.arelease(grant)
+    finally:
+        outcomes: list[object] = await asyncio.gather(*tasks, return_exceptions=True)
+    return outcomes

@@ -86,12 +86,16 @@ class AsyncRedis:
         Bounded by cutting the connection's socket when no reply came in time (a
         :class:`~._pgdeadline.Deadline` on a timer of the loop), not by ``asyncio.timeout``:
         the round trip may run inside :func:`~leases._finishing.finish`, in the caller's
-        task, whose cancellation is held back until the round trip ends."""
-        started = time.monotonic()
+        task, whose cancellation is held back until the round trip ends. A new connection is
+        bounded on its own (:meth:`Kept.take <._redis_kept.Kept.take>`, which a stalled loop
+        cannot fail), and the reply gets the whole timeout from when the connection is there,
+        as a Redlock node's round trip does (:class:`~._redis_kept.Bound`): charged to the
+        reply, a stall of the loop while connecting left it no time at all, and its socket
+        was cut before the loop read the reply the server had sent at once."""
         connection = await kept.take()
         due: Deadline | None = None
-        try:  # one bound for the whole round trip, connecting included
-            due = Deadline(fileno(connection), self._timeout - (time.monotonic() - started))
+        try:
+            due = Deadline(fileno(connection), self._timeout)
             with aarmed(due):
                 lua = self.backend.scripts[script]
                 if script not in TOKEN_SCRIPTS:

@@ -27,6 +27,7 @@ from ..errors import BackendUnavailable, LeasesImproperlyConfigured
 __all__ = [
     "BLPOP_SLACK",
     "CLOSED_UNDER",
+    "POOL",
     "Edge",
     "ablpop",
     "aconnect",
@@ -60,6 +61,14 @@ def ms(seconds: float) -> int:
 def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
+
+#: The most connections a client of ours opens to one server (a Redlock URL node's, and the
+#: async clients): redis-py's pools refuse more than 100 by default since 6.0 (redis.asyncio's
+#: too), and a contended process needs more (each contender's try and wait, and the replies a
+#: drain has yet to read). A refused connection costs a try its node's vote, and a release or
+#: give-back never sent holds the name for a whole TTL. (A django-redis cache alias's sync
+#: client keeps its own pool and limit.)
+POOL = 10_000
 
 #: The latest expiry shown: any key can exist (``PX`` of 1e15 ms is year 33715), and reading it
 #: must not raise ``OverflowError`` where ``datetime`` ends.
@@ -185,6 +194,12 @@ def aconnect(
     per command. Nor a connect timeout: redis-py's runs on the loop's clock alone, so a stall
     of the loop would fail a live server; the callers bound connecting with the round trip
     (:class:`~._redis_kept.Bound`, :func:`~._redis_kept.bounded`, a wait's own deadline).
+
+    Its pool allows :data:`POOL` connections, not redis.asyncio's default of 100: an event
+    loop with that many waits blocked on the server (each ``BLPOP`` holds a connection) would
+    have every further wait fail at once and, worse, a release or give-back refused a
+    connection, leaving the name held for a whole TTL. The pool is ours even for a cache
+    alias (made from its ``LOCATION``), so its cap is too.
     """
     import redis.asyncio
     from redis.asyncio.retry import Retry as AsyncRetry
@@ -201,7 +216,9 @@ def aconnect(
         from redis.asyncio.cluster import RedisCluster
 
         return RedisCluster.from_url(str(url), **timeouts)
-    return redis.asyncio.Redis.from_url(str(url), retry=AsyncRetry(NoBackoff(), 0), **timeouts)
+    return redis.asyncio.Redis.from_url(
+        str(url), retry=AsyncRetry(NoBackoff(), 0), max_connections=POOL, **timeouts
+    )
 
 
 def read_timeout(cache: object, socket_timeout: float) -> float:

@@ -25,18 +25,19 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ._redis_conn import Connections, Script, load_and_rerun, pack
-from ._redis_io import CLOSED_UNDER, connect, name_back_due, parsed, read_name_back, send
+from ._redis_io import (
+    CLOSED_UNDER,
+    POOL,
+    connect,
+    name_back_due,
+    parsed,
+    read_name_back,
+    send,
+)
 
 __all__ = ["FAILED", "Node", "OnReply", "Pending", "ReplyDrain", "gather", "node_value"]
 
 logger = logging.getLogger("leases")
-
-#: The most connections a node's own client (a URL node) opens: redis-py's pools refuse more
-#: than 100 by default since 6.0, and a contended process needs more (each contender's try and
-#: wait, and the replies the drain thread has yet to read). A refused connection costs a try its
-#: node's vote, and a give-back never sent holds that node for a whole TTL. (A django-redis
-#: cache alias keeps its own pool and limit.)
-POOL = 10_000
 
 #: What :meth:`Node.answer` returns for a node that failed or did not answer in time.
 FAILED = object()

@@ -54,6 +54,7 @@ from ._counter import DurableCounter
 from ._redis_async import AsyncRedis
 from ._redis_conn import Connections, Script, run_script, server_run
 from ._redis_io import (
+    POOL,
     Edge,
     blpop,
     cache_problems,
@@ -214,10 +215,13 @@ class Backend(LeaseBackend):
 
     @property
     def client(self) -> Any:
-        """The redis-py client, made on first use (never at import)."""
+        """The redis-py client, made on first use (never at import). A URL client's pool
+        allows :data:`~._redis_io.POOL` connections: with redis-py's default of 100, the
+        101st thread waiting on the server (each ``BLPOP`` holds a connection) failed at once
+        (a django-redis cache alias keeps its own pool and limit)."""
         with self._lock:
             if self._client is None:
-                client = connect(**self.connect_options())
+                client = connect(**self.connect_options(), max_connections=POOL)
                 if not hasattr(client, "connection_pool"):
                     # A cluster client routes each command by key itself: its scripts run
                     # through redis-py, registered per client (a Script is bound to its client).
