@@ -116,9 +116,10 @@ class Lease:
         """
         held = cls(store, grant, on_lost=on_lost)
         _register(held, key or (store.alias, grant.name, grant.holder))
-        signals.send(
-            signals.lease_acquired, held.backend, lease=held, elapsed=elapsed, waited=waited
-        )
+        if signals.lease_acquired.receivers:  # read per call: receivers connect at any time
+            signals.send(
+                signals.lease_acquired, held.backend, lease=held, elapsed=elapsed, waited=waited
+            )
         keepalive.watch(held, renew_fraction)  # and, with a fraction, renewed when due
         return held
 
@@ -351,7 +352,8 @@ class Lease:
 
     def _before_release(self) -> bool:
         """Mark released (once) and unregister; whether the lease was lost before."""
-        self._check_owner("release")
+        if _process.pid != self._pid:  # _check_owner's test, without the call on every release
+            self._check_owner("release")
         with self._state:
             if self._released:
                 raise LeaseNotHeld(self.name, "this lease was already released")
@@ -383,7 +385,10 @@ class Lease:
     def _released_cleanly(self, lost_before: bool) -> None:
         if lost_before:
             raise LeaseLost(self.name, self.token, self.lost_reason or "lost before release")
-        signals.send(signals.lease_released, self.backend, lease=self)
+        # Checked here rather than only in ``send``: every release passes, and most processes
+        # connect no receiver (no call, no keyword dictionary for nothing).
+        if signals.lease_released.receivers:
+            signals.send(signals.lease_released, self.backend, lease=self)
 
     def _check_owner(self, action: str) -> None:
         if _process.pid != self._pid:
