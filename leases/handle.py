@@ -115,7 +115,9 @@ class Lease:
         for an adopted grant, which this process did not wait for).
         """
         held = cls(store, grant, on_lost=on_lost)
-        _register(held, key or (store.alias, grant.name, grant.holder))
+        held._key = key = key or (store.alias, grant.name, grant.holder)
+        with _held_lock:  # registered against reentry (see held_by)
+            _held[key] = held
         if signals.lease_acquired.receivers:  # read per call: receivers connect at any time
             signals.send(
                 signals.lease_acquired, held.backend, lease=held, elapsed=elapsed, waited=waited
@@ -476,12 +478,6 @@ def held_by(key: tuple[str, str, str]) -> Lease | None:
 def holder_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
     """Who "already holds" a name: an explicit holder identity, else the calling thread."""
     return (store.alias, name, holder if holder is not None else f"thread:{threading.get_ident()}")
-
-
-def _register(lease: Lease, key: tuple[str, str, str]) -> None:
-    lease._key = key
-    with _held_lock:
-        _held[key] = lease
 
 
 def _unregister(lease: Lease) -> None:
