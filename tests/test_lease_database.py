@@ -707,3 +707,128 @@ def test_a_queueing_that_times_out_as_the_lock_is_granted_leaves_no_lock_behind(
     finally:
         timer.join()
     assert left == [{}], "a waiter's idle connection still holds the room"
+
+
+#: Holds up the commit of any grant to ``holder = 'first-waiter'`` until the test's session
+#: frees advisory key ``{gate}``: a deferred trigger runs at commit, after the statement.
+_GATE_FUNCTION_SQL = """
+CREATE OR REPLACE FUNCTION leases_test_commit_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.holder = 'first-waiter' THEN
+        PERFORM pg_advisory_xact_lock_shared({gate});
+    END IF;
+    RETURN NULL;
+END $$"""
+_GATE_TRIGGER_SQL = """
+CREATE CONSTRAINT TRIGGER leases_test_commit_gate AFTER UPDATE ON leases_lease
+DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION leases_test_commit_gate()"""
+
+
+def test_the_next_waiter_gets_in_only_after_the_grant_before_it_committed(
+    lease_name: str, patient_room: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A granted waiter leaves the room after its grant committed, so the next waiter in the
+    queue finds the name held and waits for its release without a try. The grant statement
+    used to unlock the room itself, before its commit: the next waiter got in, saw the name
+    still free (the grant uncommitted), and sent a try that waited for that commit and failed
+    (with a flush, on a server that flushes). The first waiter's commit is held up here by a
+    deferred trigger until the second could have got in; tries are counted from libpq's trace
+    of the room connections, as in the test above."""
+    gate = advisory_key(f"test-gate:{lease_name}")
+    backend = database_backend()
+    monkeypatch.setattr(backend._room, "timeout", 60.0)  # the held-up commit is no dead server
+    traced_conns: list[Any] = []
+    connection_for = _waiting_room.WaitingRoom._connection
+    with tempfile.TemporaryFile("w+") as trace, own_connection() as gatekeeper:
+
+        def traced(room: Any) -> Any:
+            conn = connection_for(room)
+            conn.pgconn.trace(trace.fileno())
+            conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+            traced_conns.append(conn)
+            return conn
+
+        def gate_waiters() -> int:
+            classid, objid = split_key(gate)
+            (count,) = gatekeeper.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND classid = %s AND objid = %s",
+                [classid, objid],
+            ).fetchone() or (0,)
+            return int(count)
+
+        monkeypatch.setattr(_waiting_room.WaitingRoom, "_connection", traced)
+        gatekeeper.execute(_GATE_FUNCTION_SQL.format(gate=gate).encode())
+        gatekeeper.execute(_GATE_TRIGGER_SQL.encode())
+        gatekeeper.execute("SELECT pg_advisory_lock(%s)", [gate])
+        tokens: dict[str, int] = {}
+        first_may_release = threading.Event()
+
+        def wait(holder: str) -> None:
+            held = acquire(lease_name, ttl=30, timeout=40, keepalive=False, holder=holder)
+            tokens[holder] = held.token
+            if holder == "first-waiter":
+                first_may_release.wait(30)
+            held.release()
+
+        waiters = [
+            threading.Thread(target=wait, args=(holder,), daemon=True)
+            for holder in ("first-waiter", "second-waiter")
+        ]
+        try:
+            holder = acquire(lease_name, ttl=30, keepalive=False, holder="holder")
+            waiters[0].start()
+            wait_until(lambda: room_locks(lease_name) == {True: 1}, 15, "the first waiter inside")
+            waiters[1].start()
+            wait_until(
+                lambda: room_locks(lease_name) == {True: 1, False: 1}, 15, "the second queued"
+            )
+            before = syncs_sent(trace)
+            holder.release()
+            wait_until(lambda: gate_waiters() == 1, 15, "the first waiter's grant at its commit")
+            # Room for the second waiter to get in while that grant is uncommitted, look and
+            # try (it did, when the grant statement unlocked the room): not asserted, waited.
+            settle_by = time.monotonic() + 2.0
+            while room_locks(lease_name) != {True: 1} and time.monotonic() < settle_by:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            gatekeeper.execute("SELECT pg_advisory_unlock(%s)", [gate])
+            wait_until(lambda: "first-waiter" in tokens, 15, "the first waiter's grant")
+            wait_until(lambda: room_locks(lease_name) == {True: 1}, 15, "the second inside")
+            time.sleep(0.5)  # room for a try the second waiter should not send
+            assert syncs_sent(trace) == before + 1, "the second waiter tried a held name"
+            first_may_release.set()
+            for thread in waiters:
+                thread.join(30)
+            assert tokens["second-waiter"] > tokens["first-waiter"] > holder.token
+            assert syncs_sent(trace) == before + 2
+        finally:
+            first_may_release.set()
+            gatekeeper.execute("SELECT pg_advisory_unlock_all()")
+            for thread in waiters:
+                thread.join(30)
+            gatekeeper.execute("DROP TRIGGER leases_test_commit_gate ON leases_lease")
+            gatekeeper.execute("DROP FUNCTION leases_test_commit_gate()")
+            for conn in traced_conns:
+                if not conn.closed:
+                    conn.pgconn.untrace()
+
+
+def test_a_left_room_whose_unlock_found_no_lock_disables_the_room(lease_name: str) -> None:
+    """A granted waiter's leave is sent without waiting for its reply; the reply is read when
+    the connection is next taken, and an unlock that found no lock there (it ran on another
+    server session than the lock: a transaction-pooling proxy) turns the room off, as the
+    waited leave does, rather than leak a room lock on every grant."""
+    room = _waiting_room.WaitingRoom("default", "default")
+    try:
+        conn = room._connection()
+        leave = _waiting_room.ROOM_LEAVE_SQL.format(key=room_key(lease_name))
+        assert _waiting_room._send(conn, leave)  # this session never took that lock
+        with room._lock:
+            room._idle.append(conn)
+            room._unsettled.add(conn)
+        other = room._connection()
+        assert other is not conn and conn.closed and not room.enabled
+        other.close()
+    finally:
+        room.close()

@@ -4,9 +4,12 @@ A waiter enters a name's room after its first failed try: it takes a session adv
 connection of its own, so other waiters of the name sleep in the server's lock queue (which is
 first come, first served) instead of all retrying on every release (a herd that costs a failed
 round trip each). The waiter inside listens on its room connection, so only it is woken by the
-name's release, and it retries on that connection: the grant statement also unlocks the room,
-so the next waiter in the queue is inside before the grant is even committed
-(:data:`~leases.backends.database.ROOM_ACQUIRE_SQL`).
+name's release, and it retries on that connection. Granted, it leaves the room once the grant
+has committed: the unlock goes out with the ``UNLISTEN``, without waiting for the reply (the
+next user of the connection reads it), so the new holder returns as soon as its grant does,
+and the next waiter in the queue, let in by that unlock, finds the name held by the committed
+grant and waits for its release without a try (see
+:data:`~leases.backends.database.ROOM_ACQUIRE_SQL` for what unlocking before the commit cost).
 
 The room is a queue, not just a herd limiter, because a caller outside it cannot overtake it:
 the acquire statement of a caller outside the room takes a free name only when nobody is in or
@@ -75,7 +78,8 @@ logger = logging.getLogger("leases")
 #: on the lock would be signalled by every release of every name for nothing. A timeout
 #: ends the round trip before the ``LISTEN``.
 #: Leave: unlock and stop listening. Each is one simple-protocol round trip (several
-#: statements, values formatted in as literals: no parameters are allowed there).
+#: statements, values formatted in as literals: no parameters are allowed there); a granted
+#: waiter's leave is sent without waiting for its reply (:func:`_send`).
 ROOM_ENTER_SQL = """SELECT set_config('lock_timeout', {timeout_ms}, false), pg_advisory_lock({key});
 BEGIN; LISTEN leases_released; COMMIT;
 SELECT CASE WHEN holder = {group} AND secret_hash IS NULL THEN 'shared' ELSE 'held' END,
@@ -89,7 +93,7 @@ ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
 #: connection (whose next visitor gets in at once, again and again, starving every other
 #: waiter). A room connection holds no other advisory lock between visits or during one.
 ROOM_UNLOCK_ALL_SQL = "SELECT pg_advisory_unlock_all()"
-#: Leave after the grant statement unlocked the room already.
+#: Leave after queueing timed out (the room's lock is not held).
 ROOM_UNLISTEN_SQL = "UNLISTEN *"
 #: Longest a waiter queues for the room at a time (a paused waiter in the room must not hold
 #: the others back for longer); then it tries once and queues again.
@@ -160,11 +164,10 @@ class _Visit(Generic[_Conn]):
         self.expires = time.monotonic() + row[1] if row else math.inf
 
     def tried(self, rows: list[Any]) -> list[Any]:
-        """What a try inside the room returned: a row with a token is a grant, which also
-        unlocked the room; no grant returns no rows (its token-less row, if any, says
-        readers hold the name)."""
+        """What a try inside the room returned: a row with a token is a grant (the waiter
+        stays inside until it leaves, after the grant committed); no grant returns no rows
+        (its token-less row, if any, says readers hold the name)."""
         if rows and rows[0][0] is not None:
-            self.inside = False
             return rows
         self.shared = bool(rows)
         self.expires = math.inf  # renewed, or taken by another: wait for its release
@@ -277,8 +280,8 @@ class WaitingRoom:
         self, name: str, statement: Prepared, params: Mapping[str, Any]
     ) -> list[Any] | None:
         """Run ``statement`` on the room connection if this thread is inside ``name``'s room
-        (else ``None``); a row with a token means the statement also unlocked the room (a
-        grant). A failed try returns no rows (its one token-less row, if any, says readers
+        (else ``None``); a row with a token is a grant (leaving the room then unlocks it). A
+        failed try returns no rows (its one token-less row, if any, says readers
         hold the name: :meth:`readers_hold`).
 
         Sent prepared (unless the backend's ``PREPARED_STATEMENTS`` is off), as the backend's
@@ -362,7 +365,10 @@ class WaitingRoom:
                 conn = self._idle.pop()
                 unsettled = conn in self._unsettled
                 self._unsettled.discard(conn)
-            if (not unsettled or _settle(conn)) and not stale(conn):
+            settled = _settle(conn) if unsettled else True
+            if settled is False:
+                self._disable()
+            if settled and not stale(conn):
                 # Releases heard on its last visit (read with a later reply) are over: kept,
                 # each would wake this visit for a try bound to fail.
                 backlog = getattr(conn, "_notifies_backlog", None)
@@ -374,23 +380,21 @@ class WaitingRoom:
 
     def _leave(self, visit: _SyncVisit) -> None:
         conn = visit.conn
+        # Inside (granted, or giving up): unlock and stop listening; queued out: only stop
+        # listening. Sent without waiting for the reply, which the next user of the connection
+        # collects (:func:`_settle`, which also checks the unlock): the new holder returns a
+        # round trip sooner, and the next waiter is let in as soon as the server reads it.
+        statement = ROOM_LEAVE_SQL.format(key=visit.key) if visit.inside else ROOM_UNLISTEN_SQL
         try:
-            if not visit.inside:
-                # Granted (the grant unlocked the room) or queued out: only stop listening.
-                # Sent without waiting for the reply, which the next user of the connection
-                # collects (:func:`_settle`): the new holder returns a round trip sooner.
-                if not _send(conn, ROOM_UNLISTEN_SQL):
-                    _execute(conn, ROOM_UNLISTEN_SQL.encode(), None, self.timeout)
-                else:
-                    with self._lock:
-                        self._unsettled.add(conn)
-            elif _execute(
-                conn, ROOM_LEAVE_SQL.format(key=visit.key).encode(), None, self.timeout
+            if _send(conn, statement):
+                with self._lock:
+                    self._unsettled.add(conn)
+            elif visit.inside and _execute(
+                conn, statement.encode(), None, self.timeout
             ).fetchone() != (True,):
-                # The unlock ran on another server session (a transaction-pooling proxy):
-                # the room cannot work here, so stop using it rather than leak locks.
-                self.enabled = False
-                logger.warning("leases: waiting room disabled on %r: unlock failed", self.alias)
+                self._disable()
+            elif not visit.inside:
+                _execute(conn, statement.encode(), None, self.timeout)
         except psycopg.Error:
             close_quietly(conn)  # closing the session releases its advisory lock
             return
@@ -400,6 +404,13 @@ class WaitingRoom:
                 return
             self._unsettled.discard(conn)
         close_quietly(conn)
+
+    def _disable(self) -> None:
+        """An unlock found no lock to release: it ran on another server session than the
+        lock (a transaction-pooling proxy), so the room cannot work here; stop using it rather
+        than leak locks."""
+        self.enabled = False
+        logger.warning("leases: waiting room disabled on %r: unlock failed", self.alias)
 
     def close(self) -> None:
         """Close the idle room connections (those in use close when their waiter leaves)."""
@@ -442,8 +453,11 @@ def _send(conn: psycopg.Connection[Any], statement: str) -> bool:
     return True
 
 
-def _settle(conn: psycopg.Connection[Any]) -> bool:
-    """Read the reply to what :func:`_send` sent; whether ``conn`` is fit for use again.
+def _settle(conn: psycopg.Connection[Any]) -> bool | None:
+    """Read the reply to what :func:`_send` sent; whether ``conn`` is fit for use again:
+    ``True``, or ``None`` (drop it), or ``False`` when an unlock it carried found no lock to
+    release (it ran on another server session: the room cannot work here, see
+    :meth:`WaitingRoom._disable`).
 
     The reply has usually arrived long before (the connection sat idle), so this costs no
     round trip; notifications that came with it are buffered for the connection's next
@@ -458,13 +472,18 @@ def _settle(conn: psycopg.Connection[Any]) -> bool:
                 break
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([pgconn.socket], [], [], left)[0]:
-                return False
-        ok = True
+                return None
+        ok, unlocked = True, True
         while (result := pgconn.get_result()) is not None:
-            ok = ok and result.status == pq.ExecStatus.COMMAND_OK
-        return ok and pgconn.transaction_status == pq.TransactionStatus.IDLE
+            if result.status == pq.ExecStatus.TUPLES_OK and result.ntuples == 1:
+                unlocked = unlocked and result.get_value(0, 0) == b"t"
+            else:
+                ok = ok and result.status == pq.ExecStatus.COMMAND_OK
+        if not ok or pgconn.transaction_status != pq.TransactionStatus.IDLE:
+            return None
+        return unlocked
     except (psycopg.Error, OSError):
-        return False
+        return None
 
 
 class AsyncWaitingRoom:

@@ -115,15 +115,19 @@ WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
 """  # noqa: S608
 
-#: The waiter inside the room takes the name and, when granted, leaves the room in the same
-#: trip: the next waiter in the server's lock queue is inside before this grant even commits.
+#: The waiter inside the room takes the name. Granted, it stays in the room until the grant
+#: has committed: it leaves afterwards, sending the unlock without waiting for its reply
+#: (see :mod:`~._waiting_room`). Unlocking here, before the commit, let the
+#: next waiter in and look at the name while this grant was still uncommitted: it saw the name
+#: free, and spent a try that waited for this commit and then failed (in the 8-process benchmark,
+#: nearly every hand-off paid one).
 #: Refused, it gets one token-less row back when readers hold the name (else none): only then
 #: does it need to stop new readers (a round trip of its own) before its next try.
 ROOM_ACQUIRE_SQL = f"""
 WITH granted AS ({ACQUIRE_SQL})
-SELECT token, expires_at, pg_advisory_unlock(%(room)s::bigint) FROM granted
+SELECT token, expires_at FROM granted
 UNION ALL
-SELECT NULL, NULL, NULL FROM leases_lease
+SELECT NULL, NULL FROM leases_lease
 WHERE name = %(name)s::text AND holder = %(group)s::text AND secret_hash IS NULL
   AND expires_at > clock_timestamp() AND NOT EXISTS (SELECT FROM granted)
 """  # noqa: S608
