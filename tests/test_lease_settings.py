@@ -57,9 +57,11 @@ def test_max_ttl_defaults_to_a_day() -> None:
 def test_a_remembered_ttl_is_checked_again_under_new_settings() -> None:
     with pytest.raises(LeasesImproperlyConfigured, match="no backend"):
         acquire("ttl-memo", ttl=50, backend="not-configured")  # 50 s is valid: remembered
-    with override_settings(LEASES={**settings.LEASES, "MAX_TTL": 40}):
-        with pytest.raises(InvalidLeaseOption, match="MAX_TTL"):
-            acquire("ttl-memo", ttl=50, backend="not-configured")
+    with (
+        override_settings(LEASES={**settings.LEASES, "MAX_TTL": 40}),
+        pytest.raises(InvalidLeaseOption, match="MAX_TTL"),
+    ):
+        acquire("ttl-memo", ttl=50, backend="not-configured")
     with pytest.raises(LeasesImproperlyConfigured, match="no backend"):
         acquire("ttl-memo", ttl=50, backend="not-configured")  # the first settings again
 
