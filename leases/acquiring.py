@@ -208,9 +208,9 @@ def prepare(
     lease on a backend without them raises :class:`BackendNotSupported` here."""
     name = validate_lease_name(name)
     settings = conf.get()
-    # The default TTL was checked with the settings (``conf.problems``): a given one is here.
-    ttl = settings.default_ttl if ttl is None else valid_ttl(ttl, settings)
-    timeout = valid_timeout(timeout)
+    ttl, short = _checked_ttl(ttl, settings)
+    if timeout is not None:  # None, the common case, needs no call
+        timeout = valid_timeout(timeout)
     store = get_backend(backend)
     if type(keepalive) is not bool or type(shared) is not bool:  # valid_flag's test, no call
         valid_flag("keepalive", keepalive)
@@ -222,10 +222,43 @@ def prepare(
     held = held_by(key)
     if held is not None:
         raise LeaseAlreadyHeld(name, held.holder)
-    if keepalive:
+    if keepalive and short:
         warn_if_too_short(ttl, settings)
     fraction = settings.renew_fraction if keepalive else None
     return Request(name, ttl, timeout, store, key, identity, fraction)
+
+
+#: TTLs found valid under one settings object (``conf.get()``'s, replaced whole when the
+#: settings change), with whether each is too short to keep alive: a process passes the same
+#: few TTLs to every acquire, and checking one against the settings anew costs four calls.
+#: Bounded: a caller computing a new TTL per acquire gets each checked afresh.
+_ttls: tuple[conf.LeasesSettings | None, dict[float | None, tuple[float, bool]]] = (None, {})
+_MAX_TTLS = 64
+
+
+def _checked_ttl(ttl: object, settings: conf.LeasesSettings) -> tuple[float, bool]:
+    """``ttl`` (``None``: the default) as valid seconds under ``settings``, and whether it
+    leaves too little time to retry a renewal (:func:`warn_if_too_short` warns then).
+
+    Only a plain ``float``, ``int`` or ``None`` is remembered: ``True == 1`` but a bool is
+    refused, and anything else may be unhashable or compare equal to what it is not."""
+    global _ttls
+    kind = type(ttl)
+    if kind is not float and kind is not int and ttl is not None:
+        seconds = valid_ttl(ttl, settings)
+        return seconds, settings.retry_window(seconds) < conf.MIN_RETRY_WINDOW
+    key: float | None = ttl  # type: ignore[assignment]  # as just checked
+    known = _ttls
+    if known[0] is not settings:
+        known = _ttls = (settings, {})
+    verdict = known[1].get(key)
+    if verdict is None:
+        # The default TTL was checked with the settings (``conf.problems``): a given one here.
+        seconds = settings.default_ttl if key is None else valid_ttl(key, settings)
+        verdict = (seconds, settings.retry_window(seconds) < conf.MIN_RETRY_WINDOW)
+        if len(known[1]) < _MAX_TTLS:
+            known[1][key] = verdict
+    return verdict
 
 
 def acquire(
@@ -248,7 +281,8 @@ def acquire(
     the name excludes them all, and a waiting exclusive acquirer stops new readers.
     """
     ask = prepare(name, ttl, backend, timeout, keepalive, holder, holder_key, shared)
-    valid_on_lost(on_lost)
+    if on_lost is not None:  # None, the common case, needs no call
+        valid_on_lost(on_lost)
     refuse_blocking("acquire()", "aacquire() or alease()")
     # What start() does, without a closure for the grant: this is every acquire's path.
     with Acquisition(ask) as doing:
@@ -314,7 +348,7 @@ class Acquisition:
             on_lost=on_lost,
             renew_fraction=ask.renew_fraction,
             key=ask.key,
-            elapsed=self.timing.elapsed(),
+            elapsed=SYSTEM_CLOCK.monotonic() - self.timing.started,  # timing.elapsed(), inline
             waited=self.timing.waited,
         )
 

@@ -115,10 +115,13 @@ class Lease:
         for an adopted grant, which this process did not wait for).
         """
         held = cls(store, grant, on_lost=on_lost)
-        _register(held, key or (store.alias, grant.name, grant.holder))
-        signals.send(
-            signals.lease_acquired, held.backend, lease=held, elapsed=elapsed, waited=waited
-        )
+        held._key = key = key or (store.alias, grant.name, grant.holder)
+        with _held_lock:  # registered against reentry (see held_by)
+            _held[key] = held
+        if signals.lease_acquired.receivers:  # read per call: receivers connect at any time
+            signals.send(
+                signals.lease_acquired, held.backend, lease=held, elapsed=elapsed, waited=waited
+            )
         keepalive.watch(held, renew_fraction)  # and, with a fraction, renewed when due
         return held
 
@@ -351,7 +354,8 @@ class Lease:
 
     def _before_release(self) -> bool:
         """Mark released (once) and unregister; whether the lease was lost before."""
-        self._check_owner("release")
+        if _process.pid != self._pid:  # _check_owner's test, without the call on every release
+            self._check_owner("release")
         with self._state:
             if self._released:
                 raise LeaseNotHeld(self.name, "this lease was already released")
@@ -383,7 +387,10 @@ class Lease:
     def _released_cleanly(self, lost_before: bool) -> None:
         if lost_before:
             raise LeaseLost(self.name, self.token, self.lost_reason or "lost before release")
-        signals.send(signals.lease_released, self.backend, lease=self)
+        # Checked here rather than only in ``send``: every release passes, and most processes
+        # connect no receiver (no call, no keyword dictionary for nothing).
+        if signals.lease_released.receivers:
+            signals.send(signals.lease_released, self.backend, lease=self)
 
     def _check_owner(self, action: str) -> None:
         if _process.pid != self._pid:
@@ -471,12 +478,6 @@ def held_by(key: tuple[str, str, str]) -> Lease | None:
 def holder_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
     """Who "already holds" a name: an explicit holder identity, else the calling thread."""
     return (store.alias, name, holder if holder is not None else f"thread:{threading.get_ident()}")
-
-
-def _register(lease: Lease, key: tuple[str, str, str]) -> None:
-    lease._key = key
-    with _held_lock:
-        _held[key] = lease
 
 
 def _unregister(lease: Lease) -> None:

@@ -105,7 +105,14 @@ def span(
     ``leases.outcome`` and keeps an unset status, so a dashboard of failed spans shows only
     stores that failed. Any other exception is recorded and marks the span as an error.
     """
-    tracer = _get_tracer()
+    if _recording:
+        tracer = _tracer
+    elif _direct is not None and _direct._TRACER_PROVIDER is None:
+        # :func:`_get_tracer`'s most common answer, without the call: the API is imported and
+        # no provider is set yet (read on every call: one may be set up at any time).
+        return NO_SPAN
+    else:
+        tracer = _get_tracer()
     if tracer is None:
         return NO_SPAN
     return _recorded(tracer, name, attributes() if callable(attributes) else attributes)

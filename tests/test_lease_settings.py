@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.test import override_settings
 
-from leases import conf
+from leases import acquire, conf
+from leases.errors import InvalidLeaseOption, LeasesImproperlyConfigured
 
 
 @pytest.mark.parametrize(
@@ -44,3 +46,37 @@ def test_bad_limits_are_reported_by_check(extra: dict[str, Any], problem: str) -
 def test_max_ttl_defaults_to_a_day() -> None:
     with override_settings(LEASES={}):
         assert conf.get().max_ttl == 86400.0
+
+
+# A TTL's verdict is remembered per settings object (``acquiring._checked_ttl``: every acquire
+# checks its TTL, mostly the same few). Each test reaches the check through ``acquire()`` and
+# stops before any round trip: at an alias that is not configured (looked up after the TTL),
+# or at a bad ``on_lost`` (checked after the keepalive warning).
+
+
+def test_a_remembered_ttl_is_checked_again_under_new_settings() -> None:
+    with pytest.raises(LeasesImproperlyConfigured, match="no backend"):
+        acquire("ttl-memo", ttl=50, backend="not-configured")  # 50 s is valid: remembered
+    with (
+        override_settings(LEASES={**settings.LEASES, "MAX_TTL": 40}),
+        pytest.raises(InvalidLeaseOption, match="MAX_TTL"),
+    ):
+        acquire("ttl-memo", ttl=50, backend="not-configured")
+    with pytest.raises(LeasesImproperlyConfigured, match="no backend"):
+        acquire("ttl-memo", ttl=50, backend="not-configured")  # the first settings again
+
+
+def test_a_bool_ttl_is_refused_after_its_equal_number_was_accepted() -> None:
+    with pytest.raises(LeasesImproperlyConfigured, match="no backend"):
+        acquire("ttl-memo", ttl=1, backend="not-configured")
+    with pytest.raises(InvalidLeaseOption, match="ttl"):
+        acquire("ttl-memo", ttl=True, backend="not-configured")  # True == 1, but no number
+
+
+def test_a_too_short_ttl_warns_on_every_acquire() -> None:
+    for _ in range(3):
+        with (
+            pytest.warns(RuntimeWarning, match="to retry a failed renewal"),
+            pytest.raises(InvalidLeaseOption, match="on_lost"),
+        ):
+            acquire("ttl-memo", ttl=0.12, on_lost="not callable")  # type: ignore[arg-type]
