@@ -124,15 +124,7 @@ async def _agrant(
     exclusive waiter of a store with shared leases stops new readers as the sync one does
     (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds)."""
     deadline = None if timeout is None else timing.started + timeout
-    # The first try is :func:`_try` written out: most acquires end with it, and a coroutine
-    # less to make (and to pass through on every resumption of the round trip) is measurable.
-    trying = store.atry_acquire_shared if shared else store.atry_acquire
-    try:
-        grant = await finish(trying(name, holder, ttl), store.arelease)
-    except BackendUnavailable as exc:
-        if not retry_failed_try(name, deadline, exc):
-            raise
-        grant = await finish(trying(name, holder, ttl), store.arelease)
+    grant = await _try(store, name, holder, ttl, deadline, shared)
     if grant is not None:
         return grant
     if timeout == 0:
