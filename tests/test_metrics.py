@@ -72,11 +72,15 @@ def test_acquires_waits_and_releases_are_measured(
     first = acquire(lease_name, ttl=10, backend=lease_backend, keepalive=False)
     with pytest.raises(LeaseUnavailable):
         acquire(lease_name, ttl=10, backend=lease_backend, timeout=0, holder="contender")
-    threading.Timer(0.3, first.release).start()
+    releasing = threading.Timer(0.3, first.release)
+    releasing.start()
     started = time.monotonic()
     second = acquire(lease_name, ttl=10, backend=lease_backend, timeout=20, holder="contender")
     took = time.monotonic() - started
     second.release()
+    # The waiter may be granted before the releasing thread has recorded its release (the
+    # store freed the name, the thread had yet to count it): the count is its, so wait for it.
+    releasing.join(10)
 
     samples = scrape()
     backend = {"backend": lease_backend}
