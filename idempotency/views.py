@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast, overload
 
@@ -68,20 +67,26 @@ class Options:
 _GUARDED_ATTR = "_idempotency_guarded"
 
 
-def _nested(request: Any) -> bool:
-    """Whether an outer guard already runs this request's attempt."""
-    return bool(getattr(drf.http_request(request), _GUARDED_ATTR, False))
+class _Guarding:
+    """Marks the request as guarded while the view runs, so a nested guard steps aside
+    (:attr:`nested`). A class rather than ``@contextmanager``: it is entered on every keyed
+    request, and a generator's context manager costs more than the attribute it sets."""
 
+    __slots__ = ("inner",)
 
-@contextmanager
-def _guarding(request: Any) -> Iterator[None]:
-    """Mark the request as guarded while the view runs, so a nested guard steps aside."""
-    inner = drf.http_request(request)
-    setattr(inner, _GUARDED_ATTR, True)
-    try:
-        yield
-    finally:
-        delattr(inner, _GUARDED_ATTR)
+    def __init__(self, request: Any) -> None:
+        self.inner = drf.http_request(request)
+
+    @property
+    def nested(self) -> bool:
+        """Whether an outer guard already runs this request's attempt."""
+        return bool(getattr(self.inner, _GUARDED_ATTR, False))
+
+    def __enter__(self) -> None:
+        setattr(self.inner, _GUARDED_ATTR, True)
+
+    def __exit__(self, *exc: object) -> None:
+        delattr(self.inner, _GUARDED_ATTR)
 
 
 @dataclass(frozen=True)
@@ -190,8 +195,8 @@ class _Guard:
         call: Callable[[], HttpResponseBase],
         scope_source: Callable[[], Any] | None = None,
     ) -> HttpResponseBase:
-        inner = drf.http_request(request)
-        if getattr(inner, _GUARDED_ATTR, False):
+        guarding = _Guarding(request)
+        if guarding.nested:
             return call()  # an outer guard runs this request's attempt
         opened = self.open(request, scope_source)
         if opened is None:
@@ -199,12 +204,8 @@ class _Guard:
         if isinstance(opened, HttpResponseBase):
             return opened
         try:
-            # What _guarding does, without a generator's context manager on every request.
-            setattr(inner, _GUARDED_ATTR, True)
-            try:
+            with guarding:
                 response = call()
-            finally:
-                delattr(inner, _GUARDED_ATTR)
         except BaseException:
             opened.abort()
             raise
@@ -218,7 +219,8 @@ class _Guard:
     ) -> HttpResponseBase:
         """The async form: database steps run in the request's thread-sensitive sync thread,
         where the async ORM's queries also run, so they share the attempt's transaction."""
-        if _nested(request):
+        guarding = _Guarding(request)
+        if guarding.nested:
             return await call()
         opened = await sync_to_async(self.open)(request, scope_source)
         if opened is None:
@@ -226,7 +228,7 @@ class _Guard:
         if isinstance(opened, HttpResponseBase):
             return opened
         try:
-            with _guarding(request):
+            with guarding:
                 response = await call()
         except BaseException:
             await sync_to_async(opened.abort)()

@@ -68,10 +68,7 @@ def holder_identity(holder: str | None) -> str:
     corrupt the admin, the logs and ``manage.py leases``.
     """
     if holder is None:
-        own = _own_prefix  # _prefix()'s cache read here: every acquire passes
-        if own is None or own[0] is not conf.get():
-            own = _prefix()
-        _, prefix, fits = own
+        _, prefix, fits = _prefix()
         holder = f"{prefix}{threading.get_ident()}:{random.getrandbits(32):08x}"
         if fits:
             return holder
