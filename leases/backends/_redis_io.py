@@ -41,6 +41,7 @@ __all__ = [
     "ms",
     "name_back_due",
     "parsed",
+    "pool_problems",
     "positive_problems",
     "prefix_problems",
     "read_name_back",
@@ -116,6 +117,34 @@ def cache_problems(alias: str, option: str, cache: object) -> list[str]:
     if not backend.startswith("django_redis."):
         return [f"{where} is a {backend} cache, not a django-redis one"]
     return []
+
+
+def pool_problems(alias: str, option: str, cache: str) -> list[str]:
+    """Why the pool of django-redis alias ``cache`` is too small for lease traffic, if it is.
+
+    Every sync try, renewal and release takes a connection from that pool, and every waiting
+    acquire keeps one for its ``BLPOP``. Past its limit (redis-py's default is 100) redis-py
+    refuses a connection (``MaxConnectionsError``): a wait sleeps instead of being woken,
+    and a try or release fails with :class:`~leases.errors.BackendUnavailable` (a name whose
+    release failed stays held until its TTL ends). The clients made from a URL have room for
+    :data:`POOL`, so a smaller cache pool is reported. The limit is read from the pool
+    django-redis makes for the alias (also what later lease traffic uses), which connects to
+    nothing; a cache whose client cannot be made is left to its first use to report.
+    """
+    try:
+        pool = connect(alias, cache, None, 1.0).connection_pool  # the timeout is the cache's
+    except Exception:  # a sharded client, a broken factory...: not this check's to report
+        return []
+    limit = getattr(pool, "max_connections", None)
+    if not isinstance(limit, int) or limit >= POOL:
+        return []
+    return [
+        f'LEASES["BACKENDS"][{alias!r}]["{option}"] = {cache!r}: that cache\'s connection pool '
+        f"allows {limit} connections, fewer than the {POOL} the package gives the clients it "
+        "makes from a URL; every try, renewal and release takes one and every waiting acquire "
+        f"keeps one, so past {limit} at once in one process (less what the cache itself "
+        "uses) they fail with BackendUnavailable (MaxConnectionsError)"
+    ]
 
 
 def url_problems(alias: str, option: str, url: str) -> list[str]:
