@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import UTC, datetime, timedelta
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,7 +21,8 @@ from django.utils import timezone
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..errors import BackendUnavailable, LeasesImproperlyConfigured
+from ..errors import LeasesImproperlyConfigured
+from ._edge import DriverEdge
 
 __all__ = [
     "BLPOP_SLACK",
@@ -413,31 +413,13 @@ def blpop(client: Any, key: str, wait: float, label: str | None = None) -> Any:
         return None  # the deadline; ``receive`` dropped the connection and its BLPOP
 
 
-class Edge:
-    """Translate redis-py's errors into :class:`BackendUnavailable` at the backend's edge.
+class Edge(DriverEdge):
+    """redis-py's errors become :class:`BackendUnavailable` at the backend's edge."""
 
-    A class, not ``@contextmanager``: it wraps every round trip, and a generator-based context
-    manager costs about a microsecond more each time.
-    """
+    __slots__ = ()
 
-    __slots__ = ("alias", "what")
-
-    def __init__(self, alias: str, what: str) -> None:
-        self.alias, self.what = alias, what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # RedisClusterException (no node reachable, not a cluster) is no RedisError.
-        if isinstance(exc, redis.RedisError | redis.exceptions.RedisClusterException):
-            detail = f"{self.what}: {type(exc).__name__}: {exc}"
-            raise BackendUnavailable(self.alias, detail) from exc
+    # RedisClusterException (no node reachable, not a cluster) is no RedisError.
+    errors = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
 def eviction_problems(alias: str, client: Any) -> list[str]:
