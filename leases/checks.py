@@ -91,9 +91,8 @@ def check_backend_limits(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
         found += [
             Warning(
                 f"lease backend {alias!r}: {problem}",
-                hint='Raise that cache\'s OPTIONS["CONNECTION_POOL_KWARGS"]["max_connections"] '
-                "to at least the number above, or give the backend a URL instead; silence "
-                "leases.W005 if no process ever has that many acquires waiting at once.",
+                hint="Raise the limit the message names, or silence leases.W005 if no "
+                "process ever has that many acquires waiting at once.",
                 id="leases.W005",
             )
             for problem in cls.check_limits(alias, options)

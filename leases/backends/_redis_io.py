@@ -143,7 +143,9 @@ def pool_problems(alias: str, option: str, cache: str) -> list[str]:
         f"allows {limit} connections, fewer than the {POOL} the package gives the clients it "
         "makes from a URL; every try, renewal and release takes one and every waiting acquire "
         f"keeps one, so past {limit} at once in one process (less what the cache itself "
-        "uses) they fail with BackendUnavailable (MaxConnectionsError)"
+        "uses) they fail with BackendUnavailable (MaxConnectionsError); raise that cache's "
+        f'OPTIONS["CONNECTION_POOL_KWARGS"]["max_connections"] to {POOL}, or give the backend '
+        "a URL instead"
     ]
 
 
