@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import tempfile
 import time
 import uuid
@@ -336,3 +337,46 @@ def test_async_refusals_check_the_current_token_on_the_loop_too(backend: Backend
             await backend.aclose()
 
     asyncio.run(main())
+
+
+def test_a_forked_child_never_ends_the_parents_async_token_session(backend: Backend) -> None:
+    """Forked from inside a coroutine after an async grant, the child takes tokens on an event
+    loop and an async connection of its own and closes them; the parent's loop keeps its token
+    connection and server session (a child closing the parent's would end it)."""
+    name = f"rl-token-{uuid.uuid4().hex[:8]}"
+
+    async def child() -> None:
+        try:
+            grant = await backend.atry_acquire(name, "child", 5.0)
+            assert grant is not None
+            await backend.arelease(grant)
+        finally:
+            await backend.aclose()
+
+    async def main() -> tuple[int, int, int]:
+        try:
+            grant = await backend.atry_acquire(name, "parent", 5.0)
+            assert grant is not None
+            await backend.arelease(grant)
+            conn = async_counter_connection(backend)
+            session = conn.info.backend_pid
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    asyncio.run(child())
+                    code = 0
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            again = await backend.atry_acquire(name, "parent", 5.0)
+            assert again is not None
+            await backend.arelease(again)
+            assert async_counter_connection(backend) is conn and not conn.closed
+            return os.waitstatus_to_exitcode(status), session, conn.info.backend_pid
+        finally:
+            await backend.aclose()
+
+    code, before, after = asyncio.run(main())
+    assert code == 0
+    assert before == after
