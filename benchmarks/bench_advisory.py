@@ -68,6 +68,7 @@ def xact_contenders(raw: psycopg.Connection[Any], timeout: float | None) -> dict
     import pglock
 
     key = advisory_key(NAME)
+    assert isinstance(key, int)  # a name hashes to one int64 key
 
     def psycopg_raw() -> None:
         if timeout is None:
@@ -81,7 +82,7 @@ def xact_contenders(raw: psycopg.Connection[Any], timeout: float | None) -> dict
             pass
 
     def peer() -> None:
-        kwargs = {} if timeout is None else {"timeout": timeout}
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         with pglock.advisory(NAME, xact=True, **kwargs):
             pass
 

@@ -128,7 +128,7 @@ async def database_contenders() -> dict[str, Op]:
     name = f"bench:async-db:{uuid.uuid4().hex[:8]}"
 
     async def floor() -> None:
-        grant = {"name": name, "holder": "bench-floor", "secret": SECRET}
+        grant: dict[str, object] = {"name": name, "holder": "bench-floor", "secret": SECRET}
         grant |= {"room": room_key(name), "grace": ROOM_GRACE, "in_room": False}  # as a first try
         async with raw.cursor() as cursor:
             await cursor.execute(ACQUIRE_SQL, {**grant, "ttl": TTL})
@@ -172,7 +172,11 @@ def main(report: Report) -> None:
             )
             every = [os.environ["REDIS_URL"], *urls]
             for label, op in contenders.items():
-                trips = round_trips(every, lambda op=op: loop.run_until_complete(op()))
+
+                def once(op: Op = op) -> object:
+                    return loop.run_until_complete(op())
+
+                trips = round_trips(every, once)
                 report.note(f"{label}: {trips} round trips")
 
             db = loop.run_until_complete(database_contenders())

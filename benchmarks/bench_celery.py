@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import django
 
@@ -32,6 +32,7 @@ django.setup()
 from celery import Celery, Task  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.test.utils import override_settings  # noqa: E402
+from kombu.connection import ConnectionPool  # noqa: E402
 
 from benchmarks.common import Report, interleaved  # noqa: E402
 from idempotency.celery import idempotent_task  # noqa: E402
@@ -65,13 +66,13 @@ if os.environ.get("LEASES_BENCH_CELERY_WORKER"):
     # one contender on Django's connection) paid a reconnect per task (~10-40 ms here).
     app.conf.CELERY_DB_REUSE_MAX = 1000
 
-PEERS: dict[str, type[Task]] = {}  # type: ignore[type-arg]
+PEERS: dict[str, type[Task[Any, Any]]] = {}
 with contextlib.suppress(ImportError):
-    from celery_once import QueueOnce  # type: ignore[import-untyped]
+    from celery_once import QueueOnce
 
     PEERS["celery-once QueueOnce"] = QueueOnce
 with contextlib.suppress(ImportError):
-    from celery_singleton import Singleton  # type: ignore[import-untyped]
+    from celery_singleton import Singleton
 
     PEERS["celery-singleton Singleton"] = Singleton
 
@@ -164,5 +165,6 @@ def _let_go_of_the_broker() -> None:
     That is what hung the ``lease`` topic's contending processes (they never reached their own
     code) whenever it ran after this one: a harness bug, not starvation.
     """
-    app.pool.force_close_all()
+    # celery-types says ProducerPool; Celery's app.pool is kombu's connection pool.
+    cast(ConnectionPool, app.pool).force_close_all()
     app.close()

@@ -124,12 +124,14 @@ def takers(coordinator: Any, client: Any) -> dict[str, Take]:
     def tooz() -> Callable[[], object]:
         held = coordinator.get_lock(f"{name}:tooz".encode())
         assert held.acquire(blocking=10)
-        return held.release
+        release: Callable[[], object] = held.release
+        return release
 
     def kazoo_lock() -> Callable[[], object]:
         held = client.Lock(f"/bench/{name}:kazoo", uuid.uuid4().hex)
         assert held.acquire(timeout=10)
-        return held.release
+        release: Callable[[], object] = held.release
+        return release
 
     return {
         "ours, etcd (watch on the key's deletion)": take_ours(ETCD),
@@ -143,7 +145,7 @@ def main(report: Report) -> None:
     if etcd_binary() is None or zookeeper_classpath() is None:
         report.note("skipped: needs etcd-server and zookeeper (apt-get install, as scripts/test)")
         return
-    from kazoo.client import KazooClient
+    from kazoo.client import KazooClient  # type: ignore[import-untyped]
     from tooz import coordination
 
     with EtcdCluster() as cluster, ZooKeeperEnsemble() as ensemble:

@@ -60,12 +60,14 @@ def takers(client: Any, three: list[Any]) -> dict[str, Take]:
     def python_redis_lock(name: str) -> Callable[[], object]:
         held = redis_lock.Lock(client, name, expire=int(TTL))
         held.acquire(blocking=True, timeout=30)
-        return held.release
+        release: Callable[[], object] = held.release
+        return release
 
     def pottery(name: str) -> Callable[[], object]:
         held = Redlock(key=name, masters=set(three), auto_release_time=TTL)
         held.acquire(blocking=True, timeout=30)
-        return held.release
+        release: Callable[[], object] = held.release
+        return release
 
     return {
         "ours, database": ours("default"),

@@ -87,7 +87,9 @@ def _requests() -> Callable[[str | None], HttpRequest]:
 
     def make(key: str | None) -> HttpRequest:
         # The demo scopes keys by the client's API key (demo_project/payments/scopes.py).
-        extra = {"HTTP_IDEMPOTENCY_KEY": key, "HTTP_X_API_KEY": "bench"} if key else {}
+        extra: dict[str, Any] = {}
+        if key:
+            extra = {"HTTP_IDEMPOTENCY_KEY": key, "HTTP_X_API_KEY": "bench"}
         return factory.post("/payments/", BODY, content_type="application/json", **extra)
 
     return make

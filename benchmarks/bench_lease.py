@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -326,7 +327,7 @@ def contended(kind: str, seconds: float = CONTENDED_SECONDS) -> Contended:
     )
 
 
-def handoff(take: Callable[[], Callable[[], None]]) -> tuple[float, float]:
+def handoff(take: Callable[[], Callable[[], object]]) -> tuple[float, float]:
     """Median and p90 seconds from a release to the blocked waiter's acquire returning.
 
     ``take()`` blocks until it holds the lock and returns the function that releases it.
@@ -376,7 +377,8 @@ def _take_redis_lock(name: str) -> Callable[[], None]:
 
     held = redis_lock.Lock(redis.Redis.from_url(os.environ["REDIS_URL"]), name, expire=int(TTL))
     held.acquire(blocking=True)
-    return held.release
+    release: Callable[[], None] = held.release
+    return release
 
 
 def main(report: Report) -> None:
@@ -407,7 +409,7 @@ def main(report: Report) -> None:
         for label, run in runs:
             report.note(run.summary(label))
         latencies = [
-            (label, handoff(lambda take=take, key=key: take(f"bench:handoff:{key}")))
+            (label, handoff(partial(take, f"bench:handoff:{key}")))
             for label, take, key in (
                 ("ours (LISTEN/NOTIFY wake-up)", _take_ours, uuid.uuid4().hex[:8]),
                 ("ours, WAITING_ROOM off", _take_ours_without_room, uuid.uuid4().hex[:8]),

@@ -16,13 +16,13 @@ from collections.abc import Awaitable, Callable
 
 from benchmarks.common import Report, interleaved
 from demo_project.shop.models import Invoice
-from leases import aacquire, aacquire_slot, acquire, acquire_slot
+from leases import Lease, Slot, aacquire, aacquire_slot, acquire, acquire_slot
 from leases.backends import get_backend
 
 TITLE = "limits: semaphore slots, shared leases and lease-checked writes vs their plain forms"
 
 
-def _held_semaphore(name: str, limit: int) -> list[object]:
+def _held_semaphore(name: str, limit: int) -> list[Slot]:
     return [
         acquire_slot(name, limit=limit, ttl=60, keepalive=False, holder=f"h{i}")
         for i in range(limit - 1)
@@ -49,8 +49,8 @@ def main(report: Report) -> None:
             }
         )
     finally:
-        for held in holders:
-            held.release()  # type: ignore[attr-defined]
+        for holder in holders:
+            holder.release()
     report.table("acquire + release, uncontended (per op)", rows)
     _async_table(report)
 
@@ -75,10 +75,10 @@ def main(report: Report) -> None:
 def _async_table(report: Report) -> None:
     loop = asyncio.new_event_loop()
 
-    def on_loop(make: Callable[[], Awaitable[object]]) -> Callable[[], None]:
+    def on_loop(make: Callable[[], Awaitable[Lease]]) -> Callable[[], None]:
         async def once() -> None:
             held = await make()
-            await held.arelease()  # type: ignore[attr-defined]
+            await held.arelease()
 
         return lambda: loop.run_until_complete(once())
 
@@ -105,8 +105,8 @@ def _async_table(report: Report) -> None:
             }
         )
     finally:
-        for held in holders:
-            held.release()  # type: ignore[attr-defined]
+        for holder in holders:
+            holder.release()
         loop.run_until_complete(get_backend("default").aclose())
         loop.close()
     report.table("async acquire + release, uncontended (per op)", rows)

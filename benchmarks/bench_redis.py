@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import redis
@@ -160,17 +161,20 @@ def takers(client: Any) -> dict[str, Take]:
     def redis_py() -> Callable[[], object]:
         held = client.lock(name + ":rp", timeout=TTL)
         held.acquire(blocking=True, blocking_timeout=10)
-        return held.release
+        release: Callable[[], object] = held.release
+        return release
 
     def python_redis_lock() -> Callable[[], object]:
         held = redis_lock.Lock(client, name + ":prl", expire=int(TTL))
         held.acquire(blocking=True, timeout=10)
-        return held.release
+        release: Callable[[], object] = held.release
+        return release
 
     def pottery() -> Callable[[], object]:
         held = Redlock(key=name + ":pot", masters={client}, auto_release_time=TTL)
         held.acquire(blocking=True, timeout=10)
-        return held.release
+        release: Callable[[], object] = held.release
+        return release
 
     return {
         "ours, redis (BLPOP wake-up)": ours("bench-redis"),
@@ -204,9 +208,9 @@ def hung_nodes(report: Report, servers: list[RedisServer]) -> None:
                 grant = store.try_acquire(name, "bench", TTL)
                 granted.append(time.perf_counter() - started)
                 assert grant is not None
-                released.append(timed(lambda grant=grant: store.release(grant)))
+                released.append(timed(partial(store.release, grant)))
                 taken = held_elsewhere.name
-                refused.append(timed(lambda taken=taken: store.try_acquire(taken, "b", TTL)))
+                refused.append(timed(partial(store.try_acquire, taken, "b", TTL)))
         finally:
             for server in servers[:hung]:
                 server.resume()

@@ -122,7 +122,7 @@ def hops(url: str) -> dict[str, tuple[float, float]]:
         lambda: one.execute(bump, (name,), prepare=True)
     )
 
-    def woken(block: Callable[[], None], free: Callable[[], None]) -> float:
+    def woken(block: Callable[[], object], free: Callable[[], object]) -> float:
         """From ``free()`` being called to the thread blocked in ``block()`` returning."""
         returned: list[float] = []
 
@@ -167,7 +167,7 @@ def hops(url: str) -> dict[str, tuple[float, float]]:
 
 def _queue_lock(name: str, conn: Any) -> Callable[[], Callable[[], int]]:
     """The prototype's acquire on ``conn``: returns the release (which returns the token)."""
-    params = {"name": name, "holder": f"proto-{os.getpid()}", "secret": "0" * 32}
+    params: dict[str, object] = {"name": name, "holder": f"proto-{os.getpid()}", "secret": "0" * 32}
     params["key"] = QUEUE_KEY
 
     def take() -> Callable[[], int]:

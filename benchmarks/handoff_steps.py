@@ -36,8 +36,8 @@ STEPS = (
 
 def _stamping(stamps: dict[str, float]) -> None:
     """Wrap the steps' methods so each stamps its moment (the first time per hand-off)."""
+    from leases.backends import _pgprepared, database
     from leases.backends import _waiting_room as room
-    from leases.backends import database
 
     def stamp(step: str) -> None:
         stamps.setdefault(step, time.perf_counter())
@@ -55,7 +55,7 @@ def _stamping(stamps: dict[str, float]) -> None:
 
     after(database.Backend, "release", STEPS[0], lambda _: True)
     after(room.WaitingRoom, "wait", STEPS[1], bool)
-    tried = room.run_prepared
+    tried = _pgprepared.run_prepared
 
     def try_inside(*args: Any, **kwargs: Any) -> Any:
         stamp(STEPS[2])
@@ -63,7 +63,7 @@ def _stamping(stamps: dict[str, float]) -> None:
         stamp(STEPS[3])
         return rows
 
-    room.run_prepared = try_inside  # type: ignore[assignment]
+    vars(room)["run_prepared"] = try_inside  # the name _waiting_room calls it by
     after(room.WaitingRoom, "_leave", STEPS[4], lambda _: True)
 
 

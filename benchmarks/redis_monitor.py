@@ -22,7 +22,7 @@ def round_trips(urls: list[str], fn: Callable[[], object]) -> int:
     for url in urls:
         markers = redis.Redis.from_url(url)
         markers.ping()  # connected before: its handshake is not fn()'s
-        monitor = redis.Redis.from_url(url).monitor()
+        monitor = redis.Redis.from_url(url).monitor()  # type: ignore[no-untyped-call]
         monitor.__enter__()
         monitors.append((markers, monitor))
     try:

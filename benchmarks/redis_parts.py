@@ -103,7 +103,8 @@ def measure(url: str) -> dict[str, float]:
         script = client.register_script(text)
         value = f"1:5:{hashlib.sha1(secret.encode(), usedforsecurity=False).hexdigest()}:h"
         floor = text == RAW_RELEASE_LUA
-        keys, args = ([lock], [value]) if floor else ([lock, wake], ["1:5:", "h", secret, 5000])
+        keys: list[str] = [lock] if floor else [lock, wake]
+        args: list[str | int] = [value] if floor else ["1:5:", "h", secret, 5000]
 
         def run() -> None:
             client.set(lock, value, px=30000)

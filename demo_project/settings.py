@@ -67,7 +67,11 @@ CACHES = {
     "default": {
         "BACKEND": "django_redis.cache.RedisCache",
         "LOCATION": REDIS_URL,
-        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+        "OPTIONS": {
+            "CLIENT_CLASS": "django_redis.client.DefaultClient",
+            # room for one connection per waiting acquire, as the URL clients have (leases.W005)
+            "CONNECTION_POOL_KWARGS": {"max_connections": 10_000},
+        },
     }
 }
 

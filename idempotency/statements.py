@@ -29,6 +29,7 @@ attempt's effects roll back with it.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -482,6 +483,16 @@ def fetch_one(using: str, statement: Statement, params: dict[str, Any]) -> tuple
         return cursor.fetchone() if cursor.description else None
 
 
+def _each(statements: tuple[Statement | OwnedWrite, ...]) -> Iterator[Statement]:
+    """The statements to prepare: an :class:`OwnedWrite` is both of its forms."""
+    for statement in statements:
+        if isinstance(statement, OwnedWrite):
+            yield statement.counting
+            yield statement.strict
+        else:
+            yield statement
+
+
 def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
     """Prepare statements an attempt will send inside its transaction, while outside it (one
     round trip, once per connection): a statement found missing there would abort the view's
@@ -491,22 +502,10 @@ def prepare(using: str, *statements: Statement | OwnedWrite) -> None:
     connection = connections[using]
     connection.ensure_connection()
     names = _PREPARED.get(connection.connection)
-    if names is not None and all(
-        statement.name in names
-        if isinstance(statement, Statement)
-        else statement.counting.name in names and statement.strict.name in names
-        for statement in statements
-    ):
+    if names is not None and all(statement.name in names for statement in _each(statements)):
         return  # the common case, on every keyed request: nothing to list, no cursor made
-    flat: list[Statement] = []
-    for statement in statements:
-        flat += (
-            [statement.counting, statement.strict]
-            if isinstance(statement, OwnedWrite)
-            else [statement]
-        )
     names = _PREPARED.setdefault(connection.connection, set())
-    missing = [statement for statement in flat if statement.name not in names]
+    missing = [statement for statement in _each(statements) if statement.name not in names]
     if not missing:
         return
     with connection.cursor() as cursor:

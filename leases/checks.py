@@ -72,6 +72,34 @@ def check_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return found
 
 
+@register(Tags.compatibility, Tags.caches)
+def check_backend_limits(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """leases.W005: a backend shares a limit its traffic will outgrow (a cache alias's
+    connection pool smaller than the waits one process can have at once).
+
+    Asked of each backend's class without connecting, and only of backends whose options are
+    right (leases.E005 says what is wrong with the others). A warning, not an error: a process
+    that never has that many acquires at once never meets the limit.
+    """
+    if conf.problems():
+        return []
+    found: list[CheckMessage] = []
+    for alias, cls in _classes()[0].items():
+        options = conf.get().backend(alias).options
+        if cls.check_options(alias, options):
+            continue
+        found += [
+            Warning(
+                f"lease backend {alias!r}: {problem}",
+                hint="Raise the limit the message names, or silence leases.W005 if no "
+                "process ever has that many acquires waiting at once.",
+                id="leases.W005",
+            )
+            for problem in cls.check_limits(alias, options)
+        ]
+    return found
+
+
 @register(Tags.compatibility, Tags.database)
 def check_advisory_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """leases.E002: advisory locks or a lease backend need a database that is not PostgreSQL.

@@ -71,7 +71,11 @@ CACHES = {
     "default": {
         "BACKEND": "django_redis.cache.RedisCache",
         "LOCATION": URLS["REDIS_URL"],
-        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+        "OPTIONS": {
+            "CLIENT_CLASS": "django_redis.client.DefaultClient",
+            # room for as many connections as the backends' own clients (leases.W005)
+            "CONNECTION_POOL_KWARGS": {"max_connections": 10_000},
+        },
     }
 }
 

@@ -191,3 +191,56 @@ def test_an_unreachable_store_is_named_once_in_its_deploy_error(options: dict[st
     (error,) = [m for m in messages if m.id == "leases.E003"]
     assert error.msg.count("'r'") == 1, error.msg
     assert error.msg.rstrip().endswith(":") is False and "127.0.0.1:1" in error.msg, error.msg
+
+
+def django_redis_cache(location: str, **pool: int) -> dict[str, Any]:
+    """A django-redis cache; ``pool`` is its ``CONNECTION_POOL_KWARGS``. django-redis keeps
+    one pool per LOCATION for the whole process, so each test cache has a LOCATION of its own
+    (nothing listens there: the check connects to nothing)."""
+    options: dict[str, Any] = {"CONNECTION_POOL_KWARGS": pool} if pool else {}
+    return {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": location, "OPTIONS": options}
+
+
+POOL_CACHES = {
+    "plain": django_redis_cache("redis://127.0.0.1:1/11"),  # redis-py's limit: 100
+    "plain-too": django_redis_cache("redis://127.0.0.1:1/12"),
+    "in-url": django_redis_cache("redis://127.0.0.1:1/13?max_connections=50"),
+    "roomy": django_redis_cache("redis://127.0.0.1:1/14", max_connections=10_000),
+}
+
+
+def test_a_cache_pool_smaller_than_the_backends_own_is_warned() -> None:
+    """A CACHE alias's pool (redis-py's 100 unless told otherwise) caps the sync acquires one
+    process can have at once; past it they fail (``test_redis_checks.py`` shows how). A
+    Redlock node given as a cache alias shares its pool the same way."""
+    backends = {
+        "redis": {"ENGINE": "leases.backends.redis", "CACHE": "plain"},
+        "redlock": {"ENGINE": "leases.backends.redlock", "NODES": ["plain-too", "in-url", "roomy"]},
+    }
+    with override_settings(CACHES=POOL_CACHES):
+        messages = leases_checks(backends)
+    assert ids(messages) == ["leases.W005"] * 3
+    redis_warning, *redlock_warnings = sorted(messages, key=lambda m: m.msg)
+    assert "'plain'" in redis_warning.msg and "allows 100 connections" in redis_warning.msg
+    assert sorted("allows 50" in m.msg for m in redlock_warnings) == [False, True]
+    assert all("max_connections" in m.msg and m.hint for m in messages)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"ENGINE": "leases.backends.redis", "CACHE": "roomy"},
+        {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0"},
+        {"ENGINE": "leases.backends.redlock", "NODES": ["roomy", "redis://127.0.0.1:1/0"]},
+    ],
+    ids=["roomy-cache", "url", "redlock-roomy-and-url"],
+)
+def test_a_pool_with_room_is_not_warned(options: dict[str, Any]) -> None:
+    with override_settings(CACHES=POOL_CACHES):
+        assert leases_checks({"r": options}) == []
+
+
+def test_a_misconfigured_backend_gets_its_error_not_a_pool_warning() -> None:
+    options = {"ENGINE": "leases.backends.redis", "CACHE": "plain", "PREFX": "x"}
+    with override_settings(CACHES=POOL_CACHES):
+        assert ids(leases_checks({"r": options})) == ["leases.E005"]

@@ -10,6 +10,8 @@ from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
+from idempotency import statements
+from idempotency.statements import FINISH, RELEASE
 from idempotency.store import Attempt, Outcome, Status, begin, finish
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -53,6 +55,18 @@ def test_a_session_that_lost_its_prepared_statements_prepares_them_again() -> No
         cursor.execute("DEALLOCATE ALL")  # what a pooler's server reset does
     _attempt_cycle("k4")
     assert _cycle("k4b")[-1].startswith("EXECUTE")
+
+
+def test_prepare_covers_both_forms_of_an_owned_write_then_sends_nothing() -> None:
+    connection.close()  # a new session: nothing prepared yet
+    statements.prepare("default", FINISH, RELEASE)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_prepared_statements")
+        prepared = {name for (name,) in cursor.fetchall()}
+    assert {FINISH.counting.name, FINISH.strict.name, RELEASE.name} <= prepared
+    with CaptureQueriesContext(connection) as sent:
+        statements.prepare("default", FINISH, RELEASE)
+    assert sent.captured_queries == []
 
 
 def test_plain_sql_when_prepared_statements_are_off() -> None:

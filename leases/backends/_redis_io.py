@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import UTC, datetime, timedelta
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,7 +21,8 @@ from django.utils import timezone
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..errors import BackendUnavailable, LeasesImproperlyConfigured
+from ..errors import LeasesImproperlyConfigured
+from ._edge import DriverEdge
 
 __all__ = [
     "BLPOP_SLACK",
@@ -41,6 +41,7 @@ __all__ = [
     "ms",
     "name_back_due",
     "parsed",
+    "pool_problems",
     "positive_problems",
     "prefix_problems",
     "read_name_back",
@@ -116,6 +117,36 @@ def cache_problems(alias: str, option: str, cache: object) -> list[str]:
     if not backend.startswith("django_redis."):
         return [f"{where} is a {backend} cache, not a django-redis one"]
     return []
+
+
+def pool_problems(alias: str, option: str, cache: str) -> list[str]:
+    """Why the pool of django-redis alias ``cache`` is too small for lease traffic, if it is.
+
+    Every sync try, renewal and release takes a connection from that pool, and every waiting
+    acquire keeps one for its ``BLPOP``. Past its limit (redis-py's default is 100) redis-py
+    refuses a connection (``MaxConnectionsError``): a wait sleeps instead of being woken,
+    and a try or release fails with :class:`~leases.errors.BackendUnavailable` (a name whose
+    release failed stays held until its TTL ends). The clients made from a URL have room for
+    :data:`POOL`, so a smaller cache pool is reported. The limit is read from the pool
+    django-redis makes for the alias (also what later lease traffic uses), which connects to
+    nothing; a cache whose client cannot be made is left to its first use to report.
+    """
+    try:
+        pool = connect(alias, cache, None, 1.0).connection_pool  # the timeout is the cache's
+    except Exception:  # a sharded client, a broken factory...: not this check's to report
+        return []
+    limit = getattr(pool, "max_connections", None)
+    if not isinstance(limit, int) or limit >= POOL:
+        return []
+    return [
+        f'LEASES["BACKENDS"][{alias!r}]["{option}"] = {cache!r}: that cache\'s connection pool '
+        f"allows {limit} connections, fewer than the {POOL} the package gives the clients it "
+        "makes from a URL; every try, renewal and release takes one and every waiting acquire "
+        f"keeps one, so past {limit} at once in one process (less what the cache itself "
+        "uses) they fail with BackendUnavailable (MaxConnectionsError); raise that cache's "
+        f'OPTIONS["CONNECTION_POOL_KWARGS"]["max_connections"] to {POOL}, or give the backend '
+        "a URL instead"
+    ]
 
 
 def url_problems(alias: str, option: str, url: str) -> list[str]:
@@ -384,31 +415,13 @@ def blpop(client: Any, key: str, wait: float, label: str | None = None) -> Any:
         return None  # the deadline; ``receive`` dropped the connection and its BLPOP
 
 
-class Edge:
-    """Translate redis-py's errors into :class:`BackendUnavailable` at the backend's edge.
+class Edge(DriverEdge):
+    """redis-py's errors become :class:`BackendUnavailable` at the backend's edge."""
 
-    A class, not ``@contextmanager``: it wraps every round trip, and a generator-based context
-    manager costs about a microsecond more each time.
-    """
+    __slots__ = ()
 
-    __slots__ = ("alias", "what")
-
-    def __init__(self, alias: str, what: str) -> None:
-        self.alias, self.what = alias, what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # RedisClusterException (no node reachable, not a cluster) is no RedisError.
-        if isinstance(exc, redis.RedisError | redis.exceptions.RedisClusterException):
-            detail = f"{self.what}: {type(exc).__name__}: {exc}"
-            raise BackendUnavailable(self.alias, detail) from exc
+    # RedisClusterException (no node reachable, not a cluster) is no RedisError.
+    errors = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
 def eviction_problems(alias: str, client: Any) -> list[str]:

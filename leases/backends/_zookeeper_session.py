@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
-from types import TracebackType
 from typing import Any
 from urllib.parse import quote
 
@@ -29,6 +28,7 @@ from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-un
 from kazoo.protocol.states import EventType, KeeperState, WatchedEvent  # type: ignore[import-untyped]
 
 from ..errors import BackendUnavailable
+from ._edge import DriverEdge
 from ._zookeeper_line import Queued, child_prefix, deadline_ms, guid_of, line_of, read_data
 
 __all__ = ["ATTEMPTS", "Edge", "Session", "ms", "when"]
@@ -58,23 +58,12 @@ def _failed(results: list[Any]) -> BaseException | None:
     )
 
 
-class Edge:
-    """Translate kazoo's errors into :class:`BackendUnavailable` at the backend's edge."""
+class Edge(DriverEdge):
+    """kazoo's errors become :class:`BackendUnavailable` at the backend's edge."""
 
-    __slots__ = ("alias", "what")
+    __slots__ = ()
 
-    def __init__(self, alias: str, what: str) -> None:
-        self.alias, self.what = alias, what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if isinstance(exc, KazooException | KazooTimeoutError):
-            detail = f"{self.what}: {type(exc).__name__}: {exc}"
-            raise BackendUnavailable(self.alias, detail) from exc
+    errors = (KazooException, KazooTimeoutError)
 
 
 class Session:

@@ -204,6 +204,17 @@ class LeaseBackend(abc.ABC):
         ]
 
     @classmethod
+    def check_limits(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
+        """Limits outside the backend's options that its traffic will run into (a shared
+        connection pool smaller than the waits one process can have), found without I/O.
+
+        Run by plain ``manage.py check`` as warnings (``leases.W005``), only once
+        :meth:`check_options` has nothing to say: the backend works until enough acquires
+        happen at once, which a test run rarely reaches and production does.
+        """
+        return []
+
+    @classmethod
     def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:
         """The Django database aliases this backend uses, each of which must be PostgreSQL
         (its lease table, or the durable counter its tokens come from)."""

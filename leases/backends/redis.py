@@ -61,6 +61,7 @@ from ._redis_io import (
     connect,
     eviction_problems,
     expires,
+    pool_problems,
     positive_problems,
     prefix_problems,
     text,
@@ -176,6 +177,13 @@ class Backend(LeaseBackend):
         if trust != 0:
             problems += positive_problems(alias, "TRUST_SERVER_ID", trust)
         return problems
+
+    @classmethod
+    def check_limits(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
+        """A ``CACHE`` whose pool is too small for the sync traffic (see
+        :func:`~._redis_io.pool_problems`); a ``URL`` client's pool is ours."""
+        cache = options.get("CACHE")
+        return [] if cache is None else pool_problems(alias, "CACHE", str(cache))
 
     @classmethod
     def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:

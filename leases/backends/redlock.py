@@ -67,6 +67,7 @@ from ._redis_io import (
     eviction_problems,
     expires,
     ms,
+    pool_problems,
     positive_problems,
     prefix_problems,
     text,
@@ -187,6 +188,17 @@ class Backend(LeaseBackend):
         problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
         problems += _token_source_problems(alias, options.get("TOKEN_SOURCE", "database"))
         return problems
+
+    @classmethod
+    def check_limits(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
+        """A node given as a cache alias whose pool is too small for the sync traffic (see
+        :func:`~._redis_io.pool_problems`); a URL node's pool is ours."""
+        return [
+            problem
+            for node in options["NODES"]
+            if "://" not in str(node)
+            for problem in pool_problems(alias, "NODES", str(node))
+        ]
 
     @classmethod
     def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:
