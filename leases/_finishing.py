@@ -44,17 +44,23 @@ class _Held:
     """What the caller's task waits on instead of ``future``: the future protocol of asyncio
     (``_asyncio_future_blocking``, ``get_loop``, ``add_done_callback``, ``result``,
     ``cancel``), with a ``cancel`` that declines. The task then records the cancellation and
-    raises it into the driver when this wakes it, once ``future`` is done."""
+    raises it into the driver when this wakes it, once ``future`` is done.
 
-    __slots__ = ("_asyncio_future_blocking", "_future")
+    One is made for every future a step waits on (each round trip of every async acquire and
+    release), so what the task calls on it is bound to C callables when it is made (the
+    future's own ``get_loop`` and ``done``, and ``result`` answering ``None``): as Python
+    methods each ran cold between two round trips, when the cache holds little of this
+    package's code."""
+
+    __slots__ = ("_asyncio_future_blocking", "_future", "done", "get_loop", "result")
 
     def __init__(self, future: Any) -> None:
         self._future = future
         self._asyncio_future_blocking = True
-
-    def get_loop(self) -> asyncio.AbstractEventLoop:
-        loop: asyncio.AbstractEventLoop = self._future.get_loop()
-        return loop
+        self.get_loop: Callable[[], asyncio.AbstractEventLoop] = future.get_loop
+        self.done: Callable[[], bool] = future.done
+        # The step reads the future's outcome itself, when resumed: ``result()`` is ``None``.
+        self.result: Callable[[], None] = _NONE
 
     def add_done_callback(
         self, fn: Callable[[Any], object], *, context: Context | None = None
@@ -67,11 +73,9 @@ class _Held:
     def cancelled(self) -> bool:
         return False
 
-    def done(self) -> bool:
-        return bool(self._future.done())
 
-    def result(self) -> None:
-        return None  # the step reads the future's outcome itself, when resumed
+#: ``None``, called from C: what :attr:`_Held.result` answers.
+_NONE: Callable[[], None] = type(None)
 
 
 class _Driven(Generic[T]):

@@ -225,7 +225,9 @@ def prepare(
     if keepalive and short:
         warn_if_too_short(ttl, settings)
     fraction = settings.renew_fraction if keepalive else None
-    return Request(name, ttl, timeout, store, key, identity, fraction)
+    # ``Request(...)`` without its generated ``__new__`` (a Python function, run on every
+    # acquire just to pack the tuple).
+    return tuple.__new__(Request, (name, ttl, timeout, store, key, identity, fraction))
 
 
 #: TTLs found valid under one settings object (``conf.get()``'s, replaced whole when the
@@ -286,34 +288,36 @@ def acquire(
     refuse_blocking("acquire()", "aacquire() or alease()")
     # What start() does, without a closure for the grant: this is every acquire's path.
     with Acquisition(ask) as doing:
-        won = _grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing.timing, shared)
+        won = _grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing, shared)
         return doing.hold(won, Lease, on_lost)
 
 
-class Acquisition:
-    """One acquisition of ``ask``: the ``leases.acquire`` span, its :class:`Timing`, and
-    :func:`announce_failure` when it gives up, entered as ``with Acquisition(ask) as doing:``.
+class Acquisition(Timing):
+    """One acquisition of ``ask``: the ``leases.acquire`` span, its :class:`Timing` (itself,
+    from when it is entered), and :func:`announce_failure` when it gives up, entered as
+    ``with Acquisition(ask) as doing:``.
 
     The one block through which ``acquire``, ``acquire_slot`` and their async twins trace, time
     and announce: the grant is won inside it (awaited or not) and :meth:`hold` turns it into a
-    held handle. A plain class rather than a generator context manager: it is on every
-    acquire's path.
+    held handle. A plain class rather than a generator context manager, and its own timing
+    rather than holding one: it is on every acquire's path.
     """
 
-    __slots__ = ("_attributes", "_span", "_spanning", "ask", "timing")
+    __slots__ = ("_attributes", "_span", "_spanning", "ask")
 
-    timing: Timing
     _spanning: contextlib.AbstractContextManager[Span | None]
     _span: Span | None
 
     def __init__(self, ask: Request, attributes: tracing.Attributes | None = None) -> None:
+        # Timing.__init__ is not called: the clock starts when the block is entered.
         self.ask = ask
         self._attributes = attributes
 
     def __enter__(self) -> Acquisition:
         spanning = self._spanning = tracing.span("leases.acquire", self._spanned)
         self._span = None if spanning is tracing.NO_SPAN else spanning.__enter__()
-        self.timing = Timing()
+        self.started = SYSTEM_CLOCK.monotonic()
+        self.waited = 0.0
         return self
 
     def _spanned(self) -> tracing.Attributes:
@@ -332,7 +336,7 @@ class Acquisition:
         tb: TracebackType | None,
     ) -> bool | None:
         if isinstance(exc, Exception):
-            announce_failure(self.ask, exc, self.timing)
+            announce_failure(self.ask, exc, self)
         if self._spanning is tracing.NO_SPAN:
             return None
         return self._spanning.__exit__(exc_type, exc, tb)
@@ -348,8 +352,8 @@ class Acquisition:
             on_lost=on_lost,
             renew_fraction=ask.renew_fraction,
             key=ask.key,
-            elapsed=SYSTEM_CLOCK.monotonic() - self.timing.started,  # timing.elapsed(), inline
-            waited=self.timing.waited,
+            elapsed=SYSTEM_CLOCK.monotonic() - self.started,  # self.elapsed(), inline
+            waited=self.waited,
         )
 
 
@@ -367,7 +371,7 @@ def start(
     :meth:`Lease.start`)."""
     valid_on_lost(on_lost)
     with Acquisition(ask, attributes) as doing:
-        return doing.hold(grant(doing.timing), handle, on_lost)
+        return doing.hold(grant(doing), handle, on_lost)
 
 
 async def astart(
@@ -380,7 +384,7 @@ async def astart(
     """:func:`start` for an awaited ``grant``: ``aacquire`` and ``aacquire_slot``."""
     valid_on_lost(on_lost)
     with Acquisition(ask, attributes) as doing:
-        return doing.hold(await grant(doing.timing), handle, on_lost)
+        return doing.hold(await grant(doing), handle, on_lost)
 
 
 def announce_failure(ask: Request, error: Exception, timing: Timing) -> None:

@@ -110,23 +110,21 @@ async def _wait(store: LeaseBackend, name: str, delay: float, bound: float = 0.0
         await asyncio.sleep(max(0.0, delay - (SYSTEM_CLOCK.monotonic() - started)))
 
 
-async def _agrant(
+async def _await_grant(
     store: LeaseBackend,
     name: str,
     holder: str,
     ttl: float,
     timeout: float | None,
+    deadline: float | None,
     timing: Timing,
     shared: bool = False,
 ) -> Grant:
-    """Try; then wait for a release (or a backoff delay) and try again, until the deadline.
-    How long the waiting took goes into ``timing`` (for the signals), as in the sync loop. An
-    exclusive waiter of a store with shared leases stops new readers as the sync one does
-    (every :data:`~leases.acquiring.STOP_READERS_EVERY` seconds)."""
-    deadline = None if timeout is None else timing.started + timeout
-    grant = await _try(store, name, holder, ttl, deadline, shared)
-    if grant is not None:
-        return grant
+    """After a first try that lost (:func:`aacquire` makes it, with :func:`_try` as every
+    try): wait for a release (or a backoff delay) and try again, until the deadline. How long
+    the waiting took goes into ``timing`` (for the signals), as in the sync loop. An exclusive
+    waiter of a store with shared leases stops new readers as the sync one does (every
+    :data:`~leases.acquiring.STOP_READERS_EVERY` seconds)."""
     if timeout == 0:
         raise LeaseUnavailable(name, timeout)
     backoff = Backoff(deadline=deadline)
@@ -191,11 +189,15 @@ async def aacquire(
     ask = prepare(name, ttl, backend, timeout, keepalive, holder, task_key, shared)
     if on_lost is not None:  # None, the common case, needs no call
         valid_on_lost(on_lost)
-    # What astart() does, without a closure for the grant: this is every acquire's path.
+    # What astart() does, without a closure for the grant, and the first try made here
+    # rather than in a coroutine of its own: this is every acquire's path, and most win it.
     with Acquisition(ask) as doing:
-        won = await _agrant(
-            ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing.timing, shared
-        )
+        deadline = None if ask.timeout is None else doing.started + ask.timeout
+        won = await _try(ask.store, ask.name, ask.holder, ask.ttl, deadline, shared)
+        if won is None:
+            won = await _await_grant(
+                ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, deadline, doing, shared
+            )
         return doing.hold(won, Lease, on_lost)
 
 
@@ -208,7 +210,10 @@ _entered: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
 class _AsyncLeaseBlock:
     """What ``alease()`` returns: an async context manager that also decorates coroutine
     functions. Holds only its arguments (the live lease is on a context variable), so one
-    decorated coroutine function can run in many tasks at once."""
+    decorated coroutine function can run in many tasks at once. Slotted: one is made for
+    every ``async with alease(...)``."""
+
+    __slots__ = ("name", "options")
 
     #: How ``__aenter__`` comes to hold the name (``asemaphore()`` takes a slot instead).
     _acquire: Callable[..., Awaitable[Lease]] = staticmethod(aacquire)

@@ -74,6 +74,8 @@ async def aacquire_slot(
 class _AsyncSemaphoreBlock(_AsyncLeaseBlock):
     """What ``asemaphore()`` returns: ``alease()``'s block, entered by taking a slot."""
 
+    __slots__ = ()
+
     _acquire: Callable[..., Awaitable[Slot]] = staticmethod(aacquire_slot)
 
     async def __aenter__(self) -> Slot:

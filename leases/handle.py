@@ -325,7 +325,8 @@ class Lease:
         except BaseException:
             self._outcome_unknown()
             raise
-        self._released_cleanly(lost_before)
+        if lost_before or signals.lease_released.receivers:  # the common case needs no call
+            self._released_cleanly(lost_before)
 
     async def arelease(self) -> None:
         """:meth:`release` from async code.
@@ -350,7 +351,8 @@ class Lease:
         except Exception:
             self._outcome_unknown()
             raise
-        self._released_cleanly(lost_before)
+        if lost_before or signals.lease_released.receivers:  # the common case needs no call
+            self._released_cleanly(lost_before)
 
     def _before_release(self) -> bool:
         """Mark released (once) and unregister; whether the lease was lost before."""
@@ -385,10 +387,11 @@ class Lease:
         return LeaseLost(self.name, self.token, self.lost_reason or str(exc))
 
     def _released_cleanly(self, lost_before: bool) -> None:
+        """What a release that reached the store ends with. Its callers call it only for a
+        lease lost before or a connected receiver: every release passes there, and most
+        processes connect no receiver (no call, no keyword dictionary for nothing)."""
         if lost_before:
             raise LeaseLost(self.name, self.token, self.lost_reason or "lost before release")
-        # Checked here rather than only in ``send``: every release passes, and most processes
-        # connect no receiver (no call, no keyword dictionary for nothing).
         if signals.lease_released.receivers:
             signals.send(signals.lease_released, self.backend, lease=self)
 
