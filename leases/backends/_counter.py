@@ -5,6 +5,12 @@ the Redis backends take the numbers that must never go backwards from the databa
 backend's *epochs* and Redlock's *tokens*. Each bump is one statement, committed on a connection
 of its own, so a caller's ``transaction.atomic()`` rolling back can never un-issue a number
 (a rolled-back bump would hand the same number out twice).
+
+The async twins (:meth:`DurableCounter.abump_lease`, :meth:`DurableCounter.acurrent_lease`) run
+the same statements on one psycopg ``AsyncConnection`` per event loop
+(:class:`~._pgaio.AsyncPrivateConnection`: the same connection recipe, the same prepared
+statement run by name, the same reply deadline), so an async Redlock grant awaits its token on
+the loop instead of holding a worker thread for a blocking statement.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any
 import psycopg
 
 from ..errors import BackendUnavailable, FencingUnavailable
+from ._aio import PerLoop
+from ._pgaio import AsyncPrivateConnection
 from ._pgconn import PrivateConnection
 from ._pgprepared import Prepared
 from ._pruning import FLOOR_SQL
@@ -57,6 +65,8 @@ RETURNING token
 PREPARED_BUMP_LEASE = Prepared("bump_lease", BUMP_LEASE_SQL)
 
 CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
+#: :data:`CURRENT_LEASE_SQL` with a named parameter, as the async connection takes them.
+ACURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %(name)s"
 
 #: Compare-and-bump for a revocation: the token moves on only if it is still the one the
 #: operator saw. Returns the new token, or NULL and the current one (NULL if never granted).
@@ -76,13 +86,18 @@ class DurableCounter:
 
     The connection is the package's one recipe (:func:`~leases.backends._pgconn.connect`):
     ``synchronous_commit`` on, because a bump lost in a crash could be handed out again, and
-    TCP keepalives and timeouts, so a dead server cannot hang a grant forever.
+    TCP keepalives and timeouts, so a dead server cannot hang a grant forever. The async methods
+    use one async connection per event loop, made on first use there and closed by
+    :meth:`aclose`.
     """
 
     def __init__(self, backend: str, alias: str) -> None:
         self.backend = backend
         self.alias = alias
         self._connection = PrivateConnection(alias)
+        self._aconnections: PerLoop[AsyncPrivateConnection] = PerLoop(
+            lambda: AsyncPrivateConnection(alias), lambda conn: conn.close()
+        )
 
     def _execute(
         self, sql: str | Prepared, params: tuple[object, ...] | dict[str, object]
@@ -96,12 +111,23 @@ class DurableCounter:
         try:
             rows = self._connection.run(sql, params)
         except (psycopg.Error, BackendUnavailable) as exc:
-            raise FencingUnavailable(
-                self.backend,
-                f"cannot take a durable counter from database {self.alias!r} ({exc}); "
-                "without it a token could repeat one already handed out",
-            ) from exc
+            raise self._unavailable(exc) from exc
         return rows[0] if rows else None
+
+    async def _aexecute(self, sql: str | Prepared, params: dict[str, object]) -> int | None:
+        """:meth:`_execute` on the running loop's async connection."""
+        try:
+            rows = await self._aconnections.get().run(sql, params)
+        except (psycopg.Error, BackendUnavailable) as exc:
+            raise self._unavailable(exc) from exc
+        return int(rows[0][0]) if rows and rows[0][0] is not None else None
+
+    def _unavailable(self, exc: Exception) -> FencingUnavailable:
+        return FencingUnavailable(
+            self.backend,
+            f"cannot take a durable counter from database {self.alias!r} ({exc}); "
+            "without it a token could repeat one already handed out",
+        )
 
     def bump_fence(self, resource: str, floor: int = 1) -> int:
         """The next value of counter ``resource``: higher than every earlier one, >= ``floor``."""
@@ -112,6 +138,13 @@ class DurableCounter:
     def bump_lease(self, name: str) -> int:
         """The next token of lease ``name``, shared with the database backend's counter."""
         value = self._execute(PREPARED_BUMP_LEASE, {"name": name})
+        assert value is not None
+        return value
+
+    async def abump_lease(self, name: str) -> int:
+        """:meth:`bump_lease`, awaited on the running loop's async connection: the same
+        prepared statement, run by name, so the same row, floors and order of tokens."""
+        value = await self._aexecute(PREPARED_BUMP_LEASE, {"name": name})
         assert value is not None
         return value
 
@@ -127,5 +160,13 @@ class DurableCounter:
         """The last token handed out for ``name``, or ``None`` if none ever was."""
         return self._execute(CURRENT_LEASE_SQL, (name,))
 
+    async def acurrent_lease(self, name: str) -> int | None:
+        """:meth:`current_lease`, awaited."""
+        return await self._aexecute(ACURRENT_LEASE_SQL, {"name": name})
+
     def close(self) -> None:
         self._connection.close()
+
+    async def aclose(self) -> None:
+        """Close the running loop's async connection, if it has one."""
+        await self._aconnections.aclose()

@@ -27,10 +27,11 @@ These refusals happen before the statement runs, so sending it again is safe;
 after :data:`ATTEMPTS` of them the plain text is sent instead. Option ``PREPARED_STATEMENTS``
 ``False`` always sends the plain text.
 
-On an async connection (:func:`arun_prepared`) the prepared statement is run by its SQL
-``EXECUTE``, the values bound on the client: psycopg has no awaitable ``Bind``/``Execute`` of a
-statement by name, and the saving that matters there, the server's parse and plan of the
-statement, is the same. The refusals and the first ``PREPARE`` are handled as above.
+On an async connection (:func:`arun_prepared`) the prepared statement is run by name as well:
+libpq's non-blocking ``Bind``/``Execute`` (``send_query_prepared``), its reply awaited on the
+event loop by psycopg's own waiting function, as an ``AsyncCursor`` awaits its statements
+(psycopg has no public awaitable call for a statement by name). The refusals and the first
+``PREPARE`` are handled as above.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from typing import Any
 import psycopg
 from psycopg import pq
 from psycopg.adapt import PyFormat, Transformer
+from psycopg.generators import execute
+from psycopg.waiting import wait_async
 
 __all__ = ["ATTEMPTS", "Prepared", "arun_prepared", "run_prepared"]
 
@@ -54,6 +57,10 @@ _ALREADY_PREPARED = "42P05"
 #: "cached plan must not change result type", raised before the statement runs.
 _STALE_PLAN = b"0A000"
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+#: Seconds between the async wait's wake-ups while no reply came, as psycopg's own connections
+#: wait (its bare waiting function's default, 0, would wake at every turn of the loop: a spin).
+#: Positional: psycopg 3.1 names this parameter ``timeout``, later ones ``interval``.
+_WAKE_INTERVAL = 0.1
 
 
 @dataclass(frozen=True)
@@ -189,22 +196,18 @@ async def arun_prepared(
     params: Mapping[str, Any],
     prepared: set[str],
 ) -> list[tuple[Any, ...]]:
-    """:func:`run_prepared` on an async connection (autocommit): the statement's ``EXECUTE``
-    when ``prepared`` says the session has it, else ``PREPARE`` and ``EXECUTE`` in one query;
-    one round trip either way when ``prepared`` is right."""
+    """:func:`run_prepared` on an async connection (autocommit): the statement run by name
+    (:func:`_abound`) when ``prepared`` says the session has it, else ``PREPARE`` and
+    ``EXECUTE`` in one query; one round trip either way when ``prepared`` is right."""
     for _ in range(ATTEMPTS):
         if statement.name in prepared:
-            try:
-                return await _aquery(conn, statement.execute_sql, params)
-            except psycopg.Error as exc:
-                if exc.sqlstate == _STALE_PLAN.decode():  # see _bound: nothing ran
-                    await conn.execute(f"DEALLOCATE {statement.name}")
-                elif exc.sqlstate != _NOT_PREPARED.decode():
-                    raise
+            rows = await _abound(conn, statement, params)
+            if rows is not None:
+                return rows
             prepared.discard(statement.name)  # lost, or dropped as stale: nothing ran
             continue
         try:
-            rows: list[tuple[Any, ...]] | None = await _aquery(conn, statement.first_sql, params)
+            rows = await _aquery(conn, statement.first_sql, params)
         except psycopg.Error as exc:
             if exc.sqlstate != _ALREADY_PREPARED:
                 raise
@@ -214,6 +217,39 @@ async def arun_prepared(
             return rows
     plain = await conn.execute(statement.sql, params)
     return await plain.fetchall() if plain.description else []
+
+
+async def _abound(
+    conn: psycopg.AsyncConnection[Any], statement: Prepared, params: Mapping[str, Any]
+) -> list[tuple[Any, ...]] | None:
+    """:func:`_bound`, awaited: libpq's ``Bind``/``Execute`` sent without blocking and its
+    reply awaited on the loop (psycopg's ``execute`` generator, which also hands the
+    notifications read with the reply to psycopg, as :func:`_keep_notifies` does).
+
+    Under the connection's own lock, as a cursor's statement is (a suspended ``notifies()``
+    holds it). Awaited by psycopg's bare waiting function, not the connection's ``wait``: a
+    cancellation then ends the wait at once and the caller drops the connection (whether the
+    statement ran is unknown, as after a cut deadline), instead of psycopg asking the server
+    to cancel it and waiting up to 5 s more for the answer, on a server that may be stalled."""
+    transformer = Transformer(conn)
+    values = transformer.dump_sequence([params[key] for key in statement.order], statement.formats)
+    async with conn.lock:
+        pgconn = conn.pgconn
+        pgconn.send_query_prepared(statement.key, values)
+        results = await wait_async(execute(pgconn), pgconn.socket, _WAKE_INTERVAL)
+    result = results[-1]
+    if result.status == pq.ExecStatus.TUPLES_OK:
+        transformer.set_pgresult(result)
+        return transformer.load_rows(0, result.ntuples, tuple)
+    if result.status == pq.ExecStatus.COMMAND_OK:
+        return []
+    sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE)
+    if sqlstate == _NOT_PREPARED:
+        return None
+    if sqlstate == _STALE_PLAN:  # see _bound: nothing ran
+        await conn.execute(f"DEALLOCATE {statement.name}")
+        return None
+    raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
 
 
 async def _aquery(

@@ -7,7 +7,10 @@ bounded by one node timeout, so hung nodes cost a try at most that, however many
 connection that failed, timed out or was cancelled before its reply was read is dropped, so a
 late reply is never read as the answer to a later command. Only :mod:`leases.backends.redlock` uses
 this module: it is that backend's ``atry_acquire``, ``arenew``, ``arelease`` and
-``await_for_release``, deciding with the backend's own quorum and validity rules.
+``await_for_release``, deciding with the backend's own quorum and validity rules. The database
+statements (a grant's token, a refusal's check of the current token) are awaited on the loop
+too, on the token counter's async connection (:meth:`~._counter.DurableCounter.abump_lease`):
+no worker thread on any path, except for a custom ``TOKEN_SOURCE``, a plain callable.
 """
 
 from __future__ import annotations
@@ -111,8 +114,10 @@ class AsyncRedlock:
         return None
 
     async def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
-        """The token (one database statement per grant, through the blocking token source) is
-        taken on a worker thread."""
+        """The token is taken after the quorum's ``SET``s, as the sync try takes it (see the
+        backend's *Fencing*): one prepared statement awaited on the loop's own database
+        connection, bounded by that connection's reply deadline. Whatever ends the try there
+        (no token in time, a cancellation) gives the quorum back before it is raised."""
         backend = self.backend
         keys = LeaseKeys.of(backend.prefix, name)
         secret = new_secret()
@@ -122,7 +127,7 @@ class AsyncRedlock:
         attempt = Grant(name, holder, 0, ttl, sent_at, secret=secret)
         if sum(answer is True for answer in answers) >= backend.quorum:
             try:
-                token = await asyncio.to_thread(backend.next_token, name)
+                token = await backend.anext_token(name)
             except BaseException:
                 self._unlock_everywhere(attempt, confirm=False)
                 raise
@@ -142,7 +147,7 @@ class AsyncRedlock:
         ):
             return renewed
         backend._unless_refused(answers, "renewal")  # unanswered is not refused: not a loss
-        refusal = await asyncio.to_thread(backend.refusal, grant, answers, "renewal")
+        refusal = await backend.arefusal(grant, answers, "renewal")
         if isinstance(refusal, LeaseLost):
             self._unlock_everywhere(grant, confirm=False)
         raise refusal
@@ -151,7 +156,7 @@ class AsyncRedlock:
         answers = await self._unlock_everywhere(grant)
         if sum(answer == Reply.OK for answer in answers) < self.backend.quorum:
             self.backend._unless_refused(answers, "release")
-            raise await asyncio.to_thread(self.backend.refusal, grant, answers, "release")
+            raise await self.backend.arefusal(grant, answers, "release")
 
     async def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` on one node picked at random, bounded by ``timeout`` (see the backend's

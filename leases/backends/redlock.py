@@ -39,13 +39,15 @@ connection of its own. B's token is then higher than A's, and the fence at the r
 whatever A writes after B has written. Taking it after the quorum, not before, keeps the order
 of tokens the order of grants (a try delayed in the network cannot win with an older token) and
 spends no counter on failed tries; the price is one database statement per grant (prepared,
-run by name: see :data:`~._counter.PREPARED_BUMP_LEASE`). If the source
-is unavailable, the quorum is given back and the grant refused with
+run by name: see :data:`~._counter.PREPARED_BUMP_LEASE`; an async grant awaits it on an async
+connection of its event loop). If the source is unavailable or does not answer within its
+reply deadline, the quorum is given back and the grant refused with
 :class:`~leases.errors.FencingUnavailable`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import time
@@ -382,13 +384,29 @@ class Backend(LeaseBackend):
         its token is the name's current one (one more statement, on this failure path only);
         otherwise another grant, perhaps of the same holder name, took over: the lease was lost.
         """
-        if sum(answer == Reply.NOT_OWNER for answer in answers) >= self.quorum and (
-            self.valid(grant)
-            and (
-                not self._source_is_database
-                or self.counter.current_lease(grant.name) == grant.token
-            )
-        ):
+        forged = self._maybe_forged(grant, answers) and (
+            not self._source_is_database or self.counter.current_lease(grant.name) == grant.token
+        )
+        return self._refused(grant, forged, what)
+
+    async def arefusal(
+        self, grant: Grant, answers: list[Any], what: str
+    ) -> LeaseLost | LeaseNotHeld:
+        """:meth:`refusal`, its statement awaited on the loop's token connection."""
+        forged = self._maybe_forged(grant, answers) and (
+            not self._source_is_database
+            or await self.counter.acurrent_lease(grant.name) == grant.token
+        )
+        return self._refused(grant, forged, what)
+
+    def _maybe_forged(self, grant: Grant, answers: list[Any]) -> bool:
+        """A quorum knew the holder but not the secret, and ``grant`` is still valid."""
+        refused = sum(answer == Reply.NOT_OWNER for answer in answers) >= self.quorum
+        return refused and self.valid(grant)
+
+    @staticmethod
+    def _refused(grant: Grant, forged: bool, what: str) -> LeaseLost | LeaseNotHeld:
+        if forged:
             return LeaseNotHeld(grant.name, FORGED)
         return LeaseLost(grant.name, grant.token, f"a quorum of nodes refused the {what}")
 
@@ -523,8 +541,20 @@ class Backend(LeaseBackend):
     async def await_for_release(self, name: str, timeout: float) -> bool:
         return await self._async.wait_for_release(name, timeout)
 
+    async def anext_token(self, name: str) -> int:
+        """:attr:`next_token`, awaited: the database source's statement on the loop's own
+        async connection; a custom ``TOKEN_SOURCE`` (a plain callable, which may block) on a
+        worker thread."""
+        if self._source_is_database:
+            return await self.counter.abump_lease(name)
+        return await asyncio.to_thread(self.next_token, name)
+
     async def aclose(self) -> None:
-        await self._async.aclose()
+        """The running loop's node clients and token connection."""
+        try:
+            await self._async.aclose()
+        finally:
+            await self.counter.aclose()
 
     def waiters(self) -> list[LeaseWaiter]:
         """The waits blocked on any node now (a waiter waits on one node picked at random);
