@@ -7,11 +7,15 @@ backend, the queue-lock prototype, django-pglock) on one throwaway server with
 
 - the statements the server ran (calls and mean execution time, from ``pg_stat_statements``
   with utility statements tracked: ``LISTEN``, ``BEGIN``, ``COMMIT`` count too);
-- for the backend, the client's round trips by kind and the wall time its contenders spent in
-  each step (instrumented in each contender: the room's entry, its waits, tries, releases);
+- for the backend, the client's round trips by kind and the wall time and client CPU its
+  contenders spent in each step (instrumented in each contender: the room's entry, its waits,
+  tries, releases);
 - failed tries per grant;
 - client CPU (``time.process_time`` of each contender) and server CPU (``utime + stime`` of
-  every server process, from ``/proc``), per grant;
+  every server process, from ``/proc``), each with its kernel part, and context switches, per
+  grant. On a machine of two cores, eight contenders keep the CPU busy: grants per second then
+  follow CPU per grant, not the latency of a hand-off's hops (which is why a hop fewer gained
+  nothing), so CPU is what this reports first;
 - how often the process that released takes the name straight back (the next grant in
   grant order is its own): a fair rotation of eight processes gives 0, chance about 1/8.
 
