@@ -77,7 +77,9 @@ class _Steps:
         self.seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
 
     def wrap(self, owner: Any, attribute: str, label: str | None = None) -> None:
-        original = getattr(owner, attribute)
+        original = getattr(owner, attribute, None)
+        if original is None:  # another protocol's branch: what it lacks is not counted
+            return
         label = label or attribute
 
         def timed(*args: Any, **kwargs: Any) -> Any:
