@@ -183,6 +183,21 @@ def _contender(
     done.wait(60)  # keep the sessions open until the parent has read the server's CPU
 
 
+def _session_kind(query: str) -> str:
+    """Which of a contender's sessions ran ``query`` last (what ``pg_stat_activity`` shows)."""
+    if "UNLISTEN" in query or "pg_advisory_lock" in query or "room_acquire" in query:
+        return "room connections"
+    if "leases_release" in query or "leases_acquire" in query:
+        return "own connections"
+    if "freed AS" in query or "INSERT INTO leases_lease" in query:
+        return "prototype connections"
+    if "pg_advisory_xact_lock" in query or query.strip() in {"BEGIN", "COMMIT"}:
+        return "pglock connections"
+    if "pg_stat_activity" in query:
+        return "this report's session"
+    return "other sessions"
+
+
 def _statements(conn: Any) -> list[tuple[str, int, float, int]]:
     rows = conn.execute(
         "SELECT query, calls, total_exec_time, rows FROM pg_stat_statements "
@@ -218,6 +233,7 @@ def contended(kind: str, seconds: float, server: PostgresServer, admin: Any) -> 
     start.set()
     found = [results.get(timeout=seconds + 60) for _ in procs]
     cpu_after = _server_cpu(server.proc.pid)
+    sessions = admin.execute("SELECT pid, query FROM pg_stat_activity").fetchall()
     statements = _statements(admin) if tracked else []
     done.set()
     for proc in procs:
@@ -226,6 +242,10 @@ def contended(kind: str, seconds: float, server: PostgresServer, admin: Any) -> 
     server_cpu = sum(cpu - cpu_before.get(pid, zero)[0] for pid, (cpu, *_) in cpu_after.items())
     server_switches = sum(n - cpu_before.get(pid, zero)[1] for pid, (_, n, _) in cpu_after.items())
     server_kernel = sum(k - cpu_before.get(pid, zero)[2] for pid, (*_, k) in cpu_after.items())
+    by_session: collections.defaultdict[str, float] = collections.defaultdict(float)
+    kinds = {pid: _session_kind(query or "") for pid, query in sessions}
+    for pid, (cpu, *_) in cpu_after.items():
+        by_session[kinds.get(pid, "server's own processes")] += cpu - cpu_before.get(pid, zero)[0]
     grants = sorted((stamp, pid) for pid, stamps, *_ in found for stamp in stamps)
     again = sum(1 for a, b in itertools.pairwise(grants) if a[1] == b[1])
     calls: collections.Counter[str] = collections.Counter()
@@ -243,6 +263,7 @@ def contended(kind: str, seconds: float, server: PostgresServer, admin: Any) -> 
         "again": again / max(1, len(grants) - 1),
         "client_cpu": sum(cpu for _, _, cpu, *_ in found),
         "server_cpu": server_cpu,
+        "by_session": by_session,
         "statements": statements,
         "calls": calls,
         "walls": walls,
@@ -262,6 +283,12 @@ def report(kind: str, got: dict[str, Any], seconds: float) -> None:
         f"({got['walls']['(server CPU in the kernel)'] / n * 1e6:.0f} in the kernel), "
         f"wall {PROCESSES * seconds / n * 1e6:.0f}"
         f" us of process time ({seconds * 1e6 / n:.0f} us of elapsed time)"
+    )
+    print(
+        "   server CPU per grant by session (from its last statement): "
+        + ", ".join(
+            f"{kind} {cpu / n * 1e6:.0f} us" for kind, cpu in sorted(got["by_session"].items())
+        )
     )
     print("   statements per grant (pg_stat_statements): calls/grant, mean exec us, rows/call")
     for query, calls, total, rows in got["statements"]:
