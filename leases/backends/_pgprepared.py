@@ -40,7 +40,7 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from psycopg import pq
@@ -152,20 +152,32 @@ def _bound(
     pgconn = conn.pgconn
     result = pgconn.exec_prepared(statement.key, values)  # type: ignore[arg-type]  # NULLs
     _keep_notifies(pgconn)
+    rows = _read(result, transformer, conn.info.encoding)
+    if rows is False:
+        conn.execute(f"DEALLOCATE {statement.name}")
+        return None
+    return rows
+
+
+def _read(
+    result: pq.abc.PGresult, transformer: psycopg.abc.Transformer, encoding: str
+) -> list[Any] | Literal[False] | None:
+    """A prepared statement's reply (sync or async alike): its rows; ``None`` when the session
+    does not have the statement (nothing ran); ``False`` when its plan is stale: a migration
+    changed a returned column's type, and the session keeps refusing the plan until the
+    statement is made again (nothing ran: the caller deallocates it). Any other error raised."""
     if result.status == pq.ExecStatus.TUPLES_OK:
         transformer.set_pgresult(result)
-        return transformer.load_rows(0, result.ntuples, tuple)
+        rows: list[Any] = transformer.load_rows(0, result.ntuples, tuple)
+        return rows
     if result.status == pq.ExecStatus.COMMAND_OK:
         return []
     sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE)
     if sqlstate == _NOT_PREPARED:
         return None
     if sqlstate == _STALE_PLAN:
-        # A migration changed a returned column's type: the session keeps refusing the plan
-        # until the statement is made again (nothing ran).
-        conn.execute(f"DEALLOCATE {statement.name}")
-        return None
-    raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+        return False
+    raise psycopg.errors.error_from_result(result, encoding=encoding)
 
 
 def _keep_notifies(pgconn: pq.abc.PGconn) -> None:
@@ -237,19 +249,11 @@ async def _abound(
         pgconn = conn.pgconn
         pgconn.send_query_prepared(statement.key, values)
         results = await wait_async(execute(pgconn), pgconn.socket, _WAKE_INTERVAL)
-    result = results[-1]
-    if result.status == pq.ExecStatus.TUPLES_OK:
-        transformer.set_pgresult(result)
-        return transformer.load_rows(0, result.ntuples, tuple)
-    if result.status == pq.ExecStatus.COMMAND_OK:
-        return []
-    sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE)
-    if sqlstate == _NOT_PREPARED:
-        return None
-    if sqlstate == _STALE_PLAN:  # see _bound: nothing ran
+    rows = _read(results[-1], transformer, conn.info.encoding)
+    if rows is False:
         await conn.execute(f"DEALLOCATE {statement.name}")
         return None
-    raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+    return rows
 
 
 async def _aquery(
