@@ -5,19 +5,31 @@ loop that opened it: used from another loop it fails or, worse, hangs. So a back
 per running loop, made on first use there; :meth:`PerLoop.aclose` (reached through
 :meth:`~leases.backends.LeaseBackend.aclose`) closes the running loop's before it ends, and a
 loop that ends without it only drops its entry (the weak reference dies with the loop).
+
+A forked child starts with none of its parent's values and a fresh lock: another thread of
+the parent may have held the lock at the fork (the child would wait on it forever), and a
+parent's connection is the parent's session. Those values stay referenced in the child, never
+closed: a psycopg connection closed or collected there sends ``Terminate`` on the parent's
+socket (the same rule as :func:`~._pgconn.inherit` on the sync side).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["PerLoop"]
 
 T = TypeVar("T")
+
+#: Every :class:`PerLoop`, so a forked child can renew them all (:func:`_after_fork_in_child`).
+_all: weakref.WeakSet[PerLoop[Any]] = weakref.WeakSet()
+#: The parent's values in a forked child: kept alive, never used, never closed.
+_inherited: list[object] = []
 
 
 class PerLoop(Generic[T]):
@@ -30,6 +42,7 @@ class PerLoop(Generic[T]):
         self._values: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, T] = (
             weakref.WeakKeyDictionary()
         )
+        _all.add(self)
 
     def get(self) -> T:
         """The running loop's value (made now if it has none); only call it from a coroutine."""
@@ -46,3 +59,17 @@ class PerLoop(Generic[T]):
             value = self._values.pop(asyncio.get_running_loop(), None)
         if value is not None:
             await self._close(value)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: a fresh lock, and the parent's values put aside unclosed."""
+        self._lock = threading.Lock()
+        _inherited.extend(self._values.values())
+        self._values = weakref.WeakKeyDictionary()
+
+
+def _after_fork_in_child() -> None:
+    for per_loop in list(_all):
+        per_loop.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -6,11 +6,12 @@ backend's *epochs* and Redlock's *tokens*. Each bump is one statement, committed
 of its own, so a caller's ``transaction.atomic()`` rolling back can never un-issue a number
 (a rolled-back bump would hand the same number out twice).
 
-The async twins (:meth:`DurableCounter.abump_lease`, :meth:`DurableCounter.acurrent_lease`) run
-the same statements on one psycopg ``AsyncConnection`` per event loop
-(:class:`~._pgaio.AsyncPrivateConnection`: the same connection recipe, the same prepared
-statement run by name, the same reply deadline), so an async Redlock grant awaits its token on
-the loop instead of holding a worker thread for a blocking statement.
+The async twins (:meth:`DurableCounter.abump_lease`, :meth:`DurableCounter.acurrent_lease`,
+:meth:`DurableCounter.abump_fence`) run the same statements on one psycopg ``AsyncConnection``
+per event loop (:class:`~._pgaio.AsyncPrivateConnection`: the same connection recipe, the same
+prepared statement run by name, the same reply deadline), so an async Redlock grant awaits its
+token, and an async Redis grant its epoch, on the loop instead of holding a worker thread for a
+blocking statement.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from ._pruning import FLOOR_SQL
 __all__ = ["DurableCounter"]
 
 #: Next value of a named counter in ``leases_fence``, at least ``floor``. ``GREATEST`` keeps it
-#: increasing even if the database was restored from a backup older than the Redis data.
+#: increasing even if the database was restored from a backup older than the Redis data. Named
+#: parameters, so the sync and async connections send the very same text.
 BUMP_FENCE_SQL = """
-INSERT INTO leases_fence (resource, token) VALUES (%s, %s)
+INSERT INTO leases_fence (resource, token) VALUES (%(resource)s, %(floor)s)
 ON CONFLICT (resource) DO UPDATE SET token = GREATEST(leases_fence.token + 1, EXCLUDED.token)
 RETURNING token
 """
@@ -131,7 +133,14 @@ class DurableCounter:
 
     def bump_fence(self, resource: str, floor: int = 1) -> int:
         """The next value of counter ``resource``: higher than every earlier one, >= ``floor``."""
-        value = self._execute(BUMP_FENCE_SQL, (resource, floor))
+        value = self._execute(BUMP_FENCE_SQL, {"resource": resource, "floor": floor})
+        assert value is not None
+        return value
+
+    async def abump_fence(self, resource: str, floor: int = 1) -> int:
+        """:meth:`bump_fence`, awaited on the running loop's async connection: the same
+        statement on the same row, so sync and async values of one counter never repeat."""
+        value = await self._aexecute(BUMP_FENCE_SQL, {"resource": resource, "floor": floor})
         assert value is not None
         return value
 

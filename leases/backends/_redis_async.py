@@ -8,7 +8,6 @@ that backend's ``atry_acquire``, ``arenew``, ``arelease`` and ``await_for_releas
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -120,8 +119,8 @@ class AsyncRedis:
     async def acquire(
         self, script: str, name: str, holder: str, ttl: float, keys: list[str], extra: list[object]
     ) -> Grant | None:
-        """The backend's ``_acquire`` on the event loop. The rare new epoch (a database
-        statement, after a Redis restart or failover) is taken on a worker thread."""
+        """The backend's ``_acquire`` on the event loop, a new epoch (a database statement: a
+        name's first grant, or after a Redis restart or failover) included."""
         offered, secret = 0, new_secret()
         shared = {"shared": True} if script == "shared_acquire" else None
         for _ in range(3):
@@ -133,7 +132,7 @@ class AsyncRedis:
                 if shared is None:
                     self.backend.readers_seen.note(name, reply)
                 return outcome
-            offered = await asyncio.to_thread(self.backend.next_epoch, outcome)
+            offered = await self.backend.anext_epoch(outcome)
         raise FencingUnavailable(self.backend.alias, f"no stable epoch for {name!r} after 3 tries")
 
     async def renew(self, grant: Grant, ttl: float) -> Grant:

@@ -314,7 +314,15 @@ class Backend(LeaseBackend):
 
     def next_epoch(self, stored: int) -> int:
         """A new epoch above ``stored``, from the database (see the module's docstring)."""
-        offered = self.epochs.bump_fence(self.epoch_resource, stored + 1)
+        return self._usable_epoch(self.epochs.bump_fence(self.epoch_resource, stored + 1))
+
+    async def anext_epoch(self, stored: int) -> int:
+        """:meth:`next_epoch`, awaited on the event loop's own database connection (the same
+        statement, row, reply deadline and errors), not on a worker thread: every new name's
+        first grant takes one, so it is no rarer than the first acquire of a name."""
+        return self._usable_epoch(await self.epochs.abump_fence(self.epoch_resource, stored + 1))
+
+    def _usable_epoch(self, offered: int) -> int:
         if offered > MAX_EPOCH:
             raise FencingUnavailable(self.alias, "the epoch counter is exhausted")
         return offered
@@ -373,7 +381,11 @@ class Backend(LeaseBackend):
         return await self._async.wait_for_release(name, timeout)
 
     async def aclose(self) -> None:
-        await self._async.aclose()
+        """The running loop's Redis client and epoch connection."""
+        try:
+            await self._async.aclose()
+        finally:
+            await self.epochs.aclose()
 
     def inspect(self, name: str) -> LeaseInfo | None:
         keys = LeaseKeys.of(self.prefix, name)

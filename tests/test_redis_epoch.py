@@ -1,0 +1,203 @@
+"""The Redis backend's epochs on the async path: drawn on the event loop's own database
+connection (no worker thread), bounded by its reply deadline, one increasing counter with the
+sync path; and a forked child's async counter, whatever a parent thread held at the fork."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from leases.backends._pgconn import connect
+from leases.backends.redis import COUNTER_BITS, Backend
+from leases.errors import FencingUnavailable
+from tests.test_redlock_token import NoWorkerThreads, until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def backend() -> Iterator[Backend]:
+    """A backend on the shared Redis with a prefix (so an epoch row) of its own."""
+    prefix = f"epoch-{uuid.uuid4().hex[:8]}:"
+    made = Backend("redis-epoch-test", {"URL": os.environ["REDIS_URL"], "PREFIX": prefix})
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def unique() -> str:
+    return f"e-{uuid.uuid4().hex[:10]}"
+
+
+def epoch_row(backend: Backend) -> int:
+    with connect("default") as conn:
+        row = conn.execute(
+            "SELECT token FROM leases_fence WHERE resource = %s", (backend.epoch_resource,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@contextlib.contextmanager
+def locked_epoch_row(backend: Backend) -> Iterator[Callable[[], bool]]:
+    """The backend's epoch row locked by another session, so an epoch statement waits on it
+    (an epoch database that does not answer); yields whether a statement waits on the lock."""
+    with connect("default") as locker:
+        locker.execute("BEGIN")
+        locker.execute(
+            "INSERT INTO leases_fence (resource, token) VALUES (%s, 1)"
+            " ON CONFLICT (resource) DO UPDATE SET token = leases_fence.token",
+            (backend.epoch_resource,),
+        )
+        pid = locker.info.backend_pid
+
+        def waiting() -> bool:
+            with connect("default") as probe:
+                row = probe.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                    (pid,),
+                ).fetchone()
+            return row is not None and row[0] > 0
+
+        try:
+            yield waiting
+        finally:
+            locker.execute("ROLLBACK")
+
+
+def test_an_async_grant_draws_its_epoch_on_the_loops_own_connection(backend: Backend) -> None:
+    """A new name's first grant needs a new epoch: with no worker thread to be had (the loop's
+    executor refuses work) it is drawn on the loop's async connection to the epoch database,
+    the same row the sync path bumps, and ``aclose`` closes that connection."""
+
+    async def main() -> tuple[list[int], bool]:
+        asyncio.get_running_loop().set_default_executor(NoWorkerThreads())
+        epochs = []
+        try:
+            for _ in range(2):
+                grant = await backend.atry_acquire(unique(), "async", 5.0)
+                assert grant is not None
+                await backend.arelease(grant)
+                epochs.append(grant.token >> COUNTER_BITS)
+            conn = backend.epochs._aconnections.get().conn
+            assert conn is not None and not conn.closed
+        finally:
+            await backend.aclose()
+        return epochs, conn.closed
+
+    epochs, closed = asyncio.run(main())
+    assert epochs[0] < epochs[1] == epoch_row(backend)
+    assert closed
+
+
+def test_sync_and_async_epochs_of_one_server_never_regress(backend: Backend) -> None:
+    """Sync and async grants of new names, interleaved: each draws the next epoch of the one
+    row, whichever path took it."""
+    epochs: list[int] = []
+
+    def granted() -> None:
+        grant = backend.try_acquire(unique(), "sync", 5.0)
+        assert grant is not None
+        backend.release(grant)
+        epochs.append(grant.token >> COUNTER_BITS)
+
+    async def main() -> None:
+        try:
+            for _ in range(3):
+                grant = await backend.atry_acquire(unique(), "async", 5.0)
+                assert grant is not None
+                await backend.arelease(grant)
+                epochs.append(grant.token >> COUNTER_BITS)
+                await asyncio.to_thread(granted)
+        finally:
+            await backend.aclose()
+
+    asyncio.run(main())
+    granted()
+    assert epochs == list(range(epochs[0], epochs[0] + 7)), epochs
+    assert epoch_row(backend) == epochs[-1]
+
+
+def test_an_async_grant_whose_epoch_database_stalls_fails_within_its_reply_deadline(
+    backend: Backend,
+) -> None:
+    """The epoch statement gets no reply (its row is locked by another session): the try fails
+    with ``FencingUnavailable`` at the connection's reply deadline, while the lock is still
+    held, the loop turning meanwhile; nothing is held in Redis, and the next try, once the
+    database answers, is granted with a higher epoch."""
+    name = unique()
+    before = backend.try_acquire(unique(), "sync", 5.0)
+    assert before is not None
+    backend.release(before)
+
+    async def main() -> int:
+        try:
+            backend.epochs._aconnections.get().timeout = 1.0
+            with locked_epoch_row(backend) as waiting:
+                attempt = asyncio.ensure_future(backend.atry_acquire(name, "stalled", 30.0))
+                await until(waiting, "the epoch statement to wait on the locked row")
+                assert not attempt.done()
+                async with asyncio.timeout(30):  # a hang fails the test, never blocks it
+                    with pytest.raises(FencingUnavailable):
+                        await attempt
+            assert backend.inspect(name) is None
+            grant = await backend.atry_acquire(name, "next", 30.0)
+            assert grant is not None
+            await backend.arelease(grant)
+            return grant.token
+        finally:
+            await backend.aclose()
+
+    assert asyncio.run(main()) >> COUNTER_BITS > before.token >> COUNTER_BITS
+
+
+def test_a_child_forked_while_a_thread_holds_the_per_loop_lock_uses_its_async_counter(
+    backend: Backend,
+) -> None:
+    """Another thread of the parent is inside the async counter's per-loop lock at the fork
+    (it holds it here until the fork is done): the child, on a loop of its own, still draws
+    an epoch, since its lock is its own. An alarm ends a child that hangs on the parent's."""
+    resource = backend.epoch_resource
+    backend.epochs.bump_fence(resource)  # the parent's sync connection is open too
+    held, forked = threading.Event(), threading.Event()
+    lock = backend.epochs._aconnections._lock
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            forked.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's
+                signal.alarm(60)  # its default action ends a hung child
+
+                async def child() -> int:
+                    try:
+                        return await backend.epochs.abump_fence(resource)
+                    finally:
+                        await backend.epochs.aclose()
+
+                code = 0 if asyncio.run(child()) > 0 else 3
+            finally:
+                os._exit(code)
+    finally:
+        forked.set()
+        thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert backend.epochs.bump_fence(resource) > 0  # the parent's session still works
