@@ -17,7 +17,7 @@ import pytest
 from leases.backends._pgconn import connect
 from leases.backends.redis import COUNTER_BITS, Backend
 from leases.errors import FencingUnavailable
-from tests.test_redlock_token import NoWorkerThreads, until
+from tests.test_redlock_token import NoWorkerThreads, locked_row, until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -46,31 +46,14 @@ def epoch_row(backend: Backend) -> int:
     return int(row[0])
 
 
-@contextlib.contextmanager
-def locked_epoch_row(backend: Backend) -> Iterator[Callable[[], bool]]:
+def locked_epoch_row(backend: Backend) -> contextlib.AbstractContextManager[Callable[[], bool]]:
     """The backend's epoch row locked by another session, so an epoch statement waits on it
     (an epoch database that does not answer); yields whether a statement waits on the lock."""
-    with connect("default") as locker:
-        locker.execute("BEGIN")
-        locker.execute(
-            "INSERT INTO leases_fence (resource, token) VALUES (%s, 1)"
-            " ON CONFLICT (resource) DO UPDATE SET token = leases_fence.token",
-            (backend.epoch_resource,),
-        )
-        pid = locker.info.backend_pid
-
-        def waiting() -> bool:
-            with connect("default") as probe:
-                row = probe.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
-                    (pid,),
-                ).fetchone()
-            return row is not None and row[0] > 0
-
-        try:
-            yield waiting
-        finally:
-            locker.execute("ROLLBACK")
+    return locked_row(
+        "INSERT INTO leases_fence (resource, token) VALUES (%s, 1)"
+        " ON CONFLICT (resource) DO UPDATE SET token = leases_fence.token",
+        backend.epoch_resource,
+    )
 
 
 def test_an_async_grant_draws_its_epoch_on_the_loops_own_connection(backend: Backend) -> None:

@@ -126,17 +126,23 @@ def async_counter_connection(backend: Backend) -> psycopg.AsyncConnection[Any]:
     return conn
 
 
-@contextlib.contextmanager
-def locked_token_row(name: str) -> Iterator[Callable[[], bool]]:
+def locked_token_row(name: str) -> contextlib.AbstractContextManager[Callable[[], bool]]:
     """``name``'s token row locked by another session, so the token statement waits on it
     (a token database that does not answer); yields whether a statement waits on the lock."""
+    return locked_row(
+        "INSERT INTO leases_lease (name, holder, token, meta) VALUES (%s, '', 1, '{}')"
+        " ON CONFLICT (name) DO UPDATE SET holder = leases_lease.holder",
+        name,
+    )
+
+
+@contextlib.contextmanager
+def locked_row(upsert: str, key: str) -> Iterator[Callable[[], bool]]:
+    """The row ``upsert`` writes for ``key`` locked by another session's open transaction
+    until the block ends; yields whether some statement waits on that lock."""
     with connect("default") as locker:
         locker.execute("BEGIN")
-        locker.execute(
-            "INSERT INTO leases_lease (name, holder, token, meta) VALUES (%s, '', 1, '{}')"
-            " ON CONFLICT (name) DO UPDATE SET holder = leases_lease.holder",
-            (name,),
-        )
+        locker.execute(upsert, (key,))
         pid = locker.info.backend_pid
 
         def waiting() -> bool:
