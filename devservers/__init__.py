@@ -8,6 +8,7 @@ tests, the demo and the benchmarks need the same servers.
 from devservers.servers import (
     PostgresServer,
     RedisServer,
+    ServerStartFailed,
     configured_or_throwaway,
     database_settings,
     free_port,
@@ -17,6 +18,7 @@ from devservers.servers import (
 __all__ = [
     "PostgresServer",
     "RedisServer",
+    "ServerStartFailed",
     "configured_or_throwaway",
     "database_settings",
     "free_port",

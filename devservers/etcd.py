@@ -19,6 +19,7 @@ import shutil
 import signal
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -26,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from devservers.servers import _child_setup, _wait_port, free_port
+from devservers.servers import ServerStartFailed, _child_setup, _wait_port, free_port
 
 __all__ = ["EtcdCluster", "TlsFiles", "etcd_binary", "make_certificates"]
 
@@ -174,14 +175,37 @@ class EtcdCluster:
         )
         log.close()
 
-    def start(self, timeout: float = 60.0) -> EtcdCluster:
-        for member in self.members:
-            self._spawn(member, "new")
-        for member in self.members:
-            assert member.proc is not None
-            _wait_port(member.client_port, member.proc, timeout, f"etcd {member.name}")
-        self.wait_for_leader(timeout)
-        return self
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> EtcdCluster:
+        """Start every member and wait for a leader. A member that exits while starting (its
+        log is quoted) gets the whole cluster started again, on fresh ports and data, up to
+        ``attempts`` times: a bootstrap is all-or-nothing, since the members agreed on one
+        ``--initial-cluster``."""
+        for attempt in range(attempts):
+            try:
+                for member in self.members:
+                    self._spawn(member, "new")
+                for member in self.members:
+                    assert member.proc is not None
+                    _wait_port(
+                        member.client_port, member.proc, timeout, f"etcd {member.name}", member.log
+                    )
+                self.wait_for_leader(timeout)
+            except ServerStartFailed as failure:
+                if attempt == attempts - 1:
+                    raise
+                sys.stderr.write(f"etcd cluster start failed, starting it again: {failure}\n")
+                self._reset()
+            else:
+                return self
+        raise AssertionError("unreachable")
+
+    def _reset(self) -> None:
+        """Kill every member and give each fresh ports and an empty data directory."""
+        for index in range(len(self.members)):
+            self.kill(index)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir()
+        self.members = [_Member(m.name, self.dir, m.scheme) for m in self.members]
 
     def status(self, index: int, timeout: float = 1.0) -> dict[str, object]:
         """The member's ``/v3/maintenance/status`` (its id, the leader's, the raft term)."""
@@ -222,7 +246,7 @@ class EtcdCluster:
                 return leader
             time.sleep(0.05)
         logs = "\n".join(m.log.read_text(errors="replace")[-1500:] for m in self.members)
-        raise RuntimeError(f"etcd cluster elected no leader within {timeout}s:\n{logs}")
+        raise ServerStartFailed(f"etcd cluster elected no leader within {timeout}s:\n{logs}")
 
     def kill(self, index: int) -> None:
         """SIGKILL one member: a crash, its data directory kept for :meth:`restart`."""
@@ -239,7 +263,7 @@ class EtcdCluster:
         member = self.members[index]
         self._spawn(member, "existing")
         assert member.proc is not None
-        _wait_port(member.client_port, member.proc, timeout, f"etcd {member.name}")
+        _wait_port(member.client_port, member.proc, timeout, f"etcd {member.name}", member.log)
 
     def pause(self, index: int) -> None:
         """SIGSTOP one member: it hangs, as a stalled host (connections open, no answers)."""

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import glob
 import hashlib
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -37,6 +39,7 @@ _PR_SET_PDEATHSIG = 1
 __all__ = [
     "PostgresServer",
     "RedisServer",
+    "ServerStartFailed",
     "ServerUnreachable",
     "configured_or_throwaway",
     "database_settings",
@@ -45,10 +48,87 @@ __all__ = [
 ]
 
 
-def free_port() -> int:
+#: Claims of handed-out ports, one file per port naming the claiming process, shared by every
+#: process on the machine (xdist workers, a demo beside a test run).
+_PORT_CLAIMS = Path(tempfile.gettempdir()) / "leases-ports"
+#: Ports below the kernel's ephemeral range that :func:`free_port` picks from.
+_PORT_FLOOR = 10_000
+_claimed: set[int] = set()
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to ``connect()`` and ``bind(0)`` (Linux's
+    ``ip_local_port_range``); 32768 where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _claim(port: int) -> bool:
+    """Claim ``port`` for this process unless a live process holds it; serialised across
+    processes by an ``flock`` on the claims directory's lock file."""
+    _PORT_CLAIMS.mkdir(mode=0o1777, exist_ok=True)
+    claim = _PORT_CLAIMS / str(port)
+    with open(_PORT_CLAIMS / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError, ValueError):
+            holder = int(claim.read_text())
+            if holder > 0 and _alive(holder):
+                return False
+        if not _bindable(port):
+            return False
+        claim.write_text(str(os.getpid()))
+        with contextlib.suppress(OSError):
+            claim.chmod(0o666)
+    return True
+
+
+def free_port() -> int:
+    """A loopback TCP port that nothing listens on and that nothing else will be handed while
+    this process lives.
+
+    Not ``bind(0)``: a port the kernel picks that way comes from its ephemeral range, so between
+    our closing it and the server binding it, any outgoing connection on the machine (thousands
+    in a test run) or another worker's ``bind(0)`` can take it, and the server then exits with
+    "address in use" (an etcd member did, failing a CI run). So the port is drawn below the
+    ephemeral range, where only an explicit ``bind`` can land, is never handed out twice in
+    this process, and is claimed in a file naming this process so that other processes on the
+    machine skip it until this one ends. A restarted server keeps its port for the same reason.
+    """
+    top = _ephemeral_floor()
+    if top - _PORT_FLOOR < 1000:  # an unusual range: fall back on the kernel's pick
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(_PORT_FLOOR, top)
+        if port in _claimed:
+            continue
+        if _claim(port):
+            _claimed.add(port)
+            return port
+    raise RuntimeError(f"no free loopback port in {_PORT_FLOOR}..{top - 1} after 1000 tries")
 
 
 def reachable(url: str | None, timeout: float = 1.0) -> bool:
@@ -68,15 +148,40 @@ def reachable(url: str | None, timeout: float = 1.0) -> bool:
         return False
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float, what: str) -> None:
+def _wait_port(
+    port: int,
+    proc: subprocess.Popen[bytes],
+    timeout: float,
+    what: str,
+    log: Path | None = None,
+) -> None:
+    """Wait until ``proc`` listens on ``port``; a failure quotes the end of ``log`` (a CI run's
+    only trace of why a server would not start)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} while starting")
+            raise ServerStartFailed(
+                f"{what} exited with code {proc.returncode} while starting{_tail(log)}"
+            )
         if reachable(f"tcp://127.0.0.1:{port}", timeout=0.2):
             return
         time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout}s")
+    raise ServerStartFailed(
+        f"{what} did not listen on 127.0.0.1:{port} within {timeout}s{_tail(log)}"
+    )
+
+
+class ServerStartFailed(RuntimeError):
+    """A throwaway server exited or never listened while starting."""
+
+
+def _tail(log: Path | None, size: int = 2000) -> str:
+    if log is None:
+        return ""
+    try:
+        return ":\n" + log.read_text(errors="replace")[-size:]
+    except OSError:
+        return ""
 
 
 def _child_setup(sig: int, user: pwd.struct_passwd | None = None) -> Callable[[], None]:
@@ -345,7 +450,7 @@ class PostgresServer:
         log.close()
         deadline = time.monotonic() + timeout
         while True:
-            _wait_port(self.port, self.proc, timeout, "postgres")
+            _wait_port(self.port, self.proc, timeout, "postgres", self.log)
             probe = subprocess.run(
                 [str(self.bindir / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port)],
                 capture_output=True,
@@ -469,7 +574,7 @@ class RedisServer:
             start_new_session=True,
             preexec_fn=_child_setup(signal.SIGKILL),
         )
-        _wait_port(self.port, self.proc, timeout, "redis-server")
+        _wait_port(self.port, self.proc, timeout, "redis-server", self.log)
         return self
 
     def _version(self) -> str:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
 import redis
 
-from devservers import PostgresServer, RedisServer, reachable
+from devservers import PostgresServer, RedisServer, free_port, reachable
+from devservers.etcd import EtcdCluster, etcd_binary
 
 
 def test_embedded_wheels_serve_when_no_system_binaries(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,3 +70,65 @@ def test_servers_die_with_the_process_that_started_them(python: str) -> None:
     while any(reachable(url) for url in urls) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(reachable(url) for url in urls), "a server outlived its owner"
+
+
+def test_free_port_never_hands_out_one_port_twice() -> None:
+    """The ports a process is handed are distinct and lie below the kernel's ephemeral range,
+    where no outgoing connection or ``bind(0)`` can take one before its server binds it.
+
+    Old code (``bind(0)``, close, return): 1,500 draws from the kernel's ~14,000 odd ephemeral
+    ports repeat one with near certainty, and every one lies in the range connections use."""
+    ports = [free_port() for _ in range(1500)]
+    assert len(set(ports)) == len(ports)
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert max(ports) < floor
+
+
+def test_processes_on_one_machine_never_share_a_port(python: str) -> None:
+    """Two processes drawing at once (xdist workers) get disjoint ports, and a port stays taken
+    for as long as the process that drew it lives, even after the server on it stopped."""
+    script = (
+        "import sys\n"
+        "from devservers import free_port\n"
+        "print(' '.join(str(free_port()) for _ in range(400)), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    children = [
+        subprocess.Popen(
+            [python, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        drawn = []
+        for child in children:
+            assert child.stdout is not None
+            drawn.append({int(port) for port in child.stdout.readline().split()})
+        assert all(len(ports) == 400 for ports in drawn)
+        assert not drawn[0] & drawn[1]
+        mine = {free_port() for _ in range(400)}
+        assert not mine & (drawn[0] | drawn[1])
+    finally:
+        for child in children:
+            child.kill()
+            child.wait(timeout=10)
+
+
+def test_an_etcd_member_that_cannot_bind_gets_the_cluster_started_again(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A member that exits while starting (here: its client port is taken, as by another
+    process) gets the whole cluster started again on fresh ports, and says why from its log."""
+    if etcd_binary() is None:
+        pytest.skip("etcd: no etcd binary installed (apt-get install etcd-server)")
+    cluster = EtcdCluster(size=3)
+    taken = cluster.members[1].client_port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))  # bound, not listening: etcd cannot bind it
+        try:
+            cluster.start(timeout=30)
+            assert cluster.members[1].client_port != taken
+            assert cluster.leader() is not None
+        finally:
+            cluster.destroy()
+    assert "address already in use" in capfd.readouterr().err
