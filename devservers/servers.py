@@ -86,10 +86,15 @@ def _bindable(port: int) -> bool:
 
 def _claim(port: int) -> bool:
     """Claim ``port`` for this process unless a live process holds it; serialised across
-    processes by an ``flock`` on the claims directory's lock file."""
-    _PORT_CLAIMS.mkdir(mode=0o1777, exist_ok=True)
+    processes by an ``flock`` on the claims directory's lock file. Every file is left writable
+    by all, so runs as root and as another user on one machine share the claims."""
+    if not _PORT_CLAIMS.is_dir():
+        _PORT_CLAIMS.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):
+            _PORT_CLAIMS.chmod(0o1777)
     claim = _PORT_CLAIMS / str(port)
-    with open(_PORT_CLAIMS / ".lock", "a") as lock:
+    lock = os.open(_PORT_CLAIMS / ".lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         with contextlib.suppress(OSError, ValueError):
             holder = int(claim.read_text())
@@ -97,10 +102,15 @@ def _claim(port: int) -> bool:
                 return False
         if not _bindable(port):
             return False
-        claim.write_text(str(os.getpid()))
+        try:
+            claim.write_text(str(os.getpid()))
+        except OSError:  # another user's claim file we may not write: leave that port alone
+            return False
         with contextlib.suppress(OSError):
             claim.chmod(0o666)
-    return True
+        return True
+    finally:
+        os.close(lock)
 
 
 def free_port() -> int:
