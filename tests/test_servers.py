@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import threading
@@ -14,6 +16,8 @@ import redis
 
 from devservers import PostgresServer, RedisServer, free_port, reachable
 from devservers.etcd import EtcdCluster, etcd_binary
+from tests.crashing import recovered_from
+from tests.waiting import wait_until
 
 
 def test_embedded_wheels_serve_when_no_system_binaries(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,6 +51,53 @@ def test_pause_freezes_open_sessions_until_resume(pg_server: PostgresServer) -> 
         finally:
             pg_server.resume()
         assert answered.wait(10), "the server did not answer after resume"
+
+
+def test_a_crash_is_not_taken_for_its_recovery_before_the_postmaster_notices_it(
+    pg_server: PostgresServer,
+) -> None:
+    """``crash_after`` kills the WAL writer; until the postmaster notices, the server still
+    answers as one out of recovery. On a loaded machine a connection can be served in that gap:
+    a check that took it for the recovery returned early, and the crash then landed on the
+    test's next statement (``BackendUnavailable``: "server closed the connection
+    unexpectedly", seen once in ``test_releases_then_crashes_never_regress_tokens_or_grant_twice``).
+    The gap is held open here by stopping the postmaster around the kill."""
+    assert pg_server.proc is not None
+    postmaster = pg_server.proc.pid
+    with psycopg.connect(pg_server.url, autocommit=True) as admin:
+        row = admin.execute(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'"
+        ).fetchone()
+        assert row is not None
+        walwriter = int(row[0])
+        os.kill(postmaster, signal.SIGSTOP)
+        try:
+            os.kill(walwriter, signal.SIGKILL)
+            wait_until(lambda: _zombie(walwriter), 10, "the killed WAL writer to exit")
+            # What a bare "out of recovery" check sees: a healthy server...
+            assert admin.execute("SELECT NOT pg_is_in_recovery()").fetchone() == (True,)
+            # ...which has yet to crash.
+            assert not recovered_from(admin, walwriter)
+        finally:
+            os.kill(postmaster, signal.SIGCONT)
+
+    def recovered() -> bool:
+        try:
+            with psycopg.connect(pg_server.url, autocommit=True, connect_timeout=2) as admin:
+                return recovered_from(admin, walwriter)
+        except psycopg.Error:
+            return False
+
+    wait_until(recovered, 60, "the server to crash and recover")
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits for its parent to reap it (or is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_servers_die_with_the_process_that_started_them(python: str) -> None:
