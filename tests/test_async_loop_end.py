@@ -131,3 +131,31 @@ def test_a_loop_ended_without_aclose_ends_its_redis_connections(alias: str) -> N
 
     ended_without_aclose(main, gone)
 
+
+def test_a_forked_child_ending_the_parents_loop_leaves_its_sessions_open() -> None:
+    """A child forked between two runs of the parent's loop shuts that loop down (leaving an
+    ``asyncio.Runner`` block does): the parent's values are its sessions, so the child closes
+    none, and the parent's next statement runs on the same session."""
+    name = f"loop-end-{uuid.uuid4().hex[:10]}"
+    backend: Any = get_backend("default")
+
+    async def session() -> int:
+        await (await aacquire(name, ttl=30, keepalive=False)).arelease()
+        conn = backend._async.get().conn.conn
+        assert conn is not None
+        return int(conn.info.backend_pid)
+
+    with asyncio.Runner() as runner:
+        before = runner.run(session())
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                runner.close()  # the loop's shutdown, in the child
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert before in pg_sessions()
+        assert runner.run(session()) == before
