@@ -116,7 +116,7 @@ def test_a_try_with_hung_nodes_takes_about_one_node_timeout(
     however many hang, a try costs one NODE_TIMEOUT (read node by node, 5 hung nodes cost 10).
     Twice: the first try reuses open connections, the second must open new ones to hung nodes.
     """
-    timeout = 0.2
+    timeout = 0.3
     backend, name = make_backend(five, NODE_TIMEOUT=timeout), unique()
     assert backend.inspect(name) is None  # a connection to every node is open now
     elapsed = []
@@ -133,7 +133,9 @@ def test_a_try_with_hung_nodes_takes_about_one_node_timeout(
     finally:
         for server in five[:hung]:
             server.resume()
-    assert max(elapsed) < 1.5 * timeout + 0.05, elapsed
+    # Read node by node, three hung nodes cost 3 x NODE_TIMEOUT; the bound leaves a loaded
+    # machine a whole NODE_TIMEOUT of slack over the concurrent read's one.
+    assert max(elapsed) < 2 * timeout, elapsed
 
 
 def test_failed_attempt_unlocks_on_every_node_but_never_others_keys(
