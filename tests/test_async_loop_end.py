@@ -1,0 +1,161 @@
+"""A loop that ends without ``backend.aclose()`` (``asyncio.run(main())`` in a script, Django's
+``async_to_sync``) ends the server sessions its backends opened on it as it ends: not whenever
+the garbage collector happens to run (the collector is off while the test waits), and without
+psycopg's ``ResourceWarning: AsyncConnection deleted while still open``."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import uuid
+import warnings
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import redis
+
+from leases import aacquire
+from leases.backends import get_backend
+from leases.backends._pgconn import LISTEN_SQL, connect
+from tests.test_redlock_token import until
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.django_db
+
+
+def pg_sessions(query: str | None = None) -> set[int]:
+    """The test database's other sessions (those running ``query`` only, if given)."""
+    with connect("default") as probe:
+        rows = probe.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND (%(query)s::text IS NULL OR query = %(query)s)",
+            {"query": query},
+        ).fetchall()
+    return {int(row[0]) for row in rows}
+
+
+def redis_clients(url: str, command: str | None = None) -> set[int]:
+    """The ids of the clients of the Redis at ``url`` but this probe's (running ``command``
+    only, if given)."""
+    with redis.Redis.from_url(url) as probe:
+        own = probe.client_id()
+        return {
+            int(client["id"])
+            for client in probe.client_list()
+            if client["id"] != own and command in (None, client["cmd"])
+        }
+
+
+def ended_without_aclose(
+    main: Callable[[], Coroutine[Any, Any, None]], gone: Callable[[], bool]
+) -> None:
+    """Run ``main`` in ``asyncio.run`` (no ``aclose()``), then wait until ``gone()`` with the
+    garbage collector off; no ``ResourceWarning`` meanwhile, nor when it collects after."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.disable()  # closed as the loop ends, not when the collector finds the loop
+        try:
+            asyncio.run(main())
+            wait_until(gone, 10, "the loop's server sessions to end")
+        finally:
+            gc.enable()
+        gc.collect()
+    left = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert left == []
+
+
+def test_a_loop_ended_without_aclose_ends_its_database_sessions() -> None:
+    """The loop's statement connection, its listener, and the idle room connection a contended
+    wait left behind: every session it opened ends with it."""
+    name = f"loop-end-{uuid.uuid4().hex[:10]}"
+    backend: Any = get_backend("default")
+    before = pg_sessions()
+    opened: set[int] = set()
+
+    async def take() -> None:
+        held = await aacquire(name, ttl=30, timeout=30, keepalive=False, holder="waiter")
+        await held.arelease()
+
+    async def main() -> None:
+        held = await aacquire(name, ttl=30, keepalive=False, holder="holder")
+        waiter = asyncio.create_task(take())
+        room = backend._aroom.get()
+        await until(lambda: room._in_use > 0, "the waiter in the name's room")
+        await held.arelease()
+        await waiter
+        assert room._idle, "the waiter's room connection is kept idle"
+        assert not await backend.await_for_release(f"{name}-other", 0.001)  # starts the listener
+        await until(lambda: bool(pg_sessions(LISTEN_SQL) - before), "the loop's listener")
+        opened.update(await asyncio.to_thread(pg_sessions) - before)
+        assert len(opened) >= 3  # statements, room, listener
+
+    ended_without_aclose(main, lambda: not opened & pg_sessions())
+
+
+@pytest.mark.parametrize("alias", ["redis", "redlock"])
+def test_a_loop_ended_without_aclose_ends_its_redis_connections(alias: str) -> None:
+    """The loop's pools (a contended wait's ``BLPOP`` connection among them) and its token or
+    epoch counter's database session end with it."""
+    name = f"loop-end-{uuid.uuid4().hex[:10]}"
+    nodes = os.environ["LEASES_REDLOCK_URLS"] if alias == "redlock" else os.environ["REDIS_URL"]
+    urls = nodes.split(",")  # the servers of tests/settings.py
+    sessions_before = pg_sessions()
+    clients_before = {url: redis_clients(url) for url in urls}
+    opened: dict[str, set[int]] = {}
+    sessions: set[int] = set()
+
+    def blocked() -> bool:
+        return any(redis_clients(url, "blpop") - clients_before[url] for url in urls)
+
+    async def take() -> None:
+        held = await aacquire(name, ttl=30, timeout=30, keepalive=False, backend=alias)
+        await held.arelease()
+
+    async def main() -> None:
+        held = await aacquire(name, ttl=30, keepalive=False, backend=alias, holder="holder")
+        waiter = asyncio.create_task(take())
+        await until(blocked, "the waiter blocked on the name's wake key")
+        await held.arelease()
+        await waiter
+        for url in urls:
+            opened[url] = await asyncio.to_thread(redis_clients, url) - clients_before[url]
+        sessions.update(await asyncio.to_thread(pg_sessions) - sessions_before)
+        assert all(opened.values()) and sessions  # the pools, the counter's session
+
+    def gone() -> bool:
+        return not sessions & pg_sessions() and not any(
+            opened[url] & redis_clients(url) for url in urls
+        )
+
+    ended_without_aclose(main, gone)
+
+
+def test_a_forked_child_ending_the_parents_loop_leaves_its_sessions_open() -> None:
+    """A child forked between two runs of the parent's loop shuts that loop down (leaving an
+    ``asyncio.Runner`` block does): the parent's values are its sessions, so the child closes
+    none, and the parent's next statement runs on the same session."""
+    name = f"loop-end-{uuid.uuid4().hex[:10]}"
+    backend: Any = get_backend("default")
+
+    async def session() -> int:
+        await (await aacquire(name, ttl=30, keepalive=False)).arelease()
+        conn = backend._async.get().conn.conn
+        assert conn is not None
+        return int(conn.info.backend_pid)
+
+    with asyncio.Runner() as runner:
+        before = runner.run(session())
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                runner.close()  # the loop's shutdown, in the child
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert before in pg_sessions()
+        assert runner.run(session()) == before
