@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from django.conf import settings
 from django.test import override_settings
@@ -138,9 +139,7 @@ def _free(name: str, backend: str) -> None:
 
 
 def _room_waiters(server: Any) -> int:
-    """Sessions holding a room lock: a waiter is inside a room."""
-    import psycopg
-
+    """Sessions holding a room lock: a waiter is inside a room (the hammers never queue)."""
     with psycopg.connect(server.url, autocommit=True, connect_timeout=2) as admin:
         row = admin.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
