@@ -24,6 +24,7 @@ from django.db import connection, connections
 from django.test import override_settings
 
 from leases import (
+    BackendUnavailable,
     LeaseLost,
     LeaseNotHeld,
     LeasesImproperlyConfigured,
@@ -832,3 +833,34 @@ def test_a_left_room_whose_unlock_found_no_lock_disables_the_room(lease_name: st
         other.close()
     finally:
         room.close()
+
+
+def test_a_database_that_cannot_be_reached_is_reported_for_the_lease_backend_asked(
+    fault_database: tuple[str, Any],
+) -> None:
+    """The error names the lease backend the caller used (and the database it is on): a
+    failed connect named the Django database alias as if it were the lease backend ("lease
+    backend 'fault' is unavailable" for a backend called ``elsewhere``)."""
+    db_alias, server = fault_database
+    backends = {**settings.LEASES["BACKENDS"]}
+    backends["elsewhere"] = {"ENGINE": "leases.backends.database", "DATABASE": db_alias}
+    server.stop("fast")
+    with override_settings(LEASES={**settings.LEASES, "BACKENDS": backends}):
+        try:
+            with pytest.raises(BackendUnavailable) as sync:
+                acquire("unreachable", backend="elsewhere", timeout=0, keepalive=False)
+
+            async def main() -> BackendUnavailable:
+                try:
+                    await aacquire("unreachable", backend="elsewhere", timeout=0, keepalive=False)
+                except BackendUnavailable as exc:
+                    return exc
+                raise AssertionError("acquired on a stopped server")
+
+            failures = [sync.value, asyncio.run(main())]
+        finally:
+            get_backend("elsewhere").close()
+    for failure in failures:
+        assert failure.backend == "elsewhere", failure
+        assert str(failure).startswith("lease backend 'elsewhere' is unavailable"), failure
+        assert f"database {db_alias!r}" in str(failure), failure

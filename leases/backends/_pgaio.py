@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 
 from ..errors import BackendUnavailable
-from ._pgconn import LISTEN_SQL, SET_ROLE_SQL, connect_params, stale
+from ._pgconn import LISTEN_SQL, SET_ROLE_SQL, cannot_connect, connect_params, stale
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed
 from ._pgprepared import Prepared, arun_prepared
 
@@ -36,7 +36,7 @@ logger = logging.getLogger("leases")
 _RECENT_RELEASES = 4096
 
 
-async def aconnect(db_alias: str) -> psycopg.AsyncConnection[Any]:
+async def aconnect(db_alias: str, alias: str | None = None) -> psycopg.AsyncConnection[Any]:
     """:func:`~leases.backends._pgconn.connect`, async."""
     params, role = connect_params(db_alias)
     conn = None
@@ -47,7 +47,7 @@ async def aconnect(db_alias: str) -> psycopg.AsyncConnection[Any]:
     except psycopg.Error as exc:
         if conn is not None:
             await _aclose_quietly(conn)
-        raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
+        raise BackendUnavailable(alias or db_alias, cannot_connect(db_alias, exc)) from exc
     return conn
 
 
@@ -61,9 +61,16 @@ class AsyncPrivateConnection:
     """One private async connection for one loop; its tasks take turns on it."""
 
     def __init__(
-        self, db_alias: str, timeout: float = REQUEST_TIMEOUT, *, prepared: bool = True
+        self,
+        db_alias: str,
+        timeout: float = REQUEST_TIMEOUT,
+        *,
+        prepared: bool = True,
+        alias: str | None = None,
     ) -> None:
         self.db_alias = db_alias
+        #: The lease backend errors are raised for (default: the database alias).
+        self.alias = alias or db_alias
         self.timeout = timeout
         self.prepared = prepared
         self._lock = asyncio.Lock()
@@ -86,7 +93,7 @@ class AsyncPrivateConnection:
                 await _aclose_quietly(conn)
                 conn = self.conn = None
                 self._names = set()
-                conn = self.conn = await aconnect(self.db_alias)
+                conn = self.conn = await aconnect(self.db_alias, self.alias)
             due = Deadline(conn.fileno(), self.timeout if timeout is None else timeout)
             try:
                 with aarmed(due):
@@ -100,7 +107,7 @@ class AsyncPrivateConnection:
                 if conn.broken or conn.closed or due.fired:
                     await self.close()
                 if due.fired:
-                    raise BackendUnavailable(self.db_alias, due.why()) from exc
+                    raise BackendUnavailable(self.alias, due.why()) from exc
                 raise
             except asyncio.CancelledError:
                 await self.close()  # maybe mid-protocol: never reuse it
@@ -170,9 +177,14 @@ class AsyncState:
     that moment must wake the wait that follows)."""
 
     def __init__(
-        self, db_alias: str, timeout: float = REQUEST_TIMEOUT, *, prepared: bool = True
+        self,
+        db_alias: str,
+        timeout: float = REQUEST_TIMEOUT,
+        *,
+        prepared: bool = True,
+        alias: str | None = None,
     ) -> None:
-        self.conn = AsyncPrivateConnection(db_alias, timeout, prepared=prepared)
+        self.conn = AsyncPrivateConnection(db_alias, timeout, prepared=prepared, alias=alias)
         self.listener = AsyncListener(db_alias)
         self.failed_at: OrderedDict[tuple[int, str], float] = OrderedDict()
 

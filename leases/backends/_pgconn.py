@@ -41,6 +41,7 @@ __all__ = [
     "LISTEN_SQL",
     "Listener",
     "PrivateConnection",
+    "cannot_connect",
     "close_quietly",
     "connect",
     "connect_params",
@@ -83,8 +84,10 @@ def driver_failure(alias: str, exc: psycopg.Error, what: str = "") -> BackendUna
     return BackendUnavailable(alias, f"{what}{type(exc).__name__}: {exc}")
 
 
-def connect(db_alias: str) -> psycopg.Connection[Any]:
-    """A new autocommit connection to the database Django's ``db_alias`` points at *now*.
+def connect(db_alias: str, alias: str | None = None) -> psycopg.Connection[Any]:
+    """A new autocommit connection to the database Django's ``db_alias`` points at *now*;
+    failing, :class:`BackendUnavailable` names the lease backend ``alias`` (default: the
+    database alias) and the database.
 
     Read at connect time, not at start-up, so a test database's name is used. The parameters
     are Django's own (``get_connection_params()``: user, ``options`` such as a ``search_path``,
@@ -100,8 +103,14 @@ def connect(db_alias: str) -> psycopg.Connection[Any]:
             conn.execute(sql.SQL(SET_ROLE_SQL).format(role=sql.Literal(role)))
     except psycopg.Error as exc:
         close_quietly(conn)
-        raise BackendUnavailable(db_alias, f"cannot connect: {exc}") from exc
+        raise BackendUnavailable(alias or db_alias, cannot_connect(db_alias, exc)) from exc
     return conn
+
+
+def cannot_connect(db_alias: str, exc: Exception) -> str:
+    """What a failed connect says: the database alias too, since the lease backend's alias
+    (which the error is raised for) is often not the database's name in ``DATABASES``."""
+    return f"cannot connect to database {db_alias!r}: {exc}"
 
 
 def connect_params(db_alias: str) -> tuple[dict[str, Any], str | None]:
@@ -200,9 +209,16 @@ class PrivateConnection:
     """
 
     def __init__(
-        self, db_alias: str, timeout: float = REQUEST_TIMEOUT, *, prepared: bool = True
+        self,
+        db_alias: str,
+        timeout: float = REQUEST_TIMEOUT,
+        *,
+        prepared: bool = True,
+        alias: str | None = None,
     ) -> None:
         self.db_alias = db_alias
+        #: The lease backend errors are raised for (default: the database alias).
+        self.alias = alias or db_alias
         #: Seconds a statement waits for its reply (see :mod:`._pgdeadline`).
         self.timeout = timeout
         self.prepared = prepared
@@ -234,7 +250,7 @@ class PrivateConnection:
             conn = self._conn
             if conn is None or stale(conn):
                 self._discard()
-                conn = self._conn = connect(self.db_alias)
+                conn = self._conn = connect(self.db_alias, self.alias)
             due = Deadline(conn.fileno(), self.timeout if timeout is None else timeout)
             try:
                 with armed(due):
@@ -249,7 +265,7 @@ class PrivateConnection:
                 if conn.broken or conn.closed or due.fired:
                     self._discard()
                 if due.fired:
-                    raise BackendUnavailable(self.db_alias, due.why()) from exc
+                    raise BackendUnavailable(self.alias, due.why()) from exc
                 raise
 
     def _discard(self) -> None:

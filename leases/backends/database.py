@@ -393,7 +393,9 @@ class Backend(LeaseBackend):
         #: Seconds a statement waits for its reply before its connection is dropped.
         self.request_timeout = float(self.options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT))
         prepared = bool(self.options.get("PREPARED_STATEMENTS", True))
-        self._conn = PrivateConnection(self.db_alias, self.request_timeout, prepared=prepared)
+        self._conn = PrivateConnection(
+            self.db_alias, self.request_timeout, prepared=prepared, alias=self.alias
+        )
         self._listener: Listener | None = None
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
@@ -401,7 +403,9 @@ class Backend(LeaseBackend):
             self.db_alias, alias, enabled=enabled, timeout=self.request_timeout, prepared=prepared
         )
         self._async: PerLoop[AsyncState] = PerLoop(
-            lambda: AsyncState(self.db_alias, self.request_timeout, prepared=prepared),
+            lambda: AsyncState(
+                self.db_alias, self.request_timeout, prepared=prepared, alias=self.alias
+            ),
             lambda state: state.close(),
         )
         self._aroom: PerLoop[AsyncWaitingRoom] = PerLoop(
