@@ -132,6 +132,39 @@ def test_a_loop_ended_without_aclose_ends_its_redis_connections(alias: str) -> N
     ended_without_aclose(main, gone)
 
 
+def test_loops_closed_by_hand_do_not_keep_their_sessions(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    """A loop closed by hand (``run_until_complete`` then ``close()``, no
+    ``shutdown_asyncgens()``) cannot close its connections, but must not keep them either:
+    once another loop uses the backend, the garbage collector ends their sessions. Kept for
+    the life of the process, each such loop held its statement connection open: a worker
+    running every job on a new loop would run the server out of connections."""
+    name = f"loop-end-{uuid.uuid4().hex[:10]}"
+    before = pg_sessions()
+    opened: set[int] = set()
+
+    async def use() -> None:
+        await (await aacquire(name, ttl=30, keepalive=False)).arelease()
+        opened.update(await asyncio.to_thread(pg_sessions) - before)
+
+    for _ in range(3):
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(use())
+        finally:
+            loop.close()
+    by_hand = set(opened)
+    assert by_hand
+    asyncio.run(use())  # a new loop: the closed loops' entries are let go
+
+    def ended() -> bool:
+        gc.collect()
+        return not by_hand & pg_sessions()
+
+    wait_until(ended, 10, "the sessions of the loops closed by hand to end")
+
+
 def test_a_forked_child_ending_the_parents_loop_leaves_its_sessions_open() -> None:
     """A child forked between two runs of the parent's loop shuts that loop down (leaving an
     ``asyncio.Runner`` block does): the parent's values are its sessions, so the child closes

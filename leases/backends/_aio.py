@@ -62,9 +62,28 @@ class PerLoop(Generic[T]):
         with self._lock:
             entry = self._values.get(loop)
             if entry is None:
+                self._forget_closed_loops()
                 value = self._make()
                 entry = self._values[loop] = _Entry(value, self._closer(loop, value))
         return entry.value
+
+    def _forget_closed_loops(self) -> None:
+        """Drop the entries of loops closed without ``shutdown_asyncgens()`` (by hand:
+        ``loop.run_until_complete(...)`` then ``loop.close()``, common in code that predates
+        ``asyncio.run``); called under the lock when a new loop makes its value.
+
+        Nothing can await a close on a closed loop, so the value is only let go, to the
+        garbage collector, which ends a psycopg session when it collects the connection (and
+        breaks a Redis pool's cycle with its loop); kept here, each such loop would keep its
+        connections and server sessions open for the life of the process, one more per loop:
+        a worker that runs each job on a new loop would run the server out of connections.
+        Its closer is finished first, without closing anything (see
+        :meth:`_until_the_loop_ends`), so collecting it later does not ask the closed loop to
+        run its end."""
+        for loop in [loop for loop in self._values if loop.is_closed()]:
+            closer = self._values.pop(loop).closer
+            with contextlib.suppress(StopIteration):  # how the finished step says it is done
+                closer.aclose().send(None)
 
     def _closer(self, loop: asyncio.AbstractEventLoop, value: T) -> AsyncGenerator[None, None]:
         """:meth:`_until_the_loop_ends` for ``value``, started: the running loop now tracks it
@@ -89,7 +108,9 @@ class PerLoop(Generic[T]):
         try:
             yield
         finally:
-            if os.getpid() == pid:  # never a parent's value in a forked child
+            # Never a parent's value in a forked child; nothing to await on a closed loop
+            # (:meth:`_forget_closed_loops` finishes the closer then, under the lock).
+            if os.getpid() == pid and not loop.is_closed():
                 with self._lock:  # unless :meth:`aclose` took it out already
                     if loop in self._values and self._values[loop].value is value:
                         del self._values[loop]
