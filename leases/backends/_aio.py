@@ -10,7 +10,8 @@ The entry cannot simply die with the loop: a ``redis.asyncio`` connection's stre
 their loop, so a value keeps its own key alive and the loop, its sockets and its server
 sessions would never go; and a psycopg connection left to the garbage collector lingers on the
 server until a collection happens to run, then warns (``ResourceWarning``). A loop closed by
-hand without ``shutdown_asyncgens()`` keeps its values until the process ends.
+hand without ``shutdown_asyncgens()`` cannot close its values: they are let go when the next
+loop first makes one (:meth:`PerLoop._forget_closed_loops`), for the garbage collector.
 
 A forked child starts with none of its parent's values and a fresh lock: another thread of
 the parent may have held the lock at the fork (the child would wait on it forever), and a
