@@ -24,7 +24,7 @@ from leases.backends.base import Grant
 from leases.backends.redis import Backend, LeaseKeys
 from leases.errors import LeaseLost
 from tests import checker
-from tests.waiting import stalled_handover
+from tests.waiting import stalled, stalled_handover
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
@@ -141,3 +141,41 @@ def test_an_async_cluster_round_trip_on_a_stalled_event_loop_reads_the_reply_tha
     finally:
         backend.close()
     checker.check_handover(a.token, b.token)
+
+
+def test_a_cold_async_cluster_client_whose_first_call_stalls_reads_the_reply_that_came_in_time(
+    cluster: list[RedisServer],
+) -> None:
+    """Async, on a cluster, a new client's first call: no node has the scripts yet, so the call
+    loads one (``NOSCRIPT``); the event loop blocks once the node serving the name has it, for
+    longer than the round trip's timeout. The call is granted: what it needed came in time.
+
+    redis-py's ``Script`` loaded the text on every primary at once, each in a task of its own
+    (``asyncio.gather``), whose progress the round trip's bound cannot see: woken from the
+    stall, the bound decided before the tasks handed their replies on, and the first acquire
+    failed with ``BackendUnavailable``. (The same blind spot cut a cold first call on a loaded
+    machine, where the three connects and loads outlast the timeout without the call itself
+    taking a step.)"""
+    backend = Backend("cluster", {"URL": cluster[0].url, "CLUSTER": True, "SOCKET_TIMEOUT": 0.3})
+    name = f"c-{uuid.uuid4().hex[:8]}"
+    client = backend.client
+    node = client.get_node_from_key(LeaseKeys.of("leases:", name).lock)
+    serving = redis.Redis(host=node.host, port=node.port)
+    sha = backend.scripts["acquire"].sha
+
+    async def main() -> Grant | None:
+        try:
+            loaded = lambda: serving.script_exists(sha)[0]  # noqa: E731
+            return await stalled(backend.atry_acquire(name, "A", 10), loaded, 1.0, "the load")
+        finally:
+            await backend.aclose()
+
+    try:
+        for server in cluster:
+            redis.Redis(port=server.port).script_flush()
+        grant = asyncio.run(main())
+        assert grant is not None and client.exists(LeaseKeys.of("leases:", name).lock)
+        backend.release(grant)
+    finally:
+        serving.close()
+        backend.close()

@@ -6,7 +6,9 @@ re-times a key must sit inside an ``if redis.call('GET', <that key>) == ARGV[n]`
 comparing the value's token prefix, ``string.sub(... or '', 1, #ARGV[n]) == ARGV[n]``), or be a
 ``SET ... NX`` (which cannot overwrite). The only exception is the wake-up list (a key the script
 ``RPUSH``es to), which holds no grant. The Python sources are scanned too: the only direct
-write is Redlock's ``SET NX``, and nothing lists keys by pattern (``KEYS``).
+write is Redlock's ``SET NX``, a script is run only by its own text or SHA1 (a ``Script`` made
+from a scanned constant: a Redis Cluster client runs them so), and nothing lists keys by
+pattern (``KEYS``).
 
 The shared-lease scripts (:mod:`leases.backends._redis_shared`) check their grant differently: a
 readers' group is a lock value *ending* in a mark plus an entry in a hash, checked once at the top
@@ -173,6 +175,20 @@ def test_the_scan_catches_bare_deletes_and_expires() -> None:
     assert unguarded(f"{prefix.format(3)}\n  redis.call('DEL', KEYS[1])\nend")
 
 
+#: A script is run by its own text or SHA1 (``Script.text``, ``Script.sha``): the scripts are
+#: made from the Lua constants scanned above, so running one is no uncompared write.
+SCRIPT_RUNS = {"eval": "text", "evalsha": "sha"}
+
+
+def _runs_a_script_constant(attr: str, args: list[ast.expr]) -> bool:
+    """Whether ``.attr(*args)`` runs a :class:`~leases.backends._redis_conn.Script` (its
+    ``.text`` through ``eval``, its ``.sha`` through ``evalsha``), not Lua written inline."""
+    first = args[0] if args else None
+    return (
+        attr in SCRIPT_RUNS and isinstance(first, ast.Attribute) and first.attr == SCRIPT_RUNS[attr]
+    )
+
+
 def python_writes(source: str) -> list[str]:
     """Direct redis-py calls in ``source`` that could delete, expire or overwrite a key.
 
@@ -189,7 +205,8 @@ def python_writes(source: str) -> list[str]:
                 attr = node.func.attr
                 keywords = {k.arg: k.value for k in node.keywords}
                 nx = isinstance(keywords.get("nx"), ast.Constant) and keywords["nx"].value is True
-                if attr in PY_FORBIDDEN or (attr == "set" and not nx):
+                forbidden = attr in PY_FORBIDDEN or (attr == "set" and not nx)
+                if forbidden and not _runs_a_script_constant(attr, node.args):
                     found.append(f"line {node.lineno}: .{attr}(...)")
         elif isinstance(node, ast.Tuple):
             raw = node.elts
@@ -213,3 +230,7 @@ def test_the_python_scan_catches_bare_commands() -> None:
     assert python_writes("c = ('DEL', 'k')\n") and python_writes("f('PEXPIRE', 'k', 5)\n")
     assert python_writes("f('SET', 'k', 'v', 'PX', 5)\n")
     assert python_writes("f('SET', 'k', 'v', 'NX', 'PX', 5)\n") == []
+    # Lua written inline is not a scanned constant; a Script's text or SHA1 is.
+    assert python_writes("c.eval(\"return redis.call('DEL', KEYS[1])\", 1, 'k')\n")
+    assert python_writes("c.evalsha(sha, 1, 'k')\n") and python_writes("c.eval(s.sha, 1)\n")
+    assert python_writes("c.evalsha(s.sha, 1, 'k')\nc.eval(s.text, 1, 'k')\n") == []

@@ -16,7 +16,7 @@ import redis
 from ..errors import FencingUnavailable
 from ._aio import PerLoop
 from ._pgdeadline import Deadline, aarmed
-from ._redis_conn import arun_script, server_run
+from ._redis_conn import arun_on_cluster, arun_script, server_run
 from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
 from ._redis_kept import Kept, bounded, fileno
 from ._redis_protocol import (
@@ -39,14 +39,14 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncRedis"]
 
-#: Per event loop: the client, (Redis Cluster only) its registered scripts, and (otherwise)
-#: the connections kept between round trips.
-_Client = tuple[Any, dict[str, Any], Kept | None]
+#: Per event loop: the client and (not on a Redis Cluster) the connections kept between round
+#: trips.
+_Client = tuple[Any, Kept | None]
 
 
 async def _aclose(made: _Client) -> None:
-    if made[2] is not None:
-        await made[2].close()
+    if made[1] is not None:
+        await made[1].close()
     await made[0].aclose()
 
 
@@ -60,20 +60,19 @@ class AsyncRedis:
         self._timeout = read_timeout(options["cache"], options["socket_timeout"])
 
     def _make(self) -> _Client:
-        """A ``redis.asyncio`` client for the running loop (and a cluster client's scripts)."""
+        """A ``redis.asyncio`` client for the running loop."""
         client = aconnect(**self.backend.connect_options())
         if hasattr(client, "connection_pool"):
-            return client, {}, Kept(client.connection_pool, self._timeout)
-        scripts = {name: client.register_script(s.text) for name, s in self.backend.scripts.items()}
-        return client, scripts, None
+            return client, Kept(client.connection_pool, self._timeout)
+        return client, None
 
     async def run(self, script: str, keys: list[str], args: list[object]) -> Any:
         """:meth:`Backend._run <leases.backends.redis.Backend._run>` on the event loop; a
         round trip whose reply was not read to its end drops its connection."""
-        client, cluster, kept = self._clients.get()
+        client, kept = self._clients.get()
         with Edge(self.backend.alias, script):
             if kept is None:  # Redis Cluster: bounded in a task of its own
-                call = cluster[script](keys=keys, args=args, client=client)
+                call = arun_on_cluster(client, self.backend.scripts[script], keys, args)
                 return await bounded(call, self._timeout, "no reply")
             return await self._on_connection(kept, script, keys, args)
 

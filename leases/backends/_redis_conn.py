@@ -46,9 +46,11 @@ __all__ = [
     "Connections",
     "Script",
     "ServerRun",
+    "arun_on_cluster",
     "arun_script",
     "load_and_rerun",
     "pack",
+    "run_on_cluster",
     "run_script",
     "server_run",
 ]
@@ -235,6 +237,30 @@ def load_and_rerun(
     read()
     connection.send_packed_command(command, check_health=False)
     return read()
+
+
+def run_on_cluster(client: Any, script: Script, keys: list[str], args: list[object]) -> Any:
+    """The reply of ``script`` run through a Redis Cluster ``client``, which routes it by key.
+
+    ``NOSCRIPT`` runs the text (``EVAL``) on the node that said so, routed the same way, which
+    also leaves the script loaded there. Not redis-py's ``Script``: on ``NOSCRIPT`` it loads the
+    text on every primary, so one call waits on nodes that do not serve its key, and on the
+    event loop (:func:`arun_on_cluster`) it does so in tasks of their own, whose progress the
+    round trip's bound (:class:`~._redis_kept.Bound`) cannot see.
+    """
+    try:
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        return client.eval(script.text, len(keys), *keys, *args)
+
+
+async def arun_on_cluster(client: Any, script: Script, keys: list[str], args: list[object]) -> Any:
+    """:func:`run_on_cluster` through a ``redis.asyncio`` cluster client: every step of the
+    call is the caller's own, so a bound that watches its steps sees each one."""
+    try:
+        return await client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        return await client.eval(script.text, len(keys), *keys, *args)
 
 
 async def arun_script(

@@ -52,7 +52,7 @@ from typing import Any
 from ..errors import FencingUnavailable, LeaseNotHeld
 from ._counter import DurableCounter
 from ._redis_async import AsyncRedis
-from ._redis_conn import Connections, Script, run_script, server_run
+from ._redis_conn import Connections, Script, run_on_cluster, run_script, server_run
 from ._redis_io import (
     POOL,
     Edge,
@@ -204,7 +204,8 @@ class Backend(LeaseBackend):
         #: The connections scripts run on, kept between round trips (not on a cluster).
         self._connections: Connections | None = None
         self._waits = WaitClock()
-        self._cluster: dict[str, Any] = {}
+        #: Whether the client is a Redis Cluster client, which routes each script itself.
+        self._cluster = False
         #: Per name, whether the latest exclusive try that found it held found readers there
         #: (see :meth:`stop_new_readers`).
         self.readers_seen = ReadersSeen()
@@ -231,11 +232,8 @@ class Backend(LeaseBackend):
             if self._client is None:
                 client = connect(**self.connect_options(), max_connections=POOL)
                 if not hasattr(client, "connection_pool"):
-                    # A cluster client routes each command by key itself: its scripts run
-                    # through redis-py, registered per client (a Script is bound to its client).
-                    self._cluster = {
-                        name: client.register_script(lua_text) for name, lua_text in SCRIPTS.items()
-                    }
+                    # A cluster client routes each command by key itself (run_on_cluster).
+                    self._cluster = True
                 else:
                     self._connections = Connections(client.connection_pool)
                 self._client = client
@@ -251,7 +249,7 @@ class Backend(LeaseBackend):
         client = self._client or self.client
         with Edge(self.alias, script):
             if self._cluster:
-                return self._cluster[script](keys=keys, args=args, client=client)
+                return run_on_cluster(client, self.scripts[script], keys, args)
             connections = self._connections
             assert connections is not None
             connection = connections.take()
@@ -445,7 +443,7 @@ class Backend(LeaseBackend):
 
     def close(self) -> None:
         with self._lock:
-            client, self._client, self._cluster = self._client, None, {}
+            client, self._client, self._cluster = self._client, None, False
             connections, self._connections = self._connections, None
         if connections is not None:
             connections.close()
