@@ -204,8 +204,6 @@ class Backend(LeaseBackend):
         #: The connections scripts run on, kept between round trips (not on a cluster).
         self._connections: Connections | None = None
         self._waits = WaitClock()
-        #: Whether the client is a Redis Cluster client, which routes each script itself.
-        self._cluster = False
         #: Per name, whether the latest exclusive try that found it held found readers there
         #: (see :meth:`stop_new_readers`).
         self.readers_seen = ReadersSeen()
@@ -231,10 +229,7 @@ class Backend(LeaseBackend):
         with self._lock:
             if self._client is None:
                 client = connect(**self.connect_options(), max_connections=POOL)
-                if not hasattr(client, "connection_pool"):
-                    # A cluster client routes each command by key itself (run_on_cluster).
-                    self._cluster = True
-                else:
+                if hasattr(client, "connection_pool"):  # not Redis Cluster (see _run)
                     self._connections = Connections(client.connection_pool)
                 self._client = client
             return self._client
@@ -248,7 +243,7 @@ class Backend(LeaseBackend):
         """
         client = self._client or self.client
         with Edge(self.alias, script):
-            if self._cluster:
+            if not hasattr(client, "connection_pool"):  # Redis Cluster
                 return run_on_cluster(client, self.scripts[script], keys, args)
             connections = self._connections
             assert connections is not None
@@ -443,7 +438,7 @@ class Backend(LeaseBackend):
 
     def close(self) -> None:
         with self._lock:
-            client, self._client, self._cluster = self._client, None, False
+            client, self._client = self._client, None
             connections, self._connections = self._connections, None
         if connections is not None:
             connections.close()
