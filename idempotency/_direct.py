@@ -34,7 +34,7 @@ from django.db.backends.utils import CursorWrapper
 from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
-from leases.backends._pgprepared import _keep_notifies
+from leases.backends._pgprepared import keep_notifies
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -130,7 +130,7 @@ def run(
         values = tx.dump_sequence([params[key] for key in order], _formats(len(order)))
         pgconn = conn.pgconn
         result = pgconn.exec_prepared(name, values)  # type: ignore[arg-type]  # NULLs
-        _keep_notifies(pgconn)
+        keep_notifies(pgconn)
         return _rows(conn, tx, result)
 
 
@@ -149,7 +149,7 @@ def run_text(
         query = b"; ".join([_render(tx, text, params) for text in texts])
         pgconn = conn.pgconn
         result = pgconn.exec_(query)
-        _keep_notifies(pgconn)
+        keep_notifies(pgconn)
         return _rows(conn, tx, result)
 
 

@@ -48,7 +48,14 @@ from psycopg.adapt import PyFormat, Transformer
 from psycopg.generators import execute
 from psycopg.waiting import wait_async
 
-__all__ = ["ATTEMPTS", "Prepared", "arun_prepared", "run_prepared"]
+__all__ = [
+    "ATTEMPTS",
+    "Prepared",
+    "arun_prepared",
+    "keep_notifies",
+    "read_result",
+    "run_prepared",
+]
 
 #: Refusals (26000, 42P05) tolerated for one call before its plain text is sent instead.
 ATTEMPTS = 3
@@ -151,15 +158,15 @@ def _bound(
     values = transformer.dump_sequence([params[key] for key in statement.order], statement.formats)
     pgconn = conn.pgconn
     result = pgconn.exec_prepared(statement.key, values)  # type: ignore[arg-type]  # NULLs
-    _keep_notifies(pgconn)
-    rows = _read(result, transformer, conn.info.encoding)
+    keep_notifies(pgconn)
+    rows = read_result(result, transformer, conn.info.encoding)
     if rows is False:
         conn.execute(f"DEALLOCATE {statement.name}")
         return None
     return rows
 
 
-def _read(
+def read_result(
     result: pq.abc.PGresult, transformer: psycopg.abc.Transformer, encoding: str
 ) -> list[Any] | Literal[False] | None:
     """A prepared statement's reply (sync or async alike): its rows; ``None`` when the session
@@ -180,7 +187,7 @@ def _read(
     raise psycopg.errors.error_from_result(result, encoding=encoding)
 
 
-def _keep_notifies(pgconn: pq.abc.PGconn) -> None:
+def keep_notifies(pgconn: pq.abc.PGconn) -> None:
     """Hand the notifications libpq read with the reply to psycopg, as its own ``execute``
     does: left in libpq's queue, a listening connection's ``notifies()`` would not see them
     (it waits for the socket, which has nothing more to read), and the waiter in a waiting
@@ -236,7 +243,7 @@ async def _abound(
 ) -> list[tuple[Any, ...]] | None:
     """:func:`_bound`, awaited: libpq's ``Bind``/``Execute`` sent without blocking and its
     reply awaited on the loop (psycopg's ``execute`` generator, which also hands the
-    notifications read with the reply to psycopg, as :func:`_keep_notifies` does).
+    notifications read with the reply to psycopg, as :func:`keep_notifies` does).
 
     Under the connection's own lock, as a cursor's statement is (a suspended ``notifies()``
     holds it). Awaited by psycopg's bare waiting function, not the connection's ``wait``: a
@@ -249,7 +256,7 @@ async def _abound(
         pgconn = conn.pgconn
         pgconn.send_query_prepared(statement.key, values)
         results = await wait_async(execute(pgconn), pgconn.socket, _WAKE_INTERVAL)
-    rows = _read(results[-1], transformer, conn.info.encoding)
+    rows = read_result(results[-1], transformer, conn.info.encoding)
     if rows is False:
         await conn.execute(f"DEALLOCATE {statement.name}")
         return None
