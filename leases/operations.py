@@ -28,7 +28,7 @@ from . import conf, revocation
 from ._asking import ANSWER_BOUND, ask_every_backend
 from ._paging import Pages
 from .backends import LeaseBackend, get_backend
-from .backends.base import LIST_BATCH, LeaseInfo, LeaseWaiter
+from .backends.base import LIST_BATCH, InternalLock, LeaseInfo, LeaseWaiter
 from .databases import migrated_databases
 from .errors import InvalidFencingToken, LeaseError, LeaseNotHeld
 from .holders import Holder, parse_holder
@@ -111,6 +111,8 @@ class AdvisoryLockRow:
     blocked_by: tuple[int, ...] = ()
     #: When a lease backend took this lock itself: the lease whose waiting room it is.
     room_of: str = ""
+    #: Or the lease whose holder keeps it (its next waiter queues on it: a tenure lock).
+    tenure_of: str = ""
     #: The signed 64-bit key of a one-argument lock (``None`` for the two-int4 form).
     key64: int | None = None
 
@@ -123,6 +125,8 @@ class AdvisoryLockRow:
         """What an operator should read: the name, the waiting room's lease, or the key."""
         if self.room_of:
             return f"waiting room of lease {self.room_of!r}"
+        if self.tenure_of:
+            return f"tenure of lease {self.tenure_of!r}"
         return self.name or self.key
 
     @property
@@ -204,10 +208,11 @@ def _longest_waiting_first(found: Iterable[list[LeaseWaiter]]) -> list[LeaseWait
     return sorted(every, key=lambda w: (w.since is None, w.since, w.name, w.backend))
 
 
-def _advisory_row(row: tuple[Any, ...], rooms: dict[int, str]) -> AdvisoryLockRow:
+def _advisory_row(row: tuple[Any, ...], rooms: dict[int, InternalLock]) -> AdvisoryLockRow:
     (pid, mode, granted, objsubid, classid, objid, name, application, client, user) = row[:10]
     state, since, query, wait_event_type, blocked_by = row[10:]
     key64 = _signed64(classid, objid) if objsubid == 1 else None
+    internal = rooms.get(key64) if key64 is not None else None
     return AdvisoryLockRow(
         pid=pid,
         mode=mode,
@@ -222,7 +227,8 @@ def _advisory_row(row: tuple[Any, ...], rooms: dict[int, str]) -> AdvisoryLockRo
         query=query or "",
         wait_event_type=wait_event_type or "",
         blocked_by=tuple(blocked_by or ()),
-        room_of=rooms.get(key64, "") if key64 is not None else "",
+        room_of=internal.lease if internal and internal.purpose == "room" else "",
+        tenure_of=internal.lease if internal and internal.purpose == "tenure" else "",
         key64=key64,
     )
 
@@ -232,19 +238,19 @@ def _signed64(classid: int, objid: int) -> int:
     return unsigned - (1 << 64) if unsigned >= 1 << 63 else unsigned
 
 
-def _waiting_rooms() -> dict[int, str]:
-    """Every backend's internal advisory keys (waiting rooms) -> the lease they are for.
+def _waiting_rooms() -> dict[int, InternalLock]:
+    """Every backend's internal advisory keys (waiting rooms, tenures) -> what they are for.
 
     A backend that is down only loses its labels: the page must still show the locks.
     """
     answers, _ = ask_every_backend("rooms", _rooms_of)
-    rooms: dict[int, str] = {}
+    rooms: dict[int, InternalLock] = {}
     for found in answers.values():
         rooms.update(found)
     return rooms
 
 
-def _rooms_of(backend: LeaseBackend) -> dict[int, str]:
+def _rooms_of(backend: LeaseBackend) -> dict[int, InternalLock]:
     return backend.internal_advisory_locks()
 
 

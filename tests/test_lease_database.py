@@ -33,6 +33,7 @@ from leases import (
     acquire,
 )
 from leases.backends import _waiting_room, get_backend
+from leases.backends._tenure import PREPARED_QUEUED_ACQUIRE
 from leases.backends.base import Grant, new_secret
 from leases.backends.database import (
     ACQUIRE_SQL,
@@ -292,6 +293,43 @@ def syncs_sent(trace: IO[str]) -> int:
 _ROOM_TRY = re.compile(r"\d+\t(Sync\b|Query\t.*\bEXECUTE leases_room_)", re.S)
 
 
+def queued_tries_sent(trace: IO[str]) -> int:
+    """A thread's tries in the room (each a queued try, see ``leases.backends._tenure``) its
+    room connections sent, from their libpq trace file: the ``Bind`` of the queued statement.
+    Other statements on those connections (a kept connection's release, the listen and look)
+    are not tries."""
+    trace.seek(0)
+    return len(_QUEUED_TRY.findall(trace.read()))
+
+
+_QUEUED_TRY = re.compile(rf'\tBind\t\s*""\s+"{PREPARED_QUEUED_ACQUIRE.name}"')
+
+
+@contextmanager
+def traced_room_connections(monkeypatch: pytest.MonkeyPatch) -> Iterator[IO[str]]:
+    """libpq's trace of every room connection a thread's visit takes from now on, in one file
+    (idle ones from before are closed first, so none escapes it)."""
+    connection_for = _waiting_room.WaitingRoom._connection
+    traced_conns: list[psycopg.Connection[Any]] = []
+    with tempfile.TemporaryFile("w+") as trace:
+
+        def traced(room: Any) -> Any:
+            conn = connection_for(room)
+            conn.pgconn.trace(trace.fileno())
+            conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+            traced_conns.append(conn)
+            return conn
+
+        monkeypatch.setattr(_waiting_room.WaitingRoom, "_connection", traced)
+        database_backend()._room.close()
+        try:
+            yield trace
+        finally:
+            for conn in traced_conns:
+                if not conn.closed:
+                    conn.pgconn.untrace()
+
+
 def room_locks(name: str) -> dict[bool, int]:
     """Granted and waiting sessions on ``name``'s waiting-room lock, from ``pg_locks``, read on
     a connection of its own (so it may also be called from a thread an event loop started)."""
@@ -489,36 +527,23 @@ def test_the_waiter_in_the_room_is_woken_by_the_release_not_by_polling(
     lease_name: str, patient_room: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While the name stays held, the waiter inside the room sends no try (each would fail);
-    the release's NOTIFY wakes it, and its one try then takes the name. Tries (the only
-    statements with parameters there) are counted from libpq's trace of the room connection."""
-    traced_conns: list[Any] = []
-    connection_for = _waiting_room.WaitingRoom._connection
-    with tempfile.TemporaryFile("w+") as trace:
-
-        def traced(room: Any) -> Any:
-            conn = connection_for(room)
-            conn.pgconn.trace(trace.fileno())
-            conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
-            traced_conns.append(conn)
-            return conn
+    the release's NOTIFY wakes it, and its one try then takes the name. (The holder here won
+    its grant outside the room, so it keeps no tenure lock: the waiter's first try, queued on
+    it, is refused at once, and the waiter listens.) Tries are counted from libpq's trace of
+    the room connection."""
+    with traced_room_connections(monkeypatch) as trace:
 
         def tries() -> int:
-            return syncs_sent(trace)
+            return queued_tries_sent(trace)
 
-        monkeypatch.setattr(_waiting_room.WaitingRoom, "_connection", traced)
-        try:
-            holder, waiter, tokens = waiting_behind_a_holder(lease_name)
-            before = tries()
-            time.sleep(1.0)  # room for a polling waiter to show itself (backoff starts at 5 ms)
-            assert tries() == before, f"{tries() - before} tries while the name was held"
-            holder.release()
-            waiter.join(15)
-            assert len(tokens) == 1 and tokens[0] > holder.token
-            assert tries() == before + 1
-        finally:
-            for conn in traced_conns:
-                if not conn.closed:
-                    conn.pgconn.untrace()
+        holder, waiter, tokens = waiting_behind_a_holder(lease_name)
+        before = tries()
+        time.sleep(1.0)  # room for a polling waiter to show itself (backoff starts at 5 ms)
+        assert tries() == before, f"{tries() - before} tries while the name was held"
+        holder.release()
+        waiter.join(15)
+        assert len(tokens) == 1 and tokens[0] > holder.token
+        assert tries() == before + 1
 
 
 def test_an_exclusive_waiter_does_not_stop_readers_of_a_name_no_reader_holds(
@@ -725,29 +750,22 @@ CREATE CONSTRAINT TRIGGER leases_test_commit_gate AFTER UPDATE ON leases_lease
 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION leases_test_commit_gate()"""
 
 
-def test_the_next_waiter_gets_in_only_after_the_grant_before_it_committed(
+def test_the_next_waiter_reads_the_name_only_after_the_grant_before_it_committed(
     lease_name: str, patient_room: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A granted waiter leaves the room after its grant committed, so the next waiter in the
-    queue finds the name held and waits for its release without a try. The grant statement
-    used to unlock the room itself, before its commit: the next waiter got in, saw the name
-    still free (the grant uncommitted), and sent a try that waited for that commit and failed
-    (with a flush, on a server that flushes). The first waiter's commit is held up here by a
-    deferred trigger until the second could have got in; tries are counted from libpq's trace
-    of the room connections, as in the test above."""
+    """A waiter's try queues for the room, then at the name's grant gate, then reads the name
+    and queues on its holder's tenure lock. A granted try leaves the room in its statement,
+    before its commit, so the next waiter gets in at once; it waits at the gate until that
+    grant committed, then finds the name held and waits for its release, still in its one
+    try. Without the gate it read the name as its snapshot had it (free, or an older grant),
+    queued on nothing, and its try was refused by the grant it did not see (a second try for
+    every hand-off). The first waiter's commit is held up here by a deferred trigger until
+    the second could have read the name; tries are counted from libpq's trace of the room
+    connections, as in the test above."""
     gate = advisory_key(f"test-gate:{lease_name}")
     backend = database_backend()
     monkeypatch.setattr(backend._room, "timeout", 60.0)  # the held-up commit is no dead server
-    traced_conns: list[Any] = []
-    connection_for = _waiting_room.WaitingRoom._connection
-    with tempfile.TemporaryFile("w+") as trace, own_connection() as gatekeeper:
-
-        def traced(room: Any) -> Any:
-            conn = connection_for(room)
-            conn.pgconn.trace(trace.fileno())
-            conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
-            traced_conns.append(conn)
-            return conn
+    with traced_room_connections(monkeypatch) as trace, own_connection() as gatekeeper:
 
         def gate_waiters() -> int:
             classid, objid = split_key(gate)
@@ -758,7 +776,6 @@ def test_the_next_waiter_gets_in_only_after_the_grant_before_it_committed(
             ).fetchone() or (0,)
             return int(count)
 
-        monkeypatch.setattr(_waiting_room.WaitingRoom, "_connection", traced)
         gatekeeper.execute(_GATE_FUNCTION_SQL.format(gate=gate).encode())
         gatekeeper.execute(_GATE_TRIGGER_SQL.encode())
         gatekeeper.execute("SELECT pg_advisory_lock(%s)", [gate])
@@ -784,7 +801,7 @@ def test_the_next_waiter_gets_in_only_after_the_grant_before_it_committed(
             wait_until(
                 lambda: room_locks(lease_name) == {True: 1, False: 1}, 15, "the second queued"
             )
-            before = syncs_sent(trace)
+            before = queued_tries_sent(trace)  # each waiter's first; the second's still waits
             holder.release()
             wait_until(lambda: gate_waiters() == 1, 15, "the first waiter's grant at its commit")
             # Room for the second waiter to get in while that grant is uncommitted, look and
@@ -797,12 +814,13 @@ def test_the_next_waiter_gets_in_only_after_the_grant_before_it_committed(
             wait_until(lambda: "first-waiter" in tokens, 15, "the first waiter's grant")
             wait_until(lambda: room_locks(lease_name) == {True: 1}, 15, "the second inside")
             time.sleep(0.5)  # room for a try the second waiter should not send
-            assert syncs_sent(trace) == before + 1, "the second waiter tried a held name"
+            assert queued_tries_sent(trace) == before + 1, "the second waiter tried again"
             first_may_release.set()
             for thread in waiters:
                 thread.join(30)
             assert tokens["second-waiter"] > tokens["first-waiter"] > holder.token
-            assert syncs_sent(trace) == before + 2
+            # The second waiter's first try was granted: no other try was sent.
+            assert queued_tries_sent(trace) == before + 1
         finally:
             first_may_release.set()
             gatekeeper.execute("SELECT pg_advisory_unlock_all()")
@@ -810,9 +828,6 @@ def test_the_next_waiter_gets_in_only_after_the_grant_before_it_committed(
                 thread.join(30)
             gatekeeper.execute("DROP TRIGGER leases_test_commit_gate ON leases_lease")
             gatekeeper.execute("DROP FUNCTION leases_test_commit_gate()")
-            for conn in traced_conns:
-                if not conn.closed:
-                    conn.pgconn.untrace()
 
 
 def test_a_left_room_whose_unlock_found_no_lock_disables_the_room(lease_name: str) -> None:

@@ -11,6 +11,17 @@ and the next waiter in the queue, let in by that unlock, finds the name held by 
 grant and waits for its release without a try (see
 :data:`~leases.backends.database.ROOM_ACQUIRE_SQL` for what unlocking before the commit cost).
 
+That is a task's visit (:class:`AsyncWaitingRoom`). A thread's (:class:`WaitingRoom`) does
+not enter, listen and look before it tries: each of its tries queues for the room itself, in
+its own statement, then on the *tenure lock* of the grant that holds the name, and takes the
+name as soon as that grant's release lets it go, without a wake-up of the waiter's process in
+between (see :mod:`~leases.backends._tenure`). A grant won that way leaves the room in its
+statement and keeps its connection (a :class:`~._tenure.Pin`), whose session holds its own
+tenure lock for the next waiter, until its release. Only when a try finds a holder that keeps
+no tenure lock (it won outside the room, or is gone) does the thread listen in the room and
+wait for the release's ``NOTIFY``, as a task does. Both queue on the same room lock, so sync
+and async waiters of a name are served in one arrival order.
+
 The room is a queue, not just a herd limiter, because a caller outside it cannot overtake it:
 the acquire statement of a caller outside the room takes a free name only when nobody is in or
 queued for the room, or when the name has been free for longer than :data:`ROOM_GRACE`. So a
@@ -55,6 +66,14 @@ from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
 from ._pgprepared import Prepared, arun_prepared, run_prepared
+from ._tenure import (
+    PINS,
+    PREPARED_QUEUE,
+    PREPARED_QUEUED_ACQUIRE,
+    UNLOCK_STRAYS_SQL,
+    Pin,
+    queue_then_try,
+)
 
 __all__ = [
     "ROOM_CONNECTIONS",
@@ -87,6 +106,9 @@ SELECT CASE WHEN holder = {group} AND secret_hash IS NULL THEN 'shared' ELSE 'he
 FROM leases_lease
 WHERE name = {name} AND holder <> '' AND expires_at > clock_timestamp()"""
 ROOM_LEAVE_SQL = "SELECT pg_advisory_unlock({key}); UNLISTEN *"
+#: A thread's waiter, inside the room after a queued try was refused (see :mod:`~._tenure`):
+#: listen, then look at the name, as the entering above does.
+ROOM_LISTEN_SQL = ROOM_ENTER_SQL[ROOM_ENTER_SQL.index("BEGIN") :]
 #: After a queueing timed out. PostgreSQL may grant the lock just as the timeout fires, and then
 #: keeps it although the statement failed: held unknowingly, the next queueing would take it a
 #: second time and the leave release it once, leaving the room locked by an idle pooled
@@ -139,6 +161,16 @@ class _Visit(Generic[_Conn]):
     #: Just got inside: the next wait acts on the look taken then (free: try at once). Only
     #: the async room reads it; a thread's room decides in its blocking wait instead.
     fresh: bool = False
+    #: A thread's room only (see :mod:`~._tenure`): the next try queues (for the room, then
+    #: on the holder's tenure lock) in its own statement; the wait before it returns at once.
+    queue: bool = True
+    #: A thread's room only: the next try is a plain one, at once (a queueing timed out, or
+    #: the name was free at the look).
+    try_now: bool = False
+    #: A thread's room only: the connection listens for releases (it waits for a ``NOTIFY``).
+    listening: bool = False
+    #: A thread's room only: the grant this visit won keeps its connection (and tenure lock).
+    pin: Pin | None = None
 
     def queueing(self) -> tuple[float, sql.Composed] | None:
         """How long to queue for the room lock this time, and the statement that does it
@@ -221,6 +253,8 @@ class WaitingRoom:
         #: Idle connections whose last statement's reply is still to be read (:func:`_send`).
         self._unsettled: set[psycopg.Connection[Any]] = set()
         self._slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
+        #: The connections grants won here keep (:mod:`~._tenure`), at most :data:`PINS`.
+        self._pins: weakref.WeakSet[Pin] = weakref.WeakSet()
         track(self)
 
     @contextlib.contextmanager
@@ -264,8 +298,8 @@ class WaitingRoom:
         if visit is None:
             return None
         try:
-            if not visit.inside:
-                return self._queue(visit)
+            if visit.queue or visit.try_now or not visit.inside:
+                return True  # the try queues itself, or is due at once
             left = ROOM_TIMEOUT if visit.deadline is None else visit.deadline - time.monotonic()
             timeout = max(timeout, min(left, ROOM_TIMEOUT, visit.expires - time.monotonic()))
             for note in visit.conn.notifies(timeout=max(0.0, timeout)):
@@ -290,35 +324,188 @@ class WaitingRoom:
         than running it.
         """
         visit = self._visit(name)
-        if visit is None or not visit.inside:
+        if visit is None:
             return None
-        if visit.held:
-            visit.held = False
-            return []  # held when we got inside, and no release has woken us since
+        try_now, visit.try_now = visit.try_now, False
+        if try_now and not visit.inside:
+            return None  # queued out of the room: try outside it (the one inside may be stuck)
+        queueing = self._queueing(visit, params)
+        if queueing is not None:
+            return self._try(visit, PREPARED_QUEUED_ACQUIRE, *queueing)
+        # No time left to queue: one plain try, inside the room or out of it.
+        return self._try(visit, statement, params) if visit.inside else None
+
+    def _queueing(
+        self, visit: _SyncVisit, params: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any], float] | None:
+        """What the queued try takes, and how long it may queue: at most
+        :data:`ROOM_TIMEOUT`, and no longer than the caller's deadline or the holder's grant
+        as last seen (``None``: no time left)."""
+        now = time.monotonic()
+        left = min(ROOM_TIMEOUT, visit.expires - now)
+        if visit.deadline is not None:
+            left = min(left, visit.deadline - now)
+        if left < 0.001:
+            return None
+        with self._lock:
+            pin = self.enabled and len(self._pins) < PINS
+        queued = {
+            **params,
+            "pin": pin,
+            "room": visit.key,
+            "queue_ms": max(1, int(left * 1000)),
+            "inside": visit.inside,
+        }
+        return queued, left
+
+    def _try(
+        self,
+        visit: _SyncVisit,
+        statement: Prepared,
+        params: Mapping[str, Any],
+        queue: float = 0.0,
+    ) -> list[Any] | None:
+        """One try on the room connection (a queued one, for up to ``queue`` seconds, when
+        ``queue`` is given); ``None``: try outside."""
+        conn = visit.conn
         try:
-            conn = visit.conn
-            if self.prepared:
-                with armed(Deadline(conn.fileno(), self.timeout)):
+            with armed(Deadline(conn.fileno(), queue + self.timeout)):
+                if queue and self.prepared:
+                    pair = (PREPARED_QUEUE, statement)
+                    rows = queue_then_try(conn, pair, params, self._names(conn))
+                elif queue:  # the same two statements in one transaction, each a round trip
+                    with conn.transaction():
+                        conn.execute(PREPARED_QUEUE.sql, params)
+                        rows = conn.execute(statement.sql, params).fetchall()
+                elif self.prepared:
                     rows = run_prepared(conn, statement, params, self._names(conn))
-            else:
-                rows = _execute(conn, statement.sql, params, self.timeout).fetchall()
+                else:
+                    rows = conn.execute(statement.sql, params).fetchall()
+        except psycopg.errors.LockNotAvailable:  # queueing (or a row lock) took too long
+            return self._queued_out(visit)
         except psycopg.Error as exc:
-            logger.debug("leases: retrying outside the room of %r: %s", name, exc)
-            if visit.conn.broken or visit.conn.closed:
+            logger.debug("leases: retrying outside the room of %r: %s", visit.name, exc)
+            if conn.broken or conn.closed:
                 visit.inside = False  # the session is gone, and its room lock with it
                 self._local.visit = None
+            elif queue:
+                self._queued_out(visit)  # whether the room's lock was taken before the failure
             return None
+        if rows is None:  # a statement was lost, and made again: try again, at once
+            return self._queued_out(visit)  # (whether the room's lock was taken before)
+        if queue:
+            return self._queued(visit, rows)
         return visit.tried(rows)
+
+    def _queued(self, visit: _SyncVisit, rows: list[Any]) -> list[Any]:
+        """What a queued try returned: a grant (token, expiry, seconds it waited before the
+        grant; the room left), keeping the connection if it took its tenure lock; or, refused,
+        nothing: inside the room now, the waiter listens for the release's ``NOTIFY`` (the
+        holder kept no tenure lock, or readers hold the name)."""
+        token, expires_at, waited, pinned, left_room, shared, lasts = rows[0][:7]
+        if token is not None:
+            visit.inside = not left_room
+            if pinned:
+                visit.pin = Pin(visit.conn)
+                with self._lock:
+                    self._pins.add(visit.pin)
+            return [(token, expires_at, waited)]
+        visit.inside, visit.queue = True, False  # the next wait waits for a NOTIFY
+        visit.shared = bool(shared)
+        visit.expires = math.inf if lasts is None else time.monotonic() + lasts
+        if not visit.listening:
+            self._listen(visit)
+        return []
+
+    def _listen(self, visit: _SyncVisit) -> None:
+        """Listen for releases, then look at the name (a release after the look is announced
+        to us): held, the next wait waits for its ``NOTIFY``; free, the next try is at once."""
+        statement = sql.SQL(ROOM_LISTEN_SQL).format(
+            name=sql.Literal(visit.name), group=sql.Literal(GROUP)
+        )
+        try:
+            cursor = _execute(visit.conn, statement, None, self.timeout)
+            while cursor.nextset():  # past BEGIN, LISTEN and COMMIT, to the look
+                pass
+            row = cursor.fetchone()
+        except psycopg.Error as exc:
+            logger.debug("leases: waiting without a room for %r: %s", visit.name, exc)
+            close_quietly(visit.conn)  # its session's room lock goes with it
+            visit.inside = False
+            self._local.visit = None
+            return
+        visit.listening = True
+        visit.entered(row)
+        visit.try_now, visit.held = not visit.held, False  # free: try at once
+
+    def _queued_out(self, visit: _SyncVisit) -> list[Any]:
+        """A queued try that timed out: try plainly next, at once (the one inside the room,
+        or the holder, may be paused past its expiry, or revoked), then queue again; first
+        unlock a tenure lock granted as the timeout fired, and see whether the room's was."""
+        visit.try_now = visit.queue = True
+        try:
+            cursor = _execute(
+                visit.conn, UNLOCK_STRAYS_SQL.format(key=visit.key), None, self.timeout
+            )
+            row = cursor.fetchone()
+        except psycopg.Error:
+            close_quietly(visit.conn)  # the session's locks, the room's too, go with it
+            visit.inside = False
+            self._local.visit = None
+            return []
+        visit.inside = bool(row and row[1])
+        return []
+
+    def pin(self, name: str) -> Pin | None:
+        """The connection kept by the grant this thread's visit to ``name`` just won."""
+        visit = self._visit(name)
+        return visit.pin if visit is not None else None
+
+    def release_pinned(
+        self, pin: Pin, statement: Prepared, params: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """Run ``statement`` (the release, which unlocks the tenure lock in its last column) on
+        the pin's connection, which then rejoins the idle ones; ``None`` when the pin has no
+        usable connection (its session, and the tenure lock, are gone: release elsewhere).
+        Nothing was sent when ``None`` is returned; a failure once sent is raised."""
+        with pin.lock:
+            conn = pin.take()
+            with self._lock:
+                self._pins.discard(pin)
+            if conn is None:
+                return None
+            settled = _settle(conn) if pin.unsettled else True
+            if settled is False:
+                self._disable()
+            if not settled or stale(conn):
+                close_quietly(conn)
+                return None
+            try:
+                with armed(Deadline(conn.fileno(), self.timeout)):
+                    if self.prepared:
+                        rows = run_prepared(conn, statement, params, self._names(conn))
+                    else:
+                        rows = conn.execute(statement.sql, params).fetchall()
+            except psycopg.Error:
+                close_quietly(conn)
+                raise
+        if rows and rows[0][-1] is not True:
+            self._disable()  # the unlock found no lock: another server session (a pooler)
+            close_quietly(conn)
+        else:
+            self._keep(conn)
+        return rows
 
     def _names(self, conn: psycopg.Connection[Any]) -> set[str]:
         with self._lock:
             return self._prepared.setdefault(conn, set())
 
     def readers_hold(self, name: str) -> bool | None:
-        """Whether readers held ``name`` at this thread's last look from inside its room;
-        ``None`` when not inside (unknown)."""
+        """Whether readers held ``name`` at this thread's last try (or look) in its room;
+        ``None`` when not in one (unknown). A visit's first try is a queued one, which sees
+        readers (and then reports them) as well as a look would: until it did, ``False``."""
         visit = self._visit(name)
-        return visit.shared if visit is not None and visit.inside else None
+        return visit.shared if visit is not None else None
 
     def _visit(self, name: str) -> _SyncVisit | None:
         visit: _SyncVisit | None = getattr(self._local, "visit", None)
@@ -329,33 +516,12 @@ class WaitingRoom:
         conn = None
         try:
             conn = self._connection()
-            visit = _SyncVisit(name, room_key(name), conn, deadline)
-            self._lock_room(visit)
-            return visit
         except (psycopg.Error, BackendUnavailable) as exc:
             logger.debug("leases: waiting without a room for %r: %s", name, exc)
             close_quietly(conn)
             return None
-
-    def _queue(self, visit: _SyncVisit) -> bool:
-        """Queue again after :data:`ROOM_TIMEOUT`; whether the caller should try now."""
-        self._lock_room(visit)
-        return visit.inside
-
-    def _lock_room(self, visit: _SyncVisit) -> None:
-        queueing = visit.queueing()
-        if queueing is None:
-            return
-        queue_for, statement = queueing
-        try:
-            cursor = _execute(visit.conn, statement, None, queue_for + self.timeout)
-        except psycopg.errors.LockNotAvailable:
-            # Queued long enough: try once, then queue again (see ROOM_UNLOCK_ALL_SQL).
-            _execute(visit.conn, ROOM_UNLOCK_ALL_SQL, None, self.timeout)
-            return
-        while cursor.nextset():  # past the lock, BEGIN, LISTEN and COMMIT, to the look
-            pass
-        visit.entered(cursor.fetchone())
+        # Not queued yet: the first try queues, in its own statement (see _tenure).
+        return _SyncVisit(name, room_key(name), conn, deadline)
 
     def _connection(self) -> psycopg.Connection[Any]:
         while True:
@@ -380,13 +546,30 @@ class WaitingRoom:
 
     def _leave(self, visit: _SyncVisit) -> None:
         conn = visit.conn
-        # Inside (granted, or giving up): unlock and stop listening; queued out: only stop
-        # listening. Sent without waiting for the reply, which the next user of the connection
-        # collects (:func:`_settle`, which also checks the unlock): the new holder returns a
-        # round trip sooner, and the next waiter is let in as soon as the server reads it.
-        statement = ROOM_LEAVE_SQL.format(key=visit.key) if visit.inside else ROOM_UNLISTEN_SQL
+        # Inside (giving up, or granted by a plain try): unlock and stop listening; out of the
+        # room, only stop listening (a queued try's grant left the room in its statement).
+        # Sent without waiting for the reply, which the next user of the connection collects
+        # (:func:`_settle`, which also checks the unlock): the new holder returns a round trip
+        # sooner, and the next waiter is let in as soon as the server reads it. A grant that
+        # kept the connection (its pin) leaves the same way; the pin then reads the reply
+        # before its release.
+        pin = visit.pin
+        if visit.inside:
+            statement = ROOM_LEAVE_SQL.format(key=visit.key)
+        elif visit.listening:
+            statement = ROOM_UNLISTEN_SQL
+        elif pin is None:
+            self._keep(conn)
+            return
+        else:
+            return
         try:
+            if pin is not None and not pin.usable():
+                return
             if _send(conn, statement):
+                if pin is not None:
+                    pin.unsettled = True
+                    return
                 with self._lock:
                     self._unsettled.add(conn)
             elif visit.inside and _execute(
@@ -396,8 +579,15 @@ class WaitingRoom:
             elif not visit.inside:
                 _execute(conn, statement.encode(), None, self.timeout)
         except psycopg.Error:
+            if pin is not None:
+                pin.drop()
             close_quietly(conn)  # closing the session releases its advisory lock
             return
+        if pin is None:
+            self._keep(conn)
+
+    def _keep(self, conn: psycopg.Connection[Any]) -> None:
+        """Keep ``conn`` idle for the next visit, or close it when enough are."""
         with self._lock:
             if len(self._idle) < _IDLE_ROOM_CONNECTIONS:
                 self._idle.append(conn)
@@ -413,19 +603,26 @@ class WaitingRoom:
         logger.warning("leases: waiting room disabled on %r: unlock failed", self.alias)
 
     def close(self) -> None:
-        """Close the idle room connections (those in use close when their waiter leaves)."""
+        """Close the idle room connections (those in use close when their waiter leaves) and
+        the kept ones (their grants are then released on the backend's own connection)."""
         with self._lock:
             idle, self._idle = self._idle, []
+            pins, self._pins = list(self._pins), weakref.WeakSet()
             self._unsettled.clear()
         for conn in idle:
             close_quietly(conn)
+        for pin in pins:
+            with pin.lock:
+                pin.drop()
 
     def forget_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
         visit: _SyncVisit | None = getattr(self._local, "visit", None)
         inherit(*self._idle, visit.conn if visit is not None else None)
+        inherit(*(pin.conn for pin in self._pins))  # never used here: their pid is the parent's
         self._idle = []
+        self._pins = weakref.WeakSet()
         self._unsettled = set()
         self._prepared = weakref.WeakKeyDictionary()
         self._local = threading.local()

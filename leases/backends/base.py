@@ -41,6 +41,7 @@ __all__ = [
     "PRUNE_BATCH",
     "Capability",
     "Grant",
+    "InternalLock",
     "LeaseBackend",
     "LeaseInfo",
     "LeaseWaiter",
@@ -145,6 +146,16 @@ class LeaseInfo:
     def rank(self) -> tuple[int, str]:
         """Held first, then the rest (expired or free); by name within each."""
         return (0 if self.held else 1, self.name)
+
+
+@dataclass(frozen=True)
+class InternalLock:
+    """An advisory lock a backend takes for its own purposes: for which lease, and why
+    (``"room"``: its waiters queue on it; ``"tenure"``: its holder keeps it while it holds
+    the lease, and its next waiter queues on it)."""
+
+    lease: str
+    purpose: str
 
 
 @dataclass(frozen=True)
@@ -434,8 +445,9 @@ class LeaseBackend(abc.ABC):
         """
         return []
 
-    def internal_advisory_locks(self) -> dict[int, str]:
-        """PostgreSQL advisory keys this backend locks for its own purposes, and for which lease.
+    def internal_advisory_locks(self) -> dict[int, InternalLock]:
+        """PostgreSQL advisory keys this backend locks for its own purposes: for which lease,
+        and why.
 
         Operators' views use it to show such a lock as, say, the waiting room of lease ``x``
         (and its waiters as the lease's waiters) instead of an anonymous 64-bit key. Backends

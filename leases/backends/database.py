@@ -19,7 +19,10 @@ one inside listens on its own connection and retries there on each release, the 
 the server's lock queue, so a release wakes one waiter instead of a herd, and callers outside
 the room do not overtake it (see :mod:`~leases.backends._waiting_room`: the room is a first
 come, first served queue). Waiters that find no room (too many) sleep on the process's shared
-``LISTEN`` connection.
+``LISTEN`` connection. A thread's try in the room waits on the server instead of for the
+``NOTIFY``: on the tenure lock that a holder who won in the room keeps on its room connection
+until its release (:mod:`~leases.backends._tenure`), so a contended hand-off is the release's
+statement, a wake-up of the waiter's server session and the grant's commit.
 
 A reply lost on a connection that stays open (a NAT, a proxy, a paused server) would hang a
 statement for ever, so each waits at most ``REQUEST_TIMEOUT`` seconds (default 5), a renewal at
@@ -29,6 +32,7 @@ connection is dropped and the call raises :class:`~leases.errors.BackendUnavaila
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import math
@@ -61,6 +65,7 @@ from ._pgconn import CHANNEL, Listener, PrivateConnection, driver_failure, inher
 from ._pgdeadline import REQUEST_TIMEOUT
 from ._pgprepared import Prepared
 from ._pruning import FLOOR_SQL, Progress, prune_rows
+from ._tenure import tenure_key_sql
 from ._waiting_room import (
     ROOM_CONNECTIONS,
     ROOM_GRACE,
@@ -75,6 +80,7 @@ from .base import (
     PRUNE_BATCH,
     Capability,
     Grant,
+    InternalLock,
     LeaseBackend,
     LeaseInfo,
     new_secret,
@@ -173,6 +179,17 @@ RETURNING pg_notify('leases_released', name)::text IS NOT NULL
           NOT pg_try_advisory_xact_lock_shared(%(room)s::bigint)
 """
 
+#: :data:`RELEASE_SQL` on the connection a grant won in the waiting room kept (see
+#: :mod:`~._tenure`), unlocking the grant's tenure lock after the row is freed (so the waiter
+#: queued on it goes on to take the name), whether or not the release was refused: a revoked
+#: or expired holder must not keep it either. The last column says the unlock found the lock.
+PINNED_RELEASE_SQL = f"""
+WITH freed(released, queued) AS ({RELEASE_SQL})
+SELECT freed.released, freed.queued,
+       pg_advisory_unlock({tenure_key_sql("%(name)s::text", "%(token)s::bigint")})
+FROM (SELECT 1) AS one LEFT JOIN freed ON true
+"""  # noqa: S608
+
 #: Why :data:`RELEASE_SQL` refused, read only after it did: a row (``true``) when holder and
 #: token are the current grant's but the secret is not (a forged grant: the lease stays held,
 #: as in :data:`RENEW_SQL`), else the grant expired or was taken over. Read-only, so a forger
@@ -210,10 +227,12 @@ INSPECT_SQL = f"""
 SELECT {_COLUMNS}
 FROM leases_lease WHERE name = %(name)s::text
 """  # noqa: S608
-#: Names someone holds now: only these can have waiters in their waiting rooms.
-HELD_NAMES_SQL = """
-SELECT name FROM leases_lease WHERE holder <> '' AND expires_at > clock_timestamp()
-"""
+#: Names someone holds now (only these can have waiters in their waiting rooms), and the key of
+#: each grant's tenure lock.
+HELD_NAMES_SQL = f"""
+SELECT name, {tenure_key_sql("name", "token")}
+FROM leases_lease WHERE holder <> '' AND expires_at > clock_timestamp()
+"""  # noqa: S608
 INSPECT_ALL_SQL = f"""
 SELECT {_COLUMNS}
 FROM leases_lease ORDER BY name
@@ -252,6 +271,7 @@ ORDER BY name LIMIT %(batch)s
 PREPARED_ACQUIRE = Prepared("acquire", ACQUIRE_SQL)
 PREPARED_RENEW = Prepared("renew", RENEW_SQL)
 PREPARED_RELEASE = Prepared("release", RELEASE_SQL)
+PREPARED_PINNED_RELEASE = Prepared("pinned_release", PINNED_RELEASE_SQL)
 #: The waiter's try inside the name's room, on the room's connection: on the hand-off's path.
 PREPARED_ROOM_ACQUIRE = Prepared("room_acquire", ROOM_ACQUIRE_SQL)
 
@@ -458,7 +478,15 @@ class Backend(LeaseBackend):
             self._failed_at()[name] = sent_at
             return None
         token, expires_at = rows[0][:2]
-        return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
+        if len(rows[0]) == 2:
+            return Grant(name, holder, int(token), ttl, sent_at, expires_at, secret=secret)
+        # Queued on the holder's tenure lock: the lease's time starts when the server granted
+        # it, not before the wait (the wait measured on the server's clock, never more than
+        # this clock saw pass).
+        sent_at += min(max(0.0, rows[0][2] or 0.0), time.monotonic() - sent_at)
+        pin = self._room.pin(name)
+        extra = {"tenure": pin} if pin is not None else {}
+        return Grant(name, holder, int(token), ttl, sent_at, expires_at, extra, secret)
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
@@ -479,11 +507,25 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):
             _released(grant, self._run(SHARED_RELEASE_SQL, shared_params(grant)))
             return
-        rows = self._run(PREPARED_RELEASE, {**_owner(grant), "room": _room_of(grant.name)})
-        if not rows:
+        params = {**_owner(grant), "room": _room_of(grant.name)}
+        rows = self._release_pinned(grant, params)
+        if rows is None:
+            rows = self._run(PREPARED_RELEASE, params)
+        if not rows or rows[0][0] is None:
             _refused(grant, self._run(RELEASE_REFUSED_SQL, _owner(grant)))
         if rows[0][1]:
             self._queued()[grant.name] = time.monotonic()
+
+    def _release_pinned(self, grant: Grant, params: dict[str, Any]) -> list[tuple[Any, ...]] | None:
+        """Release on the connection the grant kept, unlocking its tenure lock there; ``None``
+        when it kept none, or it is gone (with its session, and so the lock)."""
+        pin = grant.extra.get("tenure")
+        if pin is None:
+            return None
+        try:
+            return self._room.release_pinned(pin, PREPARED_PINNED_RELEASE, params)
+        except psycopg.Error as exc:
+            raise driver_failure(self.alias, exc) from exc
 
     def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         """Join or start the readers' group of ``name`` (see :mod:`._pg_shared`)."""
@@ -551,6 +593,9 @@ class Backend(LeaseBackend):
     async def arelease(self, grant: Grant) -> None:
         if grant.extra.get("shared"):
             _released(grant, await self._arun(SHARED_RELEASE_SQL, shared_params(grant)))
+            return
+        if "tenure" in grant.extra:  # won by a thread in the room: release on what it kept
+            await asyncio.to_thread(self.release, grant)
             return
         params = {**_owner(grant), "room": _room_of(grant.name)}
         if not await self._arun(PREPARED_RELEASE, params):
@@ -622,9 +667,12 @@ class Backend(LeaseBackend):
                     break
                 after = rows[-1][0]
 
-    def internal_advisory_locks(self) -> dict[int, str]:
-        """The waiting rooms of the names held now (a waiter only waits for a held name)."""
-        return {room_key(name): name for (name,) in self._run(HELD_NAMES_SQL, {})}
+    def internal_advisory_locks(self) -> dict[int, InternalLock]:
+        """The waiting rooms of the names held now (a waiter only waits for a held name), and
+        their grants' tenure locks (see :mod:`~._tenure`)."""
+        held = self._run(HELD_NAMES_SQL, {})
+        rooms = {room_key(name): InternalLock(name, "room") for name, _ in held}
+        return rooms | {tenure: InternalLock(name, "tenure") for name, tenure in held}
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
         row = self._run(FORCE_RELEASE_SQL, {"name": name, "token": token})[0]

@@ -145,6 +145,7 @@ def json_listing(
             "name": row.name or None,
             "key": row.key,
             "room_of": row.room_of or None,
+            "tenure_of": row.tenure_of or None,
             "state": row.status,
             "mode": row.mode,
             "pid": row.pid,
@@ -351,7 +352,7 @@ class Command(BaseCommand):
         locks = [
             row
             for row in operations.advisory_locks(using)
-            if name in (row.name, row.key, row.room_of)  # the lease's waiting room too
+            if name in (row.name, row.key, row.room_of, row.tenure_of)  # its room and tenure too
         ]
         if locks:
             found = True

@@ -1,0 +1,234 @@
+"""The database backend's hand-off through the holder's tenure lock (``_tenure``): a thread
+waiting in the room queues on the lock the holder's kept connection holds, and the release
+grants it within that one try; every way the lock outlives its grant only delays the waiter
+by at most ``ROOM_TIMEOUT``, and the row alone decides who holds the name."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+import pytest
+
+from leases import LeaseLost, acquire
+from leases.backends import _waiting_room
+from leases.backends._tenure import Pin
+from leases.handle import Lease
+from tests.lease_backends import lease_name
+from tests.test_lease_database import (
+    database_backend,
+    own_connection,
+    queued_tries_sent,
+    traced_room_connections,
+)
+from tests.waiting import wait_until
+
+__all__ = ["lease_name"]
+
+pytestmark = pytest.mark.django_db
+
+ROOM_TIMEOUT = _waiting_room.ROOM_TIMEOUT
+
+
+def tenure_sessions(name: str, token: int, *, granted: bool) -> int:
+    """Sessions holding (``granted``) or waiting on the tenure lock of ``name``'s grant
+    ``token``, from ``pg_locks``."""
+    with own_connection() as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted = %s"
+            " AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint)"
+            "   = hashtextextended('leases:tenure:' || %s, %s)",
+            [granted, name, token],
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def tenure_waiters(name: str, token: int) -> int:
+    return tenure_sessions(name, token, granted=False)
+
+
+def tenure_held(name: str, token: int) -> bool:
+    return tenure_sessions(name, token, granted=True) > 0
+
+
+class Waiter:
+    """A thread that acquires ``name`` (as a holder of its own: a thread's identity may be
+    reused once it ended) and hands the lease to the test."""
+
+    count = 0
+
+    def __init__(self, name: str, *, ttl: float = 30, timeout: float = 30) -> None:
+        Waiter.count += 1
+        self.holder = f"waiter-{Waiter.count}"
+        self.lease: Lease | None = None
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self.granted_at = 0.0
+        self._thread = threading.Thread(target=self._run, args=(name, ttl, timeout), daemon=True)
+        self._thread.start()
+
+    def _run(self, name: str, ttl: float, timeout: float) -> None:
+        try:
+            self.lease = acquire(
+                name, ttl=ttl, timeout=timeout, keepalive=False, holder=self.holder
+            )
+            self.granted_at = time.monotonic()
+        except BaseException as exc:  # reported by granted()
+            self.error = exc
+
+    def granted(self, within: float) -> Lease:
+        self._thread.join(within)
+        assert self.error is None, self.error
+        assert self.lease is not None, f"not granted within {within} s"
+        return self.lease
+
+
+def pinned(lease: Lease) -> Pin | None:
+    pin = lease.grant.extra.get("tenure")
+    return pin if isinstance(pin, Pin) else None
+
+
+@pytest.fixture
+def traced_rooms(monkeypatch: pytest.MonkeyPatch) -> Iterator[IO[str]]:
+    with traced_room_connections(monkeypatch) as trace:
+        yield trace
+
+
+def won_in_the_room(name: str, *, ttl: float = 30) -> Lease:
+    """A lease a thread won inside ``name``'s room (so it kept its connection and holds its
+    tenure lock): a first holder from outside the room, released once the thread waits."""
+    first = acquire(name, ttl=30, keepalive=False, holder="first")
+    waiter = Waiter(name, ttl=ttl)
+    wait_until(lambda: _in_room(name), 15, "the waiter in the room")
+    first.release()
+    lease = waiter.granted(15)
+    assert pinned(lease) is not None and tenure_held(name, lease.token)
+    return lease
+
+
+def _in_room(name: str) -> bool:
+    from tests.test_lease_database import room_locks
+
+    return room_locks(name).get(True, 0) == 1
+
+
+def test_the_waiter_queues_on_the_holders_tenure_lock_and_the_release_grants_it_there(
+    lease_name: str, traced_rooms: Any
+) -> None:
+    """The next waiter's one try waits on the server, on the tenure lock of the grant that
+    holds the name; the release (here from another thread than the one that acquired) frees
+    it, and that same try takes the name: no second try, no client wake-up in between."""
+    holder = won_in_the_room(lease_name)
+    waiter = Waiter(lease_name)
+    wait_until(lambda: tenure_waiters(lease_name, holder.token) == 1, 15, "queued on the tenure")
+    before = queued_tries_sent(traced_rooms)
+    time.sleep(0.3)  # room for a try that should not be sent while the name is held
+    assert queued_tries_sent(traced_rooms) == before
+    holder.release()
+    second = waiter.granted(15)
+    assert second.token > holder.token
+    assert queued_tries_sent(traced_rooms) == before, "the waiter's one try did not take it"
+    assert not tenure_held(lease_name, holder.token)
+    assert pinned(second) is not None and tenure_held(lease_name, second.token)
+    second.release()
+    assert not tenure_held(lease_name, second.token)
+
+
+def test_a_holder_paused_past_its_expiry_holds_up_its_waiter_at_most_the_room_timeout(
+    lease_name: str,
+) -> None:
+    """A paused holder still holds its tenure lock when its grant runs out: the waiter's
+    queueing ends by ``ROOM_TIMEOUT``, and its next try takes the expired name by the row.
+    The late release is refused (the lease was lost) and lets the lock go all the same."""
+    paused = won_in_the_room(lease_name, ttl=0.6)
+    waiter = Waiter(lease_name)
+    second = waiter.granted(0.6 + ROOM_TIMEOUT + 5)
+    assert second.token > paused.token
+    assert waiter.granted_at - waiter.started < 0.6 + ROOM_TIMEOUT + 3
+    assert tenure_held(lease_name, paused.token)  # the paused holder's session still has it
+    with pytest.raises(LeaseLost):
+        paused.release()
+    assert not tenure_held(lease_name, paused.token)
+    second.release()
+
+
+def test_a_forced_release_frees_a_queued_waiter_within_the_room_timeout(lease_name: str) -> None:
+    """``force_release`` advances the token on the row, but the evicted holder's session keeps
+    its tenure lock until it hears of it: the waiter queued there takes the name once its
+    queueing ends (``ROOM_TIMEOUT``), not at the grant's expiry (30 s here)."""
+    evicted = won_in_the_room(lease_name)
+    waiter = Waiter(lease_name)
+    wait_until(lambda: tenure_waiters(lease_name, evicted.token) == 1, 15, "queued on the tenure")
+    forced_at = time.monotonic()
+    database_backend().force_release(lease_name, evicted.token)
+    second = waiter.granted(ROOM_TIMEOUT + 10)
+    assert second.token > evicted.token + 1  # the revocation took a token of its own
+    assert waiter.granted_at - forced_at < ROOM_TIMEOUT + 5
+    with pytest.raises(LeaseLost):
+        evicted.release()
+    assert not tenure_held(lease_name, evicted.token)
+    second.release()
+
+
+def test_a_holder_whose_kept_connection_died_releases_on_its_own_and_wakes_the_waiter(
+    lease_name: str,
+) -> None:
+    """The kept connection's session ends (a restart, ``pg_terminate_backend``): its tenure
+    lock goes with it, so the queued waiter's try is refused (the name is still held) and it
+    waits for the release's ``NOTIFY``; the release, finding its connection dead, goes out on
+    the backend's own connection, and the waiter takes the name."""
+    holder = won_in_the_room(lease_name)
+    pin = pinned(holder)
+    assert pin is not None and pin.conn is not None
+    pid = pin.conn.info.backend_pid
+    waiter = Waiter(lease_name)
+    wait_until(lambda: tenure_waiters(lease_name, holder.token) == 1, 15, "queued on the tenure")
+    with own_connection() as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", [pid])
+    wait_until(lambda: tenure_waiters(lease_name, holder.token) == 0, 15, "the queue let go")
+    time.sleep(0.2)
+    assert waiter.lease is None  # the name is still held: the row decides
+    released_at = time.monotonic()
+    holder.release()
+    second = waiter.granted(ROOM_TIMEOUT + 10)
+    assert second.token > holder.token
+    assert waiter.granted_at - released_at < ROOM_TIMEOUT + 5
+    second.release()
+
+
+def test_operators_see_a_tenure_lock_as_the_leases_not_as_a_bare_key(lease_name: str) -> None:
+    """The admin's advisory-lock page and ``manage.py leases`` label the holder's tenure lock
+    and the waiter queued on it with the lease's name, as they do its waiting room."""
+    from leases import operations
+
+    holder = won_in_the_room(lease_name)
+    waiter = Waiter(lease_name)
+    wait_until(lambda: tenure_waiters(lease_name, holder.token) == 1, 15, "queued on the tenure")
+    rows = [row for row in operations.advisory_locks() if row.tenure_of == lease_name]
+    assert sorted(row.granted for row in rows) == [False, True]
+    assert {row.label for row in rows} == {f"tenure of lease {lease_name!r}"}
+    assert not any(row.room_of for row in rows)
+    holder.release()
+    waiter.granted(15).release()
+
+
+def test_past_the_cap_on_kept_connections_a_grant_keeps_none_and_hands_off_by_notify(
+    lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process keeps at most ``PINS`` room connections for the grants they won; past it a
+    grant keeps none (no tenure lock), and its waiter is woken by the release's ``NOTIFY``."""
+    monkeypatch.setattr(_waiting_room, "PINS", 0)
+    first = acquire(lease_name, ttl=30, keepalive=False, holder="first")
+    waiter = Waiter(lease_name)
+    wait_until(lambda: _in_room(lease_name), 15, "the waiter in the room")
+    first.release()
+    held = waiter.granted(15)
+    assert pinned(held) is None and not tenure_held(lease_name, held.token)
+    third = Waiter(lease_name)
+    wait_until(lambda: _in_room(lease_name), 15, "the next waiter in the room")
+    held.release()
+    assert third.granted(ROOM_TIMEOUT + 10).token > held.token
+    assert third.lease is not None
+    third.lease.release()
