@@ -232,3 +232,16 @@ def test_past_the_cap_on_kept_connections_a_grant_keeps_none_and_hands_off_by_no
     assert third.granted(ROOM_TIMEOUT + 10).token > held.token
     assert third.lease is not None
     third.lease.release()
+
+
+def test_a_lease_won_in_the_room_released_from_async_code_lets_its_tenure_go(
+    lease_name: str,
+) -> None:
+    """``arelease()`` of a lease a thread won in the room releases on the connection it kept
+    (from a worker thread: it is a sync connection), so its tenure lock goes with the release."""
+    import asyncio
+
+    holder = won_in_the_room(lease_name)
+    asyncio.run(holder.arelease())
+    assert not tenure_held(lease_name, holder.token)
+    assert database_backend().inspect(lease_name).held is False  # type: ignore[union-attr]
