@@ -245,3 +245,31 @@ def test_a_lease_won_in_the_room_released_from_async_code_lets_its_tenure_go(
     asyncio.run(holder.arelease())
     assert not tenure_held(lease_name, holder.token)
     assert database_backend().inspect(lease_name).held is False  # type: ignore[union-attr]
+
+
+def test_a_grant_after_a_long_queue_counts_its_time_from_about_when_it_was_granted(
+    lease_name: str,
+) -> None:
+    """A queued try may wait a long time (for the room, then on the holder's tenure lock)
+    before it is granted; the lease's time counts from about the grant, measured on the
+    server from the try's first statement, never from before its queueing. Counted from its
+    second statement alone, a waiter that queued long for the room got a grant that looked
+    older than the one granted before it (a fencing checker ordering grants by it saw tokens
+    go backwards); with a short TTL it would have been spent waiting."""
+    from tests.test_lease_database import room_locks
+
+    holder = won_in_the_room(lease_name)
+    first = Waiter(lease_name)
+    wait_until(lambda: tenure_waiters(lease_name, holder.token) == 1, 15, "queued on the tenure")
+    second = Waiter(lease_name)
+    wait_until(lambda: room_locks(lease_name) == {True: 1, False: 1}, 15, "queued for the room")
+    time.sleep(0.6)  # the second waiter's first statement queues for the room all along
+    holder.release()
+    granted = first.granted(15)
+    released_at = time.monotonic()
+    granted.release()
+    last = second.granted(15)
+    assert last.token > granted.token
+    assert last.grant.sent_at > released_at - 0.3, last.grant.sent_at - released_at
+    assert last.grant.sent_at <= time.monotonic()
+    last.release()

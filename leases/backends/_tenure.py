@@ -108,8 +108,11 @@ PREPARED_QUEUE = Prepared("queue", QUEUE_SQL)
 #: try writes nothing; that probe reads the statement's snapshot, taken before the tenure
 #: queueing, so it would refuse every grant here. A refusal here is rare: it needs a holder
 #: that keeps no tenure lock.)
-#: Granted: the token, the expiry, how long the statement waited before it granted (server
-#: clock, so the caller counts the lease's time from then, not from before its wait), whether
+#: Granted: the token, the expiry, how long the try waited before it granted, from its first
+#: statement's start (server clock, so the caller counts the lease's time from about when it
+#: was granted, not from before its queueings, which may have lasted up to a second: a short
+#: TTL would be spent waiting; counted from this second statement alone, a grant whose first
+#: statement queued long for the room looked older than one granted before it), whether
 #: this session took the new token's tenure lock (``pin``), and that it left the room. Refused:
 #: one row with no token, saying whether readers hold the name and for how long its grant
 #: lasts unless renewed; the room stays locked (the waiter then waits for the release's
@@ -140,7 +143,7 @@ WITH latest AS (
     RETURNING l.token, l.expires_at, l.acquired_at
 ), answer AS (
     SELECT token, expires_at,
-           extract(epoch FROM acquired_at - statement_timestamp())::float8 AS waited,
+           extract(epoch FROM acquired_at - transaction_timestamp())::float8 AS waited,
            CASE WHEN %(pin)s::bool THEN pg_try_advisory_lock({_KEY}) ELSE false END
                AS pinned,
            pg_advisory_unlock(%(room)s::bigint) AS left_room,
