@@ -163,6 +163,10 @@ def test_a_wait_whose_connections_are_reset_keeps_waiting(
         time.sleep(0.5)  # let its first try fail and its wait begin
         for _ in range(3):
             proxied.each(ending)
+            # The next reset only once the waiter is back (its failed round trip and the one
+            # retry it allows): a loaded machine once spread that retry over the next reset 0.3 s
+            # later, and two resets in one try end any acquire, by design.
+            wait_until(lambda: sum(p.connections for p in proxied.proxies) > 0, 15, "its retry")
             time.sleep(0.3)
         assert not outcome, f"the wait ended on a {end}: {outcome}"
     finally:
