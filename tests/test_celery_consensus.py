@@ -24,6 +24,7 @@ from tests.test_celery import (
     test_singleton_50_concurrent_delays_queue_one_task as singleton_case,  # not collected here
 )
 from tests.testapp.models_celery import TaskRun
+from tests.waiting import wait_until
 
 __all__ = ["celery_workers_fixture"]  # fixture, re-exported for pytest
 
@@ -69,7 +70,13 @@ def test_revoked_lease_mid_task_fails_the_task_and_its_later_fenced_write(
     outcomes = [a.outcome for a in history(register)]
     assert outcomes[0] == "accepted" and outcomes[-1] in ("lost", "stale", "revoked"), outcomes
     check_history(register)
-    assert TaskRun.objects.filter(label=f"lost:celery-test:{register}").exists(), "no on_lost"
+    # on_lost runs on the keepalive thread after ``lost`` is set: wait for its row (as in
+    # tests/test_celery.py), the task may have failed first.
+    wait_until(
+        lambda: TaskRun.objects.filter(label=f"lost:celery-test:{register}").exists(),
+        15,
+        "the on_lost callback's row",
+    )
     info = get_backend(backend).inspect(f"celery-test:{register}")
     assert info is not None and not info.held
 
