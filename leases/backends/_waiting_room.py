@@ -377,10 +377,8 @@ class WaitingRoom:
                     with conn.transaction():
                         conn.execute(PREPARED_QUEUE.sql, params)
                         rows = conn.execute(statement.sql, params).fetchall()
-                elif self.prepared:
-                    rows = run_prepared(conn, statement, params, self._names(conn))
                 else:
-                    rows = conn.execute(statement.sql, params).fetchall()
+                    rows = self._run(conn, statement, params)
         except psycopg.errors.LockNotAvailable:  # queueing (or a row lock) took too long
             return self._queued_out(visit)
         except psycopg.Error as exc:
@@ -482,10 +480,7 @@ class WaitingRoom:
                 return None
             try:
                 with armed(Deadline(conn.fileno(), self.timeout)):
-                    if self.prepared:
-                        rows = run_prepared(conn, statement, params, self._names(conn))
-                    else:
-                        rows = conn.execute(statement.sql, params).fetchall()
+                    rows = self._run(conn, statement, params)
             except psycopg.Error:
                 close_quietly(conn)
                 raise
@@ -495,6 +490,15 @@ class WaitingRoom:
         else:
             self._keep(conn)
         return rows
+
+    def _run(
+        self, conn: psycopg.Connection[Any], statement: Prepared, params: Mapping[str, Any]
+    ) -> list[Any]:
+        """``statement``'s rows on a room connection, prepared unless the backend's
+        ``PREPARED_STATEMENTS`` is off (the caller arms the reply deadline)."""
+        if self.prepared:
+            return run_prepared(conn, statement, params, self._names(conn))
+        return conn.execute(statement.sql, params).fetchall()
 
     def _names(self, conn: psycopg.Connection[Any]) -> set[str]:
         with self._lock:
