@@ -506,10 +506,22 @@ def test_contending_threads_are_served_in_turn(lease_name: str, patient_room: No
     assert repeats <= len(contended) // 2, f"{repeats} repeats in {order}"
 
 
+def acquire_keeping_no_tenure(name: str, **options: Any) -> Any:
+    """``acquire(name)`` on the default backend's own connection, its session taking no
+    tenure lock (as past its cap, or on another process's connection that keeps none): its
+    waiters wait for the release's ``NOTIFY``."""
+    tenures = get_backend("default")._tenures  # type: ignore[attr-defined]
+    enabled, tenures.enabled = tenures.enabled, False
+    try:
+        return acquire(name, **options)
+    finally:
+        tenures.enabled = enabled
+
+
 def waiting_behind_a_holder(name: str) -> tuple[Any, threading.Thread, list[int]]:
-    """Hold ``name`` and start one thread that waits for it (then releases it); returns once
-    that waiter is inside the name's room."""
-    holder = acquire(name, ttl=30, keepalive=False, holder="holder")
+    """Hold ``name`` (keeping no tenure lock) and start one thread that waits for it (then
+    releases it); returns once that waiter is inside the name's room."""
+    holder = acquire_keeping_no_tenure(name, ttl=30, keepalive=False, holder="holder")
     tokens: list[int] = []
 
     def wait() -> None:
@@ -794,7 +806,7 @@ def test_the_next_waiter_reads_the_name_only_after_the_grant_before_it_committed
             for holder in ("first-waiter", "second-waiter")
         ]
         try:
-            holder = acquire(lease_name, ttl=30, keepalive=False, holder="holder")
+            holder = acquire_keeping_no_tenure(lease_name, ttl=30, keepalive=False, holder="holder")
             waiters[0].start()
             wait_until(lambda: room_locks(lease_name) == {True: 1}, 15, "the first waiter inside")
             waiters[1].start()

@@ -21,6 +21,7 @@ from leases.backends._tenure import PREPARED_QUEUE, PREPARED_QUEUED_ACQUIRE
 from leases.backends.database import (
     ACQUIRE_SQL,
     PREPARED_ACQUIRE,
+    PREPARED_OWN_ACQUIRE,
     PREPARED_PINNED_RELEASE,
     PREPARED_RELEASE,
     PREPARED_RENEW,
@@ -36,7 +37,11 @@ __all__ = ["lease_name"]
 
 pytestmark = pytest.mark.django_db
 
-OURS = {PREPARED_ACQUIRE.name, PREPARED_RENEW.name, PREPARED_RELEASE.name}
+#: What a sync grant on the own connection runs: it takes its tenure lock, and its release
+#: unlocks it (see ``_tenure.Tenures``).
+OURS = {PREPARED_OWN_ACQUIRE.name, PREPARED_RENEW.name, PREPARED_PINNED_RELEASE.name}
+#: An async grant takes none.
+ASYNC_OURS = {PREPARED_ACQUIRE.name, PREPARED_RENEW.name, PREPARED_RELEASE.name}
 
 
 def session_statements(conn: psycopg.Connection[Any]) -> dict[str, int]:
@@ -104,7 +109,7 @@ def test_a_session_that_lost_the_statements_prepares_them_again(
     fresh.release(second)
     info = fresh.inspect(lease_name)
     assert info is not None and not info.held and info.token == second.token
-    assert set(session_statements(conn)) == {PREPARED_RELEASE.name}  # the one run since
+    assert set(session_statements(conn)) == {PREPARED_PINNED_RELEASE.name}  # the one run since
 
 
 def test_a_session_that_already_has_the_statement_runs_it_once(
@@ -113,8 +118,8 @@ def test_a_session_that_already_has_the_statement_runs_it_once(
     """Another client of a pooler prepared it in this session: the ``PREPARE`` is refused
     before the ``EXECUTE`` in its query runs, then the ``EXECUTE`` alone runs it once."""
     conn = own_connection(fresh)
-    conn.execute(PREPARED_ACQUIRE.prepare_sql)
-    conn.execute(PREPARED_RELEASE.prepare_sql)
+    conn.execute(PREPARED_OWN_ACQUIRE.prepare_sql)
+    conn.execute(PREPARED_PINNED_RELEASE.prepare_sql)
     tokens = []
     for _ in range(2):
         grant = fresh.try_acquire(lease_name, "pooled", 5.0)
@@ -123,7 +128,7 @@ def test_a_session_that_already_has_the_statement_runs_it_once(
         fresh.release(grant)
     assert tokens[1] == tokens[0] + 1
     ran = session_statements(conn)
-    assert ran[PREPARED_ACQUIRE.name] == 2 and ran[PREPARED_RELEASE.name] == 2
+    assert ran[PREPARED_OWN_ACQUIRE.name] == 2 and ran[PREPARED_PINNED_RELEASE.name] == 2
 
 
 def test_prepared_statements_off_sends_plain_text(lease_name: str) -> None:
@@ -206,7 +211,7 @@ def test_async_acquire_renew_release_run_prepared_and_survive_a_lost_session(
             await fresh.aclose()
 
     before, tokens, after = asyncio.run(main())
-    assert set(before) == OURS and all(before[name] == 1 for name in OURS)
+    assert set(before) == ASYNC_OURS and all(before[name] == 1 for name in ASYNC_OURS)
     assert tokens == [tokens[0], tokens[0] + 1, tokens[0] + 2]
     assert after == {PREPARED_ACQUIRE.name: 2, PREPARED_RELEASE.name: 2}
 

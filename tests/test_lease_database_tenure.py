@@ -5,6 +5,7 @@ by at most ``ROOM_TIMEOUT``, and the row alone decides who holds the name."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from typing import IO, Any
 import pytest
 
 from leases import LeaseLost, acquire
-from leases.backends import _waiting_room
+from leases.backends import _tenure, _waiting_room
 from leases.backends._tenure import Pin
 from leases.handle import Lease
 from tests.lease_backends import lease_name
@@ -273,3 +274,130 @@ def test_a_grant_after_a_long_queue_counts_its_time_from_about_when_it_was_grant
     assert last.grant.sent_at > released_at - 0.3, last.grant.sent_at - released_at
     assert last.grant.sent_at <= time.monotonic()
     last.release()
+
+
+def own_tenure_locks(backend: Any) -> set[int]:
+    """The advisory lock keys the backend's own connection's session holds."""
+    conn = backend.connection()
+    assert conn is not None
+    with own_connection() as admin:
+        rows = admin.execute(
+            "SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks"
+            " WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = %s",
+            [conn.info.backend_pid],
+        ).fetchall()
+    return {int(row[0]) for row in rows}
+
+
+def tenure_key(name: str, token: int) -> int:
+    with own_connection() as admin:
+        row = admin.execute(
+            "SELECT hashtextextended('leases:tenure:' || %s, %s)", [name, token]
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_holder_that_won_outside_the_room_hands_off_within_the_waiters_one_try(
+    lease_name: str, traced_rooms: Any
+) -> None:
+    """A grant won uncontended, on the backend's own connection, takes its tenure lock in
+    that session too: the first waiter's one try queues on it and the release grants it
+    there, as for a holder that won in the room (no ``NOTIFY``, no second try)."""
+    from leases import operations
+
+    holder = acquire(lease_name, ttl=30, keepalive=False, holder="uncontended")
+    assert pinned(holder) is None and tenure_held(lease_name, holder.token)
+    waiter = Waiter(lease_name)
+    wait_until(lambda: tenure_waiters(lease_name, holder.token) == 1, 15, "queued on the tenure")
+    before = queued_tries_sent(traced_rooms)
+    rows = [row for row in operations.advisory_locks() if row.tenure_of == lease_name]
+    assert sorted(row.granted for row in rows) == [False, True]
+    time.sleep(0.3)  # room for a try that should not be sent while the name is held
+    assert queued_tries_sent(traced_rooms) == before
+    holder.release()
+    second = waiter.granted(15)
+    assert second.token == holder.token + 1
+    assert queued_tries_sent(traced_rooms) == before, "the waiter's one try did not take it"
+    assert not tenure_held(lease_name, holder.token)
+    second.release()
+
+
+def test_grants_left_to_run_out_keep_at_most_the_cap_of_tenure_locks(
+    lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Acquire-and-let-expire is supported: the own connection's session keeps at most
+    ``OWN_TENURES`` tenure locks (past the cap a grant takes none), and once the cap is
+    reached the locks of grants that ran out unreleased are unlocked, so the next grant
+    takes its own again."""
+    monkeypatch.setattr(_tenure, "OWN_TENURES", 3)
+    backend = database_backend()
+    monkeypatch.setattr(backend, "_tenures", _tenure.Tenures())
+    before = own_tenure_locks(backend) if backend.connection() is not None else set()
+    names = [f"{lease_name}-{index}" for index in range(5)]
+    leases = [acquire(name, ttl=0.5, keepalive=False) for name in names]  # never released
+    keys = {tenure_key(lease.name, lease.token) for lease in leases}
+    held = own_tenure_locks(backend) & keys
+    assert held == {tenure_key(lease.name, lease.token) for lease in leases[:3]}
+    time.sleep(0.6)  # every grant ran out
+    later = acquire(f"{lease_name}-later", ttl=30, keepalive=False)
+    after = own_tenure_locks(backend)
+    assert not after & keys, "the locks of grants that ran out were kept"
+    assert tenure_key(later.name, later.token) in after
+    assert after - before == {tenure_key(later.name, later.token)}
+    later.release()
+    assert own_tenure_locks(backend) - before == set()
+
+
+def test_a_release_after_the_own_connection_was_replaced_releases_plainly(
+    lease_name: str,
+) -> None:
+    """The session that took the tenure lock ended (the lock with it): the release goes on a
+    new connection without unlocking anything, and later grants take theirs again."""
+    backend = database_backend()
+    holder = acquire(lease_name, ttl=30, keepalive=False)
+    conn = backend.connection()
+    assert conn is not None and tenure_held(lease_name, holder.token)
+    with own_connection() as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [conn.info.backend_pid])
+    wait_until(lambda: not tenure_held(lease_name, holder.token), 15, "the session gone")
+    holder.release()
+    info = backend.inspect(lease_name)
+    assert info is not None and not info.held
+    again = acquire(lease_name, ttl=30, keepalive=False)
+    assert tenure_held(lease_name, again.token)
+    again.release()
+    assert not tenure_held(lease_name, again.token)
+
+
+def test_a_release_whose_session_lost_the_lock_takes_no_more(
+    lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unlock that finds no lock on the very connection that took it means another server
+    session answered (a transaction pooler): the backend takes no more tenure locks there,
+    and its grants and releases go on as before."""
+    backend = database_backend()
+    monkeypatch.setattr(backend, "_tenures", _tenure.Tenures())
+    holder = acquire(lease_name, ttl=30, keepalive=False)
+    conn = backend.connection()
+    assert conn is not None and tenure_held(lease_name, holder.token)
+    conn.execute("SELECT pg_advisory_unlock_all()")  # as if another session had taken it
+    holder.release()
+    info = backend.inspect(lease_name)
+    assert info is not None and not info.held
+    again = acquire(lease_name, ttl=30, keepalive=False)
+    assert not tenure_held(lease_name, again.token)
+    again.release()
+
+
+def test_a_lease_won_uncontended_released_from_async_code_lets_its_tenure_go(
+    lease_name: str,
+) -> None:
+    """``arelease()`` of a lease a thread won on the own connection unlocks its tenure lock
+    in that connection's session (the async connection's session never held it)."""
+    held = acquire(lease_name, ttl=30, keepalive=False)
+    assert tenure_held(lease_name, held.token)
+    asyncio.run(held.arelease())
+    assert not tenure_held(lease_name, held.token)
+    info = database_backend().inspect(lease_name)
+    assert info is not None and not info.held

@@ -33,7 +33,7 @@ from leases.backends._counter import DurableCounter
 from leases.backends._pgconn import connect
 from leases.backends._pruning import delete_slice, prune_batch, raise_floor, wait_for_writers
 from leases.backends.base import Grant
-from leases.backends.database import PREPARED_ACQUIRE
+from leases.backends.database import PREPARED_OWN_ACQUIRE
 from leases.models import Lease, TokenFloor
 from leases.operations import force_release
 from tests.factories import UserFactory
@@ -234,7 +234,7 @@ def test_an_acquire_that_read_the_old_floor_is_waited_for(paused_acquire: Any) -
     own = get_backend("default").connection()  # type: ignore[attr-defined]
     assert own is not None
     prepared = own.execute("SELECT name FROM pg_prepared_statements").fetchall()
-    assert (PREPARED_ACQUIRE.name,) in prepared
+    assert (PREPARED_OWN_ACQUIRE.name,) in prepared
     age("prune:paused")
     token = paused_acquire(lambda: get_backend("default").prune(DAY), waits=True)
     assert token == last.token + 1

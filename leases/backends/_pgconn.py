@@ -246,27 +246,62 @@ class PrivateConnection:
         first) or :class:`BackendUnavailable` when no connection can be made or no reply came
         in time; callers translate both.
         """
+        return self.run_here(statement, params, timeout)[0]
+
+    def run_here(
+        self,
+        statement: str | Prepared,
+        params: Mapping[str, Any] | Sequence[Any],
+        timeout: float | None = None,
+    ) -> tuple[list[tuple[Any, ...]], psycopg.Connection[Any]]:
+        """:meth:`run`, and the connection it ran on: what the statement left in its session
+        (a session advisory lock) is there only while that connection is :meth:`run_on`."""
         with self._lock:
             conn = self._conn
             if conn is None or stale(conn):
                 self._discard()
                 conn = self._conn = connect(self.db_alias, self.alias)
-            due = Deadline(conn.fileno(), self.timeout if timeout is None else timeout)
-            try:
-                with armed(due):
-                    if not isinstance(statement, Prepared):
-                        cursor = conn.execute(statement, params)
-                    elif self.prepared and isinstance(params, Mapping):
-                        return run_prepared(conn, statement, params, self._names)
-                    else:
-                        cursor = conn.execute(statement.sql, params)
-                    return cursor.fetchall() if cursor.description else []
-            except psycopg.Error as exc:
-                if conn.broken or conn.closed or due.fired:
-                    self._discard()
-                if due.fired:
-                    raise BackendUnavailable(self.alias, due.why()) from exc
-                raise
+            return self._statement(conn, statement, params, timeout), conn
+
+    def run_on(
+        self,
+        session: object,
+        statement: str | Prepared,
+        params: Mapping[str, Any] | Sequence[Any],
+        timeout: float | None = None,
+    ) -> list[tuple[Any, ...]] | None:
+        """:meth:`run`, only if ``session`` (from :meth:`run_here`) is still the open
+        connection; ``None``, nothing sent, once it was replaced or found dead (its session,
+        and what it held, ended with it)."""
+        with self._lock:
+            conn = self._conn
+            if conn is None or conn is not session or stale(conn):
+                return None
+            return self._statement(conn, statement, params, timeout)
+
+    def _statement(
+        self,
+        conn: psycopg.Connection[Any],
+        statement: str | Prepared,
+        params: Mapping[str, Any] | Sequence[Any],
+        timeout: float | None,
+    ) -> list[tuple[Any, ...]]:
+        due = Deadline(conn.fileno(), self.timeout if timeout is None else timeout)
+        try:
+            with armed(due):
+                if not isinstance(statement, Prepared):
+                    cursor = conn.execute(statement, params)
+                elif self.prepared and isinstance(params, Mapping):
+                    return run_prepared(conn, statement, params, self._names)
+                else:
+                    cursor = conn.execute(statement.sql, params)
+                return cursor.fetchall() if cursor.description else []
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed or due.fired:
+                self._discard()
+            if due.fired:
+                raise BackendUnavailable(self.alias, due.why()) from exc
+            raise
 
     def _discard(self) -> None:
         conn, self._conn = self._conn, None

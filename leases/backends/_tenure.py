@@ -15,6 +15,9 @@ session goes on at once, server-side, and its ``INSERT ... ON CONFLICT DO UPDATE
 the release's commit and judges the newest row version. The new holder takes the tenure lock
 of its own token in the same statement, unlocks the one it waited on, and leaves the room.
 
+A grant won outside the room, on the backend's own connection, takes its tenure lock in that
+session too (:class:`Tenures`), so the first waiter's hand-off goes the same way.
+
 The lock is a liveness device only: who holds the name is decided by the row, as before, and
 the token fences. Keyed by token, a tenure lock never outlives its grant as far as waiters
 care: a waiter only queues on the lock of the token the row shows now, so a session that kept
@@ -25,9 +28,10 @@ before, within :data:`~._waiting_room.ROOM_TIMEOUT`:
 - the holder's process or session dies: the lock goes with the session; the waiter's try then
   finds the name still held (until its TTL), and waits in the room for a ``NOTIFY`` or the
   expiry, as before;
-- the grant was won outside the room, on an async connection, or past the per-process cap on
-  kept connections (:data:`PINS`): nobody holds its tenure lock, so the waiter's try takes it
-  at once, is refused, and the waiter waits for the ``NOTIFY``;
+- the grant was won on an async connection, or past the per-process caps on kept
+  connections (:data:`PINS`) or on the own connection's tenure locks (:data:`OWN_TENURES`):
+  nobody holds its tenure lock, so the waiter's try takes it at once, is refused, and the
+  waiter waits for the ``NOTIFY``;
 - the holder is paused past its expiry, or its grant is revoked (``force_release``): the
   waiter's queueing times out after at most ``ROOM_TIMEOUT`` (or the caller's deadline), and
   its next try takes the name by the row.
@@ -42,6 +46,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,13 +60,16 @@ from ._pgprepared import Prepared, keep_notifies, read_result
 from ._pruning import FLOOR_SQL
 
 __all__ = [
+    "OWN_TENURES",
     "PINS",
     "PREPARED_QUEUE",
     "PREPARED_QUEUED_ACQUIRE",
     "QUEUED_ACQUIRE_SQL",
     "QUEUE_SQL",
     "UNLOCK_STRAYS_SQL",
+    "UNLOCK_TENURES_SQL",
     "Pin",
+    "Tenures",
     "queue_then_try",
     "tenure_key_sql",
 ]
@@ -297,3 +305,83 @@ def _until_sync(pgconn: pq.abc.PGconn) -> list[pq.abc.PGresult]:
         if result.status == pq.ExecStatus.PIPELINE_SYNC:
             return results
         results.append(result)
+
+
+#: Tenure locks the backend's own connection keeps at once, for the grants won on it (outside
+#: any room): past it, a grant takes none (its first waiter falls back to the ``NOTIFY``), so
+#: a process that holds many names, or drops grants unreleased, never fills the server's
+#: shared lock table (``max_locks_per_transaction`` slots per connection).
+OWN_TENURES = 16
+
+#: Unlock the tenure locks of grants that ran out unreleased (``names`` and ``tokens`` in
+#: step), in the session that took them: how many it held.
+UNLOCK_TENURES_SQL = f"""
+SELECT count(*) FILTER (WHERE pg_advisory_unlock({tenure_key_sql("u.name", "u.token")}))
+FROM unnest(%(names)s::text[], %(tokens)s::bigint[]) AS u(name, token)
+"""  # noqa: S608
+
+
+class Tenures:
+    """The tenure locks that the backend's own connection (one session, shared by threads)
+    holds for grants won on it: which session took each, and when its grant was due to run
+    out as acquired.
+
+    A release unlocks its grant's lock in its statement, in the session that took it if that
+    is still the open connection (else the lock ended with its session). A grant never
+    released (dropped, or left to expire: a supported pattern) would keep its lock for the
+    session's life, so once :data:`OWN_TENURES` are listed the ones past their grant's expiry
+    are unlocked (:meth:`overdue`). A renewed grant's lock may go that way while the grant
+    still holds: its waiter then waits for the ``NOTIFY`` instead, since the lock only wakes,
+    the row decides.
+    """
+
+    __slots__ = ("_due", "_lock", "enabled")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: (name, token) -> (the connection whose session took the lock, when it runs out).
+        self._due: dict[tuple[str, int], tuple[object, float]] = {}
+        #: Off for good once a release's unlock found no lock in the session that took it (a
+        #: transaction pooler hands out server sessions per transaction).
+        self.enabled = True
+
+    def wanted(self) -> bool:
+        """Whether the next grant on the own connection should take its tenure lock."""
+        with self._lock:
+            return self.enabled and len(self._due) < OWN_TENURES
+
+    def overdue(self) -> dict[object, list[tuple[str, int]]]:
+        """The locks whose grants ran out as acquired, by the session that took them (no
+        longer listed: the caller unlocks them there if that session is still open)."""
+        now = time.monotonic()
+        found: dict[object, list[tuple[str, int]]] = {}
+        with self._lock:
+            for key, (session, due) in list(self._due.items()):
+                if due <= now:
+                    del self._due[key]
+                    found.setdefault(session, []).append(key)
+        return found
+
+    def taken(self, session: object, name: str, token: int, due: float) -> None:
+        with self._lock:
+            self._due[(name, token)] = (session, due)
+
+    def lists(self, name: str, token: int) -> bool:
+        with self._lock:
+            return (name, token) in self._due
+
+    def give_back(self, name: str, token: int) -> object | None:
+        """The session that took the grant's lock, if it is listed (then no more)."""
+        with self._lock:
+            entry = self._due.pop((name, token), None)
+        return None if entry is None else entry[0]
+
+    def disable(self) -> None:
+        with self._lock:
+            self.enabled = False
+            self._due.clear()
+
+    def forget_after_fork(self) -> None:
+        """The parent's sessions hold the locks listed: the child's own connection is new."""
+        self._lock = threading.Lock()
+        self._due = {}

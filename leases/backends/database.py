@@ -20,9 +20,10 @@ the server's lock queue, so a release wakes one waiter instead of a herd, and ca
 the room do not overtake it (see :mod:`~leases.backends._waiting_room`: the room is a first
 come, first served queue). Waiters that find no room (too many) sleep on the process's shared
 ``LISTEN`` connection. A thread's try in the room waits on the server instead of for the
-``NOTIFY``: on the tenure lock that a holder who won in the room keeps on its room connection
-until its release (:mod:`~leases.backends._tenure`), so a contended hand-off is the release's
-statement, a wake-up of the waiter's server session and the grant's commit.
+``NOTIFY``: on the tenure lock that the holder's session keeps until its release (the room
+connection it won on, or the own connection for a grant won uncontended: see
+:mod:`~leases.backends._tenure`), so a hand-off is the release's statement, a wake-up of the
+waiter's server session and the grant's commit.
 
 A reply lost on a connection that stays open (a NAT, a proxy, a paused server) would hang a
 statement for ever, so each waits at most ``REQUEST_TIMEOUT`` seconds (default 5), a renewal at
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import math
 import threading
 import time
@@ -65,7 +67,7 @@ from ._pgconn import CHANNEL, Listener, PrivateConnection, driver_failure, inher
 from ._pgdeadline import REQUEST_TIMEOUT
 from ._pgprepared import Prepared
 from ._pruning import FLOOR_SQL, Progress, prune_rows
-from ._tenure import tenure_key_sql
+from ._tenure import UNLOCK_TENURES_SQL, Tenures, tenure_key_sql
 from ._waiting_room import (
     ROOM_CONNECTIONS,
     ROOM_GRACE,
@@ -86,6 +88,8 @@ from .base import (
     new_secret,
     not_revoked,
 )
+
+logger = logging.getLogger("leases")
 
 __all__ = ["CHANNEL", "ROOM_CONNECTIONS", "ROOM_GRACE", "ROOM_TIMEOUT", "Backend"]
 
@@ -119,6 +123,19 @@ SET holder = EXCLUDED.holder, token = GREATEST(l.token + 1, {TIMELINE_FLOOR_SQL}
     expires_at = EXCLUDED.expires_at, renewed_at = NULL, secret_hash = EXCLUDED.secret_hash
 WHERE l.holder = '' OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
 RETURNING l.token, l.expires_at
+"""  # noqa: S608
+
+#: :data:`ACQUIRE_SQL` on the backend's own connection: granted, its session also takes the
+#: new grant's tenure lock when ``tenure`` is true (see :class:`~._tenure.Tenures`), so the
+#: first waiter's queued try in the room waits on the server for this grant's release too,
+#: not only for the ``NOTIFY`` (the third column: whether it took it).
+OWN_ACQUIRE_SQL = f"""
+WITH granted AS ({ACQUIRE_SQL})
+SELECT token, expires_at,
+       CASE WHEN %(tenure)s::bool
+            THEN pg_try_advisory_lock({tenure_key_sql("%(name)s::text", "token")})
+            ELSE false END
+FROM granted
 """  # noqa: S608
 
 #: The waiter inside the room takes the name. Granted, it stays in the room until the grant
@@ -269,6 +286,7 @@ ORDER BY name LIMIT %(batch)s
 #: The statements of every uncontended acquire, renewal and release, sent prepared (parsed and
 #: planned once per session, see :mod:`~._pgprepared`) on the backend's own connection.
 PREPARED_ACQUIRE = Prepared("acquire", ACQUIRE_SQL)
+PREPARED_OWN_ACQUIRE = Prepared("own_acquire", OWN_ACQUIRE_SQL)
 PREPARED_RENEW = Prepared("renew", RENEW_SQL)
 PREPARED_RELEASE = Prepared("release", RELEASE_SQL)
 PREPARED_PINNED_RELEASE = Prepared("pinned_release", PINNED_RELEASE_SQL)
@@ -422,6 +440,8 @@ class Backend(LeaseBackend):
         self._room = WaitingRoom(
             self.db_alias, alias, enabled=enabled, timeout=self.request_timeout, prepared=prepared
         )
+        #: The tenure locks the own connection holds (waiters queue on them in the room).
+        self._tenures = Tenures()
         self._async: PerLoop[AsyncState] = PerLoop(
             lambda: AsyncState(
                 self.db_alias, self.request_timeout, prepared=prepared, alias=self.alias
@@ -465,15 +485,16 @@ class Backend(LeaseBackend):
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
         """One try: inside the name's waiting room on the room's connection (a grant leaves
         the room in the same trip), else on the backend's own connection."""
-        sent_at, secret = time.monotonic(), new_secret()
+        sent_at = time.monotonic()
         if sent_at - self._queued().pop(name, -math.inf) < ROOM_GRACE.total_seconds():
             # This thread's release just saw waiters queued: a try now would be refused.
             self._failed_at()[name] = sent_at
             return None
+        secret = new_secret()
         params = _asking(name, holder, ttl, secret)
         rows = self._room.run_inside(name, PREPARED_ROOM_ACQUIRE, {**params, "in_room": True})
         if rows is None:
-            rows = self._run(PREPARED_ACQUIRE, params)
+            return self._try_own(params, sent_at)
         if not rows:
             self._failed_at()[name] = sent_at
             return None
@@ -487,6 +508,46 @@ class Backend(LeaseBackend):
         pin = self._room.pin(name)
         extra = {"tenure": pin} if pin is not None else {}
         return Grant(name, holder, int(token), ttl, sent_at, expires_at, extra, secret)
+
+    def _try_own(self, params: dict[str, Any], sent_at: float) -> Grant | None:
+        """A try on the backend's own connection (outside the name's room); granted, its
+        session keeps the grant's tenure lock unless :class:`~._tenure.Tenures` says not."""
+        name, ttl = params["name"], params["ttl"]
+        tenure = self._tenure_wanted()
+        try:
+            rows, session = self._conn.run_here(PREPARED_OWN_ACQUIRE, {**params, "tenure": tenure})
+        except psycopg.Error as exc:
+            raise driver_failure(self.alias, exc) from exc
+        if not rows:
+            self._failed_at()[name] = sent_at
+            return None
+        token, expires_at, took = rows[0]
+        if took:
+            self._tenures.taken(session, name, int(token), sent_at + ttl)
+        return Grant(
+            name, params["holder"], int(token), ttl, sent_at, expires_at, secret=params["secret"]
+        )
+
+    def _tenure_wanted(self) -> bool:
+        """Whether the own connection's next grant takes its tenure lock: below the cap, or
+        once the locks of grants that ran out unreleased are unlocked (one round trip, only
+        when the cap is reached)."""
+        tenures = self._tenures
+        if not self._room.enabled:
+            return False  # nobody queues on them (off, or turned off behind a pooler)
+        if tenures.wanted():
+            return True
+        if not tenures.enabled:
+            return False
+        for session, overdue in tenures.overdue().items():
+            params = {"names": [name for name, _ in overdue], "tokens": [t for _, t in overdue]}
+            try:
+                self._conn.run_on(session, UNLOCK_TENURES_SQL, params)
+            except (psycopg.Error, BackendUnavailable) as exc:
+                # Unknown which it unlocked: take no more (the session's end frees them).
+                logger.warning("leases: tenure locks not unlocked, taking no more: %s", exc)
+                tenures.disable()
+        return tenures.wanted()
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
         sent_at = time.monotonic()
@@ -510,6 +571,8 @@ class Backend(LeaseBackend):
         params = {**_owner(grant), "room": _room_of(grant.name)}
         rows = self._release_pinned(grant, params)
         if rows is None:
+            rows = self._release_own(grant, params)
+        if rows is None:
             rows = self._run(PREPARED_RELEASE, params)
         if not rows or rows[0][0] is None:
             _refused(grant, self._run(RELEASE_REFUSED_SQL, _owner(grant)))
@@ -526,6 +589,22 @@ class Backend(LeaseBackend):
             return self._room.release_pinned(pin, PREPARED_PINNED_RELEASE, params)
         except psycopg.Error as exc:
             raise driver_failure(self.alias, exc) from exc
+
+    def _release_own(self, grant: Grant, params: dict[str, Any]) -> list[tuple[Any, ...]] | None:
+        """Release on the own connection, unlocking the grant's tenure lock there, if its
+        session took one and is still open; ``None`` (nothing sent) otherwise."""
+        session = self._tenures.give_back(grant.name, grant.token)
+        if session is None:
+            return None
+        try:
+            rows = self._conn.run_on(session, PREPARED_PINNED_RELEASE, params)
+        except psycopg.Error as exc:
+            raise driver_failure(self.alias, exc) from exc
+        if rows and rows[0][-1] is not True:
+            # Its session did not hold it, though the connection is the one that took it:
+            # a transaction pooler's other server session. Take no more.
+            self._tenures.disable()
+        return rows
 
     def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         """Join or start the readers' group of ``name`` (see :mod:`._pg_shared`)."""
@@ -594,7 +673,9 @@ class Backend(LeaseBackend):
         if grant.extra.get("shared"):
             _released(grant, await self._arun(SHARED_RELEASE_SQL, shared_params(grant)))
             return
-        if "tenure" in grant.extra:  # won by a thread in the room: release on what it kept
+        if "tenure" in grant.extra or self._tenures.lists(grant.name, grant.token):
+            # Won by a thread (in the room, or on the own connection): release in the session
+            # that holds its tenure lock, which is a sync connection.
             await asyncio.to_thread(self.release, grant)
             return
         params = {**_owner(grant), "room": _room_of(grant.name)}
@@ -735,3 +816,4 @@ class Backend(LeaseBackend):
         self._lock = threading.Lock()
         listener, self._listener = self._listener, None
         inherit(listener.conn if listener else None)
+        self._tenures.forget_after_fork()
