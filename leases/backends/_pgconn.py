@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import threading
 import time
 import weakref
@@ -33,6 +32,7 @@ from django.utils.connection import ConnectionDoesNotExist
 from psycopg import sql
 
 from ..errors import BackendUnavailable, LeasesImproperlyConfigured
+from ._fdwait import readable
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
 from ._pgprepared import Prepared, run_prepared
 
@@ -146,10 +146,9 @@ def stale(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     if conn.closed or conn.broken:
         return True
     try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
-    except (OSError, ValueError):
+        return readable(conn.fileno(), 0)
+    except OSError:
         return True
-    return bool(readable)
 
 
 class Owner(Protocol):

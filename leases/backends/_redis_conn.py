@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import select
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
+from ._fdwait import readable
 from ._redis_io import CLOSED_UNDER, closed_under
 
 __all__ = [
@@ -95,13 +95,13 @@ class Script:
 
 def _unusable(connection: Any) -> bool:
     """Whether a kept connection must be reconnected: closed, or readable while idle (the
-    server closed it, or a reply was left unread). One ``select`` with no wait; a descriptor
-    ``select`` cannot watch (``FD_SETSIZE``) is asked through redis-py instead."""
+    server closed it, or a reply was left unread). One ``poll`` with no wait; a socket it
+    cannot watch is asked through redis-py instead."""
     sock = connection._sock
     if sock is None:
         return True
     try:
-        return bool(select.select([sock], [], [], 0)[0])
+        return readable(sock.fileno(), 0)
     except (OSError, ValueError):
         try:
             return bool(connection.can_read())

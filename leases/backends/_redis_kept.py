@@ -25,12 +25,12 @@ the reply.
 from __future__ import annotations
 
 import asyncio
-import select
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, TypeVar
 
 import redis
 
+from ._fdwait import readable
 from ._redis_conn import Script, arun_script, pack
 from ._redis_io import name_back_due, parsed
 
@@ -46,11 +46,11 @@ def fileno(connection: Any) -> int:
 
 
 def _in_socket(connection: Any, unknown: bool) -> bool:
-    """Whether the socket of a connected connection has something to read (one ``select``
+    """Whether the socket of a connected connection has something to read (one ``poll``
     with no wait): a reply, more of one, or end-of-file; ``unknown`` when it cannot tell."""
     try:
-        return bool(select.select([fileno(connection)], [], [], 0)[0])
-    except (OSError, ValueError, AttributeError):
+        return readable(fileno(connection), 0)
+    except (OSError, AttributeError):
         return unknown
 
 

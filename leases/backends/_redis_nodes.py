@@ -15,7 +15,6 @@ import hashlib
 import logging
 import os
 import queue
-import select
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +23,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
+from ._fdwait import readable_among
 from ._redis_conn import Connections, Script, load_and_rerun, pack
 from ._redis_io import (
     CLOSED_UNDER,
@@ -214,16 +214,18 @@ Job = tuple[Pending, OnReply | None]
 
 def _ready(waiting: list[tuple[Node, Any]], deadline: float) -> list[tuple[Node, Any]]:
     """The pairs whose reply has begun to arrive, waiting for one until ``deadline``; all of
-    them when that cannot be told (a descriptor ``select`` cannot watch, a connection closed
-    under it) or the deadline passed: :meth:`Node.answer` then bounds each read itself."""
+    them when that cannot be told (a connection closed under it) or the deadline passed:
+    :meth:`Node.answer` then bounds each read itself."""
     try:
-        socks = [connection._sock for _, connection in waiting]
-        readable = select.select(socks, [], [], max(0.0, deadline - time.monotonic()))[0]
-    except (OSError, ValueError, TypeError):
+        fds = [connection._sock.fileno() for _, connection in waiting]
+        if min(fds, default=0) < 0:
+            return waiting  # a socket closed under it
+        ready = readable_among(fds, max(0.0, deadline - time.monotonic()))
+    except (OSError, ValueError, TypeError, AttributeError):
         return waiting
-    if not readable:
+    if not ready:
         return waiting
-    return [pair for pair in waiting if pair[1]._sock in readable]
+    return [pair for pair, fd in zip(waiting, fds, strict=True) if fd in ready]
 
 
 def gather(

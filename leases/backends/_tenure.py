@@ -44,7 +44,6 @@ then unlocks every advisory lock of the session but the room's, and says whether
 from __future__ import annotations
 
 import os
-import select
 import threading
 import time
 from collections.abc import Mapping
@@ -55,6 +54,7 @@ from psycopg import pq
 from psycopg.adapt import Transformer
 
 from ._counter import TIMELINE_FLOOR_SQL
+from ._fdwait import readable, writable
 from ._pgconn import close_quietly
 from ._pgprepared import Prepared, keep_notifies, read_result
 from ._pruning import FLOOR_SQL
@@ -241,7 +241,7 @@ def queue_then_try(
     session lost the try's statement, which then did not run (the queueing did).
 
     A statement the session does not have yet is prepared first (a round trip, once per
-    session). The replies are awaited with the socket watched (``select``), never in a libpq
+    session). The replies are awaited with the socket watched (``poll``), never in a libpq
     call that would block with the GIL held; the caller's reply deadline cuts the socket.
     """
     for statement in statements:
@@ -262,7 +262,7 @@ def queue_then_try(
             pgconn.send_query_prepared(statement.key, dumped)
         pgconn.pipeline_sync()
         while pgconn.flush() == 1:
-            select.select([], [pgconn.socket], [])
+            writable(pgconn.socket)
         results = _until_sync(pgconn)
         keep_notifies(pgconn)
     finally:
@@ -297,7 +297,7 @@ def _until_sync(pgconn: pq.abc.PGconn) -> list[pq.abc.PGresult]:
     results: list[pq.abc.PGresult] = []
     while True:
         while pgconn.is_busy():
-            select.select([pgconn.socket], [], [])
+            readable(pgconn.socket)
             pgconn.consume_input()
         result = pgconn.get_result()
         if result is None:

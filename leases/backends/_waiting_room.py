@@ -47,7 +47,6 @@ import contextlib
 import contextvars
 import logging
 import math
-import select
 import threading
 import time
 import weakref
@@ -61,6 +60,7 @@ from psycopg import pq, sql
 
 from ..errors import BackendUnavailable
 from ..keys import advisory_key
+from ._fdwait import readable, writable
 from ._pg_shared import GROUP
 from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
@@ -647,7 +647,7 @@ def _send(conn: psycopg.Connection[Any], statement: str) -> bool:
         pgconn.send_query(statement.encode())
         while pgconn.flush() == 1:  # the socket's buffer is full: wait until it drains
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([], [pgconn.socket], [], left)[1]:
+            if left <= 0 or not writable(pgconn.socket, left):
                 return False
     except (psycopg.Error, OSError):
         return False
@@ -672,7 +672,7 @@ def _settle(conn: psycopg.Connection[Any]) -> bool | None:
             if not pgconn.is_busy():
                 break
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([pgconn.socket], [], [], left)[0]:
+            if left <= 0 or not readable(pgconn.socket, left):
                 return None
         ok, unlocked = True, True
         while (result := pgconn.get_result()) is not None:
