@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 from . import conf, signals, tracing
 from ._arguments import valid_flag, valid_on_lost, valid_timeout, valid_ttl, warn_if_too_short
 from ._event_loop import refuse_blocking
-from .backends import Capability, Grant, LeaseBackend, get_backend, tries_until
+from .backends import Capability, Grant, LeaseBackend, first_try_until, get_backend, tries_until
 from .errors import (
     BackendNotSupported,
     BackendUnavailable,
@@ -88,7 +88,11 @@ def _grant(
     other); an exclusive waiter of a store with shared leases stops new readers on each retry.
     """
     deadline = None if timeout is None else timing.started + timeout
-    grant = attempt(store, name, holder, ttl, deadline, shared)
+    if deadline is None:  # the common case: no bound to set
+        grant = attempt(store, name, holder, ttl, deadline, shared)
+    else:
+        with first_try_until(deadline):
+            grant = attempt(store, name, holder, ttl, deadline, shared)
     if grant is not None:
         return grant
     if timeout == 0:

@@ -44,7 +44,7 @@ from .acquiring import (
     prepare,
     retry_failed_try,
 )
-from .backends import Capability, Grant, LeaseBackend, tries_until
+from .backends import Capability, Grant, LeaseBackend, first_try_until, tries_until
 from .errors import BackendUnavailable, InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost
 from .lease import _default_name, _settle
@@ -193,7 +193,8 @@ async def aacquire(
     # rather than in a coroutine of its own: this is every acquire's path, and most win it.
     with Acquisition(ask) as doing:
         deadline = None if ask.timeout is None else doing.started + ask.timeout
-        won = await _try(ask.store, ask.name, ask.holder, ask.ttl, deadline, shared)
+        with first_try_until(deadline):
+            won = await _try(ask.store, ask.name, ask.holder, ask.ttl, deadline, shared)
         if won is None:
             won = await _await_grant(
                 ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, deadline, doing, shared

@@ -390,6 +390,36 @@ def test_a_try_made_while_waiting_finds_its_client_dead_and_stops_at_the_deadlin
         proxy.pass_through()
 
 
+def test_a_first_try_against_a_silent_ensemble_gives_up_by_the_acquisitions_deadline(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """``acquire(timeout=2)`` on a new client whose ensemble does not answer: its first try
+    (made before any wait) connects no longer than the acquisition's deadline, not its TTL
+    (10 s) nor ``CONNECT_TIMEOUT`` (10 s); once the answers come the next call is served."""
+    with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
+        backends(zk_first=f"127.0.0.1:{proxy.port}", session=10.0, request=5.0)
+        name = f"zk-first-try-{time.monotonic_ns()}"
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            acquire(name, ttl=10.0, backend="zk_first", timeout=2.0)
+        took = time.monotonic() - started
+        assert took <= 2.0 + 3.0, f"the first try took {took:.1f}s, the acquisition's timeout 2s"
+        proxy.pass_through()
+        wait_until(
+            lambda: _acquired_once(name, "zk_first"), 30, "the ensemble serving once it answers"
+        )
+
+
+def _acquired_once(name: str, alias: str) -> bool:
+    try:
+        held = acquire(name, ttl=10.0, backend=alias, timeout=0, keepalive=False)
+    except (BackendUnavailable, LeaseUnavailable):
+        return False
+    held.release()
+    return True
+
+
 def test_a_waiter_finding_its_client_dead_waits_no_longer_than_its_deadline(
     ensemble: ZooKeeperEnsemble, backends: Any
 ) -> None:

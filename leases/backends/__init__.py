@@ -7,7 +7,7 @@ import threading
 
 from .. import _process, conf
 from ..errors import LeasesImproperlyConfigured
-from .base import Capability, Grant, LeaseBackend, LeaseInfo, tries_until
+from .base import Capability, Grant, LeaseBackend, LeaseInfo, first_try_until, tries_until
 
 __all__ = [
     "Capability",
@@ -15,6 +15,7 @@ __all__ = [
     "LeaseBackend",
     "LeaseInfo",
     "backend_class",
+    "first_try_until",
     "get_backend",
     "reset",
     "tries_until",

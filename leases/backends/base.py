@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import enum
 import secrets
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from django.db import connections
 from ..errors import BackendNotSupported, LeasesImproperlyConfigured
 
 __all__ = [
+    "FIRST_TRY_AT_LEAST",
     "FORGED",
     "LIST_BATCH",
     "PRUNE_BATCH",
@@ -45,6 +47,7 @@ __all__ = [
     "LeaseBackend",
     "LeaseInfo",
     "LeaseWaiter",
+    "first_try_until",
     "new_secret",
     "not_revoked",
     "tries_until",
@@ -59,15 +62,29 @@ PRUNE_BATCH = 1000
 LIST_BATCH = 1000
 
 
-#: The ``time.monotonic()`` instant by which the acquisition making the current try must end,
-#: while it waits for a name (``None``: no deadline, or its first try). A round trip bounded
-#: by a reply timeout need not read it; a backend whose try can wait on its own, as ZooKeeper's
-#: does to reconnect a client, waits no longer, so ``acquire(timeout=...)`` keeps its
-#: deadline whatever a try meets. Not set for the first try: ``timeout=0`` must still be able
-#: to open a first connection.
+#: The ``time.monotonic()`` instant by which the acquisition making the current try must end
+#: (``None``: no deadline). A round trip bounded by a reply timeout need not read it; a
+#: backend whose try can wait on its own, as ZooKeeper's does to (re)connect a client, waits
+#: no longer, so ``acquire(timeout=...)`` keeps its deadline whatever a try meets. The first
+#: try's is at least :data:`FIRST_TRY_AT_LEAST` away (:func:`first_try_until`), so that
+#: ``timeout=0`` (or a few milliseconds) can still open a first connection.
 try_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "leases_try_deadline", default=None
 )
+
+
+#: Seconds an acquisition's first try may take to (re)connect, whatever its shorter timeout:
+#: a first connection to a ZooKeeper ensemble takes a handshake or two, and a client still
+#: connecting when the try gives up goes on for the next call.
+FIRST_TRY_AT_LEAST = 1.0
+
+
+def first_try_until(deadline: float | None) -> contextlib.AbstractContextManager[None]:
+    """:func:`tries_until` for an acquisition's first try: its deadline, or
+    :data:`FIRST_TRY_AT_LEAST` from now if that is later (no bound without a deadline)."""
+    if deadline is None:
+        return contextlib.nullcontext()
+    return tries_until(max(deadline, time.monotonic() + FIRST_TRY_AT_LEAST))
 
 
 @contextlib.contextmanager
