@@ -32,6 +32,7 @@ def high_descriptors() -> Iterator[None]:
         pytest.skip(f"the descriptor limit is {hard}")
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    reset()  # every backend's next connections open after the filling, past FD_SETSIZE
     fillers: list[int] = []
     try:
         while True:
@@ -49,7 +50,6 @@ def high_descriptors() -> Iterator[None]:
 def test_every_backend_works_on_sockets_past_fd_setsize(
     lease_backend: str, lease_name: str, high_descriptors: None
 ) -> None:
-    reset()  # every backend's next connections open now, past FD_SETSIZE
     backend = get_backend(lease_backend)
     first = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False)
     own = getattr(backend, "connection", lambda: None)()
