@@ -105,11 +105,34 @@ def round_trips(action: Callable[[], object], backend: Backend | None = None) ->
 
 
 def test_acquire_renew_release_are_one_round_trip_each(lease_name: str) -> None:
+    database_backend()._probe_pooler()  # a process's first grant asks that once (below)
     held: list[Any] = []
     assert round_trips(lambda: held.append(acquire(lease_name, ttl=2, keepalive=False))) == 1
     assert round_trips(held[0].renew) == 1
     assert round_trips(held[0].release) == 1
     assert round_trips(lambda: database_backend().try_acquire(lease_name, "x", 1)) == 1
+
+
+def test_a_process_first_grant_asks_once_whether_a_pooler_is_in_the_way(lease_name: str) -> None:
+    """Before its own connection's first tenure lock, a backend asks once (one round trip,
+    after its first grant) whether its connections reach PostgreSQL through a pooler, where a
+    session lock could outlive its unlock (``_pgpooler``; ``tests/test_pgbouncer.py``)."""
+    backend = Backend("first-grant-test", {})
+    try:
+        grants: list[Any] = []
+        assert (
+            round_trips(lambda: grants.append(backend.try_acquire(lease_name, "a", 5)), backend)
+            == 2
+        )
+        assert backend._room.probed and backend._room.enabled
+        backend.release(grants[0])
+        assert (
+            round_trips(lambda: grants.append(backend.try_acquire(lease_name, "a", 5)), backend)
+            == 1
+        )
+        backend.release(grants[1])
+    finally:
+        backend.close()
 
 
 def test_a_refused_release_asks_why_in_a_second_statement(lease_name: str) -> None:

@@ -64,6 +64,7 @@ def own_connection(backend: Backend) -> psycopg.Connection[Any]:
 def fresh() -> Iterator[Backend]:
     """A database backend with a connection of its own, new to every statement."""
     backend = Backend("prepared-test", {})
+    backend._probe_pooler()  # as a process's first grant does: then its grants take tenures
     try:
         yield backend
     finally:
@@ -71,6 +72,9 @@ def fresh() -> Iterator[Backend]:
 
 
 def test_acquire_renew_release_run_prepared(lease_name: str) -> None:
+    backend = get_backend("default")
+    assert isinstance(backend, Backend)
+    backend._probe_pooler()
     held = acquire(lease_name, ttl=5, keepalive=False)
     held.renew()
     held.release()

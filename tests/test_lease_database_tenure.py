@@ -33,6 +33,13 @@ pytestmark = pytest.mark.django_db
 ROOM_TIMEOUT = _waiting_room.ROOM_TIMEOUT
 
 
+@pytest.fixture(autouse=True)
+def probed() -> None:
+    """The default backend asked whether a pooler is in the way (its first grant in a process
+    takes no tenure lock until it did)."""
+    database_backend()._probe_pooler()
+
+
 def tenure_sessions(name: str, token: int, *, granted: bool) -> int:
     """Sessions holding (``granted``) or waiting on the tenure lock of ``name``'s grant
     ``token``, from ``pg_locks``."""

@@ -65,6 +65,7 @@ from ._pg_shared import GROUP
 from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
+from ._pgpooler import BACKEND_PID_SQL, behind_pooler, warn_pooled
 from ._pgprepared import Prepared, arun_prepared, run_prepared
 from ._tenure import (
     PINS,
@@ -253,6 +254,8 @@ class WaitingRoom:
         #: Idle connections whose last statement's reply is still to be read (:func:`_send`).
         self._unsettled: set[psycopg.Connection[Any]] = set()
         self._slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
+        #: Whether a connection was asked if a pooler is in the way (:meth:`probed_on`).
+        self.probed = False
         #: The connections grants won here keep (:mod:`~._tenure`), at most :data:`PINS`.
         self._pins: weakref.WeakSet[Pin] = weakref.WeakSet()
         track(self)
@@ -280,6 +283,16 @@ class WaitingRoom:
                     self._leave(visit)
         finally:
             self._slots.release()
+
+    def probed_on(self, conn: psycopg.Connection[Any], pid: int) -> bool:
+        """Record what a statement on ``conn`` that ran on server process ``pid`` says: behind
+        a pooler (see :mod:`~._pgpooler`) the rooms are turned off for good. Whether they
+        are still on."""
+        if behind_pooler(conn, pid) and self.enabled:
+            self.enabled = False
+            warn_pooled(self.alias)
+        self.probed = True
+        return self.enabled
 
     def wait(self, name: str, timeout: float) -> bool | None:
         """Wait for ``name``'s release in this thread's room; ``None`` when not in one.
@@ -520,6 +533,11 @@ class WaitingRoom:
         conn = None
         try:
             conn = self._connection()
+            if not self.probed:  # before any session lock on it (see _pgpooler)
+                row = _execute(conn, BACKEND_PID_SQL, None, self.timeout).fetchone()
+                if row is None or not self.probed_on(conn, int(row[0])):
+                    self._keep(conn)
+                    return None
         except (psycopg.Error, BackendUnavailable) as exc:
             logger.debug("leases: waiting without a room for %r: %s", name, exc)
             close_quietly(conn)
@@ -710,6 +728,8 @@ class AsyncWaitingRoom:
         self.db_alias = db_alias
         self.alias = alias
         self.enabled = enabled
+        #: Whether a room connection was asked if a pooler is in the way (see :mod:`._pgpooler`).
+        self.probed = False
         self.timeout = timeout
         self.prepared = prepared
         self._prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[str]] = (
@@ -818,6 +838,16 @@ class AsyncWaitingRoom:
         conn = None
         try:
             conn = await self._connection()
+            if not self.probed:  # before any session lock on it (see _pgpooler)
+                with aarmed(Deadline(conn.fileno(), self.timeout)):
+                    row = await (await conn.execute(BACKEND_PID_SQL)).fetchone()
+                if row is not None and behind_pooler(conn, int(row[0])):
+                    self.enabled = False
+                    warn_pooled(self.alias)
+                self.probed = True
+                if not self.enabled:
+                    await _aclose_quietly(conn)
+                    return None
             visit = _AsyncVisit(name, room_key(name), conn, deadline)
             await self._lock_room(visit)
             return visit

@@ -65,6 +65,7 @@ from ._pg_shared import (
 from ._pgaio import AsyncState
 from ._pgconn import CHANNEL, Listener, PrivateConnection, driver_failure, inherit, track
 from ._pgdeadline import REQUEST_TIMEOUT
+from ._pgpooler import BACKEND_PID_SQL
 from ._pgprepared import Prepared
 from ._pruning import FLOOR_SQL, Progress, prune_rows
 from ._tenure import UNLOCK_TENURES_SQL, Tenures, tenure_key_sql
@@ -518,6 +519,8 @@ class Backend(LeaseBackend):
             rows, session = self._conn.run_here(PREPARED_OWN_ACQUIRE, {**params, "tenure": tenure})
         except psycopg.Error as exc:
             raise driver_failure(self.alias, exc) from exc
+        if not self._room.probed:
+            self._probe_pooler()  # the database answered just now: once per process
         if not rows:
             self._failed_at()[name] = sent_at
             return None
@@ -533,8 +536,10 @@ class Backend(LeaseBackend):
         once the locks of grants that ran out unreleased are unlocked (one round trip, only
         when the cap is reached)."""
         tenures = self._tenures
-        if not self._room.enabled:
-            return False  # nobody queues on them (off, or turned off behind a pooler)
+        if not self._room.enabled or not self._room.probed:
+            # Nobody queues on them (off, or turned off behind a pooler), or not known yet
+            # whether this session's locks would outlive their unlocks (probed after the try).
+            return False
         if tenures.wanted():
             return True
         if not tenures.enabled:
@@ -720,6 +725,20 @@ class Backend(LeaseBackend):
         """The name's room (see :mod:`~leases.backends._waiting_room`): a release wakes the
         one waiter inside, the others sleep in the server's lock queue."""
         return self._room.enter(name, timeout)
+
+    def _probe_pooler(self) -> None:
+        """Once per process, before the own connection's first tenure lock: turn the rooms
+        and tenure locks off behind a pooler (see :mod:`~._pgpooler`); asked again later if
+        the database does not answer now."""
+        if self._room.probed or not self._room.enabled:
+            return
+        try:
+            rows, conn = self._conn.run_here(BACKEND_PID_SQL, ())
+        except (psycopg.Error, BackendUnavailable) as exc:
+            logger.debug("leases: pooler probe of %r not made: %s", self.alias, exc)
+            return
+        if rows:
+            self._room.probed_on(conn, int(rows[0][0]))
 
     def inspect(self, name: str) -> LeaseInfo | None:
         rows = self._run(INSPECT_SQL, {"name": name})

@@ -1,0 +1,50 @@
+"""Whether a connection reaches PostgreSQL through a pooler, asked before the first session
+lock is taken on it.
+
+Waiting rooms and tenure locks are *session* advisory locks: taken in one statement, unlocked
+in a later one, on the same server session. Behind a transaction pooler (PgBouncer's
+``transaction`` or ``statement`` mode) each transaction may run on another server session, so
+a lock can be taken on one and its unlock sent to another: the unlock finds nothing, and the
+lock stays on a server session the pooler keeps open, and hands to other clients, for as long
+as that lives. Finding that out by the first failed unlock (as the rooms also do) comes one
+lock too late, and a busy pooler often hands a lock's unlock back to the very session that
+took it, so the failure may come late or not at all while locks pile up.
+
+A pooler answers a client's startup itself, with a cancel key of its own: the process id in
+it (``conn.info.backend_pid``) is not that of the server session a statement then runs on
+(``pg_backend_pid()``). Directly connected, the two are the same. So one round trip per
+backend and process tells, whatever the pooler's mode and however busy it is; the rooms and
+tenure locks are turned off behind any pooler (a session pooler would keep them working, but
+its mode cannot be read from the client; its waiters are still woken by ``NOTIFY``, which a
+session pooler carries).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import psycopg
+
+__all__ = ["BACKEND_PID_SQL", "behind_pooler", "warn_pooled"]
+
+logger = logging.getLogger("leases")
+
+#: The process id of the server session this statement runs on.
+BACKEND_PID_SQL = "SELECT pg_backend_pid()"
+
+
+def behind_pooler(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], pid: int) -> bool:
+    """Whether ``conn``, whose statement ran on server process ``pid``, was answered at its
+    startup by something else than that server session (a pooler)."""
+    return conn.info.backend_pid != pid
+
+
+def warn_pooled(alias: str) -> None:
+    logger.warning(
+        "leases: backend %r reaches PostgreSQL through a pooler (its connection's process id "
+        "is not its server session's): waiting rooms and tenure locks are off, since a session "
+        "lock taken through a transaction pooler can outlive its unlock; give the backend a "
+        "DATABASE alias that connects directly for first-come-first-served hand-offs",
+        alias,
+    )
