@@ -12,7 +12,6 @@ throwaway PostgreSQL (see :mod:`devservers.servers`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -20,7 +19,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from devservers.servers import _child_setup, _unprivileged_user, _wait_port, free_port
+from devservers.servers import (
+    _child_setup,
+    _unprivileged_user,
+    _wait_port,
+    end_process,
+    free_port,
+)
 
 __all__ = ["PgBouncer", "pgbouncer_binary"]
 
@@ -95,15 +100,8 @@ class PgBouncer:
         return self
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            end_process(self.proc)
         self.proc = None
 
     def destroy(self) -> None:

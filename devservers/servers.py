@@ -181,6 +181,17 @@ def _wait_port(
     )
 
 
+def end_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to ``proc`` and reap it; killed if it has not ended within 15 s."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class ServerStartFailed(RuntimeError):
     """A throwaway server exited or never listened while starting."""
 
@@ -602,12 +613,7 @@ class RedisServer:
             self.proc = None
             return
         self.resume()
-        self.proc.send_signal(signal.SIGKILL if mode == "kill" else signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end_process(self.proc, signal.SIGKILL if mode == "kill" else signal.SIGTERM)
         self.proc = None
 
     def restart(self, mode: str = "kill") -> None:
