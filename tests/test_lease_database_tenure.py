@@ -16,6 +16,7 @@ import pytest
 from leases import LeaseLost, acquire
 from leases.backends import _tenure, _waiting_room
 from leases.backends._tenure import Pin
+from leases.errors import BackendUnavailable
 from leases.handle import Lease
 from tests.lease_backends import lease_name
 from tests.test_lease_database import (
@@ -408,3 +409,36 @@ def test_a_lease_won_uncontended_released_from_async_code_lets_its_tenure_go(
     assert not tenure_held(lease_name, held.token)
     info = database_backend().inspect(lease_name)
     assert info is not None and not info.held
+
+
+def test_a_release_that_failed_on_the_server_leaves_its_tenure_lock_to_the_reclaim(
+    lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release statement failed (here: it waited on the row past ``statement_timeout``)
+    on a connection that stays open: the unlock in it did not run either, so the lock is
+    listed again, and the next grant at the cap unlocks it."""
+    monkeypatch.setattr(_tenure, "OWN_TENURES", 1)
+    backend = database_backend()
+    monkeypatch.setattr(backend, "_tenures", _tenure.Tenures())
+    held = acquire(lease_name, ttl=30, keepalive=False)
+    key = tenure_key(held.name, held.token)
+    assert key in own_tenure_locks(backend)
+    conn = backend.connection()
+    assert conn is not None
+    with own_connection() as blocker:
+        blocker.execute("BEGIN")
+        blocker.execute("SELECT 1 FROM leases_lease WHERE name = %s FOR UPDATE", [lease_name])
+        conn.execute("SET statement_timeout = '200ms'")
+        try:
+            with pytest.raises(BackendUnavailable):
+                held.release()
+        finally:
+            conn.execute("RESET statement_timeout")
+            blocker.execute("ROLLBACK")
+    assert backend.connection() is conn, "the connection was dropped"
+    assert key in own_tenure_locks(backend)  # the failed statement unlocked nothing
+    later = acquire(f"{lease_name}-later", ttl=30, keepalive=False)
+    locks = own_tenure_locks(backend)
+    assert key not in locks and tenure_key(later.name, later.token) in locks
+    later.release()
+    held.release()  # the grant itself still holds: its retry frees it

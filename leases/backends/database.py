@@ -604,6 +604,9 @@ class Backend(LeaseBackend):
         try:
             rows = self._conn.run_on(session, PREPARED_PINNED_RELEASE, params)
         except psycopg.Error as exc:
+            # Nothing of it took effect, the unlock neither: listed again, as run out, so the
+            # lock goes at the cap's reclaim if the session is still open (else it went).
+            self._tenures.taken(session, grant.name, grant.token, 0.0)
             raise driver_failure(self.alias, exc) from exc
         if rows and rows[0][-1] is not True:
             # Its session did not hold it, though the connection is the one that took it:
