@@ -11,6 +11,7 @@ bounded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import threading
@@ -23,7 +24,7 @@ from django.db import connections
 from django.test import override_settings
 
 from devservers.pgbouncer import PgBouncer, pgbouncer_binary
-from leases import acquire, lease
+from leases import aacquire, acquire, lease
 from leases.backends import get_backend
 from tests.lease_backends import lease_name
 
@@ -141,4 +142,32 @@ def test_behind_a_pooler_no_session_lock_is_ever_taken(pooled: str, lease_name: 
     holder.release()
     thread.join(30)
     assert got and got[0] > holder.token
+    assert _advisory_locks(pooled) == 0
+
+
+def test_async_waiters_behind_a_pooler_take_no_session_lock(pooled: str, lease_name: str) -> None:
+    """A task's room asks on its first connection, before its first room lock, and stays
+    off behind the pooler; the waiting task is served all the same."""
+
+    async def main() -> tuple[int, int, int]:
+        backend = get_backend("pooled")
+        try:
+            holder = await aacquire(lease_name, ttl=30, backend="pooled", keepalive=False)
+            waiter = asyncio.create_task(
+                aacquire(lease_name, ttl=30, backend="pooled", timeout=30, keepalive=False)
+            )
+            most = 0
+            for _ in range(20):  # the waiter waits (and retries) meanwhile
+                await asyncio.sleep(0.05)
+                most = max(most, await asyncio.to_thread(_advisory_locks, pooled))
+            await holder.arelease()
+            got = await waiter
+            await got.arelease()
+            return most, holder.token, got.token
+        finally:
+            await backend.aclose()
+
+    most, first, second = asyncio.run(main())
+    assert most == 0, "a session lock was taken through the pooler"
+    assert second > first
     assert _advisory_locks(pooled) == 0
