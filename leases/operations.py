@@ -172,13 +172,19 @@ def advisory_database(requested: str | None = None) -> str:
 
 def advisory_locks(using: str | None = None) -> list[AdvisoryLockRow]:
     """Advisory locks held or awaited now on database ``using`` (default: the first of
-    :func:`advisory_databases`), held ones first."""
+    :func:`advisory_databases`), held ones first.
+
+    A lease's tenure lock is listed only while a waiter queues on it: every held database
+    lease keeps one (it only wakes the next waiter), so listed always it would double the
+    list with locks that explain nothing."""
     using = advisory_database(using)
     with connections[using].cursor() as cursor:
         cursor.execute(ADVISORY_LOCKS_SQL)
         found = cursor.fetchall()
     rooms = _waiting_rooms() if found else {}
-    return [_advisory_row(row, rooms) for row in found]
+    rows = [_advisory_row(row, rooms) for row in found]
+    awaited = {row.key for row in rows if not row.granted}
+    return [row for row in rows if not row.tenure_of or not row.granted or row.key in awaited]
 
 
 def lease_waiters(using: str | None = None) -> list[AdvisoryLockRow]:

@@ -251,7 +251,7 @@ def test_list_names_a_waiting_room_instead_of_a_bare_key() -> None:
         assert f"pid {room.pid}" in line and room.key not in line
         line_of(run("show", name), f"waiting room of lease {name!r}", "held")
         locks = json.loads(run("list", "--json", "--limit", "0"))["advisory_locks"]
-        (row,) = [lock for lock in locks if lock["pid"] == room.pid]
+        (row,) = [lock for lock in locks if lock["pid"] == room.pid and lock["room_of"]]
         assert row["room_of"] == name and row["key"] == room.key and row["name"] is None
     finally:
         held.release()

@@ -335,9 +335,8 @@ def test_grants_left_to_run_out_keep_at_most_the_cap_of_tenure_locks(
     lease_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Acquire-and-let-expire is supported: the own connection's session keeps at most
-    ``OWN_TENURES`` tenure locks (past the cap a grant takes none), and once the cap is
-    reached the locks of grants that ran out unreleased are unlocked, so the next grant
-    takes its own again."""
+    ``OWN_TENURES`` tenure locks (past the cap a grant takes none), and the next grant after
+    they ran out unreleased unlocks theirs first, and takes its own again."""
     monkeypatch.setattr(_tenure, "OWN_TENURES", 3)
     backend = database_backend()
     monkeypatch.setattr(backend, "_tenures", _tenure.Tenures())
@@ -442,3 +441,27 @@ def test_a_release_that_failed_on_the_server_leaves_its_tenure_lock_to_the_recla
     assert key not in locks and tenure_key(later.name, later.token) in locks
     later.release()
     held.release()  # the grant itself still holds: its retry frees it
+
+
+def test_a_lease_left_to_expire_keeps_its_tenure_lock_only_until_the_next_acquire(
+    lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the cap too: a grant dropped unreleased keeps no lock past its expiry and the
+    process's next acquire, so no stale lock lingers on the own connection's session; a
+    lease kept alive by renewals keeps its own all along."""
+    backend = database_backend()
+    monkeypatch.setattr(backend, "_tenures", _tenure.Tenures())
+    dropped = acquire(f"{lease_name}-dropped", ttl=0.3, keepalive=False)
+    kept = acquire(f"{lease_name}-kept", ttl=0.3, keepalive=False)
+    dropped_key = tenure_key(dropped.name, dropped.token)
+    kept_key = tenure_key(kept.name, kept.token)
+    assert {dropped_key, kept_key} <= own_tenure_locks(backend)
+    kept.renew(ttl=30)
+    time.sleep(0.4)  # the dropped grant ran out; the kept one was renewed past it
+    later = acquire(f"{lease_name}-later", ttl=30, keepalive=False)
+    locks = own_tenure_locks(backend)
+    assert dropped_key not in locks, "a grant left to run out kept its lock"
+    assert kept_key in locks and tenure_key(later.name, later.token) in locks
+    later.release()
+    kept.release()
+    assert not {kept_key, tenure_key(later.name, later.token)} & own_tenure_locks(backend)

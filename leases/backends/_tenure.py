@@ -329,10 +329,8 @@ class Tenures:
     A release unlocks its grant's lock in its statement, in the session that took it if that
     is still the open connection (else the lock ended with its session). A grant never
     released (dropped, or left to expire: a supported pattern) would keep its lock for the
-    session's life, so once :data:`OWN_TENURES` are listed the ones past their grant's expiry
-    are unlocked (:meth:`overdue`). A renewed grant's lock may go that way while the grant
-    still holds: its waiter then waits for the ``NOTIFY`` instead, since the lock only wakes,
-    the row decides.
+    session's life, so the next grant after its expiry (as acquired, or as last renewed)
+    unlocks it first (:meth:`overdue`); at most :data:`OWN_TENURES` are held meanwhile.
     """
 
     __slots__ = ("_due", "_lock", "enabled")
@@ -349,6 +347,17 @@ class Tenures:
         """Whether the next grant on the own connection should take its tenure lock."""
         with self._lock:
             return self.enabled and len(self._due) < OWN_TENURES
+
+    def overdue_since(self, now: float) -> bool:
+        """Whether a listed grant ran out (as acquired or last renewed) by ``now``."""
+        with self._lock:
+            return any(due <= now for _, due in self._due.values())
+
+    def renewed(self, name: str, token: int, due: float) -> None:
+        with self._lock:
+            entry = self._due.get((name, token))
+            if entry is not None:
+                self._due[(name, token)] = (entry[0], due)
 
     def overdue(self) -> dict[object, list[tuple[str, int]]]:
         """The locks whose grants ran out as acquired, by the session that took them (no

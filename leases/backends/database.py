@@ -245,11 +245,12 @@ INSPECT_SQL = f"""
 SELECT {_COLUMNS}
 FROM leases_lease WHERE name = %(name)s::text
 """  # noqa: S608
-#: Names someone holds now (only these can have waiters in their waiting rooms), and the key of
-#: each grant's tenure lock.
+#: Names someone holds, or held until their grant ran out unreleased (only these can have
+#: waiters in their waiting rooms), and the key of each grant's tenure lock (a grant left to
+#: run out keeps its lock until its process's next acquire: see ``_tenure.Tenures``).
 HELD_NAMES_SQL = f"""
 SELECT name, {tenure_key_sql("name", "token")}
-FROM leases_lease WHERE holder <> '' AND expires_at > clock_timestamp()
+FROM leases_lease WHERE holder <> ''
 """  # noqa: S608
 INSPECT_ALL_SQL = f"""
 SELECT {_COLUMNS}
@@ -532,18 +533,19 @@ class Backend(LeaseBackend):
         )
 
     def _tenure_wanted(self) -> bool:
-        """Whether the own connection's next grant takes its tenure lock: below the cap, or
-        once the locks of grants that ran out unreleased are unlocked (one round trip, only
-        when the cap is reached)."""
+        """Whether the own connection's next grant takes its tenure lock (below the cap),
+        first unlocking the locks of grants that ran out unreleased, if any did (one round
+        trip, once per such grant: then a lease left to expire keeps no lock past the
+        process's next acquire)."""
         tenures = self._tenures
         if not self._room.enabled or not self._room.probed:
             # Nobody queues on them (off, or turned off behind a pooler), or not known yet
             # whether this session's locks would outlive their unlocks (probed after the try).
             return False
-        if tenures.wanted():
-            return True
         if not tenures.enabled:
             return False
+        if not tenures.overdue_since(time.monotonic()):
+            return tenures.wanted()
         for session, overdue in tenures.overdue().items():
             params = {"names": [name for name, _ in overdue], "tokens": [t for _, t in overdue]}
             try:
@@ -561,7 +563,9 @@ class Backend(LeaseBackend):
             rows = self._run(SHARED_RENEW_SQL, shared_params(grant, ttl=ttl), timeout)
             return _renewed(grant, ttl, sent_at, rows)
         params = {**_owner(grant), "ttl": ttl}
-        return _renewed(grant, ttl, sent_at, self._run(PREPARED_RENEW, params, timeout))
+        renewed = _renewed(grant, ttl, sent_at, self._run(PREPARED_RENEW, params, timeout))
+        self._tenures.renewed(grant.name, grant.token, sent_at + ttl)
+        return renewed
 
     def _renewal_timeout(self, grant: Grant, now: float) -> float:
         """At most half the grant's time left, so a renewal whose reply is lost leaves time
