@@ -115,6 +115,9 @@ class AdvisoryLockRow:
     tenure_of: str = ""
     #: The signed 64-bit key of a one-argument lock (``None`` for the two-int4 form).
     key64: int | None = None
+    #: A lease backend took it for its own purposes (a room, a tenure, or one a backend
+    #: knows as its own without knowing the lease any more: a grant's that has ended).
+    internal: bool = False
 
     @property
     def status(self) -> str:
@@ -174,9 +177,10 @@ def advisory_locks(using: str | None = None) -> list[AdvisoryLockRow]:
     """Advisory locks held or awaited now on database ``using`` (default: the first of
     :func:`advisory_databases`), held ones first.
 
-    A lease's tenure lock is listed only while a waiter queues on it: every held database
-    lease keeps one (it only wakes the next waiter), so listed always it would double the
-    list with locks that explain nothing."""
+    A backend's own lock other than a waiting room (a lease's tenure lock, above all) is
+    listed only while someone waits on it: every held database lease keeps one (it only
+    wakes the next waiter), so listed always it would double the list with locks that
+    explain nothing."""
     using = advisory_database(using)
     with connections[using].cursor() as cursor:
         cursor.execute(ADVISORY_LOCKS_SQL)
@@ -184,7 +188,11 @@ def advisory_locks(using: str | None = None) -> list[AdvisoryLockRow]:
     rooms = _waiting_rooms() if found else {}
     rows = [_advisory_row(row, rooms) for row in found]
     awaited = {row.key for row in rows if not row.granted}
-    return [row for row in rows if not row.tenure_of or not row.granted or row.key in awaited]
+    return [
+        row
+        for row in rows
+        if not row.internal or row.room_of or not row.granted or row.key in awaited
+    ]
 
 
 def lease_waiters(using: str | None = None) -> list[AdvisoryLockRow]:
@@ -236,6 +244,7 @@ def _advisory_row(row: tuple[Any, ...], rooms: dict[int, InternalLock]) -> Advis
         room_of=internal.lease if internal and internal.purpose == "room" else "",
         tenure_of=internal.lease if internal and internal.purpose == "tenure" else "",
         key64=key64,
+        internal=internal is not None,
     )
 
 

@@ -465,3 +465,21 @@ def test_a_lease_left_to_expire_keeps_its_tenure_lock_only_until_the_next_acquir
     later.release()
     kept.release()
     assert not {kept_key, tenure_key(later.name, later.token)} & own_tenure_locks(backend)
+
+
+def test_the_tenure_lock_of_a_force_released_grant_is_not_listed_as_a_bare_key(
+    lease_name: str,
+) -> None:
+    """An operator's force release ends a grant whose holder never releases it: its tenure
+    lock stays on the holder's session until that process's next acquire after the grant
+    ran out. The row no longer names it, but it is the package's own session's: operators'
+    listings leave it out (nobody waits on it), rather than show a bare key held by
+    django-leases, which invites terminating the session."""
+    from leases import operations
+
+    held = acquire(lease_name, ttl=30, keepalive=False)
+    key = tenure_key(held.name, held.token)
+    database_backend().force_release(lease_name, held.token)
+    assert key in own_tenure_locks(database_backend())  # still on the holder's session
+    listed = [row for row in operations.advisory_locks() if row.key64 == key]
+    assert not listed, [row.label for row in listed]

@@ -37,6 +37,7 @@ from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
 from ._pgprepared import Prepared, run_prepared
 
 __all__ = [
+    "APPLICATION_NAME",
     "CHANNEL",
     "LISTEN_SQL",
     "Listener",
@@ -59,6 +60,10 @@ LISTEN_SQL = "LISTEN leases_released"
 _RECENT_RELEASES = 4096
 
 #: libpq settings that bound how long a dead server can hang us (unless the user set them).
+#: How the package's own sessions name themselves to the server (unless the database's
+#: ``OPTIONS`` say otherwise): operators' views tell its internal locks by it.
+APPLICATION_NAME = "django-leases"
+
 _CONNECT_DEFAULTS: dict[str, Any] = {
     "connect_timeout": 5,
     "keepalives": 1,
@@ -66,7 +71,7 @@ _CONNECT_DEFAULTS: dict[str, Any] = {
     "keepalives_interval": 2,
     "keepalives_count": 3,
     "tcp_user_timeout": 10_000,
-    "application_name": "django-leases",
+    "application_name": APPLICATION_NAME,
 }
 
 

@@ -169,7 +169,8 @@ class LeaseInfo:
 class InternalLock:
     """An advisory lock a backend takes for its own purposes: for which lease, and why
     (``"room"``: its waiters queue on it; ``"tenure"``: its holder keeps it while it holds
-    the lease, and its next waiter queues on it)."""
+    the lease, and its next waiter queues on it; ``"internal"``, with no lease: held by one
+    of the backend's own sessions for a lease it cannot name any more, a grant that ended)."""
 
     lease: str
     purpose: str

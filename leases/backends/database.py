@@ -63,7 +63,15 @@ from ._pg_shared import (
     stop_readers_params,
 )
 from ._pgaio import AsyncState
-from ._pgconn import CHANNEL, Listener, PrivateConnection, driver_failure, inherit, track
+from ._pgconn import (
+    APPLICATION_NAME,
+    CHANNEL,
+    Listener,
+    PrivateConnection,
+    driver_failure,
+    inherit,
+    track,
+)
 from ._pgdeadline import REQUEST_TIMEOUT
 from ._pgpooler import BACKEND_PID_SQL
 from ._pgprepared import Prepared
@@ -252,6 +260,17 @@ HELD_NAMES_SQL = f"""
 SELECT name, {tenure_key_sql("name", "token")}
 FROM leases_lease WHERE holder <> ''
 """  # noqa: S608
+#: Advisory locks held by sessions of the package's own connections (by their application
+#: name), on this database: besides rooms and tenures of current grants, the tenure locks of
+#: grants that ended without their holder's release (a force release, a grant left to run
+#: out), which a listing would otherwise show as bare keys held by django-leases.
+PACKAGE_LOCKS_SQL = """
+SELECT (l.classid::bigint << 32) | l.objid::bigint
+FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND a.application_name = %(application)s
+"""
 INSPECT_ALL_SQL = f"""
 SELECT {_COLUMNS}
 FROM leases_lease ORDER BY name
@@ -779,7 +798,9 @@ class Backend(LeaseBackend):
         their grants' tenure locks (see :mod:`~._tenure`)."""
         held = self._run(HELD_NAMES_SQL, {})
         rooms = {room_key(name): InternalLock(name, "room") for name, _ in held}
-        return rooms | {tenure: InternalLock(name, "tenure") for name, tenure in held}
+        known = rooms | {tenure: InternalLock(name, "tenure") for name, tenure in held}
+        own = self._run(PACKAGE_LOCKS_SQL, {"application": APPLICATION_NAME})
+        return {key: InternalLock("", "internal") for (key,) in own} | known
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
         row = self._run(FORCE_RELEASE_SQL, {"name": name, "token": token})[0]
