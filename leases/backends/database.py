@@ -570,7 +570,9 @@ class Backend(LeaseBackend):
             try:
                 self._conn.run_on(session, UNLOCK_TENURES_SQL, params)
             except (psycopg.Error, BackendUnavailable) as exc:
-                # Unknown which it unlocked: take no more (the session's end frees them).
+                if self._conn.conn is not session:
+                    continue  # the connection was dropped: its session's locks went with it
+                # Unknown which it unlocked, on a session that lives on: take no more.
                 logger.warning("leases: tenure locks not unlocked, taking no more: %s", exc)
                 tenures.disable()
         return tenures.wanted()
