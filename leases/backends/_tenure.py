@@ -348,11 +348,6 @@ class Tenures:
         with self._lock:
             return self.enabled and len(self._due) < OWN_TENURES
 
-    def overdue_since(self, now: float) -> bool:
-        """Whether a listed grant ran out (as acquired or last renewed) by ``now``."""
-        with self._lock:
-            return any(due <= now for _, due in self._due.values())
-
     def renewed(self, name: str, token: int, due: float) -> None:
         with self._lock:
             entry = self._due.get((name, token))
@@ -360,8 +355,9 @@ class Tenures:
                 self._due[(name, token)] = (entry[0], due)
 
     def overdue(self) -> dict[object, list[tuple[str, int]]]:
-        """The locks whose grants ran out as acquired, by the session that took them (no
-        longer listed: the caller unlocks them there if that session is still open)."""
+        """The locks whose grants ran out (as acquired or last renewed), by the session that
+        took them (no longer listed: the caller unlocks them there if that session is still
+        open); usually none."""
         now = time.monotonic()
         found: dict[object, list[tuple[str, int]]] = {}
         with self._lock:

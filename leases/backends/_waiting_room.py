@@ -288,11 +288,7 @@ class WaitingRoom:
         """Record what a statement on ``conn`` that ran on server process ``pid`` says: behind
         a pooler (see :mod:`~._pgpooler`) the rooms are turned off for good. Whether they
         are still on."""
-        if behind_pooler(conn, pid) and self.enabled:
-            self.enabled = False
-            warn_pooled(self.alias)
-        self.probed = True
-        return self.enabled
+        return _probed_on(self, conn, pid)
 
     def wait(self, name: str, timeout: float) -> bool | None:
         """Wait for ``name``'s release in this thread's room; ``None`` when not in one.
@@ -650,6 +646,19 @@ class WaitingRoom:
         self._local = threading.local()
 
 
+def _probed_on(
+    room: WaitingRoom | AsyncWaitingRoom,
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+    pid: int,
+) -> bool:
+    """:meth:`WaitingRoom.probed_on`, for either room."""
+    if behind_pooler(conn, pid) and room.enabled:
+        room.enabled = False
+        warn_pooled(room.alias)
+    room.probed = True
+    return room.enabled
+
+
 #: Longest the next user waits for the reply to a statement sent without waiting.
 _SETTLE_TIMEOUT = 1.0
 
@@ -841,11 +850,7 @@ class AsyncWaitingRoom:
             if not self.probed:  # before any session lock on it (see _pgpooler)
                 with aarmed(Deadline(conn.fileno(), self.timeout)):
                     row = await (await conn.execute(BACKEND_PID_SQL)).fetchone()
-                if row is not None and behind_pooler(conn, int(row[0])):
-                    self.enabled = False
-                    warn_pooled(self.alias)
-                self.probed = True
-                if not self.enabled:
+                if row is None or not _probed_on(self, conn, int(row[0])):
                     await _aclose_quietly(conn)
                     return None
             visit = _AsyncVisit(name, room_key(name), conn, deadline)

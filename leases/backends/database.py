@@ -563,8 +563,6 @@ class Backend(LeaseBackend):
             return False
         if not tenures.enabled:
             return False
-        if not tenures.overdue_since(time.monotonic()):
-            return tenures.wanted()
         for session, overdue in tenures.overdue().items():
             params = {"names": [name for name, _ in overdue], "tokens": [t for _, t in overdue]}
             try:
