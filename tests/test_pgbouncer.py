@@ -2,7 +2,8 @@
 transaction pooling, where each transaction may run on another server session, so that
 session locks (its waiting rooms' and tenure locks) would not follow the client, nor do its
 ``LISTEN`` and named prepared statements (a lost statement is prepared again). The backend
-finds the pooler out before its first session lock and takes none (``_pgpooler``).
+finds the pooler out before its first session lock or ``LISTEN`` and sends none
+(``_pgpooler``), unless its ``SESSION_POOLING`` option declares a session pooler.
 
 Whatever the pooler does with sessions, the row decides: contenders are granted one at a time,
 in token order, every wait ends, and what the backend leaves in the pooled server sessions is
@@ -171,3 +172,181 @@ def test_async_waiters_behind_a_pooler_take_no_session_lock(pooled: str, lease_n
     assert most == 0, "a session lock was taken through the pooler"
     assert second > first
     assert _advisory_locks(pooled) == 0
+
+
+@pytest.fixture
+def one_session(fault_database: tuple[str, object]) -> Iterator[str]:
+    """Lease backend ``"pooled"`` behind PgBouncer in transaction pooling with a single server
+    session, which every client's transactions share: what one client leaves in the session
+    (a ``LISTEN``) is what the others find there. Yields the pooler's URL."""
+    alias, server = fault_database
+    with PgBouncer(server.port, pool_mode="transaction", pool_size=1) as bouncer:  # type: ignore[attr-defined]
+        settings = dict(connections.settings[alias])
+        settings["PORT"] = str(bouncer.port)
+        settings["DISABLE_SERVER_SIDE_CURSORS"] = True
+        connections.settings["pooled"] = settings
+        backends = {
+            "default": {"ENGINE": "leases.backends.database"},
+            "pooled": {"ENGINE": "leases.backends.database", "DATABASE": "pooled"},
+        }
+        override = override_settings(LEASES={"BACKENDS": backends})
+        override.enable()
+        try:
+            yield f"postgres://postgres@127.0.0.1:{bouncer.port}/postgres"
+        finally:
+            override.disable()
+            with contextlib.suppress(Exception):
+                connections["pooled"].close()
+            connections.settings.pop("pooled", None)
+
+
+def _listening(url: str) -> list[str]:
+    """The channels the server session this query lands on listens to."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return [row[0] for row in conn.execute("SELECT pg_listening_channels()").fetchall()]
+
+
+def _listen_decided(url: str, decided: object) -> list[str]:
+    """Poll (bounded) until the pooled session shows a ``LISTEN`` or ``decided()`` says the
+    waiter's listener chose not to listen; the channels found last."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        found = _listening(url)
+        if found or decided() or time.monotonic() > deadline:  # type: ignore[operator]
+            return found
+        time.sleep(0.02)
+
+
+def test_a_waiter_behind_a_transaction_pooler_does_not_listen(
+    one_session: str, lease_name: str
+) -> None:
+    """A ``LISTEN`` sent through a transaction pooler lands on a server session the pooler
+    then hands to other clients: the listener never hears a release, and the pooler's other
+    clients get the ``leases_released`` notifications (lease names) they never asked for.
+    So a waiter behind such a pooler does not listen (its connection's process id is the
+    pooler's) and retries after its backoff, and is served all the same."""
+    holder = acquire(lease_name, ttl=30, backend="pooled", keepalive=False, holder="holder")
+    backend = get_backend("pooled")
+    got: list[int] = []
+
+    def wait() -> None:
+        waiter = acquire(lease_name, ttl=30, backend="pooled", timeout=30, keepalive=False)
+        got.append(waiter.token)
+        waiter.release()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+
+    def decided() -> bool:
+        listener = backend._listener  # type: ignore[attr-defined]
+        return bool(getattr(listener, "deaf", False))
+
+    assert _listen_decided(one_session, decided) == [], "a LISTEN was sent through the pooler"
+    holder.release()
+    thread.join(30)
+    assert got and got[0] > holder.token
+    assert _listening(one_session) == []
+
+
+def test_an_async_waiter_behind_a_transaction_pooler_does_not_listen(
+    one_session: str, lease_name: str
+) -> None:
+    """:func:`test_a_waiter_behind_a_transaction_pooler_does_not_listen`, for tasks: the
+    loop's listening connection is not opened through the pooler either."""
+
+    async def main() -> tuple[list[str], int, int]:
+        backend = get_backend("pooled")
+        try:
+            holder = await aacquire(lease_name, ttl=30, backend="pooled", keepalive=False)
+            waiter = asyncio.create_task(
+                aacquire(lease_name, ttl=30, backend="pooled", timeout=30, keepalive=False)
+            )
+
+            listener = backend._async.get().listener  # type: ignore[attr-defined]
+
+            def decided() -> bool:
+                return bool(getattr(listener, "deaf", False))
+
+            found = await asyncio.to_thread(_listen_decided, one_session, decided)
+            await holder.arelease()
+            got = await waiter
+            await got.arelease()
+            return found, holder.token, got.token
+        finally:
+            await backend.aclose()
+
+    found, first, second = asyncio.run(main())
+    assert found == [], "a LISTEN was sent through the pooler"
+    assert second > first
+    assert _listening(one_session) == []
+
+
+@pytest.fixture
+def session_pooled(fault_database: tuple[str, object]) -> Iterator[str]:
+    """Lease backend ``"pooled"`` behind PgBouncer in session pooling, declared so by its
+    ``SESSION_POOLING`` option. Yields the server's URL (direct)."""
+    alias, server = fault_database
+    port = server.port  # type: ignore[attr-defined]
+    with PgBouncer(port, pool_mode="session", pool_size=40) as bouncer:
+        settings = dict(connections.settings[alias])
+        settings["PORT"] = str(bouncer.port)
+        settings["DISABLE_SERVER_SIDE_CURSORS"] = True
+        connections.settings["pooled"] = settings
+        backends = {
+            "default": {"ENGINE": "leases.backends.database"},
+            "pooled": {
+                "ENGINE": "leases.backends.database",
+                "DATABASE": "pooled",
+                "SESSION_POOLING": True,
+            },
+        }
+        override = override_settings(LEASES={"BACKENDS": backends})
+        override.enable()
+        try:
+            yield f"postgres://postgres@127.0.0.1:{port}/postgres"
+        finally:
+            override.disable()
+            with contextlib.suppress(Exception):
+                connections["pooled"].close()
+            connections.settings.pop("pooled", None)
+
+
+def test_behind_a_declared_session_pooler_waiters_queue_on_the_server(
+    session_pooled: str, lease_name: str
+) -> None:
+    """A session pooler keeps each client's server session, so with ``SESSION_POOLING`` the
+    backend keeps its waiting rooms and tenure locks behind it (no warning): the waiter queues
+    on the server, in its room, and the holder's grant keeps its tenure lock; all of them are
+    gone once both released."""
+    # The first grant asks whether a pooler is in the way (after it, so it keeps no tenure lock).
+    acquire(lease_name, ttl=30, backend="pooled", keepalive=False).release()
+    holder = acquire(lease_name, ttl=30, backend="pooled", keepalive=False, holder="holder")
+    backend = get_backend("pooled")
+    assert backend._room.probed and backend._room.enabled  # type: ignore[attr-defined]
+    got: list[int] = []
+
+    def wait() -> None:
+        waiter = acquire(lease_name, ttl=30, backend="pooled", timeout=30, keepalive=False)
+        got.append(waiter.token)
+        waiter.release()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10.0
+    # The holder's tenure lock, and the waiter's room lock once it queues.
+    while _advisory_locks(session_pooled) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _advisory_locks(session_pooled) >= 2, "no room or tenure lock behind the pooler"
+    holder.release()
+    thread.join(30)
+    assert got and got[0] == holder.token + 1
+    backend.close()
+    assert _advisory_locks(session_pooled) == 0
+
+
+def test_session_pooling_option_must_be_a_bool() -> None:
+    from leases.backends.database import Backend
+
+    problems = Backend.check_options("x", {"SESSION_POOLING": "session"})
+    assert problems == ['LEASES["BACKENDS"][\'x\']["SESSION_POOLING"] must be True or False']
+    assert Backend.check_options("x", {"SESSION_POOLING": True}) == []

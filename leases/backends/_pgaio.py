@@ -27,6 +27,7 @@ from psycopg import sql
 from ..errors import BackendUnavailable
 from ._pgconn import LISTEN_SQL, SET_ROLE_SQL, cannot_connect, connect_params, stale
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed
+from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_unheard
 from ._pgprepared import Prepared, arun_prepared
 
 __all__ = ["AsyncListener", "AsyncPrivateConnection", "AsyncState", "aconnect"]
@@ -120,19 +121,34 @@ class AsyncPrivateConnection:
 
 
 class AsyncListener:
-    """One ``LISTEN`` connection and task per loop; remembers when each name was released."""
+    """One ``LISTEN`` connection and task per loop; remembers when each name was released.
 
-    def __init__(self, db_alias: str) -> None:
+    Behind a pooler not declared a session pooler it does not listen, as the sync
+    :class:`~._pgconn.Listener`: it becomes :attr:`deaf` and :meth:`wait` waits out its
+    timeout."""
+
+    def __init__(
+        self, db_alias: str, alias: str | None = None, *, session_pooling: bool = False
+    ) -> None:
         self._db_alias = db_alias
+        self._alias = alias or db_alias
+        self._session_pooling = session_pooling
         self._released: OrderedDict[str, float] = OrderedDict()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        #: Whether it found a pooler in the way and will never listen.
+        self.deaf = False
 
     async def _run(self) -> None:
         while True:
             conn = None
             try:
                 conn = await aconnect(self._db_alias)
+                row = await (await conn.execute(BACKEND_PID_SQL)).fetchone()
+                if row is None or not keeps_sessions(conn, row[0], self._session_pooling):
+                    self.deaf = True
+                    warn_unheard(self._alias)
+                    return
                 await conn.execute(LISTEN_SQL)
                 async for note in conn.notifies():
                     await self._record(note.payload)
@@ -152,7 +168,7 @@ class AsyncListener:
 
     async def wait(self, name: str, since: float, timeout: float) -> bool:
         """Whether ``name`` was released after ``since``, waiting up to ``timeout`` for it."""
-        if self._task is None or self._task.done():
+        if not self.deaf and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._run(), name=f"leases-alisten-{self._db_alias}")
         try:
             async with asyncio.timeout(timeout), self._changed:
@@ -183,9 +199,10 @@ class AsyncState:
         *,
         prepared: bool = True,
         alias: str | None = None,
+        session_pooling: bool = False,
     ) -> None:
         self.conn = AsyncPrivateConnection(db_alias, timeout, prepared=prepared, alias=alias)
-        self.listener = AsyncListener(db_alias)
+        self.listener = AsyncListener(db_alias, alias, session_pooling=session_pooling)
         self.failed_at: OrderedDict[tuple[int, str], float] = OrderedDict()
 
     @staticmethod

@@ -34,6 +34,7 @@ from psycopg import sql
 from ..errors import BackendUnavailable, LeasesImproperlyConfigured
 from ._fdwait import readable
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
+from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_unheard
 from ._pgprepared import Prepared, run_prepared
 
 __all__ = [
@@ -324,14 +325,22 @@ class PrivateConnection:
 
 
 class Listener:
-    """One ``LISTEN`` connection and thread; remembers when each name was last released."""
+    """One ``LISTEN`` connection and thread; remembers when each name was last released.
 
-    def __init__(self, db_alias: str, alias: str) -> None:
+    Behind a pooler not declared a session pooler (``session_pooling``) it does not listen
+    (see :mod:`~._pgpooler`): it becomes :attr:`deaf`, its thread ends, and :meth:`wait`
+    waits out its timeout (the waiter's backoff delay)."""
+
+    def __init__(self, db_alias: str, alias: str, *, session_pooling: bool = False) -> None:
         self._db_alias = db_alias
+        self._alias = alias
+        self._session_pooling = session_pooling
         self._cond = threading.Condition()
         self._released: OrderedDict[str, float] = OrderedDict()
         self._stop = threading.Event()
         self.conn: psycopg.Connection[Any] | None = None
+        #: Whether it found a pooler in the way and will never listen.
+        self.deaf = False
         self._thread = threading.Thread(
             target=self._run, name=f"leases-listen-{alias}", daemon=True
         )
@@ -341,6 +350,11 @@ class Listener:
         while not self._stop.is_set():
             try:
                 self.conn = connect(self._db_alias)
+                row = self.conn.execute(BACKEND_PID_SQL).fetchone()
+                if row is None or not keeps_sessions(self.conn, row[0], self._session_pooling):
+                    self.deaf = True
+                    warn_unheard(self._alias)
+                    return
                 self.conn.execute(LISTEN_SQL)
                 while not self._stop.is_set():
                     for note in self.conn.notifies(timeout=0.25):

@@ -65,7 +65,7 @@ from ._pg_shared import GROUP
 from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
-from ._pgpooler import BACKEND_PID_SQL, behind_pooler, warn_pooled
+from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_pooled
 from ._pgprepared import Prepared, arun_prepared, run_prepared
 from ._tenure import (
     PINS,
@@ -236,10 +236,13 @@ class WaitingRoom:
         enabled: bool = True,
         timeout: float = REQUEST_TIMEOUT,
         prepared: bool = True,
+        session_pooling: bool = False,
     ) -> None:
         self.db_alias = db_alias
         self.alias = alias
         self.enabled = enabled
+        #: A pooler in the way keeps each client's session (the backend's ``SESSION_POOLING``).
+        self.session_pooling = session_pooling
         #: Seconds a room statement waits for its reply (the backend's ``REQUEST_TIMEOUT``).
         self.timeout = timeout
         #: Tries go prepared (the backend's ``PREPARED_STATEMENTS``).
@@ -652,7 +655,7 @@ def _probed_on(
     pid: int,
 ) -> bool:
     """:meth:`WaitingRoom.probed_on`, for either room."""
-    if behind_pooler(conn, pid) and room.enabled:
+    if room.enabled and not keeps_sessions(conn, pid, room.session_pooling):
         room.enabled = False
         warn_pooled(room.alias)
     room.probed = True
@@ -733,10 +736,12 @@ class AsyncWaitingRoom:
         enabled: bool = True,
         timeout: float = REQUEST_TIMEOUT,
         prepared: bool = True,
+        session_pooling: bool = False,
     ) -> None:
         self.db_alias = db_alias
         self.alias = alias
         self.enabled = enabled
+        self.session_pooling = session_pooling
         #: Whether a room connection was asked if a pooler is in the way (see :mod:`._pgpooler`).
         self.probed = False
         self.timeout = timeout

@@ -412,7 +412,7 @@ class Backend(LeaseBackend):
         }
     )
     known_options = frozenset(
-        {"DATABASE", "WAITING_ROOM", "REQUEST_TIMEOUT", "PREPARED_STATEMENTS"}
+        {"DATABASE", "WAITING_ROOM", "REQUEST_TIMEOUT", "PREPARED_STATEMENTS", "SESSION_POOLING"}
     )
 
     @classmethod
@@ -422,7 +422,7 @@ class Backend(LeaseBackend):
         problems = super().check_options(alias, options)
         if not isinstance(options.get("DATABASE", "default"), str):
             problems.append(f'LEASES["BACKENDS"][{alias!r}]["DATABASE"] must be a database alias')
-        for flag in ("WAITING_ROOM", "PREPARED_STATEMENTS"):
+        for flag in ("WAITING_ROOM", "PREPARED_STATEMENTS", "SESSION_POOLING"):
             if not isinstance(options.get(flag, True), bool):
                 problems.append(f'LEASES["BACKENDS"][{alias!r}]["{flag}"] must be True or False')
         timeout = options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT)
@@ -452,6 +452,8 @@ class Backend(LeaseBackend):
         #: Seconds a statement waits for its reply before its connection is dropped.
         self.request_timeout = float(self.options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT))
         prepared = bool(self.options.get("PREPARED_STATEMENTS", True))
+        #: A pooler in the way keeps each client's server session (see :mod:`~._pgpooler`).
+        self.session_pooling = bool(self.options.get("SESSION_POOLING", False))
         self._conn = PrivateConnection(
             self.db_alias, self.request_timeout, prepared=prepared, alias=self.alias
         )
@@ -459,13 +461,22 @@ class Backend(LeaseBackend):
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
         self._room = WaitingRoom(
-            self.db_alias, alias, enabled=enabled, timeout=self.request_timeout, prepared=prepared
+            self.db_alias,
+            alias,
+            enabled=enabled,
+            timeout=self.request_timeout,
+            prepared=prepared,
+            session_pooling=self.session_pooling,
         )
         #: The tenure locks the own connection holds (waiters queue on them in the room).
         self._tenures = Tenures()
         self._async: PerLoop[AsyncState] = PerLoop(
             lambda: AsyncState(
-                self.db_alias, self.request_timeout, prepared=prepared, alias=self.alias
+                self.db_alias,
+                self.request_timeout,
+                prepared=prepared,
+                alias=self.alias,
+                session_pooling=self.session_pooling,
             ),
             lambda state: state.close(),
         )
@@ -476,6 +487,7 @@ class Backend(LeaseBackend):
                 enabled=self._room.enabled,
                 timeout=self.request_timeout,
                 prepared=prepared,
+                session_pooling=self.session_pooling,
             ),
             lambda room: room.close(),
         )
@@ -662,7 +674,9 @@ class Backend(LeaseBackend):
             return woken
         with self._lock:
             if self._listener is None:
-                self._listener = Listener(self.db_alias, self.alias)
+                self._listener = Listener(
+                    self.db_alias, self.alias, session_pooling=self.session_pooling
+                )
             listener = self._listener
         return listener.wait(name, since, max(0.0, timeout))
 
