@@ -76,7 +76,7 @@ PROCESSES = 8
 CONTENDED_SECONDS = 3.0
 #: Ours runs longer: fairness (no process above 2x its fair share) is judged over 10 s.
 FAIRNESS_SECONDS = 10.0
-HANDOFFS = 40
+HANDOFFS = 60
 
 
 def _floor(
@@ -334,6 +334,7 @@ FILED_RATIO = 799 / 3561
 #: machine the rate of one long run follows the neighbours' load; the ratio of two runs
 #: moments apart, repeated, is what can be compared.
 ALTERNATIONS, BLOCK_SECONDS = 3, 2.0
+PGLOCK_HANDOFF = "django-pglock (server lock queue)"
 
 
 def _alternating() -> str:
@@ -351,6 +352,32 @@ def _alternating() -> str:
     )
 
 
+def _handoff_once(take: Callable[[], Callable[[], object]], settle: float) -> float:
+    """Seconds from one release to the blocked waiter's acquire returning (see :func:`handoff`)."""
+    time.sleep(settle)
+    release = take()
+    got: list[float] = []
+
+    def wait() -> None:
+        release_waiter = take()
+        got.append(time.perf_counter())
+        release_waiter()
+        connections.close_all()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.02)  # the waiter is blocked by now
+    released = time.perf_counter()
+    release()
+    waiter.join(15)
+    return got[0] - released
+
+
+def _median_p90(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
+    return statistics.median(samples), samples[int(len(samples) * 0.9)]
+
+
 def handoff(take: Callable[[], Callable[[], object]], settle: float = 0.0) -> tuple[float, float]:
     """Median and p90 seconds from a release to the blocked waiter's acquire returning.
 
@@ -358,27 +385,24 @@ def handoff(take: Callable[[], Callable[[], object]], settle: float = 0.0) -> tu
     ``settle``: seconds to wait before each holder takes it (past the database backend's
     ``ROOM_GRACE``, a holder whose last release handed the name on wins uncontended again).
     """
-    samples: list[float] = []
-    for _ in range(HANDOFFS):
-        time.sleep(settle)
-        release = take()
-        got: list[float] = []
+    return _median_p90([_handoff_once(take, settle) for _ in range(HANDOFFS)])
 
-        def wait(got: list[float] = got) -> None:
-            release_waiter = take()
-            got.append(time.perf_counter())
-            release_waiter()
-            connections.close_all()
 
-        waiter = threading.Thread(target=wait)
-        waiter.start()
-        time.sleep(0.02)  # the waiter is blocked by now
-        released = time.perf_counter()
-        release()
-        waiter.join(15)
-        samples.append(got[0] - released)
-    samples.sort()
-    return statistics.median(samples), samples[int(len(samples) * 0.9)]
+def handoffs(
+    contenders: dict[str, tuple[Callable[[], Callable[[], object]], float]],
+    count: int = HANDOFFS,
+) -> dict[str, tuple[float, float]]:
+    """:func:`handoff` of each contender (``take``, ``settle``), the contenders taking turns
+    sample by sample (in an order rotated each round): this machine's speed drifts by up to
+    two times within minutes, so rows measured one after the other did not compare."""
+    samples: dict[str, list[float]] = {label: [] for label in contenders}
+    labels = list(contenders)
+    for round_ in range(count):
+        shift = round_ % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            take, settle = contenders[label]
+            samples[label].append(_handoff_once(take, settle))
+    return {label: _median_p90(found) for label, found in samples.items()}
 
 
 def _key() -> str:
@@ -444,18 +468,30 @@ def main(report: Report) -> None:
         # won it in the room and keeps its room connection; the second's won it uncontended,
         # on the backend's own connection. Both hold the grant's tenure lock.
         grace = ROOM_GRACE.total_seconds() * 1.5
-        latencies = [
-            (label, handoff(partial(take, f"bench:handoff:{key}"), settle))
-            for label, take, key, settle in (
-                ("ours (tenure lock, holder won in the room)", _take_ours, _key(), 0.0),
-                ("ours (tenure lock, holder won uncontended)", _take_ours, _key(), grace),
-                ("ours, WAITING_ROOM off", _take_ours_without_room, _key(), 0.0),
-                ("django-pglock (server lock queue)", _take_pglock, _key(), 0.0),
-                ("python-redis-lock (BLPOP signal)", _take_redis_lock, _key(), 0.0),
-            )
-        ]
-        report.table("hand-off latency, median", [(k, v[0]) for k, v in latencies], unit="ms")
+        found = handoffs(
+            {
+                label: (partial(take, f"bench:handoff:{_key()}"), settle)
+                for label, take, settle in (
+                    ("ours (tenure lock, holder won in the room)", _take_ours, 0.0),
+                    ("ours (tenure lock, holder won uncontended)", _take_ours, grace),
+                    ("ours, WAITING_ROOM off", _take_ours_without_room, 0.0),
+                    (PGLOCK_HANDOFF, _take_pglock, 0.0),
+                    ("python-redis-lock (BLPOP signal)", _take_redis_lock, 0.0),
+                )
+            }
+        )
+        latencies = list(found.items())
+        report.table(
+            f"hand-off latency, median ({HANDOFFS} samples each, interleaved)",
+            [(k, v[0]) for k, v in latencies],
+            unit="ms",
+        )
         report.note("p90: " + "; ".join(f"{k} {v[1] * 1e3:.2f} ms" for k, v in latencies))
+        pglock = found[PGLOCK_HANDOFF][0]
+        report.note(
+            "hand-off / django-pglock's in the same rounds: "
+            + "; ".join(f"{k} x{v[0] / pglock:.2f}" for k, v in latencies if k.startswith("ours"))
+        )
     report.note(
         "Targets (issue 14): with lease() within 1.1x of the naive two statements through "
         "Django's cursor; contended 2x the last figure (674-863/s) with no process above 2x "
