@@ -352,14 +352,19 @@ def _alternating() -> str:
     )
 
 
-def _handoff_once(take: Callable[[], Callable[[], object]], settle: float) -> float:
-    """Seconds from one release to the blocked waiter's acquire returning (see :func:`handoff`)."""
+def handoff_once(
+    take: Callable[[], Callable[[], object]],
+    settle: float = 0.0,
+    waiter_take: Callable[[], Callable[[], object]] | None = None,
+) -> float:
+    """Seconds from one release to the blocked waiter's acquire returning (see :func:`handoff`);
+    the waiter takes with ``waiter_take`` when given (a connection of its own), else ``take``."""
     time.sleep(settle)
     release = take()
     got: list[float] = []
 
     def wait() -> None:
-        release_waiter = take()
+        release_waiter = (waiter_take or take)()
         got.append(time.perf_counter())
         release_waiter()
         connections.close_all()
@@ -385,7 +390,7 @@ def handoff(take: Callable[[], Callable[[], object]], settle: float = 0.0) -> tu
     ``settle``: seconds to wait before each holder takes it (past the database backend's
     ``ROOM_GRACE``, a holder whose last release handed the name on wins uncontended again).
     """
-    return _median_p90([_handoff_once(take, settle) for _ in range(HANDOFFS)])
+    return _median_p90([handoff_once(take, settle) for _ in range(HANDOFFS)])
 
 
 def handoffs(
@@ -401,7 +406,7 @@ def handoffs(
         shift = round_ % len(labels)
         for label in labels[shift:] + labels[:shift]:
             take, settle = contenders[label]
-            samples[label].append(_handoff_once(take, settle))
+            samples[label].append(handoff_once(take, settle))
     return {label: _median_p90(found) for label, found in samples.items()}
 
 

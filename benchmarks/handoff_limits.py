@@ -265,7 +265,8 @@ def contended(kind: str, seconds: float) -> tuple[float, list[int], float]:
 def handoff(kind: str, count: int = 40) -> float:
     """Median milliseconds from the holder's release to the blocked waiter's acquire returning."""
     import psycopg
-    from django.db import connections
+
+    from benchmarks.bench_lease import handoff_once
 
     name = f"limits:handoff:{kind}:{uuid.uuid4().hex[:8]}"
     url = os.environ["DATABASE_URL"]
@@ -279,24 +280,7 @@ def handoff(kind: str, count: int = 40) -> float:
         takes = [ours, ours]
     else:
         takes = [_queue_lock(name, psycopg.connect(url, autocommit=True)) for _ in range(2)]
-    samples = []
-    for _ in range(count):
-        release = takes[0]()
-        returned: list[float] = []
-
-        def wait(returned: list[float] = returned) -> None:
-            release_waiter = takes[1]()
-            returned.append(time.perf_counter())
-            release_waiter()
-            connections.close_all()
-
-        waiter = threading.Thread(target=wait)
-        waiter.start()
-        time.sleep(0.02)  # the waiter is blocked by now
-        started = time.perf_counter()
-        release()
-        waiter.join(15)
-        samples.append(returned[0] - started)
+    samples = [handoff_once(takes[0], waiter_take=takes[1]) for _ in range(count)]
     return statistics.median(samples) * 1e3
 
 

@@ -17,7 +17,8 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -36,38 +37,53 @@ pytestmark = [
     pytest.mark.skipif(pgbouncer_binary() is None, reason="pgbouncer is not installed"),
 ]
 
+T = TypeVar("T")
+
 #: Threads contending for one name, and grants each takes.
 THREADS, GRANTS = 4, 25
 
 
-@pytest.fixture(params=["transaction", "session"])
-def pooled(request: pytest.FixtureRequest, fault_database: tuple[str, object]) -> Iterator[str]:
-    """Lease backend ``"pooled"`` on database alias ``"pooled"``: PgBouncer in front of this
-    test's own server, in the parameter's pool mode (``request.param``). Yields the server's
-    URL (direct)."""
+@contextlib.contextmanager
+def _behind(
+    fault_database: tuple[str, object], pool_mode: str, size: int, **options: object
+) -> Iterator[PgBouncer]:
+    """Lease backend ``"pooled"`` (with ``options``) on database alias ``"pooled"``: PgBouncer
+    in front of this test's own server, in ``pool_mode`` with ``size`` server sessions."""
     alias, server = fault_database
     port = server.port  # type: ignore[attr-defined]
-    # Sessions enough for every client in session pooling; few in transaction pooling, so one
-    # client's transactions land on sessions other clients' used.
-    size = 4 if request.param == "transaction" else 40
-    with PgBouncer(port, pool_mode=request.param, pool_size=size) as bouncer:
+    with PgBouncer(port, pool_mode=pool_mode, pool_size=size) as bouncer:
         settings = dict(connections.settings[alias])
         settings["PORT"] = str(bouncer.port)
         settings["DISABLE_SERVER_SIDE_CURSORS"] = True  # as Django's docs ask behind a pooler
         connections.settings["pooled"] = settings
         backends = {
             "default": {"ENGINE": "leases.backends.database"},
-            "pooled": {"ENGINE": "leases.backends.database", "DATABASE": "pooled"},
+            "pooled": {"ENGINE": "leases.backends.database", "DATABASE": "pooled", **options},
         }
         override = override_settings(LEASES={"BACKENDS": backends})
         override.enable()
         try:
-            yield f"postgres://postgres@127.0.0.1:{port}/postgres"
+            yield bouncer
         finally:
             override.disable()  # closes the backends first
             with contextlib.suppress(Exception):
                 connections["pooled"].close()
             connections.settings.pop("pooled", None)
+
+
+def _direct_url(fault_database: tuple[str, object]) -> str:
+    return f"postgres://postgres@127.0.0.1:{fault_database[1].port}/postgres"  # type: ignore[attr-defined]
+
+
+@pytest.fixture(params=["transaction", "session"])
+def pooled(request: pytest.FixtureRequest, fault_database: tuple[str, object]) -> Iterator[str]:
+    """Lease backend ``"pooled"`` behind PgBouncer in the parameter's pool mode. Yields the
+    server's URL (direct)."""
+    # Sessions enough for every client in session pooling; few in transaction pooling, so one
+    # client's transactions land on sessions other clients' used.
+    size = 4 if request.param == "transaction" else 40
+    with _behind(fault_database, request.param, size):
+        yield _direct_url(fault_database)
 
 
 def _advisory_locks(url: str) -> int:
@@ -119,6 +135,21 @@ def test_contenders_through_pgbouncer_are_granted_one_at_a_time_in_token_order(
     assert _advisory_locks(pooled) == 0
 
 
+def _waiter(name: str) -> tuple[threading.Thread, list[int]]:
+    """A thread started to acquire ``name`` on the pooled backend (waiting up to 30 s) and
+    release it at once, and the list its token is put in."""
+    got: list[int] = []
+
+    def wait() -> None:
+        waiter = acquire(name, ttl=30, backend="pooled", timeout=30, keepalive=False)
+        got.append(waiter.token)
+        waiter.release()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread, got
+
+
 def test_behind_a_pooler_no_session_lock_is_ever_taken(pooled: str, lease_name: str) -> None:
     """Taken on one server session and unlocked on another, a session lock would stay on a
     session the pooler keeps: the backend finds the pooler out (its connection's process id
@@ -127,15 +158,7 @@ def test_behind_a_pooler_no_session_lock_is_ever_taken(pooled: str, lease_name: 
     holder = acquire(lease_name, ttl=30, backend="pooled", keepalive=False, holder="holder")
     backend = get_backend("pooled")
     assert backend._room.probed and not backend._room.enabled  # type: ignore[attr-defined]
-    got: list[int] = []
-
-    def wait() -> None:
-        waiter = acquire(lease_name, ttl=30, backend="pooled", timeout=30, keepalive=False)
-        got.append(waiter.token)
-        waiter.release()
-
-    thread = threading.Thread(target=wait, daemon=True)
-    thread.start()
+    thread, got = _waiter(lease_name)
     deadline = time.monotonic() + 1.0  # the waiter waits (and retries) meanwhile
     while time.monotonic() < deadline and thread.is_alive():
         assert _advisory_locks(pooled) == 0, "a session lock was taken through the pooler"
@@ -146,29 +169,38 @@ def test_behind_a_pooler_no_session_lock_is_ever_taken(pooled: str, lease_name: 
     assert _advisory_locks(pooled) == 0
 
 
+async def _while_a_task_waits(
+    name: str, observe: Callable[[Any], Awaitable[T]]
+) -> tuple[T, int, int]:
+    """What ``observe(backend)`` returns while a task waits for ``name``, held by another,
+    on the pooled backend; then the holder's and the waiter's tokens, once both released."""
+    backend = get_backend("pooled")
+    try:
+        holder = await aacquire(name, ttl=30, backend="pooled", keepalive=False)
+        waiter = asyncio.create_task(
+            aacquire(name, ttl=30, backend="pooled", timeout=30, keepalive=False)
+        )
+        seen = await observe(backend)
+        await holder.arelease()
+        got = await waiter
+        await got.arelease()
+        return seen, holder.token, got.token
+    finally:
+        await backend.aclose()
+
+
 def test_async_waiters_behind_a_pooler_take_no_session_lock(pooled: str, lease_name: str) -> None:
     """A task's room asks on its first connection, before its first room lock, and stays
     off behind the pooler; the waiting task is served all the same."""
 
-    async def main() -> tuple[int, int, int]:
-        backend = get_backend("pooled")
-        try:
-            holder = await aacquire(lease_name, ttl=30, backend="pooled", keepalive=False)
-            waiter = asyncio.create_task(
-                aacquire(lease_name, ttl=30, backend="pooled", timeout=30, keepalive=False)
-            )
-            most = 0
-            for _ in range(20):  # the waiter waits (and retries) meanwhile
-                await asyncio.sleep(0.05)
-                most = max(most, await asyncio.to_thread(_advisory_locks, pooled))
-            await holder.arelease()
-            got = await waiter
-            await got.arelease()
-            return most, holder.token, got.token
-        finally:
-            await backend.aclose()
+    async def most_locks(backend: Any) -> int:
+        most = 0
+        for _ in range(20):  # the waiter waits (and retries) meanwhile
+            await asyncio.sleep(0.05)
+            most = max(most, await asyncio.to_thread(_advisory_locks, pooled))
+        return most
 
-    most, first, second = asyncio.run(main())
+    most, first, second = asyncio.run(_while_a_task_waits(lease_name, most_locks))
     assert most == 0, "a session lock was taken through the pooler"
     assert second > first
     assert _advisory_locks(pooled) == 0
@@ -179,25 +211,8 @@ def one_session(fault_database: tuple[str, object]) -> Iterator[str]:
     """Lease backend ``"pooled"`` behind PgBouncer in transaction pooling with a single server
     session, which every client's transactions share: what one client leaves in the session
     (a ``LISTEN``) is what the others find there. Yields the pooler's URL."""
-    alias, server = fault_database
-    with PgBouncer(server.port, pool_mode="transaction", pool_size=1) as bouncer:  # type: ignore[attr-defined]
-        settings = dict(connections.settings[alias])
-        settings["PORT"] = str(bouncer.port)
-        settings["DISABLE_SERVER_SIDE_CURSORS"] = True
-        connections.settings["pooled"] = settings
-        backends = {
-            "default": {"ENGINE": "leases.backends.database"},
-            "pooled": {"ENGINE": "leases.backends.database", "DATABASE": "pooled"},
-        }
-        override = override_settings(LEASES={"BACKENDS": backends})
-        override.enable()
-        try:
-            yield f"postgres://postgres@127.0.0.1:{bouncer.port}/postgres"
-        finally:
-            override.disable()
-            with contextlib.suppress(Exception):
-                connections["pooled"].close()
-            connections.settings.pop("pooled", None)
+    with _behind(fault_database, "transaction", 1) as bouncer:
+        yield f"postgres://postgres@127.0.0.1:{bouncer.port}/postgres"
 
 
 def _listening(url: str) -> list[str]:
@@ -227,15 +242,7 @@ def test_a_waiter_behind_a_transaction_pooler_does_not_listen(
     pooler's) and retries after its backoff, and is served all the same."""
     holder = acquire(lease_name, ttl=30, backend="pooled", keepalive=False, holder="holder")
     backend = get_backend("pooled")
-    got: list[int] = []
-
-    def wait() -> None:
-        waiter = acquire(lease_name, ttl=30, backend="pooled", timeout=30, keepalive=False)
-        got.append(waiter.token)
-        waiter.release()
-
-    thread = threading.Thread(target=wait, daemon=True)
-    thread.start()
+    thread, got = _waiter(lease_name)
 
     def decided() -> bool:
         listener = backend._listener  # type: ignore[attr-defined]
@@ -254,28 +261,15 @@ def test_an_async_waiter_behind_a_transaction_pooler_does_not_listen(
     """:func:`test_a_waiter_behind_a_transaction_pooler_does_not_listen`, for tasks: the
     loop's listening connection is not opened through the pooler either."""
 
-    async def main() -> tuple[list[str], int, int]:
-        backend = get_backend("pooled")
-        try:
-            holder = await aacquire(lease_name, ttl=30, backend="pooled", keepalive=False)
-            waiter = asyncio.create_task(
-                aacquire(lease_name, ttl=30, backend="pooled", timeout=30, keepalive=False)
-            )
+    async def channels(backend: Any) -> list[str]:
+        listener = backend._async.get().listener
 
-            listener = backend._async.get().listener  # type: ignore[attr-defined]
+        def decided() -> bool:
+            return bool(getattr(listener, "deaf", False))
 
-            def decided() -> bool:
-                return bool(getattr(listener, "deaf", False))
+        return await asyncio.to_thread(_listen_decided, one_session, decided)
 
-            found = await asyncio.to_thread(_listen_decided, one_session, decided)
-            await holder.arelease()
-            got = await waiter
-            await got.arelease()
-            return found, holder.token, got.token
-        finally:
-            await backend.aclose()
-
-    found, first, second = asyncio.run(main())
+    found, first, second = asyncio.run(_while_a_task_waits(lease_name, channels))
     assert found == [], "a LISTEN was sent through the pooler"
     assert second > first
     assert _listening(one_session) == []
@@ -285,30 +279,8 @@ def test_an_async_waiter_behind_a_transaction_pooler_does_not_listen(
 def session_pooled(fault_database: tuple[str, object]) -> Iterator[str]:
     """Lease backend ``"pooled"`` behind PgBouncer in session pooling, declared so by its
     ``SESSION_POOLING`` option. Yields the server's URL (direct)."""
-    alias, server = fault_database
-    port = server.port  # type: ignore[attr-defined]
-    with PgBouncer(port, pool_mode="session", pool_size=40) as bouncer:
-        settings = dict(connections.settings[alias])
-        settings["PORT"] = str(bouncer.port)
-        settings["DISABLE_SERVER_SIDE_CURSORS"] = True
-        connections.settings["pooled"] = settings
-        backends = {
-            "default": {"ENGINE": "leases.backends.database"},
-            "pooled": {
-                "ENGINE": "leases.backends.database",
-                "DATABASE": "pooled",
-                "SESSION_POOLING": True,
-            },
-        }
-        override = override_settings(LEASES={"BACKENDS": backends})
-        override.enable()
-        try:
-            yield f"postgres://postgres@127.0.0.1:{port}/postgres"
-        finally:
-            override.disable()
-            with contextlib.suppress(Exception):
-                connections["pooled"].close()
-            connections.settings.pop("pooled", None)
+    with _behind(fault_database, "session", 40, SESSION_POOLING=True):
+        yield _direct_url(fault_database)
 
 
 def test_behind_a_declared_session_pooler_waiters_queue_on_the_server(
@@ -323,15 +295,7 @@ def test_behind_a_declared_session_pooler_waiters_queue_on_the_server(
     holder = acquire(lease_name, ttl=30, backend="pooled", keepalive=False, holder="holder")
     backend = get_backend("pooled")
     assert backend._room.probed and backend._room.enabled  # type: ignore[attr-defined]
-    got: list[int] = []
-
-    def wait() -> None:
-        waiter = acquire(lease_name, ttl=30, backend="pooled", timeout=30, keepalive=False)
-        got.append(waiter.token)
-        waiter.release()
-
-    thread = threading.Thread(target=wait, daemon=True)
-    thread.start()
+    thread, got = _waiter(lease_name)
     deadline = time.monotonic() + 10.0
     # The holder's tenure lock, and the waiter's room lock once it queues.
     while _advisory_locks(session_pooled) < 2 and time.monotonic() < deadline:
