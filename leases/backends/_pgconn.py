@@ -60,11 +60,11 @@ CHANNEL = "leases_released"
 LISTEN_SQL = "LISTEN leases_released"
 _RECENT_RELEASES = 4096
 
-#: libpq settings that bound how long a dead server can hang us (unless the user set them).
 #: How the package's own sessions name themselves to the server (unless the database's
 #: ``OPTIONS`` say otherwise): operators' views tell its internal locks by it.
 APPLICATION_NAME = "django-leases"
 
+#: libpq settings that bound how long a dead server can hang us (unless the user set them).
 _CONNECT_DEFAULTS: dict[str, Any] = {
     "connect_timeout": 5,
     "keepalives": 1,
