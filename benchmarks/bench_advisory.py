@@ -20,7 +20,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 from psycopg import pq
 
-from benchmarks.common import Report
+from benchmarks.common import Report, settle
 from leases import advisory
 from leases.keys import advisory_key
 
@@ -142,6 +142,7 @@ def _measure(report: Report, title: str, contenders: dict[str, Any]) -> None:
         _timed(fn, ops // 5)  # warm up connections, caches and psycopg's per-query state
     for _ in range(ROUNDS):
         for label, (fn, _pgconn) in contenders.items():
+            settle()
             wall, cpu = _timed(fn, ops)
             walls[label].append(wall)
             cpus[label].append(cpu)

@@ -43,6 +43,7 @@ from django.test import override_settings
 
 from benchmarks.bench_advisory import _measure
 from benchmarks.common import Report
+from benchmarks.common import settle as collect_garbage
 from leases import acquire, lease
 from leases.backends import get_backend
 from leases.backends._waiting_room import room_key
@@ -358,7 +359,9 @@ def handoff_once(
     waiter_take: Callable[[], Callable[[], object]] | None = None,
 ) -> float:
     """Seconds from one release to the blocked waiter's acquire returning (see :func:`handoff`);
-    the waiter takes with ``waiter_take`` when given (a connection of its own), else ``take``."""
+    the waiter takes with ``waiter_take`` when given (a connection of its own), else ``take``.
+    The garbage of earlier samples is collected first (:func:`~benchmarks.common.settle`)."""
+    collect_garbage()
     time.sleep(settle)
     release = take()
     got: list[float] = []

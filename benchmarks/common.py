@@ -9,6 +9,7 @@ hiccup does not decide a comparison.
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import sys
@@ -17,7 +18,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-__all__ = ["Report", "interleaved", "per_op"]
+__all__ = ["Report", "interleaved", "per_op", "settle"]
+
+
+def settle() -> None:
+    """Collect the garbage the last timed block left, before the next block starts its clock.
+
+    Contenders take turns in one process, so without this the garbage one of them leaves is
+    collected in whichever block comes next: a peer that allocates much (pottery's Redlock
+    allocates several times what a raw client does) slowed the raw floor or our own rows at
+    random, and in the Redis benchmark the ratio of ``lease()`` to the floor swung from 0.53
+    to 1.89 between runs of the same code, the floor's median doubling while the same two
+    round trips through our backend did not. Each block still pays the collections its own
+    allocations set off while it runs; a block starts from the same empty state whichever
+    block ran before it. (``timeit`` goes further and turns the collector off while timing.)
+    """
+    gc.collect()
 
 
 def per_op(
@@ -64,8 +80,9 @@ def interleaved(
     is shuffled every round (seeded, so a run can be repeated): in a fixed order the first
     contender of every round pays for what the last one left behind (garbage, cold caches,
     background threads), which made a raw-driver floor look twice as slow as the same two
-    round trips through a backend. Rows come back in the order given, ready for
-    :meth:`Report.table` (first one is the baseline).
+    round trips through a backend. Shuffling spreads what is left behind at random; each
+    block starting after :func:`settle` takes the garbage out of it. Rows come back in the
+    order given, ready for :meth:`Report.table` (first one is the baseline).
     """
     samples: dict[str, list[float]] = {label: [] for label in contenders}
     for fn in contenders.values():
@@ -76,6 +93,7 @@ def interleaved(
     for _ in range(rounds):
         turns.shuffle(order)
         for label, fn in order:
+            settle()
             start = time.perf_counter()
             for _ in range(ops):
                 fn()
