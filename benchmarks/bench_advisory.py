@@ -142,7 +142,7 @@ def _measure(report: Report, title: str, contenders: dict[str, Any]) -> None:
         _timed(fn, ops // 5)  # warm up connections, caches and psycopg's per-query state
     for _ in range(ROUNDS):
         for label, (fn, _pgconn) in contenders.items():
-            settle()
+            settle(fn)
             wall, cpu = _timed(fn, ops)
             walls[label].append(wall)
             cpus[label].append(cpu)

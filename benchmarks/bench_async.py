@@ -62,6 +62,8 @@ async def interleaved(contenders: dict[str, Op]) -> list[tuple[str, float]]:
         turns.shuffle(order)  # see benchmarks.common.interleaved
         for label, op in order:
             settle()
+            for _ in range(2):  # as settle() warms a sync contender
+                await op()
             started = time.perf_counter()
             for _ in range(OPS):
                 await op()

@@ -21,19 +21,24 @@ from typing import TextIO
 __all__ = ["Report", "interleaved", "per_op", "settle"]
 
 
-def settle() -> None:
-    """Collect the garbage the last timed block left, before the next block starts its clock.
+def settle(fn: Callable[[], object] | None = None, warm: int = 2) -> None:
+    """Collect the garbage the last timed block left, then (given ``fn``) call ``fn`` ``warm``
+    times, before the next block starts its clock.
 
     Contenders take turns in one process, so without this the garbage one of them leaves is
-    collected in whichever block comes next: a peer that allocates much (pottery's Redlock
-    allocates several times what a raw client does) slowed the raw floor or our own rows at
-    random, and in the Redis benchmark the ratio of ``lease()`` to the floor swung from 0.53
-    to 1.89 between runs of the same code, the floor's median doubling while the same two
-    round trips through our backend did not. Each block still pays the collections its own
-    allocations set off while it runs; a block starts from the same empty state whichever
-    block ran before it. (``timeit`` goes further and turns the collector off while timing.)
+    collected in whichever block comes next: in the Redis benchmark the ratio of ``lease()``
+    to the raw floor swung from 0.53 to 1.89 between runs of the same code, the floor's median
+    doubling while the same two round trips through our backend did not. A collection walks
+    the whole heap (95,000 objects, 23 ms, in the Redis benchmark's process) and leaves the
+    caches cold: timed at once after it, a block of 50 Redlock leases (25 ms) ran 5 % slower
+    and one of pottery's (100 ms) not measurably, so the contender runs ``warm`` times,
+    untimed, first. Each block still pays the young collections its own allocations set off
+    while it runs. (``timeit`` goes further and turns the collector off while timing.)
     """
     gc.collect()
+    if fn is not None:
+        for _ in range(warm):
+            fn()
 
 
 def per_op(
@@ -93,7 +98,7 @@ def interleaved(
     for _ in range(rounds):
         turns.shuffle(order)
         for label, fn in order:
-            settle()
+            settle(fn)
             start = time.perf_counter()
             for _ in range(ops):
                 fn()
