@@ -22,10 +22,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from ..errors import BackendUnavailable
-from ._pgconn import LISTEN_SQL, SET_ROLE_SQL, cannot_connect, connect_params, stale
+from ._pgconn import LISTEN_SQL, cannot_connect, connect_params, stale
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed
 from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_unheard
 from ._pgprepared import Prepared, arun_prepared
@@ -39,12 +38,13 @@ _RECENT_RELEASES = 4096
 
 async def aconnect(db_alias: str, alias: str | None = None) -> psycopg.AsyncConnection[Any]:
     """:func:`~leases.backends._pgconn.connect`, async."""
-    params, role = connect_params(db_alias)
+    connecting = connect_params(db_alias)
     conn = None
     try:
-        conn = await psycopg.AsyncConnection.connect(autocommit=True, **params)
-        if role:
-            await conn.execute(sql.SQL(SET_ROLE_SQL).format(role=sql.Literal(role)))
+        conn = await psycopg.AsyncConnection.connect(autocommit=True, **connecting.params)
+        setup = connecting.setup(conn.info)
+        if setup is not None:
+            await conn.execute(setup)
     except psycopg.Error as exc:
         if conn is not None:
             await _aclose_quietly(conn)

@@ -23,6 +23,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import psycopg
@@ -41,6 +42,7 @@ __all__ = [
     "APPLICATION_NAME",
     "CHANNEL",
     "LISTEN_SQL",
+    "Connecting",
     "Listener",
     "PrivateConnection",
     "cannot_connect",
@@ -79,6 +81,13 @@ _CONNECT_DEFAULTS: dict[str, Any] = {
 #: Django's ``OPTIONS["assume_role"]``, applied as Django's own connections apply it: a login
 #: role that does not inherit its privileges reaches the lease tables only through this role.
 SET_ROLE_SQL = "SET ROLE {role}"
+#: The session's time zone, set to Django's ``timezone_name`` for the database as Django's own
+#: connections set it when they connect (``ensure_timezone``), and only when the server gave
+#: the new session another one: Django's ``timestamptz`` loader, which these connections load
+#: with, parses a value in the session's zone and then puts Django's zone on it without
+#: converting, so a session left in the server's default zone (initdb copies the machine's)
+#: read every time shifted by that zone's offset (``tests/test_lease_database_time_zone.py``).
+SET_TIME_ZONE_SQL = "SELECT set_config('TimeZone', {zone}, false)"
 
 
 def driver_failure(alias: str, exc: psycopg.Error, what: str = "") -> BackendUnavailable:
@@ -97,16 +106,18 @@ def connect(db_alias: str, alias: str | None = None) -> psycopg.Connection[Any]:
 
     Read at connect time, not at start-up, so a test database's name is used. The parameters
     are Django's own (``get_connection_params()``: user, ``options`` such as a ``search_path``,
-    ``sslmode``, a service file...), and ``assume_role`` is set as Django sets it, so these
-    connections act with the identity Django's would; only Django's pool and cursor classes
-    are left out, since these connections are used by psycopg directly.
+    ``sslmode``, a service file...), and ``assume_role`` and the time zone are set as Django
+    sets them (:meth:`Connecting.setup`), so these connections act with the identity Django's
+    would and read times as Django's do; only Django's pool and cursor classes are left out,
+    since these connections are used by psycopg directly.
     """
-    params, role = connect_params(db_alias)
+    connecting = connect_params(db_alias)
     conn = None
     try:
-        conn = psycopg.connect(autocommit=True, **params)
-        if role:
-            conn.execute(sql.SQL(SET_ROLE_SQL).format(role=sql.Literal(role)))
+        conn = psycopg.connect(autocommit=True, **connecting.params)
+        setup = connecting.setup(conn.info)
+        if setup is not None:
+            conn.execute(setup)
     except psycopg.Error as exc:
         close_quietly(conn)
         raise BackendUnavailable(alias or db_alias, cannot_connect(db_alias, exc)) from exc
@@ -119,9 +130,32 @@ def cannot_connect(db_alias: str, exc: Exception) -> str:
     return f"cannot connect to database {db_alias!r}: {exc}"
 
 
-def connect_params(db_alias: str) -> tuple[dict[str, Any], str | None]:
-    """psycopg's connection parameters for ``db_alias`` now, and the role to assume (if any):
-    what :func:`connect` and its async twin both use."""
+@dataclass(frozen=True)
+class Connecting:
+    """How to open a connection like Django's to a database: psycopg's parameters, and what
+    Django sets on a session once it is open."""
+
+    params: dict[str, Any]
+    #: Django's ``OPTIONS["assume_role"]``, if any.
+    role: str | None
+    #: Django's ``timezone_name`` for the database (``None``: leave the session's).
+    time_zone: str | None
+
+    def setup(self, info: psycopg.ConnectionInfo) -> sql.Composed | None:
+        """What to run on a new session whose ``info`` this is (one simple query, so one round
+        trip), or ``None`` when it needs nothing: a session the server already gave Django's
+        time zone and no role to assume costs no round trip, as with Django's connections."""
+        statements = []
+        if self.role:
+            statements.append(sql.SQL(SET_ROLE_SQL).format(role=sql.Literal(self.role)))
+        if self.time_zone and info.parameter_status("TimeZone") != self.time_zone:
+            zone = sql.Literal(self.time_zone)
+            statements.append(sql.SQL(SET_TIME_ZONE_SQL).format(zone=zone))
+        return sql.SQL("; ").join(statements) if statements else None
+
+
+def connect_params(db_alias: str) -> Connecting:
+    """How to connect to ``db_alias`` now: what :func:`connect` and its async twin both use."""
     try:
         wrapper = connections.create_connection(db_alias)
     except ConnectionDoesNotExist as exc:
@@ -132,7 +166,7 @@ def connect_params(db_alias: str) -> tuple[dict[str, Any], str | None]:
         params.setdefault(key, value)
     params["options"] = f"{params.get('options', '')} -c synchronous_commit=on".strip()
     role = wrapper.settings_dict["OPTIONS"].get("assume_role")
-    return params, role
+    return Connecting(params, role, wrapper.timezone_name)
 
 
 def close_quietly(conn: psycopg.Connection[Any] | None) -> None:
