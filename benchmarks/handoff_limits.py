@@ -1,7 +1,8 @@
 """What bounds one name's hand-off and contended throughput: each hop alone, then a protocol
 with one hop fewer. Not a ``bench_`` topic (issue 14's closing note quotes it).
 
-``python -m benchmarks.handoff_limits [--fsync] [--rounds N]`` (in the worktree's environment):
+``python -m benchmarks.handoff_limits [--fsync] [--rounds N] [--processes 2,4,8]`` (in the
+worktree's environment):
 
 1. ``fdatasync`` of an 8 kB write on this disk (``BENCH_FSYNC_DIR``, else the current
    directory): what a server that flushes pays per durable grant.
@@ -9,7 +10,8 @@ with one hop fewer. Not a ``bench_`` topic (issue 14's closing note quotes it).
    on with ``--fsync``), each timed alone: a round trip, a write's commit with
    ``synchronous_commit`` on and off, a ``NOTIFY`` from the sender's call to a listening
    thread's wake-up, and an advisory unlock to the waiter blocked on it returning.
-3. Eight processes contending for one name, alternating rounds: the database backend
+3. Eight processes (or each count of ``--processes``) contending for one name, alternating
+   rounds: the database backend
    (``acquire()`` + ``release()``), django-pglock's ``advisory(xact=True)``, and a prototype
    of a queue-lock protocol (:data:`QUEUE_GRANT_SQL`, :data:`QUEUE_RELEASE_SQL`), then the
    hand-off median of the backend and of the prototype.
@@ -232,8 +234,10 @@ def _contender(kind: str, name: str, seconds: float, ready: Any, start: Any, res
     results.put((tokens, longest))
 
 
-def contended(kind: str, seconds: float) -> tuple[float, list[int], float]:
-    """Grants per second of :data:`PROCESSES` processes on one name, their shares, and the
+def contended(
+    kind: str, seconds: float, processes: int = PROCESSES
+) -> tuple[float, list[int], float]:
+    """Grants per second of ``processes`` processes on one name, their shares, and the
     longest any one call took (seconds); the tokens (where there are any) must all differ."""
     from django.db import connections
 
@@ -243,7 +247,7 @@ def contended(kind: str, seconds: float) -> tuple[float, list[int], float]:
     connections.close_all()
     procs = [
         context.Process(target=_contender, args=(kind, name, seconds, ready, start, results))
-        for _ in range(PROCESSES)
+        for _ in range(processes)
     ]
     for proc in procs:
         proc.start()
@@ -289,7 +293,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fsync", action="store_true", help="a server that flushes its WAL")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument(
+        "--processes",
+        default=str(PROCESSES),
+        help="contending processes, comma-separated (2,4,8: with two, each grant is one bare "
+        "hand-off; what each further process adds is what the waiters' own work costs it)",
+    )
     args = parser.parse_args(argv)
+    counts = [int(count) for count in args.processes.split(",")]
     sync, sync_p90 = fdatasync()
     print(f"8 kB write + fdatasync here: median {sync:.0f} us, p90 {sync_p90:.0f} us")
     settings = {"fsync": "on", "full_page_writes": "on"} if args.fsync else None
@@ -321,14 +332,16 @@ def main(argv: list[str]) -> int:
         backends = {"default": {"ENGINE": "leases.backends.database"}}
         with override_settings(DEBUG=False, LEASES={"BACKENDS": backends}):
             for round_ in range(args.rounds):
-                for kind in ("backend", "queue-lock", "pglock"):
-                    rate, shares, longest = contended(kind, args.seconds)
-                    print(
-                        f"round {round_}: {kind:10s} {rate:5.0f} grants/s, shares "
-                        f"{'/'.join(map(str, shares))}, longest wait {longest * 1e3:.0f} ms "
-                        f"(load {os.getloadavg()[0]:.1f})",
-                        flush=True,
-                    )
+                for count in counts:
+                    for kind in ("backend", "queue-lock", "pglock"):
+                        rate, shares, longest = contended(kind, args.seconds, count)
+                        print(
+                            f"round {round_}: {count} x {kind:10s} {rate:5.0f} grants/s "
+                            f"({1e6 / rate:4.0f} us a grant), shares "
+                            f"{'/'.join(map(str, shares))}, longest wait "
+                            f"{longest * 1e3:.0f} ms (load {os.getloadavg()[0]:.1f})",
+                            flush=True,
+                        )
                 for kind in ("backend", "queue-lock"):
                     print(
                         f"round {round_}: hand-off {kind:10s} median {handoff(kind):.2f} ms "
