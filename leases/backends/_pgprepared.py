@@ -44,9 +44,11 @@ from typing import Any, Literal
 
 import psycopg
 from psycopg import pq
-from psycopg.adapt import PyFormat, Transformer
+from psycopg.adapt import PyFormat
 from psycopg.generators import execute
 from psycopg.waiting import wait_async
+
+from ._pgloading import transformer as loading_transformer
 
 __all__ = [
     "ATTEMPTS",
@@ -154,7 +156,7 @@ def _bound(
     time zone aware loaders included), so rows come back exactly as from a cursor. libpq's
     call blocks with the GIL released, so the reply deadline's thread can cut it.
     """
-    transformer = Transformer(conn)
+    transformer = loading_transformer(conn)
     values = transformer.dump_sequence([params[key] for key in statement.order], statement.formats)
     pgconn = conn.pgconn
     result = pgconn.exec_prepared(statement.key, values)  # type: ignore[arg-type]  # NULLs
@@ -250,7 +252,7 @@ async def _abound(
     cancellation then ends the wait at once and the caller drops the connection (whether the
     statement ran is unknown, as after a cut deadline), instead of psycopg asking the server
     to cancel it and waiting up to 5 s more for the answer, on a server that may be stalled."""
-    transformer = Transformer(conn)
+    transformer = loading_transformer(conn)
     values = transformer.dump_sequence([params[key] for key in statement.order], statement.formats)
     async with conn.lock:
         pgconn = conn.pgconn

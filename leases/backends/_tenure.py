@@ -51,11 +51,11 @@ from typing import Any
 
 import psycopg
 from psycopg import pq
-from psycopg.adapt import Transformer
 
 from ._counter import TIMELINE_FLOOR_SQL
 from ._fdwait import readable, writable
 from ._pgconn import close_quietly
+from ._pgloading import transformer as loading_transformer
 from ._pgprepared import Prepared, keep_notifies, read_result
 from ._pruning import FLOOR_SQL
 
@@ -252,7 +252,7 @@ def queue_then_try(
                 if exc.sqlstate != "42P05":  # the session has it already
                     raise
             prepared.add(statement.name)
-    transformer = Transformer(conn)
+    transformer = loading_transformer(conn)
     pgconn = conn.pgconn
     pgconn.enter_pipeline_mode()
     try:
