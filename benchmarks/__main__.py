@@ -18,7 +18,7 @@ import pkgutil
 import sys
 
 from benchmarks.common import Report
-from devservers import PostgresServer, RedisServer, configured_or_throwaway
+from benchmarks.servers import django_on_servers
 
 
 def buffer_cache() -> str:
@@ -35,21 +35,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keys", type=int, help="scale: idempotency keys (default 10 x rows)")
     parser.add_argument("--rounds", type=int, help="scale: measured rounds (default 7)")
     args = parser.parse_args(argv)
-    owned: list[PostgresServer | RedisServer] = []
-    try:
-        os.environ.update(
-            configured_or_throwaway(owned, postgres_settings={"shared_buffers": buffer_cache()})
-        )
-        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "demo_project.settings")
-        # Production settings for every topic and the processes they start (Celery workers,
-        # the ASGI server): the demo's DEBUG default logs every query, a tax on each
-        # Django-based contender that the raw driver floors do not pay.
-        os.environ.setdefault("DJANGO_DEBUG", "0")
-        import django
-        from django.core.management import call_command
-
-        django.setup()
-        call_command("migrate", verbosity=0)
+    with django_on_servers(postgres_settings={"shared_buffers": buffer_cache()}):
         names = sorted(
             info.name[len("bench_") :]
             for info in pkgutil.iter_modules([os.path.dirname(__file__)])
@@ -61,10 +47,7 @@ def main(argv: list[str]) -> int:
             module = importlib.import_module(f"benchmarks.bench_{name}")
             print(f"\n=== {module.TITLE}", flush=True)
             module.main(report)
-        return 0
-    finally:
-        for server in owned:
-            server.destroy()
+    return 0
 
 
 if __name__ == "__main__":

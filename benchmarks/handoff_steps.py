@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from devservers import PostgresServer, RedisServer, configured_or_throwaway
+from benchmarks.servers import django_on_servers
 
 STEPS = (
     "release statement returns",
@@ -98,16 +98,9 @@ def measure(count: int) -> list[dict[str, float]]:
 
 def main(argv: list[str]) -> int:
     count = int(argv[0]) if argv else 60
-    owned: list[PostgresServer | RedisServer] = []
-    try:
-        os.environ.update(configured_or_throwaway(owned, ("DATABASE_URL",)))
-        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "demo_project.settings")
-        import django
-        from django.core.management import call_command
+    with django_on_servers(("DATABASE_URL",)):
         from django.test import override_settings
 
-        django.setup()
-        call_command("migrate", verbosity=0)
         backends = {"default": {"ENGINE": "leases.backends.database"}}
         with override_settings(DEBUG=False, LEASES={"BACKENDS": backends}):
             samples = measure(count)
@@ -120,10 +113,7 @@ def main(argv: list[str]) -> int:
             took = median - previous
             print(f"  {step:28s} median {median:7.0f}  p90 {p90:7.0f}  step {took:6.0f}")
             previous = median
-        return 0
-    finally:
-        for server in owned:
-            server.destroy()
+    return 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 
-from devservers import PostgresServer, RedisServer, configured_or_throwaway
+from benchmarks.servers import django_on_servers
+from devservers import RedisServer
 
 FLOOR = "raw redis-py SET NX PX + EVALSHA compare-and-delete (floor)"
 POTTERY = "pottery Redlock, 3 servers"
@@ -78,16 +79,7 @@ def main(argv: list[str]) -> int:
     if args.one:
         print(json.dumps(_one(args.one, args.seconds)))
         return 0
-    owned: list[PostgresServer | RedisServer] = []
-    try:
-        os.environ.update(configured_or_throwaway(owned))
-        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "demo_project.settings")
-        os.environ.setdefault("DJANGO_DEBUG", "0")
-        import django
-        from django.core.management import call_command
-
-        django.setup()
-        call_command("migrate", verbosity=0)
+    with django_on_servers() as owned:
         nodes = [RedisServer().start() for _ in range(3)]
         owned.extend(nodes)
         env = {**os.environ, "REDLOCK_NODES_JSON": json.dumps([node.url for node in nodes])}
@@ -110,10 +102,7 @@ def main(argv: list[str]) -> int:
                 f"round {round_}: floor {found[FLOOR] * 1e6:.0f} us; " + "; ".join(ratios),
                 flush=True,
             )
-        return 0
-    finally:
-        for server in owned:
-            server.destroy()
+    return 0
 
 
 if __name__ == "__main__":
