@@ -1,6 +1,11 @@
-"""``python -m benchmarks [topic ...] [--rows N] [--keys N] [--rounds N]``: run the benchmark
-modules (all by default). ``--rows``/``--keys`` size the ``scale`` topic's big tables,
+"""``python -m benchmarks [topic ...] [--rows N] [--keys N] [--rounds N] [--durable]``: run the
+benchmark modules (all by default). ``--rows``/``--keys`` size the ``scale`` topic's big tables,
 ``--rounds 1`` makes it a quick check of what it measures (``tests/test_scale.py`` runs it so).
+``--durable`` starts the throwaway PostgreSQL with ``fsync`` and ``full_page_writes`` on, as a
+production server runs: the test harness's servers turn both off (their data is thrown away),
+so by default a commit waits for no disk, and figures bounded by commits (a contended lease,
+an idempotent first request) read as on a server that does not flush. A configured
+``DATABASE_URL`` is used as it is.
 
 Servers: ``DATABASE_URL`` / ``REDIS_URL`` when reachable, else throwaway ones for this run. A
 throwaway PostgreSQL gets a buffer cache sized as for a dedicated server (:func:`buffer_cache`),
@@ -20,6 +25,9 @@ import sys
 from benchmarks.common import Report
 from benchmarks.servers import django_on_servers
 
+#: A throwaway PostgreSQL's settings for ``--durable``: what the harness turns off, back on.
+DURABLE = {"fsync": "on", "full_page_writes": "on"}
+
 
 def buffer_cache() -> str:
     """A quarter of the machine's memory, at most 1 GB: PostgreSQL's own sizing advice for a
@@ -34,8 +42,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rows", type=int, help="scale: lease rows (default 1,000,000)")
     parser.add_argument("--keys", type=int, help="scale: idempotency keys (default 10 x rows)")
     parser.add_argument("--rounds", type=int, help="scale: measured rounds (default 7)")
+    parser.add_argument(
+        "--durable", action="store_true", help="a throwaway PostgreSQL flushes its commits"
+    )
     args = parser.parse_args(argv)
-    with django_on_servers(postgres_settings={"shared_buffers": buffer_cache()}):
+    settings = {"shared_buffers": buffer_cache()}
+    if args.durable:
+        settings |= DURABLE
+    with django_on_servers(postgres_settings=settings):
         names = sorted(
             info.name[len("bench_") :]
             for info in pkgutil.iter_modules([os.path.dirname(__file__)])

@@ -247,6 +247,18 @@ def main(report: Report) -> None:
     connection.ensure_connection()
     pgconn = connection.connection.pgconn
 
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW fsync")
+        (fsync,) = cursor.fetchone()
+    report.note(
+        f"this server has fsync={fsync}: "
+        + (
+            "a first request's commit waits for the disk, as in production"
+            if fsync == "on"
+            else "no commit waits for the disk (`--durable` for a server that flushes)"
+        )
+    )
+
     def measure(contenders: dict[str, Callable[[], Any]]) -> None:
         rows = interleaved(contenders, ops=OPS, rounds=ROUNDS)
         trips = {name: round_trips(pgconn, fn) for name, fn in contenders.items()}
