@@ -105,6 +105,18 @@ def session_contenders() -> dict[str, Any]:
             cursor.execute("SELECT pg_advisory_lock(%s)", [key])
             cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
 
+    def django_cursors() -> None:
+        """What a lock around a block written by hand does: the block runs between the two
+        statements, so each has a cursor of its own, and the unlock's answer is read (false:
+        the session did not hold the lock)."""
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_lock(%s)", [key])
+            cursor.fetchone()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
+            if not cursor.fetchone()[0]:
+                raise RuntimeError("the unlock found no lock")
+
     def ours() -> None:
         with advisory.session_lock(NAME):
             pass
@@ -115,6 +127,7 @@ def session_contenders() -> dict[str, Any]:
 
     return {
         "Django cursor, lock + unlock": (django_cursor, None),
+        "Django cursor per statement, unlock checked": (django_cursors, None),
         "leases.advisory.session_lock": (ours, None),
         "django-pglock advisory()": (peer, None),
     }
