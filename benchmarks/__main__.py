@@ -23,10 +23,7 @@ import pkgutil
 import sys
 
 from benchmarks.common import Report
-from benchmarks.servers import django_on_servers
-
-#: A throwaway PostgreSQL's settings for ``--durable``: what the harness turns off, back on.
-DURABLE = {"fsync": "on", "full_page_writes": "on"}
+from benchmarks.servers import DURABLE, django_on_servers
 
 
 def buffer_cache() -> str:

@@ -33,7 +33,7 @@ from django.db import connection
 
 from benchmarks.bench_lease import SECRET
 from benchmarks.bench_redis import RAW_RELEASE_LUA, configured
-from benchmarks.common import Report, settle
+from benchmarks.common import WARM, Report, settle
 from benchmarks.redis_monitor import round_trips
 from devservers import RedisServer
 from leases import alease
@@ -62,7 +62,7 @@ async def interleaved(contenders: dict[str, Op]) -> list[tuple[str, float]]:
         turns.shuffle(order)  # see benchmarks.common.interleaved
         for label, op in order:
             settle()
-            for _ in range(2):  # as settle() warms a sync contender
+            for _ in range(WARM):  # as settle() warms a sync contender
                 await op()
             started = time.perf_counter()
             for _ in range(OPS):

@@ -18,10 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-__all__ = ["Report", "interleaved", "per_op", "settle"]
+__all__ = ["WARM", "Report", "interleaved", "per_op", "settle"]
+
+#: Untimed calls of a contender between :func:`settle`'s collection and its timed block.
+WARM = 2
 
 
-def settle(fn: Callable[[], object] | None = None, warm: int = 2) -> None:
+def settle(fn: Callable[[], object] | None = None, warm: int = WARM) -> None:
     """Collect the garbage the last timed block left, then (given ``fn``) call ``fn`` ``warm``
     times, before the next block starts its clock.
 

@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.servers import DURABLE
 from devservers import PostgresServer
 
 PROCESSES = 8
@@ -314,7 +315,7 @@ def main(argv: list[str]) -> int:
     counts = [int(count) for count in args.processes.split(",")]
     sync, sync_p90 = fdatasync()
     print(f"8 kB write + fdatasync here: median {sync:.0f} us, p90 {sync_p90:.0f} us")
-    settings = {"fsync": "on", "full_page_writes": "on"} if args.fsync else None
+    settings = DURABLE if args.fsync else None
     server = PostgresServer(settings=settings).start()
     try:
         os.environ["DATABASE_URL"] = server.url

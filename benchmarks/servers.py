@@ -10,7 +10,11 @@ from collections.abc import Iterator, Mapping
 
 from devservers import PostgresServer, RedisServer, configured_or_throwaway
 
-__all__ = ["django_on_servers"]
+__all__ = ["DURABLE", "django_on_servers"]
+
+#: A throwaway PostgreSQL's settings for a server that flushes its commits, as in production:
+#: what :class:`devservers.PostgresServer` turns off (its data is thrown away), back on.
+DURABLE = {"fsync": "on", "full_page_writes": "on"}
 
 
 @contextlib.contextmanager
