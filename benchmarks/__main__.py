@@ -43,16 +43,19 @@ def main(argv: list[str]) -> int:
         "--durable", action="store_true", help="a throwaway PostgreSQL flushes its commits"
     )
     args = parser.parse_args(argv)
+    names = sorted(
+        info.name[len("bench_") :]
+        for info in pkgutil.iter_modules([os.path.dirname(__file__)])
+        if info.name.startswith("bench_")
+    )
+    for topic in args.topics:  # before any server starts: a typo must not read as a run
+        if topic not in names:
+            parser.error(f"unknown topic {topic!r}; the topics are {', '.join(names)}")
+    chosen = [n for n in names if not args.topics or n in args.topics]
     settings = {"shared_buffers": buffer_cache()}
     if args.durable:
         settings |= DURABLE
     with django_on_servers(postgres_settings=settings):
-        names = sorted(
-            info.name[len("bench_") :]
-            for info in pkgutil.iter_modules([os.path.dirname(__file__)])
-            if info.name.startswith("bench_")
-        )
-        chosen = [n for n in names if not args.topics or n in args.topics]
         report = Report(options={"rows": args.rows, "keys": args.keys, "rounds": args.rounds})
         for name in chosen:
             module = importlib.import_module(f"benchmarks.bench_{name}")

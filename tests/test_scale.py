@@ -320,3 +320,24 @@ def test_the_scale_benchmark_runs_end_to_end_at_10000_rows() -> None:
     prune = re.search(r"rows read, (\d+) pruned.*?, ([\d,]+) rows left", out)
     assert prune and int(prune[1]) > 9000, out
     assert int(prune[2].replace(",", "")) >= 20  # the rows with a holder stay
+
+
+def test_an_unknown_benchmark_topic_is_refused_before_any_server_starts() -> None:
+    """``./scripts/bench lesae`` (a typo) ran nothing and exited 0 after starting throwaway
+    servers: the caller read an empty run as a finished one. It now exits with argparse's
+    usage error naming the topics there are, and starts nothing (no server log, no Django)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "lease", "lesae"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unknown topic 'lesae'" in done.stderr and "lease" in done.stderr, done.stderr
+    assert done.stdout == ""  # nothing ran, not even the lease topic
