@@ -290,24 +290,30 @@ MEASURED = [
 ]
 
 
+def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks *args`` on throwaway servers of its own (the configured ones are
+    hidden from it), so nothing of this run's databases is touched."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def test_the_scale_benchmark_runs_end_to_end_at_10000_rows() -> None:
     """``./scripts/bench scale`` with :data:`SMALL_RUN`, as CI's check that the benchmark
     still works (what it times is not asserted): every operation ran at both sizes (each
     asserts its own result), the listings printed what they should, the purge deleted the
     expired keys and the prune the old released rows while the probes kept working. On
     throwaway servers of its own, so nothing of this run's databases is touched."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env["PYTHONPATH"] = str(ROOT)
-    env.pop("DJANGO_SETTINGS_MODULE", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "scale", *SMALL_RUN],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    done = _bench("scale", *SMALL_RUN, timeout=600)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     for operation in MEASURED:
@@ -326,18 +332,7 @@ def test_an_unknown_benchmark_topic_is_refused_before_any_server_starts() -> Non
     """``./scripts/bench lesae`` (a typo) ran nothing and exited 0 after starting throwaway
     servers: the caller read an empty run as a finished one. It now exits with argparse's
     usage error naming the topics there are, and starts nothing (no server log, no Django)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env["PYTHONPATH"] = str(ROOT)
-    env.pop("DJANGO_SETTINGS_MODULE", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "lease", "lesae"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _bench("lease", "lesae", timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "unknown topic 'lesae'" in done.stderr and "lease" in done.stderr, done.stderr
     assert done.stdout == ""  # nothing ran, not even the lease topic
