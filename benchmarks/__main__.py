@@ -22,6 +22,7 @@ import os
 import pkgutil
 import sys
 
+from benchmarks.arguments import at_least
 from benchmarks.common import Report
 from benchmarks.servers import DURABLE, django_on_servers
 
@@ -36,9 +37,11 @@ def buffer_cache() -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench")
     parser.add_argument("topics", nargs="*")
-    parser.add_argument("--rows", type=int, help="scale: lease rows (default 1,000,000)")
-    parser.add_argument("--keys", type=int, help="scale: idempotency keys (default 10 x rows)")
-    parser.add_argument("--rounds", type=int, help="scale: measured rounds (default 7)")
+    parser.add_argument("--rows", type=at_least(1), help="scale: lease rows (default 1,000,000)")
+    parser.add_argument(
+        "--keys", type=at_least(1), help="scale: idempotency keys (default 10 x rows)"
+    )
+    parser.add_argument("--rounds", type=at_least(1), help="scale: measured rounds (default 7)")
     parser.add_argument(
         "--durable", action="store_true", help="a throwaway PostgreSQL flushes its commits"
     )

@@ -35,10 +35,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.arguments import at_least, listed, positive_seconds
 from benchmarks.handoff_limits import PROCESSES, _queue_lock
 from devservers import PostgresServer
 
 _TICK = os.sysconf("SC_CLK_TCK")
+#: The contended loops this tool runs: the database backend, the queue-lock prototype
+#: (:mod:`benchmarks.handoff_limits`), django-pglock.
+KINDS = ("backend", "queue-lock", "pglock")
 
 
 def _switches(pid: int | str = "self") -> int:
@@ -311,9 +315,9 @@ def report(kind: str, got: dict[str, Any], seconds: float) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.contention_breakdown")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--kinds", default="backend,queue-lock,pglock")
+    parser.add_argument("--rounds", type=at_least(1), default=1)
+    parser.add_argument("--seconds", type=positive_seconds, default=3.0)
+    parser.add_argument("--kinds", type=listed(str, KINDS), default=",".join(KINDS))
     parser.add_argument(
         "--plain", action="store_true", help="no pg_stat_statements (its cost off the CPU figures)"
     )
@@ -347,7 +351,7 @@ def main(argv: list[str]) -> int:
         backends = {"default": {"ENGINE": "leases.backends.database"}}
         with override_settings(DEBUG=False, LEASES={"BACKENDS": backends}):
             for round_ in range(args.rounds):
-                for kind in args.kinds.split(","):
+                for kind in args.kinds:
                     print(f"\n--- round {round_}", end="")
                     report(kind, contended(kind, args.seconds, server, admin), args.seconds)
                     sys.stdout.flush()

@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.arguments import at_least, listed, positive_seconds
 from benchmarks.servers import DURABLE
 from devservers import PostgresServer
 
@@ -303,16 +304,17 @@ def handoff(kind: str, count: int = 40) -> float:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.handoff_limits")
     parser.add_argument("--fsync", action="store_true", help="a server that flushes its WAL")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=at_least(1), default=2)
+    parser.add_argument("--seconds", type=positive_seconds, default=3.0)
     parser.add_argument(
         "--processes",
+        type=listed(at_least(2)),
         default=str(PROCESSES),
         help="contending processes, comma-separated (2,4,8: with two, each grant is one bare "
         "hand-off; what each further process adds is what the waiters' own work costs it)",
     )
     args = parser.parse_args(argv)
-    counts = [int(count) for count in args.processes.split(",")]
+    counts: list[int] = args.processes
     sync, sync_p90 = fdatasync()
     print(f"8 kB write + fdatasync here: median {sync:.0f} us, p90 {sync_p90:.0f} us")
     settings = DURABLE if args.fsync else None

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks.arguments import at_least, positive_seconds
 from benchmarks.servers import django_on_servers
 from devservers import RedisServer
 
@@ -72,8 +73,8 @@ def _one(label: str, seconds: float) -> float:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.redis_isolated")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--seconds", type=positive_seconds, default=3.0)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child's contender
     args = parser.parse_args(argv)
     if args.one:

@@ -290,14 +290,17 @@ MEASURED = [
 ]
 
 
-def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``python -m benchmarks *args`` on throwaway servers of its own (the configured ones are
-    hidden from it), so nothing of this run's databases is touched."""
+def _bench(
+    *args: str, timeout: float, tool: str = "benchmarks"
+) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks *args`` (or another of the benchmark tools, ``tool``) on
+    throwaway servers of its own (the configured ones are hidden from it), so nothing of this
+    run's databases is touched."""
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env["PYTHONPATH"] = str(ROOT)
     env.pop("DJANGO_SETTINGS_MODULE", None)
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks", *args],
+        [sys.executable, "-m", tool, *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -336,3 +339,30 @@ def test_an_unknown_benchmark_topic_is_refused_before_any_server_starts() -> Non
     assert done.returncode == 2, done.stdout + done.stderr
     assert "unknown topic 'lesae'" in done.stderr and "lease" in done.stderr, done.stderr
     assert done.stdout == ""  # nothing ran, not even the lease topic
+
+
+@pytest.mark.parametrize(
+    ("tool", "args", "says"),
+    [
+        ("benchmarks.handoff_limits", ["--processes", "2,x"], "'x' is not a whole number"),
+        ("benchmarks.handoff_limits", ["--processes", "1"], "1 is less than 2"),
+        ("benchmarks.handoff_limits", ["--processes", "2,4,2"], "names something twice"),
+        ("benchmarks.handoff_limits", ["--rounds", "0"], "--rounds: 0 is less than 1"),
+        ("benchmarks.contention_breakdown", ["--kinds", "backend,foo"], "unknown 'foo'"),
+        ("benchmarks.contention_breakdown", ["--seconds", "-1"], "above zero"),
+        ("benchmarks.redis_isolated", ["--seconds", "inf"], "above zero"),
+        ("benchmarks.redis_isolated", ["--rounds", "-1"], "-1 is less than 1"),
+        ("benchmarks", ["scale", "--rows", "0"], "--rows: 0 is less than 1"),
+    ],
+)
+def test_the_benchmark_tools_refuse_bad_counts_before_anything_starts(
+    tool: str, args: list[str], says: str
+) -> None:
+    """A careless run of a benchmark tool: ``--processes 2,x`` ended in a traceback,
+    ``--processes 0`` in one after the server had started, ``--kinds foo`` ran the prototype
+    under that name and ``--seconds -1`` printed a table of zeros, each exiting 0. Now each
+    is argparse's usage error (exit 2) saying what is wrong, and nothing ran."""
+    done = _bench(*args, timeout=60, tool=tool)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert says in done.stderr, done.stderr
+    assert done.stdout == ""  # nothing measured, no server started
