@@ -97,7 +97,7 @@ def _grant(
         return grant
     if timeout == 0:
         raise LeaseUnavailable(name, timeout)
-    backoff = Backoff(deadline=deadline)
+    backoff = Backoff(deadline=deadline, floor=store.wait_at_least)
     waiting_since = SYSTEM_CLOCK.monotonic()
     attributes = {"leases.name": name, "leases.backend": store.alias}
     room = contextlib.nullcontext() if shared else store.waiting_room(name, timeout)

@@ -127,7 +127,7 @@ async def _await_grant(
     :data:`~leases.acquiring.STOP_READERS_EVERY` seconds)."""
     if timeout == 0:
         raise LeaseUnavailable(name, timeout)
-    backoff = Backoff(deadline=deadline)
+    backoff = Backoff(deadline=deadline, floor=store.wait_at_least)
     writer = not shared and Capability.SHARED_LEASES in store.capabilities
     waiting_since = stop_readers_at = SYSTEM_CLOCK.monotonic()
     attributes = {"leases.name": name, "leases.backend": store.alias}

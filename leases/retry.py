@@ -68,10 +68,13 @@ class Backoff:
     """Successive delays for one waiter, never past ``deadline`` (a ``clock`` time, or None).
 
     ``next_delay()`` returns ``None`` once the deadline has passed: the caller gives up.
+    ``floor`` is the shortest delay there is (but the time left): for a waiter woken by the
+    release, whose waits are not polls (see ``LeaseBackend.wait_at_least``).
     """
 
     base: float = 0.005
     cap: float = 0.25
+    floor: float = 0.0
     deadline: float | None = None
     clock: Clock = field(default=SYSTEM_CLOCK)
     #: ``None``: the ``random`` module's generator (reseeded in forked children, so processes
@@ -86,11 +89,12 @@ class Backoff:
         return max(0.0, self.deadline - self.clock.monotonic())
 
     def next_delay(self) -> float | None:
-        """The next jittered delay, clipped to the time left; ``None`` when none is left."""
+        """The next jittered delay (``floor`` at least), clipped to the time left; ``None``
+        when none is left."""
         left = self.remaining()
         if left is not None and left <= 0:
             return None
         ceiling = min(self.cap, self.base * 2 ** min(self.attempt, 32))
         self.attempt += 1
-        delay = (self.rng or random).uniform(0.0, ceiling)
+        delay = max(self.floor, (self.rng or random).uniform(0.0, ceiling))
         return delay if left is None else min(delay, left)

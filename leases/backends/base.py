@@ -198,6 +198,11 @@ class LeaseBackend(abc.ABC):
     """
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    #: The shortest wait for a release between two tries of one acquire (never past its
+    #: deadline). Zero: the backoff's jittered delays, short at first, as a poll needs. A
+    #: store whose wait the release ends, and whose wait cut short by its own timeout costs
+    #: more than the wait (a reconnection, a wake-up lost with it), waits this long instead.
+    wait_at_least: ClassVar[float] = 0.0
     #: The options of ``LEASES["BACKENDS"][alias]`` (besides ``ENGINE``) this backend reads;
     #: any other is a mistake (a misspelt option would otherwise be silently ignored).
     known_options: ClassVar[frozenset[str]] = frozenset()

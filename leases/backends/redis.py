@@ -54,6 +54,7 @@ from ._counter import DurableCounter
 from ._redis_async import AsyncRedis
 from ._redis_conn import Connections, Script, run_on_cluster, run_script, server_run
 from ._redis_io import (
+    BLPOP_WAIT,
     POOL,
     Edge,
     blpop,
@@ -148,6 +149,7 @@ class Backend(LeaseBackend):
             Capability.SHARED_LEASES,
         }
     )
+    wait_at_least = BLPOP_WAIT
 
     known_options = frozenset(
         {"CACHE", "URL", "CLUSTER", "PREFIX", "EPOCH_DATABASE", "SOCKET_TIMEOUT", "TRUST_SERVER_ID"}

@@ -63,6 +63,7 @@ from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._counter import DurableCounter
 from ._redis_conn import Script, pack
 from ._redis_io import (
+    BLPOP_WAIT,
     Edge,
     blpop_command,
     cache_problems,
@@ -159,6 +160,7 @@ class Backend(LeaseBackend):
     #: Waiters block in ``BLPOP`` on one node; only when that node is down do they sleep out
     #: the wait (bounded by the Lease layer's backoff) instead of being woken.
     capabilities = frozenset({Capability.WAIT_WITHOUT_POLLING, Capability.FORCE_RELEASE})
+    wait_at_least = BLPOP_WAIT
 
     known_options = frozenset({"NODES", "NODE_TIMEOUT", "PREFIX", "TOKEN_SOURCE", "TOKEN_DATABASE"})
 
