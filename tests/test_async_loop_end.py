@@ -82,7 +82,7 @@ def test_a_loop_ended_without_aclose_ends_its_database_sessions() -> None:
         held = await aacquire(name, ttl=30, keepalive=False, holder="holder")
         waiter = asyncio.create_task(take())
         room = backend._aroom.get()
-        await until(lambda: room._in_use > 0, "the waiter in the name's room")
+        await until(lambda: room._visits[name] > 0, "the waiter in the name's room")
         await held.arelease()
         await waiter
         assert room._idle, "the waiter's room connection is kept idle"

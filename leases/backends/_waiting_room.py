@@ -36,13 +36,15 @@ without a room, so it still gives up by its deadline.
 Best effort throughout: queueing lasts at most :data:`ROOM_TIMEOUT` at a time (a paused waiter
 inside must not hold the queue back for longer: the waiter retries, which succeeds once the
 name has been free for :data:`ROOM_GRACE`, then queues again at the back), the connections per
-process are capped, and any failure just means waiting without a room. Safety never depends on
+process are capped (waiters past the cap wait in line for one, in arrival order: see
+:mod:`._room_slots`), and any failure just means waiting without a room. Safety never depends on
 it: the acquire statement alone decides who holds the name.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import logging
@@ -67,6 +69,7 @@ from ._pgconn import close_quietly, connect, inherit, stale, track
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
 from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_pooled
 from ._pgprepared import Prepared, arun_prepared, run_prepared
+from ._room_slots import RoomSlots, Ticket
 from ._tenure import (
     PINS,
     PREPARED_QUEUE,
@@ -124,9 +127,14 @@ ROOM_TIMEOUT = 1.0
 #: How long after a release the waiters in the room have the name to themselves: callers
 #: outside the room take a name that has been free for longer (the waiter inside is paused).
 ROOM_GRACE = timedelta(milliseconds=100)
-#: Room connections a process may have open (in use or idle) per backend.
+#: Room connections a process may have in use at once per backend (waiters inside rooms);
+#: more waiters wait in line for them (:mod:`._room_slots`).
 ROOM_CONNECTIONS = 8
-_IDLE_ROOM_CONNECTIONS = 4
+#: Idle room connections a process keeps per backend: as many as may be in use. With more
+#: waiters than connections, the next in line goes in as a visit ends in a grant (whose
+#: connection it keeps until its release), and the release then gives that one back: keeping
+#: four at most, one connection in ten grants was closed and made again (16 threads).
+_IDLE_ROOM_CONNECTIONS = ROOM_CONNECTIONS
 
 
 def room_key(name: str) -> int:
@@ -212,6 +220,39 @@ _SyncVisit = _Visit[psycopg.Connection[Any]]
 _AsyncVisit = _Visit[psycopg.AsyncConnection[Any]]
 
 
+def _in_line_for(stay: _Stay[Any], timeout: float) -> float:
+    """How long a waiter in line waits for a room connection: as long as one inside the room
+    waits for a release (:data:`ROOM_TIMEOUT` within its deadline), or ``timeout`` if longer."""
+    left = ROOM_TIMEOUT if stay.deadline is None else stay.deadline - time.monotonic()
+    return max(timeout, min(left, ROOM_TIMEOUT))
+
+
+@dataclass
+class _Stay(Generic[_Conn]):
+    """One waiter's time in :meth:`WaitingRoom.enter` (or the async one's): its claim on a
+    room connection and, once it has one, its visit. A waiter that found none free goes in
+    later, at its first try (or wait) after one was handed to it (see :mod:`._room_slots`)."""
+
+    name: str
+    #: When the caller gives up (monotonic), ``None`` for never.
+    deadline: float | None
+    ticket: Ticket
+    #: The visit the waiter is on (``None`` again once its session is gone).
+    visit: _Visit[_Conn] | None = None
+    #: The visit the waiter went in on: left when the waiter leaves, gone or not.
+    entered: _Visit[_Conn] | None = None
+    #: Counted among the room's visits (the async room: its visit may close before it leaves).
+    counted: bool = False
+
+    def due(self, name: str) -> float | None:
+        """Seconds left to the deadline (``math.inf``: none) if a connection was handed to
+        this waiter and it has not gone in with it yet; else ``None``."""
+        if name != self.name or not self.ticket.granted or self.ticket.used:
+            return None
+        left = math.inf if self.deadline is None else self.deadline - time.monotonic()
+        return left if left > 0 else None
+
+
 def _execute(
     conn: psycopg.Connection[Any],
     statement: Any,
@@ -256,7 +297,9 @@ class WaitingRoom:
         self._idle: list[psycopg.Connection[Any]] = []
         #: Idle connections whose last statement's reply is still to be read (:func:`_send`).
         self._unsettled: set[psycopg.Connection[Any]] = set()
-        self._slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
+        self._slots = RoomSlots(ROOM_CONNECTIONS)
+        #: How many of this process's waiters went into each name's room and are still there.
+        self._visits: collections.Counter[str] = collections.Counter()
         #: Whether a connection was asked if a pooler is in the way (:meth:`probed_on`).
         self.probed = False
         #: The connections grants won here keep (:mod:`~._tenure`), at most :data:`PINS`.
@@ -270,22 +313,67 @@ class WaitingRoom:
 
         Each waiter in the room holds a connection of its own, since its session sleeps in the
         lock queue; at most :data:`ROOM_CONNECTIONS` per process, so many waiting threads
-        cannot exhaust the server's connections (the rest wait without a room).
+        cannot exhaust the server's connections. The rest wait without a room, in line for
+        the next connection given back, and go in with it at their next try (see
+        :mod:`._room_slots`).
         """
-        if not self.enabled or not self._slots.acquire(blocking=False):
+        if not self.enabled:
             yield
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stay: _Stay[psycopg.Connection[Any]] = _Stay(name, deadline, self._slots.ask())
+        self._local.stay = stay
         try:
-            visit = self._enter(name, timeout)
-            self._local.visit = visit
-            try:
-                yield
-            finally:
-                self._local.visit = None
-                if visit is not None:
-                    self._leave(visit)
+            if stay.ticket.granted:
+                self._go_in(stay, timeout)
+            yield
         finally:
-            self._slots.release()
+            self._local.stay = None
+            try:
+                if stay.entered is not None:
+                    with self._lock:
+                        self._visits[name] -= 1
+                    self._leave(stay.entered)
+            finally:
+                self._slots.done(stay.ticket)
+
+    def _go_in(self, stay: _Stay[psycopg.Connection[Any]], timeout: float | None) -> None:
+        """Enter the room with the connection ``stay`` holds (once: a failed entry waits
+        without a room, as before)."""
+        stay.ticket.used = True
+        stay.visit = stay.entered = self._enter(stay.name, timeout)
+        if stay.entered is not None:
+            with self._lock:
+                self._visits[stay.name] += 1
+
+    def _wait_in_line(self, name: str, timeout: float) -> bool | None:
+        """A waiter without a room: ``True`` when a room connection was handed to it (its
+        next try goes in), ``None`` to wait for the release without a room. While waiters of
+        this process fill the name's room, a waiter in line waits for its connection instead
+        (``False`` if none came): its try outside would be refused, and every visit that
+        ends hands a connection on. As long as a waiter inside would wait, whatever shorter
+        ``timeout`` its backoff asked for (:meth:`wait`)."""
+        stay = self._stay()
+        if stay is None or stay.ticket.used:
+            return None
+        if stay.due(name) is not None:
+            return True
+        with self._lock:
+            busy = self._visits[name] > 0
+        if not busy or stay.name != name:
+            return None
+        handed = threading.Event()
+        stay.ticket.wake = handed.set
+        try:
+            if not stay.ticket.granted:
+                handed.wait(_in_line_for(stay, timeout))
+        finally:
+            stay.ticket.wake = None
+        return stay.due(name) is not None
+
+    def _stay(self) -> _Stay[psycopg.Connection[Any]] | None:
+        stay: _Stay[psycopg.Connection[Any]] | None = getattr(self._local, "stay", None)
+        return stay
 
     def probed_on(self, conn: psycopg.Connection[Any], pid: int) -> bool:
         """Record what a statement on ``conn`` that ran on server process ``pid`` says: behind
@@ -308,7 +396,7 @@ class WaitingRoom:
         """
         visit = self._visit(name)
         if visit is None:
-            return None
+            return self._wait_in_line(name, timeout)
         try:
             if visit.queue or visit.try_now or not visit.inside:
                 return True  # the try queues itself, or is due at once
@@ -318,7 +406,7 @@ class WaitingRoom:
                 if note.payload == name:
                     return True
         except psycopg.Error:
-            self._local.visit = None  # the session is gone (and its room lock with it)
+            self._forget_visit()  # the session is gone (and its room lock with it)
             visit.inside = False
         return False
 
@@ -337,7 +425,14 @@ class WaitingRoom:
         """
         visit = self._visit(name)
         if visit is None:
-            return None
+            stay = self._stay()
+            left = None if stay is None else stay.due(name)
+            if stay is None or left is None:
+                return None
+            self._go_in(stay, None if left == math.inf else left)
+            visit = self._visit(name)
+            if visit is None:
+                return None
         try_now, visit.try_now = visit.try_now, False
         if try_now and not visit.inside:
             return None  # queued out of the room: try outside it (the one inside may be stuck)
@@ -397,7 +492,7 @@ class WaitingRoom:
             logger.debug("leases: retrying outside the room of %r: %s", visit.name, exc)
             if conn.broken or conn.closed:
                 visit.inside = False  # the session is gone, and its room lock with it
-                self._local.visit = None
+                self._forget_visit()
             elif queue:
                 self._queued_out(visit)  # whether the room's lock was taken before the failure
             return None
@@ -442,7 +537,7 @@ class WaitingRoom:
             logger.debug("leases: waiting without a room for %r: %s", visit.name, exc)
             close_quietly(visit.conn)  # its session's room lock goes with it
             visit.inside = False
-            self._local.visit = None
+            self._forget_visit()
             return
         visit.listening = True
         visit.entered(row)
@@ -461,7 +556,7 @@ class WaitingRoom:
         except psycopg.Error:
             close_quietly(visit.conn)  # the session's locks, the room's too, go with it
             visit.inside = False
-            self._local.visit = None
+            self._forget_visit()
             return []
         visit.inside = bool(row and row[1])
         return []
@@ -524,8 +619,15 @@ class WaitingRoom:
         return visit.shared if visit is not None else None
 
     def _visit(self, name: str) -> _SyncVisit | None:
-        visit: _SyncVisit | None = getattr(self._local, "visit", None)
+        stay = self._stay()
+        visit = None if stay is None else stay.visit
         return visit if visit is not None and visit.name == name else None
+
+    def _forget_visit(self) -> None:
+        """The visit's session is gone (and its room lock with it): wait without a room."""
+        stay = self._stay()
+        if stay is not None:
+            stay.visit = None
 
     def _enter(self, name: str, timeout: float | None) -> _SyncVisit | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -638,8 +740,10 @@ class WaitingRoom:
 
     def forget_after_fork(self) -> None:
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(ROOM_CONNECTIONS)
-        visit: _SyncVisit | None = getattr(self._local, "visit", None)
+        self._slots = RoomSlots(ROOM_CONNECTIONS)
+        self._visits = collections.Counter()
+        stay = self._stay()
+        visit = None if stay is None else stay.visit
         inherit(*self._idle, visit.conn if visit is not None else None)
         inherit(*(pin.conn for pin in self._pins))  # never used here: their pid is the parent's
         self._idle = []
@@ -723,7 +827,7 @@ class AsyncWaitingRoom:
     The same queue (the server's lock queue on the same room lock, so sync and async waiters
     of a name queue together), the same statements, the same reply deadlines, awaited on
     psycopg's ``AsyncConnection``: a waiting task holds a connection of its own (at most
-    :data:`ROOM_CONNECTIONS` per loop; the rest wait without a room) but never blocks the loop.
+    :data:`ROOM_CONNECTIONS` per loop; the rest wait in line for one) but never blocks the loop.
     A task cancelled in the room drops its connection (it may be mid-protocol), which ends
     the session and its room lock with it.
     """
@@ -750,48 +854,94 @@ class AsyncWaitingRoom:
             weakref.WeakKeyDictionary()
         )
         self._idle: list[psycopg.AsyncConnection[Any]] = []
-        self._in_use = 0
-        #: The current task's visit; a context variable, so the tasks a waiter starts for
+        self._slots = RoomSlots(ROOM_CONNECTIONS)
+        #: How many of this loop's waiters went into each name's room and are still there.
+        self._visits: collections.Counter[str] = collections.Counter()
+        #: The current task's stay; a context variable, so the tasks a waiter starts for
         #: its tries (``aacquire`` shields each in a task of its own) see it too.
-        self._current: contextvars.ContextVar[_AsyncVisit | None] = contextvars.ContextVar(
-            f"leases_room_{id(self)}", default=None
+        self._current: contextvars.ContextVar[_Stay[psycopg.AsyncConnection[Any]] | None] = (
+            contextvars.ContextVar(f"leases_room_{id(self)}", default=None)
         )
 
     @contextlib.asynccontextmanager
     async def enter(self, name: str, timeout: float | None) -> AsyncIterator[None]:
-        """Queue on the name's room lock, then wait inside it (see :meth:`WaitingRoom.enter`)."""
-        if not self.enabled or self._in_use >= ROOM_CONNECTIONS:
+        """Queue on the name's room lock, then wait inside it (see :meth:`WaitingRoom.enter`:
+        past :data:`ROOM_CONNECTIONS` in use on this loop, in line for the next one given
+        back, going in at the first wait after one is handed over)."""
+        if not self.enabled:
             yield
             return
-        self._in_use += 1
-        visit = None
-        current = self._current.set(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stay: _Stay[psycopg.AsyncConnection[Any]] = _Stay(name, deadline, self._slots.ask())
+        current = self._current.set(stay)
         try:
-            visit = await self._enter(name, timeout)
-            self._current.set(visit)
+            if stay.ticket.granted:
+                await self._go_in(stay, timeout)
             yield
         except BaseException:
-            if visit is not None:  # maybe mid-protocol: never reuse it
-                await _aclose_quietly(visit.conn)
-                visit = None
+            if stay.entered is not None:  # maybe mid-protocol: never reuse it
+                await _aclose_quietly(stay.entered.conn)
+                stay.entered = None
             raise
         finally:
             self._current.reset(current)
-            self._in_use -= 1
+            self._slots.done(stay.ticket)
+            if stay.counted:
+                self._visits[name] -= 1
+            visit = stay.entered
             if visit is not None and not visit.conn.closed:
                 await self._leave(visit)
 
+    async def _go_in(
+        self, stay: _Stay[psycopg.AsyncConnection[Any]], timeout: float | None
+    ) -> None:
+        """Enter the room with the connection ``stay`` holds (once)."""
+        stay.ticket.used = True
+        stay.entered = await self._enter(stay.name, timeout)
+        if stay.entered is not None:
+            stay.counted = True
+            self._visits[stay.name] += 1
+
+    async def _wait_in_line(self, name: str, timeout: float) -> bool | None:
+        """:meth:`WaitingRoom._wait_in_line`, awaited; going in here once handed a
+        connection (``None``: wait for the release without a room)."""
+        stay = self._current.get()
+        if stay is None or stay.ticket.used or stay.name != name:
+            return None
+        if stay.due(name) is None and self._visits[name] > 0:
+            handed = asyncio.Event()
+            stay.ticket.wake = handed.set
+            try:
+                if not stay.ticket.granted:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(_in_line_for(stay, timeout)):
+                            await handed.wait()
+            finally:
+                stay.ticket.wake = None
+            if stay.due(name) is None:
+                return False
+        left = stay.due(name)
+        if left is None:
+            return None
+        await self._go_in(stay, None if left == math.inf else left)
+        return True if self._visit(name) is not None else None
+
     def _visit(self, name: str) -> _AsyncVisit | None:
-        visit = self._current.get()
+        stay = self._current.get()
+        visit = None if stay is None else stay.entered
         if visit is None or visit.name != name or visit.conn.closed:
             return None
         return visit
 
     async def wait(self, name: str, timeout: float) -> bool | None:
-        """:meth:`WaitingRoom.wait`, awaited: woken by the release's ``NOTIFY``."""
+        """:meth:`WaitingRoom.wait`, awaited: woken by the release's ``NOTIFY``. A waiter
+        handed a room connection while it waited without one goes in here."""
         visit = self._visit(name)
         if visit is None:
-            return None
+            waited = await self._wait_in_line(name, timeout)
+            visit = self._visit(name)
+            if waited is not True or visit is None:
+                return waited
         try:
             if not visit.inside:
                 await self._lock_room(visit)

@@ -1,0 +1,125 @@
+"""More waiters in one process than it has room connections (``ROOM_CONNECTIONS``).
+
+Each waiter inside a name's waiting room holds a connection of its own, at most
+``ROOM_CONNECTIONS`` per process and backend; the others wait without a room. A caller outside
+the room does not overtake those inside it, so while the room stayed busy, a waiter that found
+no connection free when its acquire began waited, without one, until the room emptied: with
+sixteen threads on one name, eight took about 800 grants each in 5 s and eight took none. A
+waiter that finds none free now asks for the next one that is given back, in arrival order,
+and goes into the room with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import uuid
+from collections.abc import Callable
+
+import pytest
+from django.db import connections
+
+from leases import aacquire, acquire
+from leases.backends._room_slots import RoomSlots
+from leases.backends._waiting_room import ROOM_CONNECTIONS
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+#: Waiters past the process's room connections.
+BEYOND = 4
+#: Grants each waiter must get while all the others keep contending.
+EACH = 10
+#: Bound on the whole run (the old code starved the waiters past the cap for all of it).
+WITHIN = 60.0
+
+
+def served(cycle: Callable[[int, threading.Event], None], waiters: int) -> list[int]:
+    """Run ``cycle(i, done)`` in ``waiters`` threads until each got :data:`EACH` grants (or
+    :data:`WITHIN` passed); the grants each got."""
+    counts = [0] * waiters
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            while not done.is_set():
+                cycle(index, done)
+                counts[index] += 1
+                if min(counts) >= EACH:
+                    done.set()
+        except BaseException as exc:
+            failures.append(exc)
+            done.set()
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(waiters)]
+    for thread in threads:
+        thread.start()
+    done.wait(WITHIN)
+    done.set()
+    for thread in threads:
+        thread.join(WITHIN)
+    assert not failures, failures
+    return counts
+
+
+def unique() -> str:
+    return f"slots-{uuid.uuid4().hex[:12]}"
+
+
+def test_threads_past_the_room_connections_are_served_in_turn() -> None:
+    name = unique()
+
+    def cycle(index: int, done: threading.Event) -> None:
+        acquire(name, ttl=30, keepalive=False, timeout=WITHIN).release()
+
+    counts = served(cycle, ROOM_CONNECTIONS + BEYOND)
+    assert min(counts) >= EACH, counts
+
+
+def test_tasks_past_the_room_connections_are_served_in_turn() -> None:
+    """The same for tasks of one event loop, whose rooms have the same cap."""
+    name = unique()
+    waiters = ROOM_CONNECTIONS + BEYOND
+    counts = [0] * waiters
+
+    async def run(index: int, done: asyncio.Event) -> None:
+        while not done.is_set():
+            lease = await aacquire(name, ttl=30, keepalive=False, timeout=WITHIN)
+            await lease.arelease()
+            counts[index] += 1
+            if min(counts) >= EACH:
+                done.set()
+
+    async def main() -> None:
+        done = asyncio.Event()
+        tasks = [asyncio.ensure_future(run(i, done)) for i in range(waiters)]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), WITHIN)
+        done.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), WITHIN)
+
+    asyncio.run(main())
+    assert min(counts) >= EACH, counts
+
+
+def test_a_connection_given_back_goes_to_the_oldest_in_line_not_to_whoever_asks() -> None:
+    """The line's order (no server needed): with one connection, the second and third askers
+    wait in line; the first one's connection goes to the second, and a fourth asking just then
+    queues behind the third instead of taking it (the thread just granted the name, back for
+    its next turn, was that fourth)."""
+    slots = RoomSlots(1)
+    first, second, third = slots.ask(), slots.ask(), slots.ask()
+    woken: list[str] = []
+    second.wake = lambda: woken.append("second")
+    assert (first.granted, second.granted, third.granted) == (True, False, False)
+    slots.done(first)
+    fourth = slots.ask()
+    assert second.granted and not third.granted and not fourth.granted and woken == ["second"]
+    slots.done(third)  # gave up while in line: leaves it
+    slots.done(second)
+    assert fourth.granted
+    slots.done(fourth)
+    assert slots.ask().granted  # nobody in line: free for whoever asks
