@@ -400,7 +400,7 @@ BLPOP_SLACK = 0.25
 #: any wake-up the server hands to it as it closes. The backoff's first delays (a few
 #: milliseconds) made every waiter of a busy name run out and reconnect again and again:
 #: with 32 threads on one name, 1.6 new connections and 28 commands per grant, 330-400
-#: grants/s; waiting this long, none and 19, 1,500-1,600 grants/s. A lost wake-up or a holder
+#: grants/s; waiting this long, none and 19, 1,300-1,700 grants/s. A lost wake-up or a holder
 #: gone without its release costs a waiter at most this long, as the backoff's cap (the
 #: same 0.25 s) did before.
 BLPOP_WAIT = 0.25
