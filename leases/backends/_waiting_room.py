@@ -241,16 +241,17 @@ class _Stay(Generic[_Conn]):
     visit: _Visit[_Conn] | None = None
     #: The visit the waiter went in on: left when the waiter leaves, gone or not.
     entered: _Visit[_Conn] | None = None
-    #: Counted among the room's visits (the async room: its visit may close before it leaves).
-    counted: bool = False
 
-    def due(self, name: str) -> float | None:
-        """Seconds left to the deadline (``math.inf``: none) if a connection was handed to
-        this waiter and it has not gone in with it yet; else ``None``."""
+    def due(self, name: str) -> bool:
+        """A connection was handed to this waiter of ``name``, which has not gone in with it
+        yet and has time left to."""
         if name != self.name or not self.ticket.granted or self.ticket.used:
-            return None
-        left = math.inf if self.deadline is None else self.deadline - time.monotonic()
-        return left if left > 0 else None
+            return False
+        return self.deadline is None or self.deadline > time.monotonic()
+
+    def left(self) -> float | None:
+        """Seconds to the deadline (``None``: none), as a timeout for the entry."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
 
 def _execute(
@@ -325,7 +326,7 @@ class WaitingRoom:
         self._local.stay = stay
         try:
             if stay.ticket.granted:
-                self._go_in(stay, timeout)
+                self._go_in(stay)
             yield
         finally:
             self._local.stay = None
@@ -337,11 +338,11 @@ class WaitingRoom:
             finally:
                 self._slots.done(stay.ticket)
 
-    def _go_in(self, stay: _Stay[psycopg.Connection[Any]], timeout: float | None) -> None:
+    def _go_in(self, stay: _Stay[psycopg.Connection[Any]]) -> None:
         """Enter the room with the connection ``stay`` holds (once: a failed entry waits
         without a room, as before)."""
         stay.ticket.used = True
-        stay.visit = stay.entered = self._enter(stay.name, timeout)
+        stay.visit = stay.entered = self._enter(stay.name, stay.left())
         if stay.entered is not None:
             with self._lock:
                 self._visits[stay.name] += 1
@@ -354,13 +355,13 @@ class WaitingRoom:
         ends hands a connection on. As long as a waiter inside would wait, whatever shorter
         ``timeout`` its backoff asked for (:meth:`wait`)."""
         stay = self._stay()
-        if stay is None or stay.ticket.used:
+        if stay is None or stay.ticket.used or stay.name != name:
             return None
-        if stay.due(name) is not None:
+        if stay.due(name):
             return True
         with self._lock:
             busy = self._visits[name] > 0
-        if not busy or stay.name != name:
+        if not busy:
             return None
         handed = threading.Event()
         stay.ticket.wake = handed.set
@@ -369,7 +370,7 @@ class WaitingRoom:
                 handed.wait(_in_line_for(stay, timeout))
         finally:
             stay.ticket.wake = None
-        return stay.due(name) is not None
+        return stay.due(name)
 
     def _stay(self) -> _Stay[psycopg.Connection[Any]] | None:
         stay: _Stay[psycopg.Connection[Any]] | None = getattr(self._local, "stay", None)
@@ -426,10 +427,9 @@ class WaitingRoom:
         visit = self._visit(name)
         if visit is None:
             stay = self._stay()
-            left = None if stay is None else stay.due(name)
-            if stay is None or left is None:
+            if stay is None or not stay.due(name):
                 return None
-            self._go_in(stay, None if left == math.inf else left)
+            self._go_in(stay)
             visit = self._visit(name)
             if visit is None:
                 return None
@@ -876,30 +876,26 @@ class AsyncWaitingRoom:
         current = self._current.set(stay)
         try:
             if stay.ticket.granted:
-                await self._go_in(stay, timeout)
+                await self._go_in(stay)
             yield
         except BaseException:
-            if stay.entered is not None:  # maybe mid-protocol: never reuse it
+            if stay.entered is not None:  # maybe mid-protocol: never reuse it (left closed)
                 await _aclose_quietly(stay.entered.conn)
-                stay.entered = None
             raise
         finally:
             self._current.reset(current)
             self._slots.done(stay.ticket)
-            if stay.counted:
-                self._visits[name] -= 1
             visit = stay.entered
-            if visit is not None and not visit.conn.closed:
-                await self._leave(visit)
+            if visit is not None:
+                self._visits[name] -= 1
+                if not visit.conn.closed:
+                    await self._leave(visit)
 
-    async def _go_in(
-        self, stay: _Stay[psycopg.AsyncConnection[Any]], timeout: float | None
-    ) -> None:
+    async def _go_in(self, stay: _Stay[psycopg.AsyncConnection[Any]]) -> None:
         """Enter the room with the connection ``stay`` holds (once)."""
         stay.ticket.used = True
-        stay.entered = await self._enter(stay.name, timeout)
+        stay.entered = await self._enter(stay.name, stay.left())
         if stay.entered is not None:
-            stay.counted = True
             self._visits[stay.name] += 1
 
     async def _wait_in_line(self, name: str, timeout: float) -> bool | None:
@@ -908,7 +904,7 @@ class AsyncWaitingRoom:
         stay = self._current.get()
         if stay is None or stay.ticket.used or stay.name != name:
             return None
-        if stay.due(name) is None and self._visits[name] > 0:
+        if not stay.due(name) and self._visits[name] > 0:
             handed = asyncio.Event()
             stay.ticket.wake = handed.set
             try:
@@ -918,12 +914,11 @@ class AsyncWaitingRoom:
                             await handed.wait()
             finally:
                 stay.ticket.wake = None
-            if stay.due(name) is None:
+            if not stay.due(name):
                 return False
-        left = stay.due(name)
-        if left is None:
+        if not stay.due(name):
             return None
-        await self._go_in(stay, None if left == math.inf else left)
+        await self._go_in(stay)
         return True if self._visit(name) is not None else None
 
     def _visit(self, name: str) -> _AsyncVisit | None:
