@@ -16,13 +16,16 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from django.db import connections
 
 from leases import aacquire, acquire
+from leases.backends import get_backend
 from leases.backends._room_slots import RoomSlots
 from leases.backends._waiting_room import ROOM_CONNECTIONS
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -123,3 +126,32 @@ def test_a_connection_given_back_goes_to_the_oldest_in_line_not_to_whoever_asks(
     assert fourth.granted
     slots.done(fourth)
     assert slots.ask().granted  # nobody in line: free for whoever asks
+
+
+def test_a_room_forgets_a_name_once_its_waiters_left() -> None:
+    """The rooms count their visits per name (a waiter in line waits for a connection while
+    its process's visits fill the name's room); a name whose waiters all left is dropped,
+    not kept at zero: a process that waits on ever new names must not grow with them."""
+    backend: Any = get_backend("default")
+    name = unique()
+    held = acquire(name, ttl=30, keepalive=False, holder="first")
+    waiter = threading.Thread(
+        target=lambda: acquire(name, ttl=30, keepalive=False, timeout=WITHIN).release()
+    )
+    waiter.start()
+    wait_until(lambda: backend._room._visits.get(name), 10, "the waiter in the room")
+    held.release()
+    waiter.join(WITHIN)
+
+    async def waited_async() -> set[str]:
+        first = await aacquire(name, ttl=30, keepalive=False)
+        other = asyncio.ensure_future(aacquire(name, ttl=30, keepalive=False, timeout=WITHIN))
+        room = backend._aroom.get()
+        while not room._visits.get(name):
+            await asyncio.sleep(0.01)
+        await first.arelease()
+        await (await other).arelease()
+        return set(room._visits)
+
+    assert name not in asyncio.run(waited_async())
+    assert name not in backend._room._visits

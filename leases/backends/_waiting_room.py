@@ -220,6 +220,14 @@ _SyncVisit = _Visit[psycopg.Connection[Any]]
 _AsyncVisit = _Visit[psycopg.AsyncConnection[Any]]
 
 
+def _left(visits: collections.Counter[str], name: str) -> None:
+    """A visit to ``name``'s room ended: counted down, and the name dropped at none (a process
+    waiting on ever new names must not keep one entry for each)."""
+    visits[name] -= 1
+    if visits[name] <= 0:
+        del visits[name]
+
+
 def _in_line_for(stay: _Stay[Any], timeout: float) -> float:
     """How long a waiter in line waits for a room connection: as long as one inside the room
     waits for a release (:data:`ROOM_TIMEOUT` within its deadline), or ``timeout`` if longer."""
@@ -333,7 +341,7 @@ class WaitingRoom:
             try:
                 if stay.entered is not None:
                     with self._lock:
-                        self._visits[name] -= 1
+                        _left(self._visits, name)
                     self._leave(stay.entered)
             finally:
                 self._slots.done(stay.ticket)
@@ -887,7 +895,7 @@ class AsyncWaitingRoom:
             self._slots.done(stay.ticket)
             visit = stay.entered
             if visit is not None:
-                self._visits[name] -= 1
+                _left(self._visits, name)
                 if not visit.conn.closed:
                     await self._leave(visit)
 
