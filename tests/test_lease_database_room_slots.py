@@ -24,7 +24,7 @@ from django.db import connections
 from leases import aacquire, acquire
 from leases.backends import get_backend
 from leases.backends._room_slots import RoomSlots
-from leases.backends._waiting_room import ROOM_CONNECTIONS
+from leases.backends._waiting_room import ROOM_CONNECTIONS, AsyncWaitingRoom
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -155,3 +155,123 @@ def test_a_room_forgets_a_name_once_its_waiters_left() -> None:
 
     assert name not in asyncio.run(waited_async())
     assert name not in backend._room._visits
+
+
+#: Waiters in line behind a full room, in the two tests below.
+IN_LINE = 2
+
+
+def _in_line(stay: Any) -> bool:
+    return stay is not None and not stay.ticket.granted
+
+
+def test_a_thread_in_line_sends_no_try_outside_while_its_process_fills_the_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiter in line for a room connection, while this process's waiters fill the name's
+    room, sends no try on the backend's own connection: it would be refused (a caller outside
+    does not overtake those inside). It sent one per turn (each ``ROOM_TIMEOUT``, and after
+    every grant it came back for), on the one connection every thread of the process shares:
+    0.9 per grant with 32 threads, 989 grants/s against 1,572 without. Nor does it stop new
+    readers (those inside do, as they find readers): it did, on the same connection. The name
+    stays held until each waiter in line has waited for its connection twice, so each made
+    its try between those waits."""
+    backend: Any = get_backend("default")
+    room = backend._room
+    name = unique()
+    tried_in_line: list[str] = []
+    waits: dict[str, int] = {}
+    real_try, real_run, real_wait = backend._try_own, backend._run, room._wait_in_line
+
+    def try_own(params: dict[str, Any], sent_at: float) -> Any:
+        if params["name"] == name and _in_line(room._stay()):
+            tried_in_line.append("try")
+        return real_try(params, sent_at)
+
+    def run(statement: Any, params: Any, timeout: float | None = None) -> Any:
+        if params.get("name") == name and _in_line(room._stay()):
+            tried_in_line.append(getattr(statement, "name", statement)[:40])
+        return real_run(statement, params, timeout)
+
+    def wait_in_line(waited: str, timeout: float) -> bool | None:
+        if waited == name and _in_line(room._stay()):
+            me = threading.current_thread().name
+            waits[me] = waits.get(me, 0) + 1
+        return real_wait(waited, timeout)
+
+    monkeypatch.setattr(backend, "_try_own", try_own)
+    monkeypatch.setattr(backend, "_run", run)
+    monkeypatch.setattr(room, "_wait_in_line", wait_in_line)
+    held = acquire(name, ttl=30, keepalive=False, holder="holder")
+    granted: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda: granted.append(
+                acquire(name, ttl=30, keepalive=False, timeout=WITHIN).release() or 1
+            )
+        )
+        for _ in range(ROOM_CONNECTIONS + IN_LINE)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_until(
+            lambda: len([n for n in waits.values() if n >= 2]) >= IN_LINE,
+            WITHIN,
+            "each waiter in line waited for a connection twice",
+        )
+        assert room._visits[name] == ROOM_CONNECTIONS
+        assert tried_in_line == []
+    finally:
+        held.release()
+        for thread in threads:
+            thread.join(WITHIN)
+    assert len(granted) == ROOM_CONNECTIONS + IN_LINE
+
+
+def test_a_task_in_line_sends_no_try_outside_while_its_loop_fills_the_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same for tasks of one event loop, whose rooms have the same cap."""
+    backend: Any = get_backend("default")
+    name = unique()
+    tried_in_line: list[str] = []
+    waits: dict[int, int] = {}
+    real_run = backend._arun
+    real_wait = AsyncWaitingRoom._wait_in_line
+
+    async def arun(statement: Any, params: Any, timeout: float | None = None) -> Any:
+        room = backend._aroom.get()
+        if params.get("name") == name and _in_line(room._current.get()):
+            tried_in_line.append(getattr(statement, "name", statement)[:40])
+        return await real_run(statement, params, timeout)
+
+    async def wait_in_line(room: AsyncWaitingRoom, waited: str, timeout: float) -> bool | None:
+        if waited == name and _in_line(room._current.get()):
+            me = id(asyncio.current_task())
+            waits[me] = waits.get(me, 0) + 1
+        return await real_wait(room, waited, timeout)
+
+    monkeypatch.setattr(backend, "_arun", arun)
+    monkeypatch.setattr(AsyncWaitingRoom, "_wait_in_line", wait_in_line)
+
+    async def main() -> int:
+        held = await aacquire(name, ttl=30, keepalive=False, holder="holder")
+
+        async def wait() -> None:
+            await (await aacquire(name, ttl=30, keepalive=False, timeout=WITHIN)).arelease()
+
+        tasks = [asyncio.ensure_future(wait()) for _ in range(ROOM_CONNECTIONS + IN_LINE)]
+        try:
+            async with asyncio.timeout(WITHIN):
+                while len([n for n in waits.values() if n >= 2]) < IN_LINE:
+                    await asyncio.sleep(0.01)
+            assert backend._aroom.get()._visits[name] == ROOM_CONNECTIONS
+            assert tried_in_line == []
+        finally:
+            await held.arelease()
+            async with asyncio.timeout(WITHIN):
+                await asyncio.gather(*tasks)
+        return len(tasks)
+
+    assert asyncio.run(main()) == ROOM_CONNECTIONS + IN_LINE

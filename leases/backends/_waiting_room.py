@@ -228,6 +228,18 @@ def _left(visits: collections.Counter[str], name: str) -> None:
         del visits[name]
 
 
+def _behind(stay: _Stay[Any] | None, name: str, visits: collections.Counter[str]) -> bool:
+    """Whether the waiter on ``stay`` is in line for a room connection (none handed to it
+    yet) while ``visits`` of its process are inside ``name``'s room. Its try outside the room
+    would be refused: a caller outside does not overtake those inside, and they are this
+    process's own waiters, trying (so not paused past :data:`ROOM_GRACE`). Sent anyway, it
+    cost a round trip on the backend's own connection, which every thread of the process
+    shares, once per turn of every waiter in line (0.9 per grant with 32 threads)."""
+    if stay is None or stay.name != name or stay.ticket.granted:
+        return False
+    return visits[name] > 0
+
+
 def _in_line_for(stay: _Stay[Any], timeout: float) -> float:
     """How long a waiter in line waits for a room connection: as long as one inside the room
     waits for a release (:data:`ROOM_TIMEOUT` within its deadline), or ``timeout`` if longer."""
@@ -350,10 +362,14 @@ class WaitingRoom:
         """Enter the room with the connection ``stay`` holds (once: a failed entry waits
         without a room, as before)."""
         stay.ticket.used = True
-        stay.visit = stay.entered = self._enter(stay.name, stay.left())
-        if stay.entered is not None:
-            with self._lock:
-                self._visits[stay.name] += 1
+        with self._lock:  # counted from the start, as a task's (AsyncWaitingRoom._go_in)
+            self._visits[stay.name] += 1
+        try:
+            stay.visit = stay.entered = self._enter(stay.name, stay.left())
+        finally:
+            if stay.entered is None:
+                with self._lock:
+                    _left(self._visits, stay.name)
 
     def _wait_in_line(self, name: str, timeout: float) -> bool | None:
         """A waiter without a room: ``True`` when a room connection was handed to it (its
@@ -383,6 +399,14 @@ class WaitingRoom:
     def _stay(self) -> _Stay[psycopg.Connection[Any]] | None:
         stay: _Stay[psycopg.Connection[Any]] | None = getattr(self._local, "stay", None)
         return stay
+
+    def behind(self, name: str) -> bool:
+        """Whether this thread waits in line for a room connection while waiters of this
+        process are inside ``name``'s room: its try outside the room would be refused (it may
+        not overtake them), so the caller sends none (see :func:`_behind`)."""
+        stay = self._stay()
+        with self._lock:
+            return _behind(stay, name, self._visits)
 
     def probed_on(self, conn: psycopg.Connection[Any], pid: int) -> bool:
         """Record what a statement on ``conn`` that ran on server process ``pid`` says: behind
@@ -900,11 +924,16 @@ class AsyncWaitingRoom:
                     await self._leave(visit)
 
     async def _go_in(self, stay: _Stay[psycopg.AsyncConnection[Any]]) -> None:
-        """Enter the room with the connection ``stay`` holds (once)."""
+        """Enter the room with the connection ``stay`` holds (once). Counted as a visit from
+        the start: a task's entry queues for the room lock (up to :data:`ROOM_TIMEOUT`), and
+        the tasks in line wait behind it meanwhile, as behind one inside (:func:`_behind`)."""
         stay.ticket.used = True
-        stay.entered = await self._enter(stay.name, stay.left())
-        if stay.entered is not None:
-            self._visits[stay.name] += 1
+        self._visits[stay.name] += 1
+        try:
+            stay.entered = await self._enter(stay.name, stay.left())
+        finally:
+            if stay.entered is None:
+                _left(self._visits, stay.name)
 
     async def _wait_in_line(self, name: str, timeout: float) -> bool | None:
         """:meth:`WaitingRoom._wait_in_line`, awaited; going in here once handed a
@@ -928,6 +957,10 @@ class AsyncWaitingRoom:
             return None
         await self._go_in(stay)
         return True if self._visit(name) is not None else None
+
+    def behind(self, name: str) -> bool:
+        """:meth:`WaitingRoom.behind`, for this task."""
+        return _behind(self._current.get(), name, self._visits)
 
     def _visit(self, name: str) -> _AsyncVisit | None:
         stay = self._current.get()

@@ -526,7 +526,7 @@ class Backend(LeaseBackend):
         secret = new_secret()
         params = _asking(name, holder, ttl, secret)
         rows = self._room.run_inside(name, PREPARED_ROOM_ACQUIRE, {**params, "in_room": True})
-        if rows is None:
+        if rows is None and not self._room.behind(name):
             return self._try_own(params, sent_at)
         if not rows:
             self._failed_at()[name] = sent_at
@@ -661,8 +661,9 @@ class Backend(LeaseBackend):
     def stop_new_readers(self, name: str) -> bool:
         """Stop new readers, unless this waiter is inside the name's room and readers did not
         hold it at its last look (entering, or its last try): then there are none to stop,
-        and no round trip is spent (``False``: ask again before the next try)."""
-        if self._room.readers_hold(name) is False:
+        and no round trip is spent (``False``: ask again before the next try); nor while it
+        waits in line behind this process's waiters inside the room, which stop them."""
+        if self._room.behind(name) or self._room.readers_hold(name) is False:
             return False
         self._run(STOP_READERS_SQL, stop_readers_params(name))
         return True
@@ -697,7 +698,7 @@ class Backend(LeaseBackend):
         params = _asking(name, holder, ttl, secret)
         room = self._aroom.get()
         rows = await room.run_inside(name, PREPARED_ROOM_ACQUIRE, {**params, "in_room": True})
-        if rows is None:
+        if rows is None and not room.behind(name):
             rows = await self._arun(PREPARED_ACQUIRE, params)
         if not rows:
             self._async.get().failed(name, sent_at)
@@ -737,8 +738,9 @@ class Backend(LeaseBackend):
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
     async def astop_new_readers(self, name: str) -> bool:
-        """:meth:`stop_new_readers`, awaited (skipped, too, when no reader holds the name)."""
-        if self._aroom.get().readers_hold(name) is False:
+        """:meth:`stop_new_readers`, awaited (skipped likewise)."""
+        room = self._aroom.get()
+        if room.behind(name) or room.readers_hold(name) is False:
             return False
         await self._arun(STOP_READERS_SQL, stop_readers_params(name))
         return True
