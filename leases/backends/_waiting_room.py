@@ -405,6 +405,8 @@ class WaitingRoom:
         process are inside ``name``'s room: its try outside the room would be refused (it may
         not overtake them), so the caller sends none (see :func:`_behind`)."""
         stay = self._stay()
+        if stay is None:  # not waiting (an acquire's first try): no lock taken
+            return False
         with self._lock:
             return _behind(stay, name, self._visits)
 
