@@ -25,6 +25,7 @@ from leases import aacquire, acquire
 from leases.backends import get_backend
 from leases.backends._room_slots import RoomSlots
 from leases.backends._waiting_room import ROOM_CONNECTIONS, AsyncWaitingRoom
+from leases.backends.database import Backend
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -275,3 +276,62 @@ def test_a_task_in_line_sends_no_try_outside_while_its_loop_fills_the_room(
         return len(tasks)
 
     assert asyncio.run(main()) == ROOM_CONNECTIONS + IN_LINE
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.5, "8", None])
+def test_room_connections_must_be_a_whole_number_of_one_or_more(value: object) -> None:
+    """Checked without I/O, by ``manage.py check`` and when the backend is made."""
+    assert Backend.check_options("x", {"ROOM_CONNECTIONS": value}) == [
+        'LEASES["BACKENDS"][\'x\']["ROOM_CONNECTIONS"] must be a whole number, 1 or more'
+    ]
+    assert Backend.check_options("x", {"ROOM_CONNECTIONS": 1}) == []
+
+
+@pytest.mark.parametrize("connections", [2, ROOM_CONNECTIONS + 4])
+def test_room_connections_sets_how_many_waiters_a_process_has_inside_a_room(
+    connections: int,
+) -> None:
+    """``ROOM_CONNECTIONS`` caps the process's waiters inside rooms, for threads and for each
+    event loop's tasks: two more waiters than it allows wait in line, every one is served,
+    and the room keeps as many idle connections afterwards."""
+    backend = Backend("rooms-test", {"ROOM_CONNECTIONS": connections})
+    name = unique()
+    try:
+        held = backend.try_acquire(name, "holder", 30.0)
+        assert held is not None
+        room = backend._room
+        granted: list[int] = []
+
+        def wait() -> None:
+            with backend.waiting_room(name, WITHIN):
+                while True:
+                    grant = backend.try_acquire(name, "waiter", 30.0)
+                    if grant is not None:
+                        break
+                    backend.wait_for_release(name, 0.25)
+            granted.append(grant.token)
+            backend.release(grant)
+
+        threads = [threading.Thread(target=wait) for _ in range(connections + IN_LINE)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_until(
+                lambda: room._visits.get(name) == connections and len(room._slots._line) == IN_LINE,
+                WITHIN,
+                f"{connections} waiters inside, {IN_LINE} in line",
+            )
+        finally:
+            backend.release(held)
+            for thread in threads:
+                thread.join(WITHIN)
+        assert len(granted) == connections + IN_LINE
+        assert len(room._idle) == connections and not room._visits
+
+        async def tasks() -> tuple[int, int]:
+            aroom = backend._aroom.get()
+            return aroom.connections, aroom._slots._free
+
+        assert asyncio.run(tasks()) == (connections, connections)
+    finally:
+        backend.close()

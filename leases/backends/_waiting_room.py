@@ -127,14 +127,15 @@ ROOM_TIMEOUT = 1.0
 #: How long after a release the waiters in the room have the name to themselves: callers
 #: outside the room take a name that has been free for longer (the waiter inside is paused).
 ROOM_GRACE = timedelta(milliseconds=100)
-#: Room connections a process may have in use at once per backend (waiters inside rooms);
-#: more waiters wait in line for them (:mod:`._room_slots`).
+#: Room connections a process may have in use at once per backend (waiters inside rooms),
+#: unless the backend's ``ROOM_CONNECTIONS`` option says otherwise; more waiters wait in line
+#: for them (:mod:`._room_slots`). Idle ones are kept up to as many (with more waiters than
+#: connections, the next in line goes in as a visit ends in a grant, whose connection it keeps
+#: until its release, and the release then gives that one back: keeping four of eight at most,
+#: one connection in ten grants was closed and made again with 16 threads). Waiting in line
+#: costs a thread's wake-up per grant: 16 threads on one name made 1,370-1,470 grants/s with
+#: 8 connections and 1,950-1,970 with 16.
 ROOM_CONNECTIONS = 8
-#: Idle room connections a process keeps per backend: as many as may be in use. With more
-#: waiters than connections, the next in line goes in as a visit ends in a grant (whose
-#: connection it keeps until its release), and the release then gives that one back: keeping
-#: four at most, one connection in ten grants was closed and made again (16 threads).
-_IDLE_ROOM_CONNECTIONS = ROOM_CONNECTIONS
 
 
 def room_key(name: str) -> int:
@@ -299,10 +300,13 @@ class WaitingRoom:
         timeout: float = REQUEST_TIMEOUT,
         prepared: bool = True,
         session_pooling: bool = False,
+        connections: int = ROOM_CONNECTIONS,
     ) -> None:
         self.db_alias = db_alias
         self.alias = alias
         self.enabled = enabled
+        #: Room connections in use at once, at most (the backend's ``ROOM_CONNECTIONS``).
+        self.connections = connections
         #: A pooler in the way keeps each client's session (the backend's ``SESSION_POOLING``).
         self.session_pooling = session_pooling
         #: Seconds a room statement waits for its reply (the backend's ``REQUEST_TIMEOUT``).
@@ -318,7 +322,7 @@ class WaitingRoom:
         self._idle: list[psycopg.Connection[Any]] = []
         #: Idle connections whose last statement's reply is still to be read (:func:`_send`).
         self._unsettled: set[psycopg.Connection[Any]] = set()
-        self._slots = RoomSlots(ROOM_CONNECTIONS)
+        self._slots = RoomSlots(self.connections)
         #: How many of this process's waiters went into each name's room and are still there.
         self._visits: collections.Counter[str] = collections.Counter()
         #: Whether a connection was asked if a pooler is in the way (:meth:`probed_on`).
@@ -333,7 +337,7 @@ class WaitingRoom:
         inside it.
 
         Each waiter in the room holds a connection of its own, since its session sleeps in the
-        lock queue; at most :data:`ROOM_CONNECTIONS` per process, so many waiting threads
+        lock queue; at most :attr:`connections` per process, so many waiting threads
         cannot exhaust the server's connections. The rest wait without a room, in line for
         the next connection given back, and go in with it at their next try (see
         :mod:`._room_slots`).
@@ -746,7 +750,7 @@ class WaitingRoom:
     def _keep(self, conn: psycopg.Connection[Any]) -> None:
         """Keep ``conn`` idle for the next visit, or close it when enough are."""
         with self._lock:
-            if len(self._idle) < _IDLE_ROOM_CONNECTIONS:
+            if len(self._idle) < self.connections:
                 self._idle.append(conn)
                 return
             self._unsettled.discard(conn)
@@ -774,7 +778,7 @@ class WaitingRoom:
 
     def forget_after_fork(self) -> None:
         self._lock = threading.Lock()
-        self._slots = RoomSlots(ROOM_CONNECTIONS)
+        self._slots = RoomSlots(self.connections)
         self._visits = collections.Counter()
         stay = self._stay()
         visit = None if stay is None else stay.visit
@@ -861,7 +865,7 @@ class AsyncWaitingRoom:
     The same queue (the server's lock queue on the same room lock, so sync and async waiters
     of a name queue together), the same statements, the same reply deadlines, awaited on
     psycopg's ``AsyncConnection``: a waiting task holds a connection of its own (at most
-    :data:`ROOM_CONNECTIONS` per loop; the rest wait in line for one) but never blocks the loop.
+    :attr:`connections` per loop; the rest wait in line for one) but never blocks the loop.
     A task cancelled in the room drops its connection (it may be mid-protocol), which ends
     the session and its room lock with it.
     """
@@ -875,10 +879,12 @@ class AsyncWaitingRoom:
         timeout: float = REQUEST_TIMEOUT,
         prepared: bool = True,
         session_pooling: bool = False,
+        connections: int = ROOM_CONNECTIONS,
     ) -> None:
         self.db_alias = db_alias
         self.alias = alias
         self.enabled = enabled
+        self.connections = connections
         self.session_pooling = session_pooling
         #: Whether a room connection was asked if a pooler is in the way (see :mod:`._pgpooler`).
         self.probed = False
@@ -888,7 +894,7 @@ class AsyncWaitingRoom:
             weakref.WeakKeyDictionary()
         )
         self._idle: list[psycopg.AsyncConnection[Any]] = []
-        self._slots = RoomSlots(ROOM_CONNECTIONS)
+        self._slots = RoomSlots(self.connections)
         #: How many of this loop's waiters went into each name's room and are still there.
         self._visits: collections.Counter[str] = collections.Counter()
         #: The current task's stay; a context variable, so the tasks a waiter starts for
@@ -900,7 +906,7 @@ class AsyncWaitingRoom:
     @contextlib.asynccontextmanager
     async def enter(self, name: str, timeout: float | None) -> AsyncIterator[None]:
         """Queue on the name's room lock, then wait inside it (see :meth:`WaitingRoom.enter`:
-        past :data:`ROOM_CONNECTIONS` in use on this loop, in line for the next one given
+        past :attr:`connections` in use on this loop, in line for the next one given
         back, going in at the first wait after one is handed over)."""
         if not self.enabled:
             yield
@@ -1101,7 +1107,7 @@ class AsyncWaitingRoom:
         if row != (True,):
             self.enabled = False
             logger.warning("leases: waiting room disabled on %r: unlock failed", self.alias)
-        if len(self._idle) < _IDLE_ROOM_CONNECTIONS:
+        if len(self._idle) < self.connections:
             self._idle.append(conn)
         else:
             await _aclose_quietly(conn)

@@ -412,7 +412,14 @@ class Backend(LeaseBackend):
         }
     )
     known_options = frozenset(
-        {"DATABASE", "WAITING_ROOM", "REQUEST_TIMEOUT", "PREPARED_STATEMENTS", "SESSION_POOLING"}
+        {
+            "DATABASE",
+            "WAITING_ROOM",
+            "ROOM_CONNECTIONS",
+            "REQUEST_TIMEOUT",
+            "PREPARED_STATEMENTS",
+            "SESSION_POOLING",
+        }
     )
 
     @classmethod
@@ -425,6 +432,12 @@ class Backend(LeaseBackend):
         for flag in ("WAITING_ROOM", "PREPARED_STATEMENTS", "SESSION_POOLING"):
             if not isinstance(options.get(flag, True), bool):
                 problems.append(f'LEASES["BACKENDS"][{alias!r}]["{flag}"] must be True or False')
+        room = options.get("ROOM_CONNECTIONS", ROOM_CONNECTIONS)
+        if isinstance(room, bool) or not isinstance(room, int) or room < 1:
+            problems.append(
+                f'LEASES["BACKENDS"][{alias!r}]["ROOM_CONNECTIONS"] must be a whole number, '
+                "1 or more"
+            )
         timeout = options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             problems.append(
@@ -460,6 +473,9 @@ class Backend(LeaseBackend):
         self._listener: Listener | None = None
         self._local = threading.local()
         enabled = bool(self.options.get("WAITING_ROOM", True))
+        #: Room connections in use at once (waiters inside rooms): for the process's threads,
+        #: and for each event loop's tasks.
+        room_connections = int(self.options.get("ROOM_CONNECTIONS", ROOM_CONNECTIONS))
         self._room = WaitingRoom(
             self.db_alias,
             alias,
@@ -467,6 +483,7 @@ class Backend(LeaseBackend):
             timeout=self.request_timeout,
             prepared=prepared,
             session_pooling=self.session_pooling,
+            connections=room_connections,
         )
         #: The tenure locks the own connection holds (waiters queue on them in the room).
         self._tenures = Tenures()
@@ -488,6 +505,7 @@ class Backend(LeaseBackend):
                 timeout=self.request_timeout,
                 prepared=prepared,
                 session_pooling=self.session_pooling,
+                connections=room_connections,
             ),
             lambda room: room.close(),
         )
