@@ -81,7 +81,8 @@ def wait_overshoots(
 
     Back-to-back waits of 0.21 s on an idle server each start just after the timer tick that
     ended the one before, so a timeout left to that tick (every 100 ms) is ~90 ms late every
-    time, not just sometimes: the test cannot pass by a lucky phase.
+    time, not just sometimes: the test cannot pass by a lucky phase. (Negative: it ended
+    early, which ``wait_for_release`` may.)
     """
     late = []
     for _ in range(tries):

@@ -23,6 +23,7 @@ from redis.crc import key_slot
 from devservers import RedisServer
 from leases import LeaseUnavailable, acquire, conf
 from leases.acquiring import STOP_READERS_EVERY
+from leases.backends._redis_io import SERVER_TICK
 from leases.backends._redis_scripts import WAKE_TTL_MS
 from leases.backends._redis_shared import STOP_READERS_LUA
 from leases.backends.base import Grant
@@ -394,11 +395,14 @@ def test_a_wait_ends_at_its_deadline_on_an_idle_server(
     make_backend: MakeBackend, redis_server: RedisServer
 ) -> None:
     """An idle Redis fires a ``BLPOP`` timeout only at its next timer tick (up to 100 ms
-    late); the wait must end on the caller's deadline instead. Median of seven, so one
-    descheduled sample on a loaded machine does not decide; the tick's lateness would."""
+    late); the wait must end by the caller's deadline all the same. It is told to time out a
+    tick early, so it ends on the server (keeping its connection: see
+    ``tests/test_redis_waits.py``) between a tick before the deadline and the deadline. Median
+    of seven, so one descheduled sample on a loaded machine does not decide; the tick's
+    lateness would."""
     backend, name = make_backend(redis_server.url), unique()
     late = wait_overshoots(backend, name)
-    assert late[0] > -0.005 and late[3] <= 0.05, late
+    assert late[0] > -(SERVER_TICK + 0.005) and late[3] <= 0.05, late
 
 
 @pytest.mark.fault

@@ -25,6 +25,7 @@ from ..errors import LeasesImproperlyConfigured
 from ._edge import DriverEdge
 
 __all__ = [
+    "BLPOP_MARGIN",
     "BLPOP_SLACK",
     "BLPOP_WAIT",
     "CLOSED_UNDER",
@@ -49,6 +50,7 @@ __all__ = [
     "read_timeout",
     "receive",
     "send",
+    "send_labelled",
     "text",
     "url_problems",
 ]
@@ -264,17 +266,18 @@ def read_timeout(cache: object, socket_timeout: float) -> float:
 
 async def ablpop(client: Any, key: str, wait: float, label: str | None = None) -> Any:
     """:func:`blpop` for ``redis.asyncio``: at most ``wait`` seconds, ``None`` when nothing was
-    pushed. The caller's deadline ends the wait (``asyncio.timeout``), not the server's timer
-    (:data:`BLPOP_SLACK`); redis-py drops a connection whose command was cancelled. ``label``
-    names the connection first, and its own name is given back after, in the same round trip
-    (see :func:`send`)."""
+    pushed. The server's timer ends a wait that runs out, and the client's deadline
+    (``asyncio.timeout``) one the server did not answer in time (see :func:`blpop_timing`);
+    redis-py drops a connection whose command was cancelled. ``label`` names the connection
+    first, and its own name is given back after, in the same round trip (see :func:`send`)."""
+    server, deadline = blpop_timing(wait)
     try:
-        async with asyncio.timeout(wait):
+        async with asyncio.timeout(deadline):
             if label is None or not hasattr(client, "connection_pool"):
-                return await client.blpop([key], timeout=wait + BLPOP_SLACK)
+                return await client.blpop([key], timeout=server)
             own = client.connection_pool.connection_kwargs.get("client_name") or ""
             pipe = client.pipeline(transaction=False)
-            pipe.client_setname(label).blpop([key], timeout=wait + BLPOP_SLACK)
+            pipe.client_setname(label).blpop([key], timeout=server)
             pipe.client_setname(own)
             reply = (await pipe.execute(raise_on_error=False))[1]
             if isinstance(reply, Exception):  # the wait's own error; the name's is ignored
@@ -320,12 +323,7 @@ def send(client: Any, command: tuple[object, ...], label: str | None = None) -> 
         if label is None:
             connection.send_command(*command)
         else:
-            named = ("CLIENT", "SETNAME", label)
-            own = ("CLIENT", "SETNAME", getattr(connection, "client_name", None) or "")
-            connection.send_packed_command(connection.pack_commands([named, command, own]))
-            with contextlib.suppress(redis.ResponseError):  # the name's OK: ``command`` is sent
-                connection.read_response()
-            connection._leases_name_back_due = True
+            send_labelled(connection, command, label)
     except BaseException as exc:
         connection.disconnect()
         pool.release(connection)
@@ -333,6 +331,17 @@ def send(client: Any, command: tuple[object, ...], label: str | None = None) -> 
             raise closed_under(exc) from exc
         raise
     return connection
+
+
+def send_labelled(connection: Any, command: tuple[object, ...], label: str) -> None:
+    """Send ``command`` on ``connection`` named ``label`` for its duration (see :func:`send`),
+    reading the name's reply; errors propagate (the caller drops the connection)."""
+    named = ("CLIENT", "SETNAME", label)
+    own = ("CLIENT", "SETNAME", getattr(connection, "client_name", None) or "")
+    connection.send_packed_command(connection.pack_commands([named, command, own]))
+    with contextlib.suppress(redis.ResponseError):  # the name's OK: ``command`` is sent
+        connection.read_response()
+    connection._leases_name_back_due = True
 
 
 def parsed(client: Any, command: tuple[object, ...], response: Any) -> Any:
@@ -387,42 +396,64 @@ def receive(
     return parsed(client, command, response)
 
 
-#: How much longer than the caller's wait a ``BLPOP`` is told to block. Redis fires a blocked
-#: client's timeout on its event loop's next turn, which an idle server takes only at its next
-#: timer tick (``hz`` 10: up to 100 ms late), so the server's timeout must never be what ends a
-#: wait: the socket's read timeout ends it, on time, and drops the connection with its pending
-#: ``BLPOP``.
+#: How late Redis may fire a blocked client's timeout: on its event loop's next turn, which an
+#: idle server takes only at its next timer tick (``hz`` 10, the default: up to 100 ms late;
+#: measured 51-91 ms on Redis 7.0.15).
+SERVER_TICK = 0.1
+#: How long after the caller's wait the server's reply that ended it may still come (a
+#: loaded machine): past it the client's deadline ends the wait and drops the connection.
+BLPOP_MARGIN = 0.1
+#: How much longer than the caller's wait a ``BLPOP`` too short to leave the server its tick
+#: is told to block: that wait ends on the client's deadline, never the server's timer.
 BLPOP_SLACK = 0.25
 
-#: How long each wait for a release lasts, at least (the backends' ``wait_at_least``; never
-#: past the caller's deadline). The release ends it at once, so only a wait nobody ends runs
-#: out, and one that does costs its connection (dropped with its pending ``BLPOP``, above) and
-#: any wake-up the server hands to it as it closes. The backoff's first delays (a few
-#: milliseconds) made every waiter of a busy name run out and reconnect again and again:
-#: with 32 threads on one name, 1.6 new connections and 28 commands per grant, 330-400
-#: grants/s; waiting this long, none and 19, 1,300-1,700 grants/s. A lost wake-up or a holder
-#: gone without its release costs a waiter at most this long, as the backoff's cap (the
-#: same 0.25 s) did before.
+#: How long each wait for a release lasts, at most, unless the release ends it (the backends'
+#: ``wait_at_least``; never past the caller's deadline). A lost wake-up or a holder gone
+#: without its release costs a waiter at most this long, as the backoff's cap (the same
+#: 0.25 s) did before. The backoff's first delays (a few milliseconds) made every waiter of a
+#: busy name run out and reconnect again and again: with 32 threads on one name, 1.6 new
+#: connections and 28 commands per grant, 330-400 grants/s; waiting this long, none and 19,
+#: 1,300-1,700 grants/s.
 BLPOP_WAIT = 0.25
 
 
+def blpop_timing(wait: float) -> tuple[float, float]:
+    """The server's ``BLPOP`` timeout and the client's deadline (seconds from sending) for a
+    wait of at most ``wait`` seconds.
+
+    A wait that runs out should end on the server, with a reply (``nil``), so its connection
+    goes back to the pool: the server is told to time out one tick early
+    (:data:`SERVER_TICK`), so its late timer still answers by ``wait``, and the client gives
+    up only :data:`BLPOP_MARGIN` after. A wait ended by the client's deadline drops its
+    connection with the ``BLPOP`` pending; ending every wait that way (as each did, told to
+    block :data:`BLPOP_SLACK` past it) made each waiter of a name held for long reconnect
+    four times a second: 404 new connections in 5 s for 20 waiters. A wait shorter than two
+    ticks (the last before a caller's deadline) still ends on the client's deadline: the
+    server's timer is too coarse to end it on time.
+    """
+    if wait >= 2 * SERVER_TICK:
+        return wait - SERVER_TICK, wait + BLPOP_MARGIN
+    return wait + BLPOP_SLACK, wait
+
+
 def blpop_command(key: str, wait: float) -> tuple[str, str, str]:
-    """``BLPOP key`` with a server timeout :data:`BLPOP_SLACK` past the caller's deadline."""
-    return ("BLPOP", key, f"{wait + BLPOP_SLACK:.3f}")
+    """``BLPOP key`` with the server's timeout of :func:`blpop_timing`."""
+    return ("BLPOP", key, f"{blpop_timing(wait)[0]:.3f}")
 
 
 def blpop(client: Any, key: str, wait: float, label: str | None = None) -> Any:
-    """``BLPOP key`` for at most ``wait`` seconds: ``None`` when nothing was pushed by then.
+    """``BLPOP key`` for at most ``wait`` seconds (see :func:`blpop_timing`): ``None`` when
+    nothing was pushed by then.
 
-    The deadline is the socket read's (see :data:`BLPOP_SLACK`), so a short client socket
-    timeout does not turn a long wait into an error either. A wake-up the server pops just as
-    the dropped connection closes is lost, which costs the waiter one retry delay.
+    The client's deadline is the socket read's, so a short client socket timeout does not
+    turn a long wait into an error either. A wake-up the server pops just as a connection
+    dropped at that deadline closes is lost, which costs the waiter one retry delay.
     """
     if not hasattr(client, "connection_pool"):  # a RedisCluster client routes by key itself
         return client.blpop([key], timeout=wait)
     command = blpop_command(key, wait)
     try:
-        return receive(client, send(client, command, label), command, wait)
+        return receive(client, send(client, command, label), command, blpop_timing(wait)[1])
     except redis.TimeoutError:
         return None  # the deadline; ``receive`` dropped the connection and its BLPOP
 

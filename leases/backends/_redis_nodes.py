@@ -32,7 +32,7 @@ from ._redis_io import (
     name_back_due,
     parsed,
     read_name_back,
-    send,
+    send_labelled,
 )
 
 __all__ = ["FAILED", "Node", "OnReply", "Pending", "ReplyDrain", "gather", "node_value"]
@@ -71,18 +71,20 @@ class Node:
     ) -> Any:
         """Send ``command`` without waiting; ``None`` if the node could not be reached.
         ``label`` names the connection first (see :func:`~._redis_io.send`); ``packed`` is
-        ``command`` already packed (:func:`~._redis_conn.pack`: once for every node)."""
-        if label is not None:
-            try:
-                return send(self.client, command, label)
-            except (redis.RedisError, OSError):
-                return None
+        ``command`` already packed (:func:`~._redis_conn.pack`: once for every node).
+
+        On one of the node's kept connections, whatever the command: a labelled one (a wait)
+        taken from the pool instead went back to the kept ones after its reply, so until
+        :attr:`~._redis_conn.Connections.KEEP` were kept, each wait made a new connection."""
         try:
             connection = self.connections.take()
         except (redis.RedisError, OSError):
             return None
         try:
-            connection.send_packed_command([packed or pack(command)], check_health=False)
+            if label is None:
+                connection.send_packed_command([packed or pack(command)], check_health=False)
+            else:
+                send_labelled(connection, command, label)
         except BaseException as exc:
             connection.disconnect()
             self.connections.give(connection)

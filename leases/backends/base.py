@@ -200,8 +200,9 @@ class LeaseBackend(abc.ABC):
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     #: The shortest wait for a release between two tries of one acquire (never past its
     #: deadline). Zero: the backoff's jittered delays, short at first, as a poll needs. A
-    #: store whose wait the release ends, and whose wait cut short by its own timeout costs
-    #: more than the wait (a reconnection, a wake-up lost with it), waits this long instead.
+    #: store whose wait the release ends waits this long instead: each wait that runs out
+    #: costs a try bound to fail, and a short one, which only the client's deadline can end,
+    #: its connection too (and a wake-up lost with it).
     wait_at_least: ClassVar[float] = 0.0
     #: The options of ``LEASES["BACKENDS"][alias]`` (besides ``ENGINE``) this backend reads;
     #: any other is a mistake (a misspelt option would otherwise be silently ignored).

@@ -66,6 +66,7 @@ from ._redis_io import (
     BLPOP_WAIT,
     Edge,
     blpop_command,
+    blpop_timing,
     cache_problems,
     eviction_problems,
     expires,
@@ -511,8 +512,9 @@ class Backend(LeaseBackend):
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """``BLPOP`` on one node, picked at random, for the wake-up every release pushes.
 
-        The wait ends on the socket's read timeout at ``timeout``, not on the server's timer
-        (see :data:`~leases.backends._redis_io.BLPOP_SLACK`). A dead or hung node only costs
+        A wait that runs out ends on the node's timer, keeping its connection, or on the
+        client's deadline if the node does not answer in time (see
+        :func:`~leases.backends._redis_io.blpop_timing`). A dead or hung node only costs
         this one wait, after which the Lease layer tries again; so a release usually wakes the
         waiter at once, and a lost wake-up costs at most one retry delay.
         """
@@ -523,7 +525,8 @@ class Backend(LeaseBackend):
         wake = LeaseKeys.of(self.prefix, name).wake
         command = blpop_command(wake, timeout)
         named = label(wake, self._waits.since(name, timeout))
-        reply = node.answer(node.send(command, named), command, started + timeout)
+        deadline = started + blpop_timing(timeout)[1]
+        reply = node.answer(node.send(command, named), command, deadline)
         if reply is FAILED:  # the deadline, or a dead node: never a busy retry
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
