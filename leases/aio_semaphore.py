@@ -28,10 +28,11 @@ __all__ = ["aacquire_slot", "asemaphore"]
 
 async def _agrant(ask: Request, limit: int, timing: Timing) -> Grant:
     """Try every slot from a random one; then wait a slice on one held slot (a release of
-    another slot does not wake it, hence the backoff's short slices); until the deadline.
-    The time spent waiting goes into ``timing``, as in the sync loop."""
+    another slot does not wake it, hence the backoff's slices, as long as the store's waits
+    at least: see :mod:`leases.semaphore`); until the deadline. The time spent waiting goes
+    into ``timing``, as in the sync loop."""
     deadline = None if ask.timeout is None else timing.started + ask.timeout
-    backoff = Backoff(deadline=deadline)
+    backoff = Backoff(deadline=deadline, floor=ask.store.wait_at_least)
     waiting_since: float | None = None
     try:
         while True:

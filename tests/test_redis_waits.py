@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import redis
 
-from leases import Lease, aacquire, acquire
+from leases import Lease, aacquire, aacquire_slot, acquire, acquire_slot
 from leases.backends import get_backend
 from leases.backends._redis_io import BLPOP_WAIT
 from leases.retry import Backoff
@@ -162,14 +162,45 @@ def _ran_out(waits: dict[int, int], since: dict[int, int]) -> bool:
     return len(waits) == WAITERS and all(waits[who] - since.get(who, 0) >= WAITS for who in waits)
 
 
+#: What the waiters below wait for: a lease, or a slot of a full semaphore of two (its waits
+#: are slices, never shorter than the store's waits: see ``leases.semaphore``).
+KINDS = ["lease", "semaphore"]
+SLOTS = 2
+
+
+def _hold(kind: str, name: str, alias: str) -> list[Any]:
+    if kind == "lease":
+        return [acquire(name, ttl=30, backend=alias, keepalive=False, holder="first")]
+    return [
+        acquire_slot(name, limit=SLOTS, ttl=30, backend=alias, keepalive=False, holder=f"h{i}")
+        for i in range(SLOTS)
+    ]
+
+
+def _take(kind: str, name: str, alias: str) -> Any:
+    if kind == "lease":
+        return acquire(name, ttl=30, backend=alias, keepalive=False, timeout=30)
+    return acquire_slot(name, limit=SLOTS, ttl=30, backend=alias, keepalive=False, timeout=30)
+
+
+async def _atake(kind: str, name: str, alias: str) -> Any:
+    if kind == "lease":
+        return await aacquire(name, ttl=30, backend=alias, keepalive=False, timeout=30)
+    return await aacquire_slot(
+        name, limit=SLOTS, ttl=30, backend=alias, keepalive=False, timeout=30
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_wait_that_runs_out_keeps_its_connection(
-    waited_on: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
+    kind: str, waited_on: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While the name stays held, each waiter's waits run out one after another; each ends on
     the server's timer, with a reply, so its connection goes back to the pool. Ended on the
-    client's deadline, each dropped its connection and the next try made a new one. A loaded
-    machine may still delay a reply past the client's deadline now and then: at most a
-    quarter of the waits may have reconnected (on the old code, every one did)."""
+    client's deadline, each dropped its connection and the next try made a new one (a
+    semaphore's waits, slices of a few milliseconds at first, always were). A loaded machine
+    may still delay a reply past the client's deadline now and then: at most a quarter of
+    the waits may have reconnected (on the old code, every one did)."""
     alias, urls = waited_on
     store = get_backend(alias)
     waits: dict[int, int] = {}
@@ -183,11 +214,11 @@ def test_a_wait_that_runs_out_keeps_its_connection(
     monkeypatch.setattr(store, "wait_for_release", counted)
     name = f"waits-{uuid.uuid4().hex[:10]}"
     count = Connections(urls)
-    held = acquire(name, ttl=30, backend=alias, keepalive=False, holder="first")
+    held = _hold(kind, name, alias)
     served: list[int] = []
 
     def wait() -> None:
-        acquire(name, ttl=30, backend=alias, keepalive=False, timeout=30).release()
+        _take(kind, name, alias).release()
         served.append(1)
 
     threads = [threading.Thread(target=wait) for _ in range(WAITERS)]
@@ -199,7 +230,8 @@ def test_a_wait_that_runs_out_keeps_its_connection(
         wait_until(lambda: _ran_out(waits, since), 20, f"{WAITS} more waits each")
         made = count.made() - before
     finally:
-        held.release()
+        for lease in held:
+            lease.release()
         for thread in threads:
             thread.join(30)
         count.close()
@@ -207,8 +239,9 @@ def test_a_wait_that_runs_out_keeps_its_connection(
     assert made <= WAITERS * WAITS // 4, f"{made} connections made in {WAITERS * WAITS} waits"
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_an_async_wait_that_runs_out_keeps_its_connection(
-    waited_on: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
+    kind: str, waited_on: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same for tasks (``redis.asyncio``: a wait cancelled at the client's deadline drops
     its connection too)."""
@@ -225,6 +258,7 @@ def test_an_async_wait_that_runs_out_keeps_its_connection(
     monkeypatch.setattr(store, "await_for_release", counted)
     name = f"waits-{uuid.uuid4().hex[:10]}"
     count = Connections(urls)
+    held = _hold(kind, name, alias)
 
     async def until(done: Any) -> None:
         async with asyncio.timeout(20):
@@ -232,11 +266,8 @@ def test_an_async_wait_that_runs_out_keeps_its_connection(
                 await asyncio.sleep(0.01)
 
     async def scenario() -> tuple[int, int]:
-        held = await aacquire(name, ttl=30, backend=alias, keepalive=False, holder="first")
-
         async def wait() -> None:
-            lease = await aacquire(name, ttl=30, backend=alias, keepalive=False, timeout=30)
-            await lease.arelease()
+            await (await _atake(kind, name, alias)).arelease()
 
         tasks = [asyncio.ensure_future(wait()) for _ in range(WAITERS)]
         try:
@@ -245,7 +276,8 @@ def test_an_async_wait_that_runs_out_keeps_its_connection(
             await until(lambda: _ran_out(waits, since))
             made = await asyncio.to_thread(count.made) - before
         finally:
-            await held.arelease()
+            for lease in held:
+                await asyncio.to_thread(lease.release)
             async with asyncio.timeout(30):
                 done = await asyncio.gather(*tasks, return_exceptions=True)
         return made, sum(result is None for result in done)
