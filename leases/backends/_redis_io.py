@@ -407,13 +407,14 @@ BLPOP_MARGIN = 0.1
 #: is told to block: that wait ends on the client's deadline, never the server's timer.
 BLPOP_SLACK = 0.25
 
-#: How long each wait for a release lasts, at most, unless the release ends it (the backends'
-#: ``wait_at_least``; never past the caller's deadline). A lost wake-up or a holder gone
-#: without its release costs a waiter at most this long, as the backoff's cap (the same
-#: 0.25 s) did before. The backoff's first delays (a few milliseconds) made every waiter of a
-#: busy name run out and reconnect again and again: with 32 threads on one name, 1.6 new
-#: connections and 28 commands per grant, 330-400 grants/s; waiting this long, none and 19,
-#: 1,300-1,700 grants/s.
+#: How long each wait for a release is asked to last at least (the backends'
+#: ``wait_at_least``: the backoff's shortest delay, never past the caller's deadline); one
+#: that runs out ends on the server up to a tick earlier (:func:`blpop_timing`). A lost
+#: wake-up or a holder gone without its release costs a waiter at most this long, as the
+#: backoff's cap (the same 0.25 s) did before. The backoff's first delays (a few
+#: milliseconds) made every waiter of a busy name run out and reconnect again and again:
+#: with 32 threads on one name, 1.6 new connections and 28 commands per grant, 330-400
+#: grants/s; waiting this long, none and 19, 1,300-1,700 grants/s.
 BLPOP_WAIT = 0.25
 
 
