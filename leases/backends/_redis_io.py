@@ -402,7 +402,9 @@ def receive(
 SERVER_TICK = 0.1
 #: How long after the caller's wait the server's reply that ended it may still come (a
 #: loaded machine): past it the client's deadline ends the wait and drops the connection.
-BLPOP_MARGIN = 0.1
+#: Within the slack ``aacquire`` allows a backend's wait past its bound (``leases.aio``), so
+#: the wait's own deadline, not that guard's cancellation, ends an async wait too.
+BLPOP_MARGIN = 0.04
 #: How much longer than the caller's wait a ``BLPOP`` too short to leave the server its tick
 #: is told to block: that wait ends on the client's deadline, never the server's timer.
 BLPOP_SLACK = 0.25
