@@ -21,7 +21,9 @@ etcd, 3 s of JVM start for ZooKeeper, and only when both workers draw such tests
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import urllib.request
 from typing import Any
 
 import pytest
@@ -29,7 +31,13 @@ import pytest
 from devservers.etcd import EtcdCluster, etcd_binary
 from devservers.zookeeper import ZooKeeperEnsemble, wait_serving, zookeeper_classpath
 
-__all__ = ["UNAVAILABLE_ETCD", "UNAVAILABLE_ZOOKEEPER", "etcd_ready", "zookeeper_ready"]
+__all__ = [
+    "UNAVAILABLE_ETCD",
+    "UNAVAILABLE_ZOOKEEPER",
+    "etcd_member_versions",
+    "etcd_ready",
+    "zookeeper_ready",
+]
 
 #: What the settings name until a cluster is started: nothing listens on the discard port.
 UNAVAILABLE_ETCD = "http://127.0.0.1:9"
@@ -75,6 +83,19 @@ def etcd_ready(request: pytest.FixtureRequest | None = None) -> str:
             _point("etcd", "ENDPOINTS", cluster.endpoints, "LEASES_ETCD_ENDPOINTS", configured)
         _started["etcd"] = configured
     return "etcd"
+
+
+def etcd_member_versions(alias: str) -> dict[str, str]:
+    """Each member's etcd version behind ``alias``, asked of it directly (not through the
+    backend, whose deploy check the tests compare with this)."""
+    from django.conf import settings
+
+    versions = {}
+    for url in settings.LEASES["BACKENDS"][alias]["ENDPOINTS"]:
+        request = urllib.request.Request(f"{url}/v3/maintenance/status", data=b"{}")
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            versions[url] = str(json.loads(reply.read())["version"])
+    return versions
 
 
 def zookeeper_ready(request: pytest.FixtureRequest | None = None) -> str:

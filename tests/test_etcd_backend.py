@@ -21,8 +21,9 @@ from django.test import override_settings
 from devservers.etcd import EtcdCluster
 from leases import LeaseError, LeaseUnavailable, acquire, lease
 from leases.backends import get_backend
+from leases.backends.etcd import revokes_live_leases
 from tests.checker import ACCEPTED, check_history, history, new_register, record_write
-from tests.clusters import etcd_ready
+from tests.clusters import etcd_member_versions, etcd_ready
 from tests.lease_backends import lease_name
 
 __all__ = ["lease_name"]  # fixture, re-exported for pytest
@@ -161,6 +162,78 @@ def test_paused_member_is_skipped_and_the_lease_kept(
             etcd_cluster.resume(paused)
         held.release()
     check_history(register, grants=[held.token])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lease_revoked_behind_the_holders_back_is_reported_lost_and_fenced(
+    etcd_store: str, lease_name: str
+) -> None:
+    """What a resumed old leader does on the releases ``revokes_live_leases`` names: the
+    holder's etcd lease revoked while the holder renews it. The next renewal finds the key
+    gone and reports the loss; the successor's token is higher; the old holder's write is
+    refused."""
+    register = new_register()
+    old = acquire(lease_name, ttl=2, backend=etcd_store)
+    assert record_write(register, old, "old")
+    gateway = get_backend(etcd_store).gateway  # type: ignore[attr-defined]
+    gateway.call("kv/lease/revoke", {"ID": old.grant.extra["lease"]})
+    assert old.lost.wait(2 + 1), "the revocation was never reported"
+    with pytest.raises(LeaseError):
+        old.ensure_held()
+    new = acquire(lease_name, ttl=2, backend=etcd_store, timeout=1, holder="new")
+    assert new.token > old.token
+    assert record_write(register, new, "new")
+    assert not record_write(register, old.token, "old")
+    new.release()
+    check_history(register, grants=[old.token, new.token])
+
+
+@pytest.mark.parametrize(
+    ("version", "revokes"),
+    [
+        ("3.4.23", True),  # Debian 12's etcd-server
+        ("3.4.30", True),
+        ("3.4.31", False),
+        ("3.5.0", True),
+        ("3.5.12", True),
+        ("3.5.13", False),
+        ("3.5.17", False),
+        ("3.6.0", False),
+        ("3.6.0-rc.1", False),
+        ("4.0.0", False),
+        ("3.3.27", True),
+        ("", False),
+        ("unknown", False),
+    ],
+)
+def test_releases_whose_old_leader_revokes_live_leases(version: str, revokes: bool) -> None:
+    assert revokes_live_leases(version) is revokes
+
+
+def test_the_deploy_check_names_the_members_on_a_release_that_revokes_live_leases(
+    etcd_store: str,
+) -> None:
+    """Each member is asked, not one: a cluster mid-upgrade has members on either side of the
+    fix. One warning per affected version, naming its members."""
+    affected: dict[str, list[str]] = {}
+    for url, version in etcd_member_versions(etcd_store).items():
+        if revokes_live_leases(version):
+            affected.setdefault(version, []).append(url)
+    problems = get_backend(etcd_store).deploy_checks()
+    assert len(problems) == len(affected), problems
+    for (version, urls), problem in zip(affected.items(), problems, strict=True):
+        assert problem.startswith(f"etcd {version} on {', '.join(urls)}:"), problem
+        assert "#15247" in problem and "3.4.31, 3.5.13" in problem, problem
+
+
+def test_a_member_that_does_not_answer_is_a_deploy_warning(etcd_store: str) -> None:
+    """One silent member of three is worth a warning (the cluster still serves); none
+    answering is ``leases.E003`` (``test_backend_checks.py``)."""
+    endpoints = settings.LEASES["BACKENDS"][etcd_store]["ENDPOINTS"]
+    with cluster_alias([*endpoints, "http://127.0.0.1:1"]) as alias:
+        problems = get_backend(alias).deploy_checks()
+    silent = [p for p in problems if "127.0.0.1:1:" in p]
+    assert len(silent) == 1 and "no answer" in silent[0], problems
 
 
 @pytest.mark.fault

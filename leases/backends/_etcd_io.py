@@ -32,7 +32,7 @@ from etcd3gw.client import Etcd3Client
 
 from ..errors import BackendUnavailable
 
-__all__ = ["EtcdRefused", "Gateway", "Reply", "b64", "unb64"]
+__all__ = ["Answer", "EtcdRefused", "Gateway", "Reply", "b64", "unb64"]
 
 #: The gateway's path prefix since etcd 3.4 (3.3 served ``/v3beta``): no discovery round trip.
 API_PATH = "/v3/"
@@ -66,6 +66,10 @@ class Reply:
     #: The request reached a member after an earlier attempt failed in a way that leaves it
     #: unknown whether that attempt was applied (timeout, reset): its effect may be there.
     replayed: bool
+
+
+#: One member's reply body to :meth:`Gateway.ask_each`, or why it gave none.
+Answer = dict[str, Any] | str
 
 
 class Gateway:
@@ -146,6 +150,23 @@ class Gateway:
                 continue
             raise EtcdRefused(response.status_code, message)
         raise BackendUnavailable(self.alias, f"{path}: " + ("; ".join(problems) or "timed out"))
+
+    def ask_each(self, path: str, body: Mapping[str, Any]) -> list[tuple[str, Answer]]:
+        """``path`` asked of every member in turn, without failover: each member's URL with
+        its reply body, or with why it gave none. For what members do not share through the
+        cluster (their own version and status), which :meth:`call` would ask of one only."""
+        answers: list[tuple[str, Answer]] = []
+        for client in self._clients:
+            try:
+                response = self._post(client, path, body, self.request_timeout)
+            except (requests.RequestException, EtcdRefused) as exc:
+                answers.append((client.base_url, f"no answer ({type(exc).__name__})"))
+                continue
+            if response.status_code != requests.codes.ok:
+                answers.append((client.base_url, f"refused: {_message(response)}"))
+                continue
+            answers.append((client.base_url, dict(response.json())))
+        return answers
 
     def _post(
         self, client: Etcd3Client, path: str, body: Mapping[str, Any], timeout: float

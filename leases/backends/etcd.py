@@ -48,7 +48,14 @@ from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._etcd_io import EtcdRefused, Gateway, Reply, b64, unb64
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
-__all__ = ["Backend", "acquire_txn", "force_release_txn", "owner_txn", "release_txn"]
+__all__ = [
+    "Backend",
+    "acquire_txn",
+    "force_release_txn",
+    "owner_txn",
+    "release_txn",
+    "revokes_live_leases",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,13 @@ logger = logging.getLogger(__name__)
 MAX_LEASE_TTL = 9_000_000_000
 #: Display bound for expiries (``datetime`` ends at year 9999).
 _LATEST = timedelta(days=365 * 1000)
+#: etcd releases whose old leader, resumed after a pause (a long GC or disk stall, a frozen
+#: VM, SIGSTOP), revokes the leases it saw expire: their renewals went to the new leader
+#: meanwhile, but its lessor still thinks it leads, and the revocation, forwarded to the new
+#: leader, is applied (etcd #15247). Held leases all vanish at once although every renewal
+#: succeeded. Fixed in 3.4.31 (etcd #17465) and 3.5.13 (#17425): (major, minor) -> the first
+#: patch release without it. Fencing keeps writes safe; leases are lost before their time.
+REVOKES_LIVE_LEASES_BEFORE = {(3, 4): 31, (3, 5): 13}
 
 
 # Every request that reads or changes a lease, in one place (gateway JSON bodies).
@@ -148,6 +162,21 @@ def _counted(asked: float, granted: str | int) -> float:
     server grants less (etcd's maximum, ~285 years), the grant reports that.
     """
     return min(float(asked), float(granted))
+
+
+def revokes_live_leases(version: str) -> bool:
+    """Whether etcd ``version`` (``"3.4.23"``, as a member's status reports it) is a release
+    whose resumed old leader revokes live leases (:data:`REVOKES_LIVE_LEASES_BEFORE`). A
+    version that does not parse is not judged."""
+    parts = version.split("-", 1)[0].split(".")
+    try:
+        major, minor, patch = (int(part) for part in parts[:3])
+    except ValueError:
+        return False
+    if (major, minor) < (3, 4):
+        return True  # older than any fix (and than the /v3 gateway this backend needs)
+    fixed_in = REVOKES_LIVE_LEASES_BEFORE.get((major, minor))
+    return fixed_in is not None and patch < fixed_in
 
 
 def _expires(seconds: float) -> datetime:
@@ -378,10 +407,26 @@ class Backend(LeaseBackend):
         return LeaseInfo(name, "", int(_kvs(reply, 2)[0]["mod_revision"]), False, self.alias)
 
     def deploy_checks(self) -> list[str]:
-        """Whether a member answers: an unreachable cluster raises, as every store does
-        (``leases.E003``: nothing can be held there), rather than being a warning."""
-        self._call("maintenance/status", {})
-        return []
+        """Each member's status: a member that does not answer, or that runs an etcd release
+        whose resumed old leader revokes live leases (:func:`revokes_live_leases`), is a
+        warning; a cluster of which no member answers raises, as every store does
+        (``leases.E003``: nothing can be held there)."""
+        answers = self.gateway.ask_each("maintenance/status", {})
+        silent = [f"etcd member {url}: {why}" for url, why in answers if isinstance(why, str)]
+        if len(silent) == len(answers):
+            raise BackendUnavailable(self.alias, "maintenance/status: " + "; ".join(silent))
+        affected: dict[str, list[str]] = {}
+        for url, answer in answers:
+            version = "" if isinstance(answer, str) else str(answer.get("version", ""))
+            if revokes_live_leases(version):
+                affected.setdefault(version, []).append(url)
+        return silent + [
+            f"etcd {version} on {', '.join(urls)}: an old leader resumed after a pause "
+            "revokes live leases (etcd #15247), so holders lose leases their renewals kept "
+            "(their successors' tokens still fence them); upgrade to etcd 3.4.31, 3.5.13 or "
+            "later"
+            for version, urls in affected.items()
+        ]
 
     def close(self) -> None:
         self.gateway.close()
