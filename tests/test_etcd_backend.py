@@ -142,7 +142,15 @@ def test_paused_member_is_skipped_and_the_lease_kept(
     etcd_cluster: EtcdCluster, lease_name: str, role: str
 ) -> None:
     """SIGSTOP the member the client tries first (it hangs: connections open, no answers):
-    every request waits at most REQUEST_TIMEOUT there, then goes to the next member."""
+    every request waits at most REQUEST_TIMEOUT there, then goes to the next member.
+
+    The release goes through the other members too, before the member resumes: on etcd
+    before 3.4.31 and 3.5.13 (Debian 12 ships 3.4.23) a resumed old leader revokes the
+    leases whose renewals it missed (etcd #15247; about one run in twelve on a loaded
+    machine), so a release after the resume could find the lease gone although every
+    renewal succeeded. That server bug is ``revokes_live_leases``'s; what it costs a holder is
+    ``test_a_lease_revoked_behind_the_holders_back_is_reported_lost_and_fenced``'s.
+    """
     leader = etcd_cluster.wait_for_leader()
     paused = leader if role == "leader" else (leader + 1) % 3
     register = new_register()
@@ -158,9 +166,9 @@ def test_paused_member_is_skipped_and_the_lease_kept(
             assert record_write(register, held, "holder")
             with pytest.raises(LeaseUnavailable):
                 acquire(lease_name, ttl=3, backend=alias, timeout=0.5, holder="other")
+            held.release()
         finally:
             etcd_cluster.resume(paused)
-        held.release()
     check_history(register, grants=[held.token])
 
 
