@@ -19,9 +19,9 @@ from django.db import connection
 from django.test import override_settings
 
 from devservers.etcd import EtcdCluster
-from leases import LeaseError, LeaseUnavailable, acquire, lease
+from leases import LeaseError, LeaseLost, LeaseUnavailable, acquire, lease
 from leases.backends import get_backend
-from leases.backends.etcd import revokes_live_leases
+from leases.backends.etcd import force_release_txn, revokes_live_leases
 from tests.checker import ACCEPTED, check_history, history, new_register, record_write
 from tests.clusters import etcd_member_versions, etcd_ready
 from tests.lease_backends import lease_name
@@ -74,7 +74,7 @@ def counting(monkeypatch: pytest.MonkeyPatch, alias: str) -> list[str]:
 def test_round_trips_per_operation(
     etcd_store: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Acquire: lease grant + create transaction. Renew: proof + keepalive. Release:
+    """Acquire: lease grant + create transaction. Renew: proof + keepalive + proof. Release:
     compare-and-delete + revoke. A taken name costs a third, revoking the unused lease."""
     sent = counting(monkeypatch, etcd_store)
     store = get_backend(etcd_store)
@@ -85,7 +85,7 @@ def test_round_trips_per_operation(
     assert sent == ["lease/grant", "kv/txn", "kv/lease/revoke"]
     sent.clear()
     grant = store.renew(grant, 5)
-    assert sent == ["kv/txn", "lease/keepalive"]
+    assert sent == ["kv/txn", "lease/keepalive", "kv/txn"]
     sent.clear()
     store.release(grant)
     assert sent == ["kv/txn", "kv/lease/revoke"]
@@ -106,6 +106,34 @@ def test_a_ttl_below_the_servers_minimum_is_counted_as_asked(
     assert renewed.token == grant.token and renewed.ttl == 2.5
     assert renewed.extra["lease"] != grant.extra["lease"]
     store.release(renewed)
+
+
+def test_a_renewal_racing_a_force_release_is_not_reported_renewed(
+    etcd_store: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A force release deletes the key, then revokes its etcd lease. A renewal whose proof
+    came before the deletion and whose keepalive came before the revocation kept alive a
+    lease that no longer carries the key: reporting that as renewed would have the holder
+    believe it holds for another TTL. (etcd before 3.4.38, 3.5.23 and 3.6.5 also answers a
+    keepalive that races a revocation with success, etcd #20590: the same window.)"""
+    store = get_backend(etcd_store)
+    grant = store.try_acquire(lease_name, "a", 5)
+    assert grant is not None
+    gateway = store.gateway  # type: ignore[attr-defined]
+    lock, name_key = store._keys(lease_name)  # type: ignore[attr-defined]
+    call: Callable[..., Any] = gateway.call
+
+    def racing(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path == "lease/keepalive":  # the force release's deletion lands first
+            call("kv/txn", force_release_txn(lock, name_key, grant.token))
+        return call(path, *args, **kwargs)
+
+    monkeypatch.setattr(gateway, "call", racing)
+    with pytest.raises(LeaseLost):
+        store.renew(grant, 5)
+    monkeypatch.undo()
+    call("kv/lease/revoke", {"ID": grant.extra["lease"]})  # the force release's revocation
+    assert store.inspect(lease_name).held is False  # type: ignore[union-attr]
 
 
 @pytest.mark.fault

@@ -18,12 +18,13 @@ by every write and kept across restarts, leader changes and compaction, so a lat
 name always has a higher one. Nothing to keep durable on our side.
 
 **Round trips.** etcd cannot attach a new lease and write in one request, and cannot keep a lease
-alive inside a transaction, so each operation is two: acquire = lease grant + transaction
-``create_revision(lock) == 0 -> put lock with the lease, put name`` (a third, revoking the
-unused lease, when the name is taken); renew = a read-only transaction proving holder, token and
-secret, then the keepalive; release = transaction ``create_revision == token and value ==
-ours -> delete``, then the lease revoke. Renewing to a *different* TTL moves the key to a new
-lease (grant, transaction, revoke), since an etcd lease's TTL is fixed when it is granted.
+alive inside a transaction, so each operation is two or three: acquire = lease grant +
+transaction ``create_revision(lock) == 0 -> put lock with the lease, put name`` (a third,
+revoking the unused lease, when the name is taken); renew = a read-only transaction proving
+holder, token and secret, the keepalive, and the proof again (see :meth:`Backend.renew`);
+release = transaction ``create_revision == token and value == ours -> delete``, then the lease
+revoke. Renewing to a *different* TTL moves the key to a new lease (grant, transaction,
+revoke), since an etcd lease's TTL is fixed when it is granted.
 
 **TTL.** etcd leases count whole seconds and the server raises a TTL below its minimum
 (``1.5 x election timeout``, rounded up); the grant reports the TTL the server granted, so the
@@ -87,14 +88,20 @@ def acquire_txn(lock: str, name_key: str, value: str, lease: int) -> dict[str, A
     }
 
 
-def owner_txn(lock: str, token: int, value: str, then: list[Any]) -> dict[str, Any]:
+def owner_txn(
+    lock: str, token: int, value: str, then: list[Any], lease: object = None
+) -> dict[str, Any]:
     """Do ``then`` only while the lock is the grant's: same create revision (token) and the
-    same value (holder and secret hash). Otherwise read the lock, to say why."""
+    same value (holder and secret hash), and attached to ``lease`` when given. Otherwise read
+    the lock, to say why."""
+    compare = [
+        {"key": lock, "target": "CREATE", "result": "EQUAL", "create_revision": token},
+        {"key": lock, "target": "VALUE", "result": "EQUAL", "value": value},
+    ]
+    if lease is not None:
+        compare.append({"key": lock, "target": "LEASE", "result": "EQUAL", "lease": lease})
     return {
-        "compare": [
-            {"key": lock, "target": "CREATE", "result": "EQUAL", "create_revision": token},
-            {"key": lock, "target": "VALUE", "result": "EQUAL", "value": value},
-        ],
+        "compare": compare,
         "success": [*then, {"request_range": {"key": lock}}],
         "failure": [{"request_range": {"key": lock}}],
     }
@@ -292,7 +299,17 @@ class Backend(LeaseBackend):
         return LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
 
     def renew(self, grant: Grant, ttl: float) -> Grant:
-        """Prove ownership, then keep the lease alive; to a new TTL, move to a new lease."""
+        """Prove ownership, keep the lease alive, then prove that the key is still the
+        grant's, on that lease; to a new TTL, move to a new lease.
+
+        The first proof keeps a forged grant (right token and holder, wrong secret) from
+        extending anyone's lease. The second closes the window between the first and the
+        keepalive: a force release deletes the key, then revokes its lease, and a keepalive
+        between the two succeeds on a lease that no longer carries the key (etcd before
+        3.4.38, 3.5.23 and 3.6.5 even answers a keepalive racing the revocation itself with
+        success, etcd #20590). A third round trip per renewal, against a holder believing for
+        another TTL that it holds a name it lost.
+        """
         if grant.extra.get("asked", _seconds(ttl)) != _seconds(ttl):
             return self._relet(grant, ttl)
         lock, _ = self._keys(grant.name)
@@ -305,6 +322,9 @@ class Backend(LeaseBackend):
         kept = self._call("lease/keepalive", {"ID": lease}).body.get("result", {})
         if int(kept.get("TTL", 0)) <= 0:
             raise LeaseLost(grant.name, grant.token, "its etcd lease expired before the renewal")
+        still = self._call("kv/txn", owner_txn(lock, grant.token, value, [], lease)).body
+        if not still.get("succeeded"):
+            raise self._refusal(grant, still, "renewal")
         granted = _counted(ttl, kept["TTL"])
         return replace(grant, ttl=granted, sent_at=sent_at, expires_at=_expires(granted))
 
