@@ -136,6 +136,32 @@ def test_a_renewal_racing_a_force_release_is_not_reported_renewed(
     assert store.inspect(lease_name).held is False  # type: ignore[union-attr]
 
 
+def test_a_renewals_closing_proof_is_a_write_that_wakes_no_waiter(
+    etcd_store: str, lease_name: str
+) -> None:
+    """The proof after the keepalive puts the key again, unchanged: its create revision (the
+    token), value and lease stay, its mod revision moves (the verdict went through the raft
+    log, not a read), and a waiter watching for the release is not woken by it."""
+    store = get_backend(etcd_store)
+    gateway = store.gateway  # type: ignore[attr-defined]
+    lock, _ = store._keys(lease_name)  # type: ignore[attr-defined]
+    grant = store.try_acquire(lease_name, "a", 5)
+    assert grant is not None
+    (before,) = gateway.call("kv/range", {"key": lock}).body["kvs"]
+    woken: list[bool] = []
+    waiter = threading.Thread(target=lambda: woken.append(store.wait_for_release(lease_name, 2)))
+    waiter.start()
+    for _ in range(3):
+        grant = store.renew(grant, 5)
+    waiter.join(10)
+    (after,) = gateway.call("kv/range", {"key": lock}).body["kvs"]
+    assert woken == [False]
+    assert int(after["mod_revision"]) > int(before["mod_revision"])
+    for field in ("create_revision", "value", "lease"):
+        assert after[field] == before[field], field
+    store.release(grant)
+
+
 @pytest.mark.fault
 @pytest.mark.django_db(transaction=True)
 def test_leader_killed_while_held_renewals_fail_over(
