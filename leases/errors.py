@@ -173,6 +173,8 @@ class LeaseLost(LeaseError):
     def __init__(self, name: str, token: int | None = None, detail: str = "") -> None:
         self.name = name
         self.token = token
+        #: Why, in the store's words (without the "no longer held" this message begins with).
+        self.detail = detail
         msg = f"lease {name!r} (token {token}) is no longer held"
         super().__init__(f"{msg}: {detail}" if detail else msg)
 

@@ -455,7 +455,9 @@ def _refusal(how: str, exc: Exception, revoked: int | None) -> str:
     release is why: the backend only knows its grant is gone ("expired or taken over"), not who
     took it away, and saying both would contradict itself."""
     if revoked is None:
-        return f"{how}: {exc}"
+        # The store's own words: a LeaseLost's message repeats what the reason is part of.
+        detail = exc.detail if isinstance(exc, LeaseLost) and exc.detail else str(exc)
+        return f"{how}: {detail}"
     return f"revoked: an operator force-released it (through token {revoked}): {how}"
 
 

@@ -146,9 +146,13 @@ def test_revoked_lease_is_reported_by_the_next_renewal(lease_backend: str, lease
     deadline = time.monotonic() + 2
     while not reasons and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(reasons) == 1 and reasons[0].startswith("renewal refused")
-    with pytest.raises(LeaseLost):
+    assert len(reasons) == 1 and reasons[0].startswith("renewal refused: ")
+    # The store's own words, not its exception's: the reason used to say "lease ... is no
+    # longer held" inside a LeaseLost that says so itself.
+    assert "no longer held" not in reasons[0], reasons[0]
+    with pytest.raises(LeaseLost) as raised:
         held.release()
+    assert str(raised.value).count("no longer held") == 1, raised.value
 
 
 def test_a_broken_on_lost_callback_is_logged_and_loss_still_reported(
