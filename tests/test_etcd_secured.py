@@ -122,6 +122,20 @@ def test_auth_refuses_a_wrong_password_an_outsider_and_no_credentials(
         assert get_backend(alias).inspect(lease_name) is None  # nothing was written
 
 
+def test_the_deploy_check_says_why_a_member_refused_it(auth_cluster: EtcdCluster) -> None:
+    """With good credentials each member answers its status; with a wrong password the check
+    fails (``leases.E003``) and says that the authentication was refused, not merely that
+    nobody answered."""
+    good = etcd_config(auth_cluster, USERNAME="leases", PASSWORD=PASSWORD)
+    with added_backend("etcd-auth", good) as alias:
+        problems = get_backend(alias).deploy_checks()
+    assert not [p for p in problems if "refused" in p or "no answer" in p], problems
+    bad = etcd_config(auth_cluster, USERNAME="leases", PASSWORD="wrong")
+    with added_backend("etcd-bad-password", bad) as alias, pytest.raises(LeaseError) as raised:
+        get_backend(alias).deploy_checks()
+    assert "refused: " in str(raised.value) and "authentication failed" in str(raised.value)
+
+
 def test_tls_with_the_ca_and_a_client_certificate(
     tls_cluster: EtcdCluster, tls_files: TlsFiles, lease_name: str
 ) -> None:

@@ -159,8 +159,11 @@ class Gateway:
         for client in self._clients:
             try:
                 response = self._post(client, path, body, self.request_timeout)
-            except (requests.RequestException, EtcdRefused) as exc:
+            except requests.RequestException as exc:
                 answers.append((client.base_url, f"no answer ({type(exc).__name__})"))
+                continue
+            except EtcdRefused as exc:  # its authentication, refused
+                answers.append((client.base_url, f"refused: {exc.message}"))
                 continue
             if response.status_code != requests.codes.ok:
                 answers.append((client.base_url, f"refused: {_message(response)}"))
