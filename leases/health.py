@@ -16,6 +16,11 @@ round trip and writes nothing. Wire it into django-health-check's view, once per
         ("leases.health.LeaseBackendHealth", {"alias": "redis"}),
     ])),
 
+The second kind is the store's state, the same for every app server: a load balancer fed it
+takes them all out at once while the store answers. Give a load balancer
+``{"alias": "default", "deploy": False}`` (reachability alone), and the full check to whoever
+can fix the store.
+
 The messages name the alias and the problem, never a URL (which may carry a password);
 the exception behind an unreachable store is logged under ``leases.health`` instead.
 """
@@ -43,6 +48,16 @@ class LeaseBackendHealth(HealthCheck):  # type: ignore[misc]  # health_check shi
     """Unavailable when the ``alias`` backend does not answer or reports deploy problems."""
 
     alias: str = "default"
+    #: ``False``: reachability only (the probe read), for a load balancer. The deploy problems
+    #: are the store's, shared by every app server: a balancer fed them takes all of them out
+    #: at once for a store that is answering.
+    deploy: bool = True
+
+    def __repr__(self) -> str:
+        """The check's name in django-health-check's report: as before the ``deploy`` option
+        for the full check (monitoring keyed on it keeps working), marked when reduced."""
+        reduced = "" if self.deploy else ", deploy=False"
+        return f"{type(self).__name__}(alias={self.alias!r}{reduced})"
 
     def run(self) -> None:
         """Synchronous on purpose: django-health-check runs it on a worker thread, and every
@@ -50,7 +65,7 @@ class LeaseBackendHealth(HealthCheck):  # type: ignore[misc]  # health_check shi
         try:
             backend = get_backend(self.alias)
             backend.inspect(PROBE_NAME)
-            problems = backend.store_checks() + backend.deploy_checks()
+            problems = backend.store_checks() + backend.deploy_checks() if self.deploy else []
         except Exception as exc:
             logger.warning(
                 "lease backend %r failed its health check: %s",

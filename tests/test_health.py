@@ -73,6 +73,26 @@ def test_a_backend_that_may_evict_leases_is_unsafe(evicting_backend: str) -> Non
     assert "unsafe" in failed and "allkeys-lru" in failed
 
 
+@pytest.mark.django_db
+def test_a_load_balancers_check_asks_reachability_alone(
+    evicting_backend: str, closed_port_backend: str
+) -> None:
+    """``deploy=False``: the same evicting store answers, so it is healthy (every app server
+    would otherwise be taken out at once for the store's setting); an unreachable one still
+    fails."""
+    checks = [
+        ("leases.health.LeaseBackendHealth", {"alias": alias, "deploy": False})
+        for alias in (evicting_backend, closed_port_backend)
+    ]
+    view: Any = HealthCheckView.as_view(checks=checks)
+    response = async_to_sync(view)(RequestFactory().get("/ht/", {"format": "json"}))
+    report = json.loads(response.content)
+    assert response.status_code == 500
+    assert report[f"LeaseBackendHealth(alias={evicting_backend!r}, deploy=False)"] == "OK"
+    failed = report[f"LeaseBackendHealth(alias={closed_port_backend!r}, deploy=False)"]
+    assert "unreachable" in failed
+
+
 def test_an_unknown_alias_is_unavailable() -> None:
     with pytest.raises(Exception, match="unreachable or misconfigured"):
         LeaseBackendHealth(alias="no-such-backend").run()
