@@ -90,8 +90,9 @@ def etcd_member_versions(alias: str) -> dict[str, str]:
     backend, whose deploy check the tests compare with this)."""
     from django.conf import settings
 
+    leases: dict[str, Any] = settings.LEASES
     versions = {}
-    for url in settings.LEASES["BACKENDS"][alias]["ENDPOINTS"]:
+    for url in leases["BACKENDS"][alias]["ENDPOINTS"]:
         request = urllib.request.Request(f"{url}/v3/maintenance/status", data=b"{}")
         with urllib.request.urlopen(request, timeout=5) as reply:
             versions[url] = str(json.loads(reply.read())["version"])

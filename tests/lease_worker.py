@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 #: Set in a forked contender (``contenders``) when told to stop (SIGUSR1).
 _told = threading.Event()
@@ -59,7 +59,9 @@ def contend(
         # round (release) and exit, instead of contending for the rest of ``seconds``.
         told = threading.Event()
         stop = told
-        threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+        threading.Thread(
+            target=lambda: (sys.stdin.readline(), cast(object, stop.set())), daemon=True
+        ).start()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not told.is_set():
         try:
@@ -96,7 +98,7 @@ def hold(
     accepted = record_write(register, held.token, held.holder)
     emit("acquired", token=held.token, holder=held.holder, accepted=accepted, name=held.name)
     sys.stdin.readline()
-    outcomes = {"write": record_write(register, held.token, held.holder)}
+    outcomes: dict[str, bool | str] = {"write": record_write(register, held.token, held.holder)}
     for action in ("ensure_held", "release"):
         try:
             getattr(held, action)()

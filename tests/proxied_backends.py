@@ -107,7 +107,8 @@ def _member_proxies(addresses: list[str], kind: str) -> list[FaultProxy]:
 
 def _etcd(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Proxied, str]:
     alias = etcd_ready(request)
-    direct = dict(settings.LEASES["BACKENDS"][alias])
+    leases: dict[str, Any] = settings.LEASES
+    direct = dict(leases["BACKENDS"][alias])
     if any(str(url).startswith("https") for url in direct["ENDPOINTS"]):
         pytest.skip("etcd: the configured cluster uses TLS; the proxied one would need its files")
     proxies = _member_proxies(list(direct["ENDPOINTS"]), "etcd")
@@ -126,7 +127,8 @@ def _etcd(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Proxied, str]
 
 def _zookeeper(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Proxied, str]:
     alias = zookeeper_ready(request)
-    direct = dict(settings.LEASES["BACKENDS"][alias])
+    leases: dict[str, Any] = settings.LEASES
+    direct = dict(leases["BACKENDS"][alias])
     hosts = direct["HOSTS"] if isinstance(direct["HOSTS"], str) else ",".join(direct["HOSTS"])
     members, slash, chroot = hosts.partition("/")
     proxies = _member_proxies(members.split(","), "zookeeper")

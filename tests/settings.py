@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from devservers import database_settings
 from tests.clusters import UNAVAILABLE_ETCD, UNAVAILABLE_ZOOKEEPER
@@ -84,7 +85,7 @@ CELERY_BROKER_URL = url_with_database(URLS["REDIS_URL"], "3")
 CELERY_RESULT_BACKEND = url_with_database(URLS["REDIS_URL"], "4")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
-LEASES = {
+LEASES: dict[str, Any] = {
     "BACKENDS": {
         "default": {"ENGINE": "leases.backends.database"},
         "redis": {"ENGINE": "leases.backends.redis", "CACHE": "default"},

@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("database", "redis", "redlock", "etcd", "zookeeper")
@@ -81,7 +81,8 @@ def worker(index: int, names: list[str], seed: int) -> int:
 
     rng = random.Random(seed * 1000 + index)
     holder = f"w{index}.{os.getpid()}"
-    stats: Counter[str] = Counter()
+    # Counts, and seconds (floats): typeshed's Counter holds only ints.
+    stats = cast("dict[str, float]", Counter())
     foreign = 0  # errors from the package that are not LeaseError: a broken contract
     began = time.monotonic()
     while time.monotonic() < until:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.contrib.auth.models import Permission
@@ -118,7 +118,7 @@ def test_every_backend_page_lists_and_releases(client: Client, lock_scene: LockS
     assert lock_scene.held in page and grant.name in page and "force-release" not in page
     for name, state in [(lock_scene.held, "held"), (lock_scene.expired, "expired")]:
         assert f'data-name="{name}">\n<td>{name}</td><td class="state">{state}</td>' in page
-    seen = {"name": grant.name, "backend": "redis", "token": grant.token}
+    seen: dict[str, str | int] = {"name": grant.name, "backend": "redis", "token": grant.token}
     assert client.get(RELEASE, seen).status_code == 403
     target = json.dumps(["redis", grant.name, grant.token])
     assert client.post(RELEASE, {"confirm": "yes", "target": [target]}).status_code == 403
@@ -234,14 +234,16 @@ def test_a_confirmed_release_of_a_lease_that_changed_hands_releases_nothing(
     assert seen is not None
     login(client, "view_lease", "force_release_lease")
     confirmation = client.get(
-        RELEASE, {"name": name, "backend": "default", "token": seen.token}
+        RELEASE,
+        cast("dict[str, str | int]", {"name": name, "backend": "default", "token": seen.token}),
     ).content.decode()
     assert "Yes, force-release" in confirmation
     store.release(seen)
     successor = store.try_acquire(name, "successor", 300)
     assert successor is not None
     changed = client.get(
-        RELEASE, {"name": name, "backend": "default", "token": seen.token}
+        RELEASE,
+        cast("dict[str, str | int]", {"name": name, "backend": "default", "token": seen.token}),
     ).content.decode()
     assert "changed:" in changed and "it will be left alone" in changed
     response = confirm_release(client, "default", name, seen.token).content.decode()

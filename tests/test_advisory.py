@@ -366,6 +366,7 @@ def test_names_are_recorded_in_the_background_on_first_use(
         transaction.set_rollback(True)
     assert not [q for q in queries if "leases_advisory_name" in q["sql"]]
     key = advisory_key(name)
+    assert isinstance(key, int)  # a name's key is one int64
     wait_until(
         lambda: AdvisoryLockName.objects.filter(key=key, name=name).exists(),
         10,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from django.core.handlers.wsgi import WSGIHandler
@@ -23,6 +23,11 @@ from django.urls import path
 
 from leases import advisory
 from tests.advisory_support import free_elsewhere
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse
+
+    from django.db.backends.postgresql.base import DatabaseWrapper
 
 HELD_ADVISORY_SQL = (
     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
@@ -55,7 +60,7 @@ def serve(path: str) -> bytes:
         "wsgi.input": io.BytesIO(b""),
         "wsgi.errors": io.StringIO(),
     }
-    response = WSGIHandler()(environ, lambda status, headers: None)
+    response = WSGIHandler()(environ, cast("StartResponse", lambda status, headers: None))
     try:
         return b"".join(response)
     finally:
@@ -85,7 +90,7 @@ def reused_alias(
         with django_db_blocker.unblock():
             connections["reused"].close()
             if request.param == "pool":
-                connections["reused"].close_pool()
+                cast("DatabaseWrapper", connections["reused"]).close_pool()  # PostgreSQL's
         del connections["reused"]
         connections.settings.pop("reused", None)
 
@@ -96,6 +101,7 @@ def test_a_session_lock_left_by_a_request_is_released_and_reported(
 ) -> None:
     with caplog.at_level(logging.ERROR, logger="leases.advisory"):
         assert serve(f"/leak/{reused_alias}") == b"leaked"
+    record: Any  # a LogRecord, with the event's fields as attributes
     (record,) = [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
     assert record.locks == ["leaked-by-a-view"] and record.released
     assert free_elsewhere("default", "leaked-by-a-view")

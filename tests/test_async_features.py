@@ -65,10 +65,10 @@ def test_async_idempotency_key_runs_once(transactional_db: None, lease_name: str
     @idempotency_key(lambda amount: f"{lease_name}-{amount}", scope="aio-tests")
     async def charge(amount: int) -> int:
         calls.append(amount)
-        made = await Charge.objects.acreate(amount=amount, key=lease_name)  # type: ignore[attr-defined]
+        made = await Charge.objects.acreate(amount=amount, key=lease_name)
         return int(made.pk)
 
-    async def main() -> tuple[list[object], int]:
+    async def main() -> tuple[list[int], int]:
         async with idempotency_key(lease_name, scope="aio-tests") as op:
             assert not op.replayed
             op.result = {"done": True}
@@ -80,4 +80,4 @@ def test_async_idempotency_key_runs_once(transactional_db: None, lease_name: str
 
     results, ran = asyncio.run(main())
     assert results[0] == results[1] and ran == 1
-    assert Charge.objects.filter(key=lease_name).count() == 1  # type: ignore[attr-defined]
+    assert Charge.objects.filter(key=lease_name).count() == 1

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -462,7 +462,12 @@ def test_leader_only_worker_skips_messages_without_a_valid_leader_token(
     try:
         unstamped = [
             Task.apply_async(leader_tick, (label,), queue=queue),
-            Task.apply_async(leader_tick, (label,), queue=queue, headers={LEADER_HEADER: 0}),
+            Task.apply_async(  # a header of 0, not the str Celery's stubs expect
+                leader_tick,
+                (label,),
+                queue=queue,
+                headers=cast("dict[str, str]", {LEADER_HEADER: 0}),
+            ),
             Task.apply_async(leader_tick, (label,), queue=queue, headers={LEADER_HEADER: "x"}),
             app.send_task(leader_tick.name, (label,), queue=queue),
         ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -65,7 +66,7 @@ def test_key_of_a_bound_task_skips_self_and_the_injected_lease() -> None:
     ],
 )
 def test_a_key_naming_no_parameter_is_refused_when_the_task_is_defined(
-    decorator: Any, template: str, says: str
+    decorator: Callable[[str], Callable[[Callable[..., None]], object]], template: str, says: str
 ) -> None:
     """Found only when the task ran, a misspelt field failed every call in a worker."""
     with pytest.raises(InvalidLeaseOption, match=says):

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.conf import settings
@@ -22,7 +22,7 @@ from leases.election import Leadership, elect, election_lease_name, leader_of
 from leases.errors import InvalidLeaseOption, LeaseUnavailable
 from tests import checker
 
-BACKENDS = sorted(settings.LEASES["BACKENDS"])
+BACKENDS: list[str] = sorted(cast("dict[str, Any]", settings.LEASES)["BACKENDS"])
 
 
 def unique(prefix: str = "election") -> str:

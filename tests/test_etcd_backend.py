@@ -40,14 +40,15 @@ def etcd_store(db: None) -> str:
 @contextlib.contextmanager
 def cluster_alias(endpoints: list[str]) -> Iterator[str]:
     """Alias ``etcd-fault`` on ``endpoints`` (the first is the member the client tries first)."""
-    backends: dict[str, Any] = {**settings.LEASES["BACKENDS"]}
+    leases: dict[str, Any] = settings.LEASES
+    backends: dict[str, Any] = {**leases["BACKENDS"]}
     backends[ALIAS] = {
         "ENGINE": "leases.backends.etcd",
         "ENDPOINTS": endpoints,
         "REQUEST_TIMEOUT": 0.5,
         "CONNECT_TIMEOUT": 0.2,
     }
-    with override_settings(LEASES={**settings.LEASES, "BACKENDS": backends}):
+    with override_settings(LEASES={**leases, "BACKENDS": backends}):
         yield ALIAS
 
 
@@ -291,7 +292,8 @@ def test_the_deploy_check_names_the_members_on_a_release_that_revokes_live_lease
 def test_a_member_that_does_not_answer_is_a_deploy_warning(etcd_store: str) -> None:
     """One silent member of three is worth a warning (the cluster still serves); none
     answering is ``leases.E003`` (``test_backend_checks.py``)."""
-    endpoints = settings.LEASES["BACKENDS"][etcd_store]["ENDPOINTS"]
+    leases: dict[str, Any] = settings.LEASES
+    endpoints = leases["BACKENDS"][etcd_store]["ENDPOINTS"]
     with cluster_alias([*endpoints, "http://127.0.0.1:1"]) as alias:
         problems = get_backend(alias).deploy_checks()
     silent = [p for p in problems if "127.0.0.1:1:" in p]

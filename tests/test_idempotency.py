@@ -34,7 +34,7 @@ ANONYMOUS_GUIDE = (
     "https://django-leases.readthedocs.io/en/stable/idempotency.html#anonymous-clients"
 )
 
-AnyClient = TypeVar("AnyClient", Client, AsyncClient)
+AnyClient = TypeVar("AnyClient", bound=Client | AsyncClient)
 
 
 def identified(client: AnyClient) -> AnyClient:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from django.db import connection, transaction
+from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
 from idempotency import IdempotencyKeyInProgress, IdempotencyKeyLost, idempotency_key
@@ -302,7 +303,7 @@ def test_server_side_binding_works_with_the_default_prepared_statements(
     settings.IDEMPOTENCY = {"CLAIM_IN_TRANSACTION": in_transaction}
     connection.close()
     try:
-        client = views_tests.identified(views_tests.Client())
+        client = views_tests.identified(Client())
         first = views_tests.post(client, "/idem/charge/", "k-ssb")
         again = views_tests.post(client, "/idem/charge/", "k-ssb")
         assert first.status_code == again.status_code == 201, first.content
@@ -335,7 +336,7 @@ def _claim_in_transaction(settings: Any) -> None:
 
 def test_the_setting_reaches_the_views() -> None:
     """The view tests below run with the setting; check it is really the gated claim."""
-    client = views_tests.identified(views_tests.Client())
+    client = views_tests.identified(Client())
     with CaptureQueriesContext(connection) as queries:
         views_tests.post(client, "/idem/charge/", "k-setting")
     assert any("pg_try_advisory_lock" in q["sql"] for q in queries.captured_queries)
@@ -395,7 +396,7 @@ def test_under_atomic_requests_the_claim_is_in_the_transaction_by_default(
     savepoint and bounded lock wait, and the key still commits with the request."""
     settings.IDEMPOTENCY = {}
     monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
-    client = views_tests.identified(views_tests.Client())
+    client = views_tests.identified(Client())
     with CaptureQueriesContext(connection) as queries:
         first = views_tests.post(client, "/idem/charge/", "k-atomic-requests")
     sent = [q["sql"] for q in queries.captured_queries]

@@ -56,7 +56,7 @@ def psycopg_cursors() -> Iterator[list[object]]:
         made.append(self)
         return original(self, *args, **kwargs)
 
-    psycopg.Connection.cursor = counting  # type: ignore[method-assign,assignment]
+    psycopg.Connection.cursor = counting  # type: ignore[method-assign]
     try:
         yield made
     finally:

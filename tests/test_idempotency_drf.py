@@ -4,7 +4,7 @@ DRF-authenticated request uses."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.http import HttpRequest, HttpResponse
@@ -28,7 +28,7 @@ FUNCTION_VIEW = "/idem/drf-function/"
 
 
 def _token(username: str) -> str:
-    return "Token " + Token.objects.create(user=UserFactory(username=username)).key
+    return "Token " + cast(str, Token.objects.create(user=UserFactory(username=username)).key)
 
 
 def test_idempotent_under_api_view_stores_and_replays_the_rendered_response() -> None:

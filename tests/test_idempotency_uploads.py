@@ -54,7 +54,7 @@ def test_file_contents_are_part_of_the_fingerprint(url: str) -> None:
 def test_a_retry_encoded_with_another_boundary_is_the_same_request() -> None:
     """Clients pick a new multipart boundary per attempt; the retry must still replay."""
     client = identified(Client())
-    fields = {"amount": "5", "doc": SimpleUploadedFile("a.txt", b"same")}
+    fields: dict[str, Any] = {"amount": "5", "doc": SimpleUploadedFile("a.txt", b"same")}
     replies = []
     for boundary in ("first-boundary", "second-boundary"):
         fields["doc"].seek(0)
@@ -79,7 +79,7 @@ def test_large_uploads_meet_the_same_limits_with_or_without_a_key(key: str | Non
     client = identified(Client())
     content = b"x" * BIG
     assert upload(client, "/idem/upload-exempt/", key, content).status_code == 201
-    extra = {} if key is None else {"HTTP_IDEMPOTENCY_KEY": key + "-raw"}
+    extra: dict[str, Any] = {} if key is None else {"HTTP_IDEMPOTENCY_KEY": key + "-raw"}
     streamed = client.post("/idem/upload-stream/", content, "application/octet-stream", **extra)
     assert streamed.status_code == 201
     assert json.loads(streamed.content)["sha256"] == hashlib.sha256(content).hexdigest()

@@ -10,7 +10,7 @@ import contextlib
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.db import transaction
@@ -35,7 +35,7 @@ def test_public_lease_is_the_function() -> None:
     module = sys.modules["leases.lease"]
     assert Lease is module.Lease
     assert leases.lease is lease
-    assert callable(leases.lease) and leases.lease is not module
+    assert callable(leases.lease) and leases.lease is not cast(object, module)
     assert leases.acquire is acquire and leases.Lease is module.Lease
 
 
@@ -213,7 +213,8 @@ def test_without_keepalive_loss_is_reported_at_expiry(lease_backend: str, lease_
             ttl=0.3,
             backend=lease_backend,
             keepalive=False,
-            on_lost=lambda lost: reasons.append(lost.lost_reason),
+            # lost_reason is set before on_lost runs.
+            on_lost=lambda lost: reasons.append(cast(str, lost.lost_reason)),
         )
         wait_until(held.lost.is_set, 3, "the lease to be reported lost")
         wait_until(lambda: received, 1, "lease_lost to be received")
@@ -566,7 +567,8 @@ def test_holder_identity_names_host_process_thread_and_label(
 def _backends() -> dict[str, Any]:
     from django.conf import settings
 
-    return dict(settings.LEASES["BACKENDS"])
+    configured: dict[str, Any] = settings.LEASES
+    return dict(configured["BACKENDS"])
 
 
 def test_decorating_async_or_generator_functions_is_refused() -> None:

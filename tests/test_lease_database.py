@@ -490,8 +490,9 @@ def test_a_releaser_cannot_take_the_name_back_from_the_waiter_in_the_room(
     The releaser uses a second alias of the same database, so it has its own connection, as
     another process would (one process's threads share a connection, which hides the race).
     """
-    backends = {**settings.LEASES["BACKENDS"], "other": {"ENGINE": "leases.backends.database"}}
-    with override_settings(LEASES={**settings.LEASES, "BACKENDS": backends}):
+    leases: dict[str, Any] = settings.LEASES
+    backends = {**leases["BACKENDS"], "other": {"ENGINE": "leases.backends.database"}}
+    with override_settings(LEASES={**leases, "BACKENDS": backends}):
         holder = acquire(lease_name, ttl=10, keepalive=False, backend="other")
         got: list[int] = []
 
@@ -820,6 +821,7 @@ def test_the_next_waiter_reads_the_name_only_after_the_grant_before_it_committed
     the second could have read the name; tries are counted from libpq's trace of the room
     connections, as in the test above."""
     gate = advisory_key(f"test-gate:{lease_name}")
+    assert isinstance(gate, int)  # a name's key is one int64
     backend = database_backend()
     monkeypatch.setattr(backend._room, "timeout", 60.0)  # the held-up commit is no dead server
     with traced_room_connections(monkeypatch) as trace, own_connection() as gatekeeper:
@@ -914,10 +916,11 @@ def test_a_database_that_cannot_be_reached_is_reported_for_the_lease_backend_ask
     failed connect named the Django database alias as if it were the lease backend ("lease
     backend 'fault' is unavailable" for a backend called ``elsewhere``)."""
     db_alias, server = fault_database
-    backends = {**settings.LEASES["BACKENDS"]}
+    leases: dict[str, Any] = settings.LEASES
+    backends = {**leases["BACKENDS"]}
     backends["elsewhere"] = {"ENGINE": "leases.backends.database", "DATABASE": db_alias}
     server.stop("fast")
-    with override_settings(LEASES={**settings.LEASES, "BACKENDS": backends}):
+    with override_settings(LEASES={**leases, "BACKENDS": backends}):
         try:
             with pytest.raises(BackendUnavailable) as sync:
                 acquire("unreachable", backend="elsewhere", timeout=0, keepalive=False)

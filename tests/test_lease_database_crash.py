@@ -36,9 +36,10 @@ TTL = 60.0
 
 
 def crash_backends(alias: str) -> dict[str, Any]:
-    backends = dict(settings.LEASES["BACKENDS"])
+    leases: dict[str, Any] = settings.LEASES
+    backends = dict(leases["BACKENDS"])
     backends["crash"] = {"ENGINE": "leases.backends.database", "DATABASE": alias}
-    return {**settings.LEASES, "BACKENDS": backends}
+    return {**leases, "BACKENDS": backends}
 
 
 def test_a_release_lost_in_a_crash_leaves_its_grant_to_expire_and_tokens_move_on(

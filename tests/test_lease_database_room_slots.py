@@ -16,7 +16,7 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.db import connections
@@ -198,7 +198,7 @@ def test_a_thread_in_line_sends_no_try_outside_while_its_process_fills_the_room(
         if waited == name and _in_line(room._stay()):
             me = threading.current_thread().name
             waits[me] = waits.get(me, 0) + 1
-        return real_wait(waited, timeout)
+        return cast("bool | None", real_wait(waited, timeout))
 
     monkeypatch.setattr(backend, "_try_own", try_own)
     monkeypatch.setattr(backend, "_run", run)
@@ -208,7 +208,8 @@ def test_a_thread_in_line_sends_no_try_outside_while_its_process_fills_the_room(
     threads = [
         threading.Thread(
             target=lambda: granted.append(
-                acquire(name, ttl=30, keepalive=False, timeout=WITHIN).release() or 1
+                cast("int | None", acquire(name, ttl=30, keepalive=False, timeout=WITHIN).release())
+                or 1
             )
         )
         for _ in range(ROOM_CONNECTIONS + IN_LINE)

@@ -79,6 +79,7 @@ def test_the_backends_connections_read_times_as_django_does(lease_name: str) -> 
             grant = backend.try_acquire(lease_name, "time-zone-holder", 30)
             assert grant is not None
             info = backend.inspect(lease_name)
+            assert info is not None
             acquired_at, expires_at = stored_times(lease_name)
             assert grant.expires_at == expires_at
             assert info.acquired_at == acquired_at and info.expires_at == expires_at
@@ -163,7 +164,7 @@ def test_a_projects_own_time_loader_is_kept() -> None:
     """A loader a project registered on the connection is what loads times, not psycopg's."""
 
     class Marked(TimestamptzLoader):
-        def load(self, data: Any) -> object:
+        def load(self, data: Any) -> Any:  # not a datetime: a mark of who loaded it
             return ("marked", bytes(data))
 
     conn = connect("default")

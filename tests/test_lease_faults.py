@@ -230,9 +230,10 @@ def test_paused_holder_is_fenced_off_and_cannot_harm_its_successor(
 
 
 def fault_backends(alias: str) -> dict[str, Any]:
-    backends = dict(settings.LEASES["BACKENDS"])
+    leases: dict[str, Any] = settings.LEASES
+    backends = dict(leases["BACKENDS"])
     backends["fault"] = {"ENGINE": "leases.backends.database", "DATABASE": alias}
-    return {**settings.LEASES, "BACKENDS": backends}
+    return {**leases, "BACKENDS": backends}
 
 
 @pytest.mark.parametrize("fault", ["stop", "pause"])

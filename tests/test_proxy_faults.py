@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import redis
@@ -38,6 +38,9 @@ from tests import checker
 from tests.lease_backends import lease_name, require
 from tests.proxied_backends import Proxied, proxied
 from tests.waiting import wait_until
+
+if TYPE_CHECKING:
+    from leases.backends.database import Backend as DatabaseBackend
 
 __all__ = ["lease_name", "proxied"]
 
@@ -535,7 +538,9 @@ def room_sessions(name: str) -> dict[bool, int]:
     its own: the ``"direct"`` backend's connection belongs to its lock, and a waiter thread on
     that backend may be using it (two threads on one psycopg connection garble its replies)."""
     classid, objid = split_key(room_key(name))
-    with contextlib.closing(connect(get_backend("direct").db_alias)) as conn:
+    with contextlib.closing(
+        connect(cast("DatabaseBackend", get_backend("direct")).db_alias)
+    ) as conn:
         rows = conn.execute(
             "SELECT granted, count(*)::int FROM pg_locks WHERE locktype = 'advisory' "
             "AND classid = %s AND objid = %s AND objsubid = 1 GROUP BY granted",

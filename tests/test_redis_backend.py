@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -81,7 +81,10 @@ def test_redis_keeps_a_hash_of_the_secret_never_the_secret(make_backend: MakeBac
     assert grant is not None and len(grant.secret) == 32
     keys = LeaseKeys.of(backend.prefix, name)
     client = redis.Redis.from_url(os.environ["REDIS_URL"])
-    stored = (client.get(keys.lock) or b"") + b"".join(client.hgetall(keys.fence).values())
+    # Without decode_responses, redis-py reads bytes.
+    lock = cast("bytes | None", client.get(keys.lock))
+    fence = cast("dict[bytes, bytes]", client.hgetall(keys.fence))
+    stored = (lock or b"") + b"".join(fence.values())
     assert grant.secret.encode() not in stored
     assert client.get(keys.lock) == stored_value(grant).encode()
     backend.release(grant)
@@ -118,7 +121,10 @@ def test_release_after_expiry_keeps_successor(make_backend: MakeBackend) -> None
     client = redis.Redis.from_url(os.environ["REDIS_URL"])
     # The compare-and-delete itself answers "not yours" and leaves the key alone.
     script = client.register_script(RELEASE_LUA)
-    assert script(keys=[keys.lock, keys.wake], args=[*owner_args(old), 1]) == Reply.LOST
+    assert (
+        script(keys=[keys.lock, keys.wake], args=[*cast("list[str]", owner_args(old)), 1])
+        == Reply.LOST
+    )
     assert client.get(keys.lock) == stored_value(new).encode()
     info = backend.inspect(name)
     assert info is not None and info.held and info.holder == "new" and info.token == new.token
@@ -266,7 +272,7 @@ def test_killed_and_restarted_empty_tokens_keep_increasing(
             assert checker.record_write(register, grant.token, grant.holder)
             if holder == "a":
                 backend.release(grant)
-        stale = grant  # still "held" when the server dies with everything it knew
+        stale = cast(Grant, grant)  # still "held" when the server dies with everything it knew
         redis_server.restart("kill")
         assert backend.inspect(name) is None  # the server really came back empty
     fresh = backend.try_acquire(name, "after", 5)
@@ -365,7 +371,7 @@ def test_one_round_trip_each_for_acquire_renew_release(make_backend: MakeBackend
     for step in ("acquire", "renew", "release"):
         sent.clear()
         if step == "acquire":
-            grant = backend.try_acquire(name, "a", 5)
+            grant = cast(Grant, backend.try_acquire(name, "a", 5))  # the name is free
         elif step == "renew":
             grant = backend.renew(grant, 5)
         else:
@@ -522,7 +528,7 @@ def test_an_async_connect_on_a_stalled_event_loop_leaves_the_round_trip_its_full
         connects.append(connection)
         if phase == "tcp":  # the loop's next turn blocks, the connect under way
             asyncio.get_running_loop().call_soon(time.sleep, stall)
-        await connect(connection)
+        await connect(connection)  # type: ignore[no-untyped-call]  # unannotated in redis-py
         if phase == "handshake":
             asyncio.get_running_loop().call_soon(time.sleep, stall)
 

@@ -81,7 +81,7 @@ def test_leases_on_every_node_of_a_cluster(cluster: list[RedisServer]) -> None:
         by_node: dict[int, str] = {}  # one name served by each node
         for _ in range(200):
             name = f"c-{uuid.uuid4().hex[:8]}"
-            port = client.get_node_from_key(LeaseKeys.of("leases:", name).lock).port
+            port = client.get_node_from_key(LeaseKeys.of("leases:", name).lock).port  # type: ignore[no-untyped-call]
             by_node.setdefault(port, name)
         names = list(by_node.values())
         assert len(names) == 3

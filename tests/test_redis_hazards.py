@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import pytest
 import redis
@@ -81,7 +82,7 @@ def test_client_pause_past_the_ttl_never_lets_the_holder_believe_it_holds(
     assert checker.record_write(register, old, "old")
     admin = redis.Redis.from_url(redis_server.url)
     paused_at = time.monotonic()
-    admin.execute_command("CLIENT", "PAUSE", int(2 * ttl * 1000), "ALL")
+    admin.execute_command("CLIENT", "PAUSE", int(2 * ttl * 1000), "ALL")  # type: ignore[no-untyped-call]
     believed_until = paused_at
     while time.monotonic() < paused_at + 2 * ttl:  # bounded: the pause's length
         now, left = time.monotonic(), old.remaining()
@@ -100,7 +101,11 @@ def test_client_pause_past_the_ttl_never_lets_the_holder_believe_it_holds(
     assert not checker.record_write(register, old.token, "old")
     time.sleep(0.2)  # any renewal still queued from the pause has been answered by now
     assert old.remaining() == 0 and new.remaining() > 0
-    info = redis.Redis.from_url(redis_server.url).get(LeaseKeys.of("leases:", name).lock)
+    # Without decode_responses, redis-py reads bytes.
+    info = cast(
+        "bytes | None",
+        redis.Redis.from_url(redis_server.url).get(LeaseKeys.of("leases:", name).lock),
+    )
     assert info is not None and info.endswith(b":successor")
     new.release()
     summary = checker.check_history(register, [old.token, new.token])

@@ -94,6 +94,7 @@ def test_a_restart_from_an_older_snapshot_never_repeats_a_token(
     """The snapshot brings back a lower counter stamped with the old run's id; the trusted id
     must not outlive the connection, however young it is."""
     (server,) = redis_servers(1)
+    tokens: list[int]
     backend, name, tokens = backend_on(server, 3600.0), f"run-{uuid.uuid4().hex[:8]}", []
     cycle(backend, name, tokens)
     redis.Redis.from_url(server.url).save()
@@ -139,6 +140,7 @@ def test_a_connection_idle_through_a_demotion_and_promotion_never_repeats_a_toke
     primary, other = redis_servers(2)
     for server in (primary, other):
         redis.Redis.from_url(server.url).config_set("repl-diskless-sync-delay", 0)
+    tokens: list[int]
     backend, name, tokens = backend_on(primary, trust), f"run-{uuid.uuid4().hex[:8]}", []
     fence = LeaseKeys.of(backend.prefix, name).fence
     replica = redis.Redis.from_url(other.url)

@@ -22,6 +22,7 @@ import ast
 import inspect
 import re
 from types import ModuleType
+from typing import cast
 
 import pytest
 
@@ -204,7 +205,10 @@ def python_writes(source: str) -> list[str]:
             if isinstance(node.func, ast.Attribute):
                 attr = node.func.attr
                 keywords = {k.arg: k.value for k in node.keywords}
-                nx = isinstance(keywords.get("nx"), ast.Constant) and keywords["nx"].value is True
+                nx = (
+                    isinstance(keywords.get("nx"), ast.Constant)
+                    and cast(ast.Constant, keywords["nx"]).value is True
+                )
                 forbidden = attr in PY_FORBIDDEN or (attr == "set" and not nx)
                 if forbidden and not _runs_a_script_constant(attr, node.args):
                     found.append(f"line {node.lineno}: .{attr}(...)")
@@ -214,7 +218,7 @@ def python_writes(source: str) -> list[str]:
         first = words[0] if raw and isinstance(raw[0], ast.Constant) and words else ""
         nx_set = first == "SET" and "NX" in words[1:]
         if first in DESTRUCTIVE | {"KEYS"} and not nx_set:
-            found.append(f"line {node.lineno}: raw {first}")
+            found.append(f"line {cast(ast.expr, node).lineno}: raw {first}")  # a call or tuple
     return found
 
 

@@ -34,13 +34,14 @@ GAP = 8.0
 
 
 def contended(nodes: list[str]) -> dict[str, Any]:
-    backends = dict(settings.LEASES["BACKENDS"])
+    leases: dict[str, Any] = settings.LEASES
+    backends = dict(leases["BACKENDS"])
     backends["contended"] = {
         "ENGINE": "leases.backends.redlock",
         "NODES": nodes,
         "NODE_TIMEOUT": 1.0,  # as the contention benchmark
     }
-    return {**settings.LEASES, "BACKENDS": backends}
+    return {**leases, "BACKENDS": backends}
 
 
 def test_many_contenders_each_get_the_lease_and_the_name_never_stalls(

@@ -73,7 +73,7 @@ def test_a_bad_limit_is_refused_before_any_round_trip(
         acquire_slot("exports", limit=limit, backend=closed_port_backend)  # type: ignore[arg-type]
     assert refused.value.option == "limit"
     with pytest.raises(InvalidLeaseOption):
-        semaphore("exports", limit=limit)  # type: ignore[arg-type]
+        semaphore("exports", limit=limit)  # type: ignore[call-overload]
 
 
 def test_user_names_cannot_collide_with_slots(closed_port_backend: str) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NoNodeError  # type: ignore[import-untyped]
 
 from leases import aacquire
 from leases.backends import get_backend
@@ -20,6 +20,9 @@ from leases.backends._zookeeper_line import read_data
 from tests.clusters import zookeeper_ready
 from tests.lease_backends import lease_name
 from tests.waiting import wait_until
+
+if TYPE_CHECKING:
+    from leases.backends.zookeeper import Backend as ZooKeeperBackend
 
 __all__ = ["lease_name"]  # fixture, re-exported for pytest
 
@@ -79,7 +82,7 @@ def test_an_async_release_wakes_only_the_next_in_line(zookeeper: str, lease_name
     """The async twin: four tasks queue (``awaiting_room``) one after another behind a 30 s
     holder; the release wakes the first, which then holds the name, and the other three stay
     asleep in the line. (Async waiters used to watch the head, so every one of them woke.)"""
-    store = get_backend(zookeeper)
+    store = cast("ZooKeeperBackend", get_backend(zookeeper))
     holder = store.try_acquire(lease_name, "holder", 30)
     assert holder is not None
     woken: list[tuple[int, Any]] = []
@@ -144,7 +147,7 @@ def test_async_waiters_take_the_name_in_line(zookeeper: str, lease_name: str) ->
     """``aacquire`` waiters stand in the name's line while they wait (one node each, no tries
     between wake-ups) and take the name in the order they queued, each woken by the release of
     the one before."""
-    store = get_backend(zookeeper)
+    store = cast("ZooKeeperBackend", get_backend(zookeeper))
     holder = store.try_acquire(lease_name, "holder", 30)
     assert holder is not None
     order: list[str] = []

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.test import override_settings
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NoNodeError  # type: ignore[import-untyped]
 
 from devservers.proxy import FaultProxy
 from devservers.zookeeper import ZooKeeperEnsemble, zookeeper_classpath
@@ -52,7 +52,8 @@ def backends(ensemble: ZooKeeperEnsemble) -> Iterator[Any]:
     def configure(
         session: float = SESSION, request: float = 1.0, connect: float = 10.0, **aliases: str
     ) -> None:
-        configured = dict(settings.LEASES["BACKENDS"])
+        leases: dict[str, Any] = settings.LEASES
+        configured = dict(leases["BACKENDS"])
         for alias, hosts in aliases.items():
             configured[alias] = {
                 "ENGINE": "leases.backends.zookeeper",
@@ -305,7 +306,7 @@ def test_a_renewal_finding_its_client_dead_waits_no_longer_than_its_validity(
         store = _dead_client_behind_a_blackhole(ensemble, backends, proxy, "zk_dead")
         name = f"zk-dead-renew-{time.monotonic_ns()}"
         held = acquire(name, ttl=SESSION, backend="zk_dead", keepalive=False)
-        store.zk.opened.stop()  # type: ignore[attr-defined]
+        store.zk.opened.stop()
         proxy.blackhole()
         started = time.monotonic()
         outcome: list[BaseException | object] = []
@@ -335,7 +336,7 @@ def test_an_acquire_finding_its_client_dead_waits_no_longer_than_its_ttl(
     would have no validity left."""
     with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
         store = _dead_client_behind_a_blackhole(ensemble, backends, proxy, "zk_dead_acquire")
-        store.zk.opened.stop()  # type: ignore[attr-defined]
+        store.zk.opened.stop()
         proxy.blackhole()
         ttl = 1.5
         for timeout in (0.0, 2.0):
@@ -380,7 +381,7 @@ def test_a_try_made_while_waiting_finds_its_client_dead_and_stops_at_the_deadlin
     (seen in a loaded CI run)."""
     with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
         store = _dead_client_behind_a_blackhole(ensemble, backends, proxy, "zk_try", 10.0)
-        store.zk.opened.stop()  # type: ignore[attr-defined]
+        store.zk.opened.stop()
         proxy.blackhole()
         started = time.monotonic()
         with pytest.raises(BackendUnavailable), tries_until(started + 1.0):
@@ -443,7 +444,7 @@ def test_a_waiter_finding_its_client_dead_waits_no_longer_than_its_deadline(
         waiter = threading.Thread(target=wait, daemon=True)
         started = time.monotonic()
         waiter.start()
-        placed = f"{store.prefix}/names/{name}"  # type: ignore[attr-defined]
+        placed = f"{store.prefix}/names/{name}"
         looker = get_backend("zk_holding").client  # type: ignore[attr-defined]
 
         def queued() -> bool:
@@ -462,7 +463,7 @@ def test_a_waiter_finding_its_client_dead_waits_no_longer_than_its_deadline(
         # Stopping a live kazoo client closes its session on a server, which a loaded
         # ensemble can take seconds to answer; the waiter's calls on that client wait for the
         # stop inside kazoo. The fault is in place once it returned: the bound counts from then.
-        store.zk.opened.stop()  # type: ignore[attr-defined]
+        store.zk.opened.stop()
         proxy.blackhole()
         faulted = time.monotonic()
         waiter.join(30)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from django.db import models
 
 
@@ -10,6 +12,10 @@ class AdvisoryCounter(models.Model):
 
     name = models.CharField(max_length=100, primary_key=True)
     value = models.IntegerField(default=0)
+
+    # The default manager Django adds: django-stubs' plugin reads the demo settings, which lack
+    # this test app, so it does not declare it.
+    objects: ClassVar[models.Manager[AdvisoryCounter]]
 
     class Meta:
         app_label = "testapp"

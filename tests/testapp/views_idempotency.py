@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -38,6 +38,9 @@ from idempotency import IdempotentMixin, idempotent
 from idempotency.models import IdempotencyKey
 from tests.testapp import views_async
 from tests.testapp.models_idempotency import Charge
+
+if TYPE_CHECKING:
+    from django.core.files.uploadedfile import UploadedFile
 
 # Failures the flaky views still have to produce, by kind: "status" -> 503, "raise" -> exception,
 # "refuse" -> 429 from the view, "throttle" -> DRF's 429, "forbid" -> DRF's permission 403.
@@ -279,8 +282,12 @@ def _buffered(request: HttpRequest) -> bool:
 def upload(request: HttpRequest) -> HttpResponse:
     """A multipart upload; not CSRF-exempt, so an enforcing client has the middleware parse it
     before the guard runs."""
-    files = {name: hashlib.sha256(f.read()).hexdigest() for name, f in request.FILES.items()}
-    size = sum(f.size or 0 for f in request.FILES.values())
+    # items() and values() give each field's last file (django-stubs also allows a list).
+    files = {
+        name: hashlib.sha256(cast("UploadedFile[bytes]", f).read()).hexdigest()
+        for name, f in request.FILES.items()
+    }
+    size = sum(cast("UploadedFile[bytes]", f).size or 0 for f in request.FILES.values())
     made = Charge.objects.create(key="upload", amount=size)
     return JsonResponse(
         {"charge": made.pk, "files": files, "buffered": _buffered(request)}, status=201
