@@ -21,7 +21,7 @@ name always has a higher one. Nothing to keep durable on our side.
 alive inside a transaction, so each operation is two or three: acquire = lease grant +
 transaction ``create_revision(lock) == 0 -> put lock with the lease, put name`` (a third,
 revoking the unused lease, when the name is taken); renew = a read-only transaction proving
-holder, token and secret, the keepalive, and the proof again as a write (see
+holder, token and secret, the keepalive, and the proof again (see
 :meth:`Backend.renew`); release = transaction ``create_revision == token and value == ours ->
 delete``, then the lease revoke. Renewing to a *different* TTL moves the key to a new lease
 (grant, transaction, revoke), since an etcd lease's TTL is fixed when it is granted.
@@ -56,7 +56,6 @@ __all__ = [
     "owner_txn",
     "release_txn",
     "revokes_live_leases",
-    "touch_txn",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,15 +105,6 @@ def owner_txn(
         "success": [*then, {"request_range": {"key": lock}}],
         "failure": [{"request_range": {"key": lock}}],
     }
-
-
-def touch_txn(lock: str, token: int, value: str, lease: object) -> dict[str, Any]:
-    """The renewal's closing proof, as a write: while the lock is the grant's, on ``lease``,
-    put it again unchanged (same value, same lease; its create revision, the token, stays).
-    A write's compare is judged where the raft log is applied, never by a read that a paused
-    member may answer stale; watchers of the lock skip puts."""
-    touch = {"request_put": {"key": lock, "ignore_value": True, "ignore_lease": True}}
-    return owner_txn(lock, token, value, [touch], lease)
 
 
 def release_txn(lock: str, token: int, value: str) -> dict[str, Any]:
@@ -317,10 +307,15 @@ class Backend(LeaseBackend):
         keepalive: a force release deletes the key, then revokes its lease, and a keepalive
         between the two succeeds on a lease that no longer carries the key (etcd before
         3.4.38, 3.5.23 and 3.6.5 even answers a keepalive racing the revocation itself with
-        success, etcd #20590). It is a write (:func:`touch_txn`), so the verdict does not rest
-        on a linearizable read either, which etcd before 3.4.42, 3.5.28 and 3.6.9 could answer
-        stale after a member's pause (etcd #20418). A third round trip per renewal, and a raft
-        write, against a holder believing for another TTL that it holds a name it lost.
+        success, etcd #20590). A third round trip per renewal, against a holder believing for
+        another TTL that it holds a name it lost.
+
+        Both proofs are reads, never writes: a renewal that wrote would add a revision to the
+        cluster's history every TTL/3 for every held lease, and etcd keeps every revision
+        until it is compacted (not by default), so an idle holder would grow the database
+        toward its space quota, past which the cluster refuses every write. A linearizable
+        read has its own hazard, fixed in etcd 3.4.42, 3.5.28 and 3.6.9: before those, a member
+        resumed from a pause could answer one stale (etcd #20418).
         """
         if grant.extra.get("asked", _seconds(ttl)) != _seconds(ttl):
             return self._relet(grant, ttl)
@@ -334,7 +329,7 @@ class Backend(LeaseBackend):
         kept = self._call("lease/keepalive", {"ID": lease}).body.get("result", {})
         if int(kept.get("TTL", 0)) <= 0:
             raise LeaseLost(grant.name, grant.token, "its etcd lease expired before the renewal")
-        still = self._call("kv/txn", touch_txn(lock, grant.token, value, lease)).body
+        still = self._call("kv/txn", owner_txn(lock, grant.token, value, [], lease)).body
         if not still.get("succeeded"):
             raise self._refusal(grant, still, "renewal")
         granted = _counted(ttl, kept["TTL"])
