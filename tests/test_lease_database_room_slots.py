@@ -205,15 +205,12 @@ def test_a_thread_in_line_sends_no_try_outside_while_its_process_fills_the_room(
     monkeypatch.setattr(room, "_wait_in_line", wait_in_line)
     held = acquire(name, ttl=30, keepalive=False, holder="holder")
     granted: list[int] = []
-    threads = [
-        threading.Thread(
-            target=lambda: granted.append(
-                cast("int | None", acquire(name, ttl=30, keepalive=False, timeout=WITHIN).release())
-                or 1
-            )
-        )
-        for _ in range(ROOM_CONNECTIONS + IN_LINE)
-    ]
+
+    def take() -> None:
+        acquire(name, ttl=30, keepalive=False, timeout=WITHIN).release()
+        granted.append(1)
+
+    threads = [threading.Thread(target=take) for _ in range(ROOM_CONNECTIONS + IN_LINE)]
     try:
         for thread in threads:
             thread.start()
