@@ -8,6 +8,7 @@ SIGKILL its leader and SIGSTOP members, and every writer's history goes through 
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -296,6 +297,74 @@ def test_a_member_that_does_not_answer_is_a_deploy_warning(etcd_store: str) -> N
         problems = get_backend(alias).deploy_checks()
     silent = [p for p in problems if "127.0.0.1:1:" in p]
     assert len(silent) == 1 and "no answer" in silent[0], problems
+
+
+class HungMembers:
+    """Listeners that accept a request's connection and never answer (a member whose process
+    is stopped, or a proxy in front of a dead one), until :meth:`close` cuts every connection
+    they took; :attr:`all_asked` is set once each has one."""
+
+    def __init__(self, count: int) -> None:
+        self.listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+        self.urls = [f"http://127.0.0.1:{sock.getsockname()[1]}" for sock in self.listeners]
+        self.taken: list[socket.socket] = []
+        self.all_asked = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._accept, args=(listener,), daemon=True)
+            for listener in self.listeners
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # closed
+            conn, _ = listener.accept()
+            with self._lock:
+                self.taken.append(conn)
+                if len(self.taken) == len(self.listeners):
+                    self.all_asked.set()
+
+    def close(self) -> None:
+        for sock in [*self.listeners, *self.taken]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in self._threads:
+            thread.join(5)
+
+
+def test_the_deploy_check_asks_the_members_at_once(etcd_store: str) -> None:
+    """Hung members cost the check one reply timeout together, not one each: every member is
+    asked before any of them answers (asked in turn, the second hung member would be asked
+    only once the first timed out, 30 s here)."""
+    leases: dict[str, Any] = settings.LEASES
+    endpoints = leases["BACKENDS"][etcd_store]["ENDPOINTS"]
+    hung = HungMembers(3)
+    backends: dict[str, Any] = {**leases["BACKENDS"]}
+    backends[ALIAS] = {
+        "ENGINE": "leases.backends.etcd",
+        "ENDPOINTS": [*hung.urls, *endpoints],
+        "REQUEST_TIMEOUT": 30.0,
+    }
+    problems: list[str] = []
+    try:
+        with override_settings(LEASES={**leases, "BACKENDS": backends}):
+            checking = threading.Thread(
+                target=lambda: problems.extend(get_backend(ALIAS).deploy_checks()), daemon=True
+            )
+            checking.start()
+            all_asked = hung.all_asked.wait(10)
+            hung.close()
+            checking.join(20)
+    finally:
+        hung.close()
+    assert all_asked, f"only {len(hung.taken)} of 3 hung members asked within 10 s"
+    assert not checking.is_alive()
+    silent = [p for p in problems if "no answer" in p]
+    assert [p.split(": no answer")[0] for p in silent] == [
+        f"etcd member {url}" for url in hung.urls
+    ], problems
 
 
 @pytest.mark.fault
