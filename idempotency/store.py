@@ -515,6 +515,20 @@ class Attempt:
 
     def commit(self, outcome: Outcome) -> None:
         self._leave()
+        connection = connections[self.claim.using]
+        if connection.needs_rollback:
+            if self._block is None:
+                # A non-atomic attempt inside a transaction the work marked for rollback: the
+                # claim (made in that transaction) rolls back with it, and nothing can be
+                # written there. The key stays free, as the effects are undone.
+                return
+            # The work undid its own writes and still answered (``set_rollback(True)``, as
+            # DRF's exception handler does for every error under ``ATOMIC_REQUESTS``): roll
+            # them back as it asked, then store the answer outside the block, where the claim
+            # (made before the block opened) still stands. Stored inside, the write was refused
+            # and the answer lost to a 500.
+            block, self._block = self._block, None
+            block.__exit__(None, None, None)
         try:
             released = finish(self.claim, outcome, ttl=self.ttl, commit=self.commits_in_one_trip())
         except BaseException:

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 from django.db import connection, transaction
-from django.test import Client
+from django.test import Client, override_settings
 
 from idempotency.models import IdempotencyKey
 from idempotency.store import Status, begin
 from tests.factories import UserFactory
-from tests.test_idempotency import post, problem_type
+from tests.test_idempotency import _basic, post, problem_type
 from tests.testapp import views_idempotency
 from tests.testapp.models_idempotency import Charge
 
@@ -153,3 +153,60 @@ def test_on_commit_callbacks_of_an_aborted_attempt_never_run(
     assert committed == [] and Charge.objects.count() == 0
     retry = post(on_commit_client, "/idem/flaky/", "k-abort")
     assert retry.status_code == 201 and committed == [(int(retry["X-Charge"]), 1)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_view_that_rolls_its_writes_back_and_answers_400_gets_its_400_stored(
+    on_commit_client: Client,
+) -> None:
+    """``transaction.set_rollback(True)`` then a 400: the writes are undone as the view asked,
+    and its answer is the key's (the guard used to store it inside the rolled-back block:
+    ``TransactionManagementError``, a 500)."""
+    FAILURES["invalid"] = 1
+    first = post(on_commit_client, "/idem/flaky/", "k-invalid")
+    assert first.status_code == 400, first.content
+    assert committed == [] and Charge.objects.count() == 0
+    again = post(on_commit_client, "/idem/flaky/", "k-invalid")
+    assert again.status_code == 400 and again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content and Charge.objects.count() == 0
+    assert IdempotencyKey.objects.get().state == "completed"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("atomic_requests", [False, True], ids=["autocommit", "atomic_requests"])
+@pytest.mark.parametrize("in_transaction", [False, True], ids=["row_claim", "claim_in_transaction"])
+def test_a_drf_validation_error_is_a_stored_400_under_atomic_requests_too(
+    monkeypatch: pytest.MonkeyPatch, atomic_requests: bool, in_transaction: bool
+) -> None:
+    """DRF's exception handler marks the transaction for rollback under ``ATOMIC_REQUESTS``
+    (only then), which is the guard's block: the 400 must still be answered, and replayed.
+    Without it the view's write before the error stays, as DRF leaves it."""
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", atomic_requests)
+    UserFactory(username="carol")
+    FAILURES.update(dict.fromkeys(FAILURES, 0), invalid=1)
+    client, auth = Client(), _basic("carol")
+    with override_settings(IDEMPOTENCY={"CLAIM_IN_TRANSACTION": in_transaction}):
+        first = post(client, "/idem/drf-guarded/", "k-drf-400", HTTP_AUTHORIZATION=auth)
+        assert first.status_code == 400, first.content
+        kept = Charge.objects.count()
+        again = post(client, "/idem/drf-guarded/", "k-drf-400", HTTP_AUTHORIZATION=auth)
+    assert kept == (0 if atomic_requests else 1)
+    assert again.status_code == 400 and again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content and Charge.objects.count() == kept
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("atomic_requests")
+def test_a_non_atomic_attempt_in_a_request_rolled_back_answers_and_leaves_the_key_free() -> None:
+    """Without a block of its own, the attempt's claim is in the request's transaction, which
+    the view marked for rollback: nothing can be stored there (no 500 for trying), and the key
+    goes with the undone writes, so the retry runs."""
+    FAILURES.update(dict.fromkeys(FAILURES, 0), invalid=1)
+    client = Client()
+    client.force_login(UserFactory())
+    first = post(client, "/idem/flaky-not-atomic/", "k-invalid-na")
+    assert first.status_code == 400, first.content
+    assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
+    retry = post(client, "/idem/flaky-not-atomic/", "k-invalid-na")
+    assert retry.status_code == 201 and "Idempotent-Replayed" not in retry
+    assert Charge.objects.count() == 1

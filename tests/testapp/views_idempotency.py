@@ -28,6 +28,7 @@ from rest_framework.authentication import (
     TokenAuthentication,
 )
 from rest_framework.decorators import api_view, authentication_classes
+from rest_framework.exceptions import ValidationError
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -43,8 +44,16 @@ if TYPE_CHECKING:
     from django.core.files.uploadedfile import UploadedFile
 
 # Failures the flaky views still have to produce, by kind: "status" -> 503, "raise" -> exception,
-# "refuse" -> 429 from the view, "throttle" -> DRF's 429, "forbid" -> DRF's permission 403.
-FAILURES: dict[str, int] = {"status": 0, "raise": 0, "refuse": 0, "throttle": 0, "forbid": 0}
+# "refuse" -> 429 from the view, "throttle" -> DRF's 429, "forbid" -> DRF's permission 403,
+# "invalid" -> 400 after rolling the view's writes back (``set_rollback``; DRF: a validation error).
+FAILURES: dict[str, int] = {
+    "status": 0,
+    "raise": 0,
+    "refuse": 0,
+    "throttle": 0,
+    "forbid": 0,
+    "invalid": 0,
+}
 
 
 def _fail(kind: str) -> bool:
@@ -108,9 +117,7 @@ def _on_commit(charge: Charge) -> None:
     COMMITTED.append((charge.pk, completed))
 
 
-@csrf_exempt
-@idempotent
-def charge_flaky(request: HttpRequest) -> HttpResponse:
+def _flaky(request: HttpRequest) -> HttpResponse:
     made = _charge(request)
     transaction.on_commit(lambda: _on_commit(made))
     if _fail("status"):
@@ -119,7 +126,24 @@ def charge_flaky(request: HttpRequest) -> HttpResponse:
         raise RuntimeError("the view failed after writing")
     if _fail("refuse"):
         return HttpResponse("slow down", status=429, headers={"Retry-After": "30"})
+    if _fail("invalid"):
+        # Django's way to undo a transaction's writes and still answer (no exception).
+        transaction.set_rollback(True)
+        return JsonResponse({"amount": ["invalid"]}, status=400)
     return _answer(made)
+
+
+@csrf_exempt
+@idempotent
+def charge_flaky(request: HttpRequest) -> HttpResponse:
+    return _flaky(request)
+
+
+@csrf_exempt
+@idempotent(atomic=False)
+def charge_flaky_not_atomic(request: HttpRequest) -> HttpResponse:
+    """:func:`charge_flaky` without the guard's own transaction."""
+    return _flaky(request)
 
 
 def _crash(request: HttpRequest) -> HttpResponse:
@@ -248,6 +272,9 @@ class GuardedAPIView(IdempotentMixin, APIView):
 
     def post(self, request: Request) -> Response:
         made = _charge(request)
+        if _fail("invalid"):
+            # After a write: under ATOMIC_REQUESTS DRF's handler rolls the transaction back.
+            raise ValidationError({"amount": ["invalid"]})
         return Response({"charge": made.pk, "owner": made.owner}, status=201)
 
 
@@ -393,6 +420,7 @@ urlpatterns = [
     path("required/", charge_required),
     path("wait/", charge_wait),
     path("flaky/", charge_flaky),
+    path("flaky-not-atomic/", charge_flaky_not_atomic),
     path("crash/", charge_crash),
     path("crash-tx/", charge_crash_tx),
     path("charge-tx/", charge_tx),
