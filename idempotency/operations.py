@@ -214,5 +214,15 @@ def _finish(operation: Operation, failed: bool) -> None:
     if failed:
         attempt.abort()
         return
-    body = json.dumps(operation.result, cls=DjangoJSONEncoder).encode()
+    try:
+        body = json.dumps(operation.result, cls=DjangoJSONEncoder).encode()
+    except (TypeError, ValueError) as exc:
+        # Before the commit: the attempt ends as a failed one (its transaction closed, its
+        # key freed), or its block would stay open on the connection, under every later
+        # write of the thread.
+        attempt.abort()
+        raise TypeError(
+            f"idempotency_key: the result of scope {operation.scope!r} key {operation.key!r} "
+            f"is not JSON, so it could not be replayed: {exc}"
+        ) from exc
     attempt.commit(store.Outcome(status=None, headers=[], body=body))

@@ -111,6 +111,29 @@ def test_a_failed_operation_keeps_nothing_and_runs_again() -> None:
         assert not op.replayed
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "not_atomic"])
+def test_a_result_that_is_not_json_is_refused_and_keeps_nothing(atomic: bool) -> None:
+    """The result is stored as JSON: one that is not (a set) raises a ``TypeError`` naming the
+    operation, and the attempt ends as a failed one (effects rolled back in atomic mode, key
+    freed). It used to raise before the commit and outside the abort: the attempt's
+    transaction stayed open on the connection, swallowing every later write of the thread."""
+    with (
+        pytest.raises(TypeError, match=r"'cmd' key 'import-set' is not JSON"),
+        idempotency_key("import-set", scope="cmd", atomic=atomic) as op,
+    ):
+        Charge.objects.create(amount=1)
+        op.result = {"ids": {1, 2}}
+    assert not connection.in_atomic_block
+    assert IdempotencyKey.objects.count() == 0
+    assert Charge.objects.count() == (0 if atomic else 1)
+    with idempotency_key("import-set", scope="cmd", atomic=atomic) as again:
+        assert not again.replayed
+        again.result = {"ids": [1, 2]}
+    with idempotency_key("import-set", scope="cmd", atomic=atomic) as replay:
+        assert replay.replayed and replay.result == {"ids": [1, 2]}
+
+
 def test_the_decorator_form_skips_the_call_on_a_repeat() -> None:
     calls: list[int] = []
 
