@@ -76,9 +76,18 @@ def _is_parsed_form(request: HttpRequest) -> bool:
     return request.method == "POST" and request.content_type == "multipart/form-data"
 
 
+def _name(field: tuple[str, list[Any]]) -> str:
+    return field[0]
+
+
 def _form_part(request: HttpRequest) -> bytes:
-    """Fields, and each file's field, name, size and content hash; files are rewound after."""
-    fields = sorted((k, v) for k, values in request.POST.lists() for v in values)
+    """Fields, and each file's field, name, size and content hash; files are rewound after.
+
+    Fields by name (a form is read by name, so their order does not count), each one's values
+    in the order sent (``getlist`` keeps it: a ranking, an ordered list). Values in ascending
+    order list as the earlier fingerprint's pairs sorted whole did, so keys stored before it
+    still match."""
+    fields = [(k, v) for k, values in sorted(request.POST.lists(), key=_name) for v in values]
     files = []
     for field, uploads in sorted(request.FILES.lists()):
         for upload in uploads:

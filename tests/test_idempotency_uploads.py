@@ -71,6 +71,34 @@ def test_a_retry_encoded_with_another_boundary_is_the_same_request() -> None:
     assert Charge.objects.count() == 1
 
 
+def test_a_repeated_fields_values_in_another_order_are_another_request() -> None:
+    """``pick=gold, pick=silver`` is not ``pick=silver, pick=gold`` (a ranking, an ordered
+    list: ``getlist`` keeps the order), as in a urlencoded body: 422. The fields' own order
+    still does not count (a form is read by name). The values used to be sorted, so the
+    reordered list replayed the first answer."""
+    client = identified(Client())
+
+    def send(fields: dict[str, Any]) -> Any:
+        return client.post("/idem/upload-exempt/", fields, HTTP_IDEMPOTENCY_KEY="k-ranking")
+
+    first = send({"pick": ["gold", "silver"], "amount": "5"})
+    assert first.status_code == 201
+    reordered = send({"pick": ["silver", "gold"], "amount": "5"})
+    assert reordered.status_code == 422 and problem_type(reordered) == "idempotency-key-mismatch"
+    fields_swapped = send({"amount": "5", "pick": ["gold", "silver"]})
+    assert fields_swapped["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1
+
+
+def test_a_form_without_reordered_values_keeps_the_fingerprint_it_had(rf: Any) -> None:
+    """Keys stored before the fix above must still match their retries: a form whose repeated
+    values come sorted (and any form without repeated fields) is fingerprinted as before."""
+    from idempotency.fingerprint import _form_part
+
+    request = rf.post("/", {"b": ["1", "2"], "a": "x"})
+    assert _form_part(request) == json.dumps([[["a", "x"], ["b", "1"], ["b", "2"]], []]).encode()
+
+
 @override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1000)
 @pytest.mark.parametrize("key", [None, "k-big"])
 def test_large_uploads_meet_the_same_limits_with_or_without_a_key(key: str | None) -> None:
