@@ -29,7 +29,9 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import itertools
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, NoReturn, ParamSpec, TypeVar, overload
@@ -65,12 +67,25 @@ _WAIT_SLACK = 0.05
 _LONGEST_WAIT = 5.0
 
 
+#: A number per task, never given twice: ``id(task)`` is the address of the task, which
+#: CPython hands to a later task once this one is freed, and a lease taken in a task that
+#: ended (``asyncio.wait_for`` runs its awaitable in a task of its own before Python 3.12)
+#: would then be "already held" by an unrelated task.
+_task_numbers: weakref.WeakKeyDictionary[asyncio.Task[Any], int] = weakref.WeakKeyDictionary()
+_next_task_number = itertools.count(1)
+
+
 def task_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
     """Who "already holds" a name in async code: an explicit holder, else the current task."""
     if holder is not None:
         return (store.alias, name, holder)
     task = asyncio.current_task()
-    return (store.alias, name, f"task:{id(task)}")
+    if task is None:  # not in a task (a coroutine driven by hand): no task to hold it
+        return (store.alias, name, "task:none")
+    number = _task_numbers.get(task)
+    if number is None:
+        number = _task_numbers.setdefault(task, next(_next_task_number))
+    return (store.alias, name, f"task:{number}")
 
 
 async def _try(

@@ -17,7 +17,15 @@ from django.db import transaction
 from django.test import override_settings
 
 import leases
-from leases import LeaseAlreadyHeld, LeaseLost, LeaseNotHeld, LeaseUnavailable, acquire, lease
+from leases import (
+    Lease,
+    LeaseAlreadyHeld,
+    LeaseLost,
+    LeaseNotHeld,
+    LeaseUnavailable,
+    acquire,
+    lease,
+)
 from leases.backends import Capability, Grant, get_backend
 from leases.backends.base import new_secret
 from leases.errors import BackendUnavailable, InvalidLeaseName, InvalidLeaseOption
@@ -325,6 +333,42 @@ def test_leases_are_not_reentrant(lease_backend: str, lease_name: str) -> None:
         outer.ensure_held()
     info2 = get_backend(lease_backend).inspect(lease_name)
     assert info2 is not None and not info2.held
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_thread_with_the_ident_of_a_finished_holder_does_not_already_hold(
+    lease_name: str,
+) -> None:
+    """A lease taken in a thread that then ended is held by no thread alive: a later thread
+    with the same ``threading.get_ident()`` (reused at once by CPython) was refused
+    ``LeaseAlreadyHeld`` instead of waiting like every other thread."""
+    taken: list[Lease] = []
+    first = threading.Thread(target=lambda: taken.append(acquire(lease_name, ttl=30)))
+    first.start()
+    first.join(10)
+    ident = first.ident
+    outcome: list[type[BaseException]] = []
+
+    def try_once() -> None:
+        if threading.get_ident() != ident:
+            return
+        try:
+            acquire(lease_name, ttl=30, timeout=0)
+        except (LeaseAlreadyHeld, LeaseUnavailable) as exc:
+            outcome.append(type(exc))
+
+    try:
+        for _ in range(200):  # CPython gives a new thread a finished one's ident, mostly at once
+            later = threading.Thread(target=try_once)
+            later.start()
+            later.join(10)
+            if later.ident == ident:
+                break
+        else:
+            raise AssertionError("no thread got the finished holder's ident")
+    finally:
+        taken[0].release()
+    assert outcome == [LeaseUnavailable]
 
 
 def test_another_thread_waits_instead_of_reentering(lease_backend: str, lease_name: str) -> None:
