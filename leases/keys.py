@@ -22,6 +22,7 @@ __all__ = [
     "LockKey",
     "advisory_key",
     "derived_name",
+    "hashed_key",
     "split_key",
     "validate_lease_name",
     "validate_name",
@@ -123,8 +124,14 @@ def advisory_key(key: LockKey) -> int | tuple[int, int]:
         ):
             raise InvalidLeaseName(key, "a key pair must be two signed 32-bit integers")
         return (key[0], key[1])
-    name = validate_name(key)
-    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
+    return hashed_key(validate_name(key))
+
+
+def hashed_key(text: str) -> int:
+    """The 64-bit key of a name: for :func:`advisory_key`, which validates it first, and for
+    keys the package derives from a name already validated (a waiting room's
+    ``leases:room:<name>``), which may run past the length a user's name is allowed."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 

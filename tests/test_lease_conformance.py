@@ -6,6 +6,7 @@ here asserts a duration except loose upper bounds on waits that would otherwise 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
 import threading
@@ -24,6 +25,7 @@ from leases import (
     LeaseNotHeld,
     LeaseUnavailable,
     acquire,
+    alease,
     lease,
 )
 from leases.backends import Capability, Grant, get_backend
@@ -492,6 +494,34 @@ def test_bad_input_is_refused_before_any_round_trip(
     assert isinstance(info.value, ValueError)
     if isinstance(name, str) and name and "\x00" not in name and len(name) <= 255:
         assert get_backend(lease_backend).inspect(name) is None  # nothing reached the store
+
+
+def test_a_name_of_the_longest_length_is_held_waited_for_and_handed_on(
+    lease_backend: str, lease_name: str
+) -> None:
+    """255 characters is a valid name on every backend, for a waiter too: the database
+    backend's waiting room, whose key is derived from the name, refused names past 243 as
+    if the user's name were too long (sync and async)."""
+    name = (lease_name + "-" + "x" * 255)[:255]
+    held = acquire(name, ttl=30, backend=lease_backend)
+    got: list[Lease] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(acquire(name, ttl=30, backend=lease_backend, timeout=20))
+    )
+    waiter.start()
+    time.sleep(0.3)  # the waiter fails its first try and waits
+    held.release()
+    waiter.join(25)
+    assert got and got[0].token > held.token
+    got[0].release()
+
+    async def main() -> int:
+        async with alease(name, ttl=30, backend=lease_backend) as again:
+            token = again.token
+        await get_backend(lease_backend).aclose()
+        return token
+
+    assert asyncio.run(main()) > got[0].token
 
 
 def test_renewal_beyond_the_max_ttl_is_refused_before_any_round_trip(

@@ -61,7 +61,7 @@ import psycopg
 from psycopg import pq, sql
 
 from ..errors import BackendUnavailable
-from ..keys import advisory_key
+from ..keys import hashed_key
 from ._fdwait import readable, writable
 from ._pg_shared import GROUP
 from ._pgaio import _aclose_quietly, aconnect
@@ -139,10 +139,10 @@ ROOM_CONNECTIONS = 8
 
 
 def room_key(name: str) -> int:
-    """The advisory key of ``name``'s room (apart from any key a user could lock by name)."""
-    key = advisory_key(f"leases:room:{name}")
-    assert isinstance(key, int)  # a name always maps to one 64-bit key
-    return key
+    """The advisory key of ``name``'s room (apart from any key a user could lock by name).
+    Hashed without checking the derived text's length: a valid name of up to 255 characters
+    makes one of up to 267 here."""
+    return hashed_key(f"leases:room:{name}")
 
 
 #: The connection a visit waits on: psycopg's ``Connection`` or ``AsyncConnection``.
