@@ -23,9 +23,9 @@ from ._arguments import valid_on_lost
 from ._event_loop import refuse_blocking
 from .acquiring import acquire
 from .backends import get_backend
-from .errors import BackendUnavailable, LeaseLost, LeaseNotHeld
+from .errors import BackendUnavailable, InvalidLeaseName, LeaseLost, LeaseNotHeld
 from .holders import parse_holder
-from .keys import validate_name
+from .keys import MAX_NAME_LENGTH, validate_name
 
 if TYPE_CHECKING:
     from .handle import Lease
@@ -50,8 +50,17 @@ OnLost = Callable[["Leadership"], object]
 
 
 def election_lease_name(name: str) -> str:
-    """The lease an election of ``name`` is decided by (visible in the admin and the command)."""
-    return validate_name(ELECTION_PREFIX + validate_name(name))
+    """The lease an election of ``name`` is decided by (visible in the admin and the command).
+    ``name`` may be as long as the prefix leaves room for, and is refused in its own words."""
+    validate_name(name)
+    longest = MAX_NAME_LENGTH - len(ELECTION_PREFIX)
+    if len(name) > longest:
+        raise InvalidLeaseName(
+            name[:40] + "…",
+            f"is {len(name)} characters long; an election's name may have at most {longest} "
+            f"(its lease is named {ELECTION_PREFIX}<name>, at most {MAX_NAME_LENGTH})",
+        )
+    return ELECTION_PREFIX + name
 
 
 @dataclass(frozen=True)

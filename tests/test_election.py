@@ -19,7 +19,7 @@ from django.conf import settings
 from leases import signals
 from leases.backends import Capability, get_backend
 from leases.election import Leadership, elect, election_lease_name, leader_of
-from leases.errors import InvalidLeaseOption, LeaseUnavailable
+from leases.errors import InvalidLeaseName, InvalidLeaseOption, LeaseUnavailable
 from tests import checker
 
 BACKENDS: list[str] = sorted(cast("dict[str, Any]", settings.LEASES)["BACKENDS"])
@@ -47,6 +47,19 @@ def test_a_non_callable_on_lost_is_refused_before_campaigning() -> None:
     with pytest.raises(InvalidLeaseOption, match="on_lost"):
         elect(name, ttl=5, on_lost=5)  # type: ignore[arg-type]
     assert leader_of(name) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_election_name_too_long_for_its_lease_is_refused_in_its_own_words() -> None:
+    """The election's lease is ``leader:<name>``: a name that fits the prefix is elected; one
+    past it is refused naming it and the length it may have, not the derived lease name."""
+    longest = "e" * 248
+    with elect(longest, ttl=5) as leadership:
+        assert leadership.is_leader
+    with pytest.raises(InvalidLeaseName) as info:
+        elect(longest + "e", ttl=5)
+    assert str(info.value).startswith("invalid lease name 'eeee")
+    assert "at most 248" in str(info.value)
 
 
 @pytest.mark.django_db(transaction=True)
