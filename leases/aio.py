@@ -149,6 +149,7 @@ async def _await_grant(
     room = contextlib.nullcontext() if shared else store.awaiting_room(name, timeout)
     # Only a store with a waiting room of its own may wait past the backoff's delay.
     queued = not shared and type(store).awaiting_room is not LeaseBackend.awaiting_room
+    won: Grant | None = None
     try:
         with tracing.span("leases.wait", attributes), tries_until(deadline):
             async with room:
@@ -165,11 +166,27 @@ async def _await_grant(
                     left = backoff.remaining()
                     bound = (_LONGEST_WAIT if left is None else left) if queued else 0.0
                     await _wait(store, name, delay, bound)
-                    grant = await _try(store, name, holder, ttl, deadline, shared)
-                    if grant is not None:
-                        return grant
+                    won = await _try(store, name, holder, ttl, deadline, shared)
+                    if won is not None:
+                        return won
+    except BaseException:
+        if won is not None:
+            # Won, then cancelled (or failed) while leaving the room, a round trip of its
+            # own: nobody would get the grant, and the name would stay held for its TTL.
+            await _give_back(store, won)
+        raise
     finally:
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
+
+
+async def _give_back(store: LeaseBackend, grant: Grant) -> None:
+    """Release a grant won by an acquire that is ending in an exception, to its end whatever
+    cancels the caller meanwhile; a failure to release is logged (the exception the acquire
+    ends in is the one to report, and the grant then expires by its TTL)."""
+    try:
+        await finish(store.arelease(grant))
+    except Exception as exc:  # any: the exception the acquire ends in goes on
+        logger.warning("leases: %r, won as its acquire ended, not released: %s", grant.name, exc)
 
 
 async def _stop_new_readers(store: LeaseBackend, name: str) -> bool:

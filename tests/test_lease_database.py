@@ -939,3 +939,89 @@ def test_a_database_that_cannot_be_reached_is_reported_for_the_lease_backend_ask
         assert failure.backend == "elsewhere", failure
         assert str(failure).startswith("lease backend 'elsewhere' is unavailable"), failure
         assert f"database {db_alias!r}" in str(failure), failure
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_waiter_cancelled_as_it_leaves_the_room_with_a_grant_holds_nothing(
+    lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task's try in the room wins; leaving the room is a round trip of its own, and a
+    cancellation (the caller's ``asyncio.timeout``) landing there ended the acquire with the
+    grant in nobody's hands: the name stayed held for its whole TTL. The grant is now
+    released before the cancellation is raised, as for a try cancelled on the wire."""
+    room = _waiting_room.AsyncWaitingRoom
+    real_leave, real_wait = room._leave, room.wait
+
+    async def main() -> None:
+        inside = asyncio.Event()
+
+        async def waiting(self: Any, name: str, timeout: float) -> bool | None:
+            inside.set()
+            return await real_wait(self, name, timeout)
+
+        async def leaving_cancelled(self: Any, visit: Any) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # the caller's deadline passes just now
+            await real_leave(self, visit)
+
+        monkeypatch.setattr(room, "wait", waiting)
+        holder = await aacquire(lease_name, ttl=30, keepalive=False)
+        waiter = asyncio.create_task(aacquire(lease_name, ttl=30, keepalive=False, timeout=30))
+        async with asyncio.timeout(20):
+            await inside.wait()
+        monkeypatch.setattr(room, "_leave", leaving_cancelled)
+        await holder.arelease()
+        async with asyncio.timeout(20):
+            await asyncio.wait([waiter])
+        monkeypatch.setattr(room, "_leave", real_leave)
+        assert waiter.cancelled()
+        info = await asyncio.to_thread(get_backend("default").inspect, lease_name)
+        assert info is not None and not info.held, info
+        again = await aacquire(lease_name, ttl=5, timeout=0, keepalive=False)
+        assert again.token > holder.token + 1  # the cancelled waiter's grant came between
+        await again.arelease()
+        await get_backend("default").aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_waiter_cancelled_as_it_enters_the_room_leaves_no_session_behind(
+    lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled once its queueing for the room lock was granted: the connection was neither
+    closed nor given back, so its session kept the room's lock for as long as the cancelled
+    task was referenced, and every later waiter of the name queued behind it in vain."""
+    room = _waiting_room.AsyncWaitingRoom
+    real_lock_room = room._lock_room
+
+    async def main() -> None:
+        entered = asyncio.Event()
+
+        async def lock_room_then_cancelled(self: Any, visit: Any) -> None:
+            await real_lock_room(self, visit)
+            entered.set()
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)  # delivered here, with the room's lock held
+
+        monkeypatch.setattr(room, "_lock_room", lock_room_then_cancelled)
+        holder = await aacquire(lease_name, ttl=30, keepalive=False)
+        waiter = asyncio.create_task(aacquire(lease_name, ttl=30, keepalive=False, timeout=30))
+        async with asyncio.timeout(20):
+            await asyncio.wait([waiter])
+        monkeypatch.setattr(room, "_lock_room", real_lock_room)
+        assert entered.is_set() and waiter.cancelled()
+        # The task (and the frames its exception keeps) is still referenced here.
+        await asyncio.to_thread(
+            wait_until, lambda: not room_locks(lease_name), 10, "the room's lock let go"
+        )
+        await holder.arelease()
+        again = await aacquire(lease_name, ttl=5, timeout=0, keepalive=False)
+        await again.arelease()
+        await get_backend("default").aclose()
+        assert waiter.cancelled()
+
+    asyncio.run(main())

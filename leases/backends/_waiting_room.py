@@ -1059,6 +1059,13 @@ class AsyncWaitingRoom:
             logger.debug("leases: waiting without a room for %r: %s", name, exc)
             await _aclose_quietly(conn)
             return None
+        except BaseException:
+            # Cancelled on the way in (the caller's deadline): the connection may be mid-
+            # protocol, or its session may hold the room's lock already (granted as the
+            # cancellation came), which it would keep for as long as the task is referenced,
+            # every later waiter queueing behind it in vain. Ending the session ends both.
+            await _aclose_quietly(conn)
+            raise
 
     async def _lock_room(self, visit: _AsyncVisit) -> None:
         queueing = visit.queueing()
