@@ -28,9 +28,10 @@ from typing import Any, ClassVar, Literal, overload
 from celery import Task
 from django.core.serializers.json import DjangoJSONEncoder
 
-from leases.celery._base import backoff, format_key, task_decorator
+from leases.celery._base import backoff, format_key, task_decorator, task_signature
 
-from .errors import IdempotencyKeyInProgress
+from . import conf
+from .errors import IdempotencyImproperlyConfigured, IdempotencyKeyInProgress
 from .operations import idempotency_key
 
 __all__ = ["IdempotentTask", "idempotent_task"]
@@ -76,9 +77,21 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
         return format_key(self.idempotency_key, self, *args, **kwargs)
 
     def fingerprint(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        """Hook: a digest of the arguments; the same key with other arguments is an error."""
-        call = [self.name, list(args), dict(kwargs)]
-        raw = json.dumps(call, cls=DjangoJSONEncoder, sort_keys=True)
+        """Hook: a digest of the arguments; the same key with other arguments is an error.
+
+        The arguments bound to the task's signature with defaults applied, as the key's are
+        (:func:`~leases.celery._base.format_key`): ``charge(7, 100)``, ``charge(7,
+        cents=100)`` and ``charge(order=7, cents=100)`` are one call. Listed as the
+        positional form sends them (which thus kept the fingerprint it had before the
+        binding), keyword-only ones by name."""
+        try:
+            bound = task_signature(self).bind_partial(*args, **kwargs)
+        except TypeError:  # arguments the task does not take: the run fails on them anyway
+            positional, named = list(args), dict(kwargs)
+        else:
+            bound.apply_defaults()
+            positional, named = list(bound.args), dict(bound.kwargs)
+        raw = json.dumps([self.name, positional, named], cls=DjangoJSONEncoder, sort_keys=True)
         return hashlib.sha256(raw.encode()).hexdigest()
 
     def in_flight(self, key: str, exc: IdempotencyKeyInProgress) -> Any:
@@ -166,6 +179,15 @@ def idempotent_task(
     ``claim_in_transaction=True`` claims the key in the body's transaction (see the guide's
     "Claiming the key in the view's transaction").
     """
+    conf.check_seconds("ttl", ttl, positive=True)
+    conf.check_seconds("lock", lock, positive=True)
+    conf.check_seconds("wait", wait, positive=False)
+    if on_in_flight not in ("retry", "raise"):
+        raise IdempotencyImproperlyConfigured(
+            f"on_in_flight must be 'retry' or 'raise', not {on_in_flight!r}"
+        )
+    conf.check_flag("atomic", atomic)
+    conf.check_flag("claim_in_transaction", claim_in_transaction, optional=True)
     attrs = {
         "idempotency_key": key,
         "idempotency_ttl": ttl,

@@ -176,6 +176,15 @@ def check_seconds(name: str, value: object, *, positive: bool) -> None:
         raise IdempotencyImproperlyConfigured(f"{name} {problem}")
 
 
+def check_flag(name: str, value: object, *, optional: bool = False) -> None:
+    """Raise for an option that must be ``True`` or ``False`` (or ``None`` when ``optional``):
+    a truthy string such as ``"no"`` would otherwise be taken at its truth value."""
+    if type(value) is bool or (optional and value is None):
+        return
+    allowed = "True, False or None" if optional else "True or False"
+    raise IdempotencyImproperlyConfigured(f"{name} must be {allowed}, not {value!r}")
+
+
 def _number_problems(raw: dict[str, Any]) -> list[str]:
     found = []
     for key in _POSITIVE + _NON_NEGATIVE:

@@ -6,7 +6,9 @@ the pieces every task relies on without starting one.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 
 from idempotency.celery import IdempotentTask, idempotent_task
+from idempotency.errors import IdempotencyImproperlyConfigured
 from leases.celery import (
     LockedTask,
     PartitionedTask,
@@ -153,6 +156,46 @@ def test_bare_decorator_and_option_checks() -> None:
 def test_bad_options_are_refused_when_decorating(decorator: Any, options: dict[str, Any]) -> None:
     with pytest.raises(InvalidLeaseOption, match=next(iter(options))):
         decorator(**options)
+
+
+def test_an_idempotent_tasks_fingerprint_is_the_same_for_every_form_of_one_call() -> None:
+    """The key is built from the arguments bound to the signature; the fingerprint was built
+    from the raw ``args`` and ``kwargs``, so ``charge(7, cents=100)`` after ``charge(7, 100)``
+    (or a default passed explicitly) was refused as another request under the same key."""
+
+    @idempotent_task(key="charge:{order}", app=app, name="keys.fingerprint")
+    def charge(order: int, cents: int = 0, *, note: str = "") -> None: ...
+
+    one = charge.fingerprint((7, 100), {})
+    assert charge.fingerprint((), {"order": 7, "cents": 100}) == one
+    assert charge.fingerprint((7,), {"cents": 100}) == one
+    assert charge.fingerprint((7, 100), {"note": ""}) == one
+    assert charge.fingerprint((7,), {}) == charge.fingerprint((7, 0), {})
+    assert charge.fingerprint((7, 101), {}) != one
+    assert charge.fingerprint((7, 100), {"note": "x"}) != one
+    # The form a call sends positionally, every parameter given, keeps its earlier fingerprint
+    # (keys stored before the fix still match their redeliveries).
+    raw = json.dumps(["keys.fingerprint", [7, 100], {"note": ""}], sort_keys=True)
+    assert charge.fingerprint((7, 100), {"note": ""}) == hashlib.sha256(raw.encode()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"ttl": -5},
+        {"lock": "30"},
+        {"wait": -1},
+        {"on_in_flight": "skip"},  # behaved as "retry"
+        {"atomic": "no"},
+        {"claim_in_transaction": 1},
+    ],
+)
+def test_an_idempotent_tasks_bad_options_are_refused_when_decorating(
+    options: dict[str, Any],
+) -> None:
+    """Accepted when decorating: every run then failed in the worker, or ran otherwise."""
+    with pytest.raises(IdempotencyImproperlyConfigured, match=next(iter(options))):
+        idempotent_task(**options)
 
 
 def test_bases_combine_lease_outside_idempotency() -> None:
