@@ -58,6 +58,33 @@ def test_unfenced_bulk_update_cannot_lower_the_token() -> None:
     ) == {"bulk"}
 
 
+def test_an_upserting_bulk_create_cannot_write_the_token() -> None:
+    """``ON CONFLICT DO UPDATE SET fencing_token = EXCLUDED.fencing_token`` lowered a stored
+    token 7 to 1 (then a stale token-1 ``save(fence=1)`` passed the fence again). An upsert
+    cannot say ``GREATEST``, so naming the token among its ``update_fields`` is refused before
+    any query; its other fields are written as any unfenced write's are."""
+    doc = FencedDoc(title="t")
+    doc.save(fence=7)
+    stale = FencedDoc(pk=doc.pk, title="stale", fencing_token=1)
+    with (
+        CaptureQueriesContext(connection) as queries,
+        pytest.raises(TypeError, match="fencing_token"),
+    ):
+        FencedDoc.objects.bulk_create(
+            [stale],
+            update_conflicts=True,
+            unique_fields=["id"],
+            update_fields=["title", "fencing_token"],
+        )
+    assert len(queries) == 0 and stored(doc) == 7
+    FencedDoc.objects.bulk_create(
+        [stale], update_conflicts=True, unique_fields=["id"], update_fields=["title"]
+    )
+    assert stored(doc) == 7 and FencedDoc.objects.get(pk=doc.pk).title == "stale"
+    with pytest.raises(StaleFencingToken):
+        FencedDoc(pk=doc.pk, title="still fenced").save(fence=1)
+
+
 def test_a_lowered_token_would_let_a_stale_writer_through() -> None:
     """Why it matters: had the token been lowered, a stale token-1 write would succeed."""
     doc = FencedDoc(title="t")
@@ -86,6 +113,23 @@ def test_require_fence_refuses_unfenced_writes_to_stored_rows_before_any_query()
             doc.delete()
     assert len(queries) == 0
     assert StrictDoc.objects.get(pk=doc.pk).title == "new"
+
+
+def test_require_fence_refuses_an_upserting_bulk_create_and_allows_inserting_ones() -> None:
+    """``update_conflicts=True`` writes stored rows unfenced (it was let through); a plain or
+    ``ignore_conflicts`` bulk_create only creates rows, which stays allowed."""
+    doc = StrictDoc(title="stored")
+    doc.save(fence=3)
+    clash = StrictDoc(pk=doc.pk, title="clash")
+    with CaptureQueriesContext(connection) as queries, pytest.raises(FenceRequired):
+        StrictDoc.objects.bulk_create(
+            [clash], update_conflicts=True, unique_fields=["id"], update_fields=["title"]
+        )
+    assert len(queries) == 0
+    StrictDoc.objects.bulk_create([clash], ignore_conflicts=True)
+    StrictDoc.objects.bulk_create([StrictDoc(title="new")])
+    assert StrictDoc.objects.get(pk=doc.pk).title == "stored"
+    assert StrictDoc.objects.count() == 2
 
 
 def test_require_fence_refuses_an_unfenced_save_of_a_new_instance_over_a_stored_row() -> None:

@@ -55,12 +55,13 @@ class FencedModel(models.Model):
 
     An unfenced ``save()`` works as always but never writes ``fencing_token`` on update (a
     stale in-memory copy must not lower the fence); named in ``update_fields`` it can only
-    raise the stored token. No ORM path lowers it (``update()`` and ``bulk_update()`` neither).
+    raise the stored token. No ORM path lowers it (``update()`` and ``bulk_update()`` neither;
+    an upserting ``bulk_create()`` may not name it in ``update_fields``).
 
     Set ``require_fence = True`` on a subclass to make every unfenced write to an existing row
     raise :class:`~leases.errors.FenceRequired` before reaching the database: ``save()`` of a
     stored row, ``delete()``, and the default manager's ``update()``/``bulk_update()``/
-    ``delete()``. Creating new rows unfenced stays allowed. Raw SQL and other managers are, of
+    ``delete()`` and upserting ``bulk_create()``. Creating new rows unfenced stays allowed. Raw SQL and other managers are, of
     course, beyond its reach.
     """
 

@@ -6,7 +6,7 @@ Unfenced, it is Django's queryset except that nothing lowers a stored token and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, Self, TypeVar
 
 from django.db import models, transaction
@@ -227,6 +227,40 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
         if through is not None:
             return revoked(self.model, resource, offer, through)
         return reject(self.model, resource, offer.token, None)
+
+    def bulk_create(
+        self,
+        objs: Iterable[_M],
+        batch_size: int | None = None,
+        ignore_conflicts: bool = False,
+        update_conflicts: bool = False,
+        update_fields: Collection[str] | None = None,
+        unique_fields: Collection[str] | None = None,
+    ) -> list[_M]:
+        """Django's ``bulk_create``; an upserting one (``update_conflicts=True``) writes stored
+        rows unfenced, so a model with ``require_fence`` refuses it, and it may not name
+        ``fencing_token`` among its ``update_fields``: ``ON CONFLICT DO UPDATE`` sets a field
+        to the new row's value and cannot say ``GREATEST``, so it could lower the token (and a
+        stale holder would pass the fence again). Creating rows stays allowed."""
+        if update_conflicts:
+            refuse_unfenced(self.model, "bulk_create(update_conflicts=True)")
+            if FENCE_TOKEN_FIELD in (update_fields or ()):
+                field = FENCE_TOKEN_FIELD
+                raise TypeError(
+                    f"an upserting bulk_create() may not write {field}: it would take the new "
+                    "row's value, lower or not; leave it out of update_fields (a fenced write "
+                    "raises it)"
+                )
+        return super().bulk_create(
+            objs,
+            batch_size=batch_size,
+            ignore_conflicts=ignore_conflicts,
+            update_conflicts=update_conflicts,
+            update_fields=update_fields,
+            unique_fields=unique_fields,
+        )
+
+    bulk_create.alters_data = True  # type: ignore[attr-defined]
 
     def bulk_update(
         self, objs: Iterable[_M], fields: Iterable[str], batch_size: int | None = None
