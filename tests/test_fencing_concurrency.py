@@ -10,9 +10,11 @@ import time
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 
+from leases import StaleFencingToken
 from tests.checker import check_history, new_register, record_write
+from tests.waiting import wait_until
 
 WRITERS = 6
 WRITES = 25
@@ -176,3 +178,72 @@ def test_concurrent_fenced_group_updates_are_all_or_nothing(
     assert not leaked, f"rejected group writes that were visible: {leaked}"
     outcomes = {r[1] for r in reports}
     assert outcomes == {"accepted", "rejected"}, outcomes
+
+
+def _blocked_on_a_lock(pid: int) -> bool:
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
+        row = cursor.fetchone()
+    return bool(row and row[0] == "Lock")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("operation", ["update", "bulk_update", "delete"])
+def test_a_stale_fenced_write_to_a_child_waits_for_the_successors_write_to_its_parent(
+    operation: str,
+) -> None:
+    """Multi-table inheritance keeps the fence in the parent's table. The successor's fenced
+    save (token 2) is uncommitted when the stale holder (token 1) writes the child: the stale
+    write must wait for it and then be refused. It locked only the child's rows, read token 1
+    (the last committed), and its parent UPDATE (by primary key, no token condition) waited
+    for the successor's commit and then overwrote it, setting the token back to 1."""
+    from tests.testapp.models_fencing import FencedDoc, FencedDocPart
+
+    part = FencedDocPart(title="first", part="p")
+    part.save(fence=1)
+    successor_wrote, stale_started, stale_pid = threading.Event(), threading.Event(), []
+    outcome: list[object] = []
+
+    def successor() -> None:
+        try:
+            with transaction.atomic():
+                parent = FencedDoc.objects.get(pk=part.pk)
+                parent.title = "successor"
+                parent.save(fence=2)
+                successor_wrote.set()
+                assert stale_started.wait(20)
+                wait_until(lambda: _blocked_on_a_lock(stale_pid[0]), 20, "the stale write to wait")
+        finally:
+            connections.close_all()
+
+    def stale() -> None:
+        try:
+            assert successor_wrote.wait(20)
+            with connections["default"].cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                stale_pid.append(cursor.fetchone()[0])
+            stale_started.set()
+            rows = FencedDocPart.objects.filter(pk=part.pk).fenced(1)
+            if operation == "update":
+                outcome.append(rows.update(title="stale"))
+            elif operation == "bulk_update":
+                copy = FencedDocPart.objects.get(pk=part.pk)
+                copy.title = "stale"
+                outcome.append(FencedDocPart.objects.fenced(1).bulk_update([copy], ["title"]))
+            else:
+                outcome.append(rows.delete())
+        except StaleFencingToken as exc:
+            outcome.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=successor), threading.Thread(target=stale)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], StaleFencingToken), outcome
+    assert FencedDoc.objects.filter(pk=part.pk).values_list("fencing_token", "title").get() == (
+        2,
+        "successor",
+    )

@@ -61,8 +61,8 @@ class FencedModel(models.Model):
     Set ``require_fence = True`` on a subclass to make every unfenced write to an existing row
     raise :class:`~leases.errors.FenceRequired` before reaching the database: ``save()`` of a
     stored row, ``delete()``, and the default manager's ``update()``/``bulk_update()``/
-    ``delete()`` and upserting ``bulk_create()``. Creating new rows unfenced stays allowed. Raw SQL and other managers are, of
-    course, beyond its reach.
+    ``delete()`` and upserting ``bulk_create()``. Creating new rows unfenced stays allowed.
+    Raw SQL and other managers are, of course, beyond its reach.
     """
 
     fencing_token = models.BigIntegerField(default=0, editable=False)

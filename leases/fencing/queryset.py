@@ -52,6 +52,26 @@ def never_lower(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, FENCE_TOKEN_FIELD: Greatest(models.F(FENCE_TOKEN_FIELD), value)}
 
 
+def token_table(model: type[models.Model]) -> str:
+    """What ``select_for_update(of=...)`` names to lock the rows that hold ``model``'s token:
+    ``"self"``, or under multi-table inheritance the path of parent links to the ancestor
+    whose table has the column (``"fenceddoc_ptr"``). Locking the child's rows alone let a
+    fenced write read a token that a concurrent fenced save of the parent was replacing, and
+    then write over it; and locking the token's table alone (not both) takes the locks in
+    the order a model save does, parents first, so the two queue instead of deadlocking."""
+    owner = model._meta.get_field(FENCE_TOKEN_FIELD).model._meta.concrete_model
+    current, path = model._meta.concrete_model, []
+    while current is not owner:
+        for parent, link in current._meta.parents.items():
+            if issubclass(parent, owner):
+                path.append(link.name)
+                current = parent._meta.concrete_model
+                break
+        else:  # pragma: no cover - the field is this model's or an ancestor's
+            return "self"
+    return "__".join(path) or "self"
+
+
 class FencedQuerySet(models.QuerySet[_M, _M]):
     """A queryset whose ``fenced(token)`` clones update only rows the token may write.
 
@@ -124,7 +144,7 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
             # latest committed ones, so the decision below is final.
             locked = list(
                 self.order_by("pk")
-                .select_for_update(of=("self",))
+                .select_for_update(of=(token_table(self.model),))
                 .values_list("pk", FENCE_TOKEN_FIELD)
             )
             stale = sorted((t, pk) for pk, t in locked if t > token)
@@ -167,7 +187,7 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
         with transaction.atomic(using=self.db):
             locked = list(
                 self.order_by("pk")
-                .select_for_update(of=("self",))
+                .select_for_update(of=(token_table(self.model),))
                 .values_list("pk", FENCE_TOKEN_FIELD)
             )
             stale = sorted((t, pk) for pk, t in locked if t > offer.token)
