@@ -247,3 +247,52 @@ def test_a_stale_fenced_write_to_a_child_waits_for_the_successors_write_to_its_p
         2,
         "successor",
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_racing_creators_of_one_child_row_end_with_the_greater_tokens_row() -> None:
+    """Two holders save a new multi-table child with one explicit primary key; the lower
+    token's insert commits while the greater one's waits on it. The greater token's parent
+    upsert then updated the row, but Django took it for an insert and inserted the child's
+    row too: ``IntegrityError``, the greater token's write lost. As for a model of one table,
+    the greater token's row now wins."""
+    from tests.testapp.models_fencing import FencedDoc, FencedDocPart
+
+    pk = 900_001
+    lower_wrote, greater_pid = threading.Event(), []
+    outcome: list[object] = []
+
+    def lower() -> None:
+        try:
+            with transaction.atomic():
+                FencedDocPart(pk=pk, title="lower", part="lower").save(fence=1)
+                lower_wrote.set()
+                wait_until(lambda: bool(greater_pid), 20, "the greater creator to start")
+                wait_until(
+                    lambda: _blocked_on_a_lock(greater_pid[0]), 20, "the greater one to wait"
+                )
+        finally:
+            connections.close_all()
+
+    def greater() -> None:
+        try:
+            assert lower_wrote.wait(20)
+            with connections["default"].cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                greater_pid.append(cursor.fetchone()[0])
+            FencedDocPart(pk=pk, title="greater", part="greater").save(fence=2)
+            outcome.append("saved")
+        except Exception as exc:  # reported below
+            outcome.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=lower), threading.Thread(target=greater)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert outcome == ["saved"], outcome
+    row = FencedDocPart.objects.values_list("fencing_token", "title", "part").get(pk=pk)
+    assert row == (2, "greater", "greater")
+    assert FencedDoc.objects.filter(pk=pk).count() == 1

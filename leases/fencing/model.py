@@ -29,6 +29,7 @@ from .tokens import (
     has_fence_column,
     reject,
     revoked,
+    token_owner,
 )
 
 if TYPE_CHECKING:
@@ -263,17 +264,17 @@ class FencedModel(models.Model):
         **kwargs: Any,
     ) -> Any:
         meta = manager.model._meta
-        if (
-            self._leases_fence is None
-            or self._leases_force_insert
-            or raw
-            or meta.pk not in fields
-            or not has_fence_column(manager.model)
-        ):
+        if self._leases_fence is None or self._leases_force_insert or raw or meta.pk not in fields:
             return super()._do_insert(  # type: ignore[misc]
                 manager, using, fields, returning_fields, raw, *args, **kwargs
             )
-        return self._fenced_upsert(manager, using, fields, returning_fields)
+        if has_fence_column(manager.model):
+            return self._fenced_upsert(manager, using, fields, returning_fields)
+        if _below_the_fence(manager.model):
+            return self._upsert(manager, using, fields, returning_fields, fenced=False)
+        return super()._do_insert(  # type: ignore[misc]
+            manager, using, fields, returning_fields, raw, *args, **kwargs
+        )
 
     def _fenced_upsert(
         self,
@@ -282,34 +283,55 @@ class FencedModel(models.Model):
         fields: list[Any],
         returning_fields: list[Any],
     ) -> list[tuple[Any, ...]]:
-        """``INSERT ... ON CONFLICT (pk) DO UPDATE ... WHERE stored <= offered RETURNING``.
+        """``INSERT ... ON CONFLICT (pk) DO UPDATE ... WHERE stored <= offered RETURNING``."""
+        return self._upsert(manager, using, fields, returning_fields, fenced=True)
+
+    def _upsert(
+        self,
+        manager: models.Manager[Any],
+        using: str,
+        fields: list[Any],
+        returning_fields: list[Any],
+        *,
+        fenced: bool,
+    ) -> list[tuple[Any, ...]]:
+        """``INSERT ... ON CONFLICT (pk) DO UPDATE ... RETURNING``, with the fence condition
+        when ``fenced`` (the table that holds the token).
 
         Django builds the insert and its conflict clause (so field preparation, ``pre_save``
-        and expressions behave as in any save); only the fence condition is appended.
+        and expressions behave as in any save); only the fence condition is appended. A
+        child's table under the token's (``fenced`` false) is upserted too: a creator racing
+        ours may have inserted the row, and the fenced upsert of the token's table, which ran
+        first in this save's transaction and keeps its row locked, has decided already.
         """
         from django.db.models.sql.subqueries import InsertQuery
 
         meta = manager.model._meta
         connection = connections[using]
         qn = connection.ops.quote_name
+        updated = [f for f in fields if f is not meta.pk]
         query: InsertQuery = InsertQuery(
             manager.model,
-            on_conflict=OnConflict.UPDATE,
-            update_fields=[f for f in fields if f is not meta.pk],
+            on_conflict=OnConflict.UPDATE if updated else OnConflict.IGNORE,
+            update_fields=updated,
             unique_fields=[meta.pk],
         )
         query.insert_values(fields, [self])
         compiler = query.get_compiler(using=using)
         [(sql, params)] = compiler.as_sql()
         returning = returning_fields or [meta.pk]
-        sql += UPSERT_FENCE_SQL.format(
-            table=qn(meta.db_table),
-            column=qn(FENCE_TOKEN_FIELD),
-            returning=", ".join(f"{qn(meta.db_table)}.{qn(f.column)}" for f in returning),
-        )
+        columns = ", ".join(f"{qn(meta.db_table)}.{qn(f.column)}" for f in returning)
+        if fenced:
+            sql += UPSERT_FENCE_SQL.format(
+                table=qn(meta.db_table), column=qn(FENCE_TOKEN_FIELD), returning=columns
+            )
+        else:
+            sql += f" RETURNING {columns}"
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             row = cursor.fetchone()
+        if row is None and not fenced:  # ON CONFLICT DO NOTHING: a table of the key alone
+            row = tuple(getattr(self, f.attname) for f in returning)
         if row is None:
             token = int(self.fencing_token)
             stored = (
@@ -327,6 +349,13 @@ class FencedModel(models.Model):
         if converters:
             rows = list(compiler.apply_converters(rows, converters))
         return [tuple(r) for r in rows]
+
+
+def _below_the_fence(model: type[models.Model]) -> bool:
+    """Whether ``model``'s table lacks the token that a multi-table ancestor's table holds
+    (saved first, so a fenced save has locked and judged that row before this table)."""
+    owner = token_owner(model)
+    return owner is not None and owner is not model._meta.concrete_model
 
 
 def _unfenced_values(values: Any, update_fields: Iterable[str] | None) -> list[Any]:

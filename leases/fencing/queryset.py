@@ -24,6 +24,7 @@ from .tokens import (
     fence_offer,
     reject,
     revoked,
+    token_owner,
     valid_fence,
 )
 
@@ -59,11 +60,11 @@ def token_table(model: type[models.Model]) -> str:
     fenced write read a token that a concurrent fenced save of the parent was replacing, and
     then write over it; and locking the token's table alone (not both) takes the locks in
     the order a model save does, parents first, so the two queue instead of deadlocking."""
-    owner = model._meta.get_field(FENCE_TOKEN_FIELD).model._meta.concrete_model
+    owner = token_owner(model)
     current, path = model._meta.concrete_model, []
-    while current is not owner:
+    while owner is not None and current is not None and current is not owner:
         for parent, link in current._meta.parents.items():
-            if issubclass(parent, owner):
+            if link is not None and issubclass(parent, owner):
                 path.append(link.name)
                 current = parent._meta.concrete_model
                 break

@@ -153,6 +153,15 @@ def _rejection(
     }
 
 
+def token_owner(model: type[models.Model]) -> type[models.Model] | None:
+    """The concrete model whose table holds ``model``'s token: itself, or under multi-table
+    inheritance the ancestor that has the column (``None``: not a fenced model)."""
+    for field in model._meta.concrete_fields:
+        if field.attname == FENCE_TOKEN_FIELD and field.model is not None:
+            return field.model._meta.concrete_model
+    return None
+
+
 def has_fence_column(model: type[models.Model]) -> bool:
     """Whether ``model``'s own table holds the fence (not a multi-table parent's)."""
     return any(f.attname == FENCE_TOKEN_FIELD for f in model._meta.local_concrete_fields)
