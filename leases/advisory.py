@@ -52,7 +52,7 @@ from django.db.transaction import TransactionManagementError
 from psycopg.pq import TransactionStatus
 
 from . import _advisory_names, _session_leaks, conf
-from ._arguments import valid_timeout
+from ._arguments import valid_flag, valid_timeout
 from .backends._pgdeadline import Deadline, armed
 from .errors import (
     BackendNotSupported,
@@ -299,9 +299,11 @@ def _lock(name: LockKey, shared: bool, using: str) -> AdvisoryLock:
     same lock on every call. Only exact ``str`` names: ``1``, ``True`` and ``1.0`` compare equal,
     so caching them would let an invalid key ride on a valid one's cache entry.
     """
+    if shared is not False and shared is not True:  # "false" is truthy: it would share
+        valid_flag("shared", shared)
     if type(name) is str and type(using) is str:
-        return _cached_lock(name, bool(shared), using)
-    return AdvisoryLock(name=name, key=advisory_key(name), shared=bool(shared), using=using)
+        return _cached_lock(name, shared, using)
+    return AdvisoryLock(name=name, key=advisory_key(name), shared=shared, using=using)
 
 
 @functools.lru_cache(maxsize=1024)

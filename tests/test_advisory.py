@@ -262,6 +262,19 @@ def test_bad_names_are_rejected_before_any_sql(bad: Any, helper: str) -> None:
         getattr(advisory, helper)(bad)
 
 
+@pytest.mark.parametrize("bad", ["false", "no", 0, 1, None])
+@pytest.mark.parametrize("helper", ["xact_lock", "try_xact_lock", "session_lock"])
+def test_a_shared_flag_that_is_not_a_bool_is_rejected_before_any_sql(bad: Any, helper: str) -> None:
+    """``shared="false"`` is truthy: two "exclusive" writers were both let in (a shared lock
+    each). ``acquire()`` refused it already."""
+
+    def no_sql(*args: Any) -> None:
+        raise AssertionError("SQL was sent for a bad flag")
+
+    with connection.execute_wrapper(no_sql), pytest.raises(InvalidLeaseOption, match="shared"):
+        getattr(advisory, helper)("t", shared=bad)
+
+
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "1", True, 10**9])
 def test_bad_timeouts_are_rejected_at_construction(bad: Any) -> None:
     """Like lease()'s: InvalidLeaseOption (a ValueError), before any SQL."""
