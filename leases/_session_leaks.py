@@ -53,13 +53,17 @@ def track(connection: BaseDatabaseWrapper, label: str, unlock_sql: str) -> None:
     _held.setdefault(connection, []).append((label, unlock_sql))
 
 
-def untrack(connection: BaseDatabaseWrapper, label: str) -> None:
-    """The block of a session lock ended (unlocked, or found lost): forget one entry."""
+def untrack(connection: BaseDatabaseWrapper, unlock_sql: str) -> None:
+    """The block of a session lock ended (unlocked, or found lost): forget one entry, the
+    latest with that unlock statement. Matched by the statement (its key and mode), not by
+    the label: a shared and an exclusive lock of one name share a label, and so do the name
+    ``"advisory key 5"`` and the key 5; forgetting the other one left the lock still held
+    untracked, and released the wrong one at the end of the request."""
     held = _held.get(connection)
     if not held:
         return
     for index in range(len(held) - 1, -1, -1):
-        if held[index][0] == label:
+        if held[index][1] == unlock_sql:
             del held[index]
             break
 
@@ -81,14 +85,13 @@ def release_leaked(**kwargs: Any) -> None:
         if not held:
             continue
         labels = [label for label, _ in held]
-        released = connection.connection is not None and _unlock(connection, held)
+        outcome = "gone" if connection.connection is None else _unlock(connection, held)
+        released = outcome == "released"
         logger.error(
             "leases: session_lock(%s) still held on database %r when the request ended; %s",
             ", ".join(repr(label) for label in labels),
             connection.alias,
-            "released it so the next request on this connection does not inherit it"
-            if released
-            else "its connection is gone, and with it the lock",
+            _OUTCOMES[outcome],
             extra={
                 "event": "advisory_lock_leaked",
                 "locks": labels,
@@ -98,17 +101,30 @@ def release_leaked(**kwargs: Any) -> None:
         )
 
 
-def _unlock(connection: BaseDatabaseWrapper, held: list[tuple[str, str]]) -> bool:
+_OUTCOMES = {
+    "released": "released it so the next request on this connection does not inherit it",
+    "closed": "could not unlock it, so its connection was closed, and the lock went with it",
+    "not held": "but its session no longer held it (lost with a reconnect, or unlocked by raw SQL)",
+    "gone": "its connection is gone, and with it the lock",
+}
+
+
+def _unlock(connection: BaseDatabaseWrapper, held: list[tuple[str, str]]) -> str:
     """Unlock on the driver's connection (Django's cursor would refuse inside a broken
-    transaction); if even that fails, end the session, the release of last resort."""
+    transaction); if even that fails, end the session, the release of last resort. Which of
+    :data:`_OUTCOMES` it was: an unlock that finds nothing answers false, not an error."""
+    found = True
     try:
         with connection.connection.cursor() as cursor:
             for _, sql in reversed(held):
                 cursor.execute(sql)
+                row = cursor.fetchone()
+                found = found and bool(row and row[0])
     except Exception as exc:  # the driver's error, whatever the state of the session
         logger.warning("leases: could not unlock a leaked session lock (%s); closing", exc)
         connection.close()
-    return True
+        return "closed"
+    return "released" if found else "not held"
 
 
 def install(

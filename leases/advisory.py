@@ -418,8 +418,7 @@ class _SessionLock(_LockBlock):
 
     def __enter__(self) -> AdvisoryLock:
         lock = super().__enter__()
-        unlock = CALL_SQL.format(function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key))
-        _session_leaks.track(connections[lock.using], lock.label, unlock)
+        _session_leaks.track(connections[lock.using], lock.label, _session_unlock_sql(lock))
         return lock
 
     def __exit__(
@@ -432,7 +431,7 @@ class _SessionLock(_LockBlock):
 
         The body's own exception always wins; a failed unlock is then logged, not raised.
         """
-        _session_leaks.untrack(connections[self.lock.using], self.lock.label)
+        _session_leaks.untrack(connections[self.lock.using], _session_unlock_sql(self.lock))
         try:
             _unlock(self.lock)
         except LeaseError as error:
@@ -441,12 +440,17 @@ class _SessionLock(_LockBlock):
             logger.warning("session_lock(%r) exit after an error: %s", self.lock.label, error)
 
 
+def _session_unlock_sql(lock: AdvisoryLock) -> str:
+    """The statement that unlocks ``lock`` once on its session (it answers whether it did)."""
+    return CALL_SQL.format(function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key))
+
+
 def _unlock(lock: AdvisoryLock) -> None:
     connection = connections[lock.using]
     raw = connection.connection
     if raw is not None and raw.info.transaction_status == TransactionStatus.INERROR:
         _release_by_closing(connection, lock)
-    sql = CALL_SQL.format(function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key))
+    sql = _session_unlock_sql(lock)
     try:
         unlocked = _execute(
             connection, sql, raw=raw is not None and connection.needs_rollback, bound=CHECK_TIMEOUT

@@ -45,7 +45,18 @@ def held_here(request: HttpRequest, alias: str) -> HttpResponse:
         return HttpResponse(str(cursor.fetchone()[0]))
 
 
-urlpatterns = [path("leak/<str:alias>", leak), path("held/<str:alias>", held_here)]
+def leak_inside_a_shared_block(request: HttpRequest, alias: str) -> HttpResponse:
+    """A reader's block that ends, around a writer's lock of the same name left held."""
+    with advisory.session_lock("leaked-by-a-view", shared=True, using=alias):
+        advisory.session_lock("leaked-by-a-view", using=alias).__enter__()
+    return HttpResponse("leaked")
+
+
+urlpatterns = [
+    path("leak/<str:alias>", leak),
+    path("leak-mixed/<str:alias>", leak_inside_a_shared_block),
+    path("held/<str:alias>", held_here),
+]
 
 
 def serve(path: str) -> bytes:
@@ -106,6 +117,22 @@ def test_a_session_lock_left_by_a_request_is_released_and_reported(
     assert record.locks == ["leaked-by-a-view"] and record.released
     assert free_elsewhere("default", "leaked-by-a-view")
     # The next request gets the kept (or pooled) connection: its session holds nothing.
+    assert serve(f"/held/{reused_alias}") == b"0"
+
+
+@pytest.mark.parametrize("reused_alias", ["persistent"], indirect=True)
+def test_the_lock_released_at_the_end_is_the_one_left_not_one_of_its_name(
+    reused_alias: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shared block's end forgot the exclusive lock's entry (matched by name alone), so
+    the end of the request ran the shared unlock (which found nothing), logged "released",
+    and the next request on the kept connection inherited the exclusive lock."""
+    with caplog.at_level(logging.ERROR, logger="leases.advisory"):
+        assert serve(f"/leak-mixed/{reused_alias}") == b"leaked"
+    record: Any
+    (record,) = [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
+    assert record.locks == ["leaked-by-a-view"] and record.released
+    assert free_elsewhere("default", "leaked-by-a-view")
     assert serve(f"/held/{reused_alias}") == b"0"
 
 
