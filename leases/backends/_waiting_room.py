@@ -139,9 +139,10 @@ ROOM_CONNECTIONS = 8
 
 
 def room_key(name: str) -> int:
-    """The advisory key of ``name``'s room (apart from any key a user could lock by name).
-    Hashed without checking the derived text's length: a valid name of up to 255 characters
-    makes one of up to 267 here."""
+    """The advisory key of ``name``'s room: that of the advisory name ``leases:room:<name>``,
+    a prefix the guide reserves for the package (a user's lock of that name would hold the
+    room). Hashed without checking the derived text's length: a valid name of up to 255
+    characters makes one of up to 267 here."""
     return hashed_key(f"leases:room:{name}")
 
 
