@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.models import Model
 from django.utils.connection import ConnectionDoesNotExist
 
 from . import conf
@@ -236,3 +238,43 @@ def check_default_ttl(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
             id="leases.W001",
         )
     ]
+
+
+@register(Tags.models)
+def check_fenced_managers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """leases.W006: a fenced model whose default manager is not a ``FencedManager``."""
+    from django.apps import apps
+
+    configs = app_configs if app_configs is not None else apps.get_app_configs()
+    return fenced_manager_problems(model for config in configs for model in config.get_models())
+
+
+def fenced_manager_problems(models: Iterable[type[Model]]) -> list[CheckMessage]:
+    """Each concrete ``FencedModel`` whose default manager gives plain querysets: under
+    ``class Order(Base, FencedModel)`` the first base's ``objects`` wins, and ``objects``
+    then has no ``fenced()``, lets ``update(fencing_token=0)`` lower the fence, and ignores
+    ``require_fence``, silently."""
+    from .fencing import FencedModel
+    from .fencing.queryset import FencedQuerySet
+
+    found: list[CheckMessage] = []
+    for model in models:
+        if not issubclass(model, FencedModel) or model._meta.abstract or model._meta.proxy:
+            continue
+        manager = model._default_manager
+        if isinstance(manager.get_queryset(), FencedQuerySet):
+            continue
+        found.append(
+            Warning(
+                f"{model._meta.label}'s default manager {manager.name!r} "
+                f"({type(manager).__name__}) is not a FencedManager: its update(), "
+                "bulk_update() and delete() are unfenced, may lower fencing_token and ignore "
+                "require_fence, and it has no fenced()",
+                hint="Declare objects = FencedManager() on the model (or derive your "
+                "manager from FencedManager / FencedQuerySet), or list FencedModel before "
+                "the base whose manager wins.",
+                obj=model,
+                id="leases.W006",
+            )
+        )
+    return found

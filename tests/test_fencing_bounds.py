@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from django.db import connection
-from django.test.utils import CaptureQueriesContext
+from django.test.utils import CaptureQueriesContext, isolate_apps
 
 from leases import FenceRequired, InvalidFencingToken, StaleFencingToken
 from tests.testapp.models_fencing import FencedDoc, StrictDoc
@@ -163,3 +163,33 @@ def test_fenced_queryset_delete_is_all_or_nothing() -> None:
         FencedDoc.objects.filter(pk__in=pks).fenced(5).delete()
     assert FencedDoc.objects.filter(pk__in=pks).count() == 2
     assert FencedDoc.objects.filter(pk__in=pks).fenced(9).delete()[0] == 2
+
+
+@isolate_apps("tests.testapp")
+def test_a_fenced_model_whose_default_manager_is_plain_is_a_check_warning() -> None:
+    """``class Order(Base, FencedModel)``: the concrete base's plain ``objects`` wins, so
+    ``Order.objects`` had no ``fenced()`` and ``update(fencing_token=0)`` lowered the token,
+    without a word. ``manage.py check`` now names it (``leases.W006``)."""
+    from django.db import models
+
+    from leases.checks import check_fenced_managers, fenced_manager_problems
+    from leases.fencing import FencedManager, FencedModel
+
+    class Base(models.Model):  # noqa: DJ008 - a throwaway model of the check
+        class Meta:
+            app_label = "testapp"
+
+    class Order(Base, FencedModel):  # noqa: DJ008
+        class Meta:
+            app_label = "testapp"
+
+    class FixedOrder(Base, FencedModel):  # noqa: DJ008
+        objects = FencedManager()
+
+        class Meta:
+            app_label = "testapp"
+
+    (warning,) = fenced_manager_problems([Base, Order, FixedOrder])
+    assert warning.id == "leases.W006" and warning.obj is Order
+    assert "testapp.Order's default manager 'objects' (Manager)" in warning.msg
+    assert not check_fenced_managers()  # the project's own fenced models are fine
