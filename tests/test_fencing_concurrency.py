@@ -7,6 +7,7 @@ import random
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -180,6 +181,23 @@ def test_concurrent_fenced_group_updates_are_all_or_nothing(
     assert outcomes == {"accepted", "rejected"}, outcomes
 
 
+def run_together(*bodies: Callable[[], None]) -> None:
+    """Each body in a thread of its own (and its own connection), all started, then joined."""
+    threads = [threading.Thread(target=body) for body in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), "a body did not end within a minute"
+
+
+def _backend_pid() -> int:
+    """The server process of this thread's connection."""
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return int(cursor.fetchone()[0])
+
+
 def _blocked_on_a_lock(pid: int) -> bool:
     with connections["default"].cursor() as cursor:
         cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
@@ -201,7 +219,8 @@ def test_a_stale_fenced_write_to_a_child_waits_for_the_successors_write_to_its_p
 
     part = FencedDocPart(title="first", part="p")
     part.save(fence=1)
-    successor_wrote, stale_started, stale_pid = threading.Event(), threading.Event(), []
+    successor_wrote, stale_started = threading.Event(), threading.Event()
+    stale_pid: list[int] = []
     outcome: list[object] = []
 
     def successor() -> None:
@@ -219,9 +238,7 @@ def test_a_stale_fenced_write_to_a_child_waits_for_the_successors_write_to_its_p
     def stale() -> None:
         try:
             assert successor_wrote.wait(20)
-            with connections["default"].cursor() as cursor:
-                cursor.execute("SELECT pg_backend_pid()")
-                stale_pid.append(cursor.fetchone()[0])
+            stale_pid.append(_backend_pid())
             stale_started.set()
             rows = FencedDocPart.objects.filter(pk=part.pk).fenced(1)
             if operation == "update":
@@ -237,11 +254,7 @@ def test_a_stale_fenced_write_to_a_child_waits_for_the_successors_write_to_its_p
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=successor), threading.Thread(target=stale)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    run_together(successor, stale)
     assert len(outcome) == 1 and isinstance(outcome[0], StaleFencingToken), outcome
     assert FencedDoc.objects.filter(pk=part.pk).values_list("fencing_token", "title").get() == (
         2,
@@ -259,7 +272,8 @@ def test_racing_creators_of_one_child_row_end_with_the_greater_tokens_row() -> N
     from tests.testapp.models_fencing import FencedDoc, FencedDocPart
 
     pk = 900_001
-    lower_wrote, greater_pid = threading.Event(), []
+    lower_wrote = threading.Event()
+    greater_pid: list[int] = []
     outcome: list[object] = []
 
     def lower() -> None:
@@ -277,9 +291,7 @@ def test_racing_creators_of_one_child_row_end_with_the_greater_tokens_row() -> N
     def greater() -> None:
         try:
             assert lower_wrote.wait(20)
-            with connections["default"].cursor() as cursor:
-                cursor.execute("SELECT pg_backend_pid()")
-                greater_pid.append(cursor.fetchone()[0])
+            greater_pid.append(_backend_pid())
             FencedDocPart(pk=pk, title="greater", part="greater").save(fence=2)
             outcome.append("saved")
         except Exception as exc:  # reported below
@@ -287,11 +299,7 @@ def test_racing_creators_of_one_child_row_end_with_the_greater_tokens_row() -> N
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=lower), threading.Thread(target=greater)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    run_together(lower, greater)
     assert outcome == ["saved"], outcome
     row = FencedDocPart.objects.values_list("fencing_token", "title", "part").get(pk=pk)
     assert row == (2, "greater", "greater")
