@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin
+from django.db.models.constants import LOOKUP_SEP
 from django.http import HttpRequest
 
 from leases.paginator import EstimatedCountPaginator
@@ -22,6 +23,8 @@ from .models import IdempotencyKey
 
 RESPONSE_PERMISSION = "idempotency.view_response_body"
 RESPONSE_FIELDS = ("response_headers", "response_preview")
+#: Fields no changelist filter may name (see :meth:`IdempotencyKeyAdmin.lookup_allowed`).
+UNFILTERED_FIELDS = frozenset({"response_headers", "response_body", "steps"})
 FIELDS: tuple[str, ...] = (
     "scope",
     "key",
@@ -61,6 +64,17 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if request.user.has_perm(RESPONSE_PERMISSION):
             return FIELDS
         return tuple(name for name in FIELDS if name not in RESPONSE_FIELDS)
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
+        """No filter on the stored response or the steps, from the URL, for anyone.
+
+        Django's changelist accepts a filter on any field of the model: whether a key is
+        listed for ``response_headers__icontains=...`` answers yes or no, so a user without
+        the permission to read responses read them back a character at a time. The admin's
+        own filters never use these fields (refused, Django answers 400)."""
+        if lookup.split(LOOKUP_SEP, 1)[0] in UNFILTERED_FIELDS:
+            return False
+        return bool(super().lookup_allowed(lookup, value, request))
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -49,6 +49,34 @@ def test_the_response_permission_shows_them(key: IdempotencyKey) -> None:
     assert str(SECRET_AMOUNT).encode() in page and b"X-Charge" in page
 
 
+@pytest.mark.parametrize(
+    "lookup",
+    [
+        "response_headers__icontains=X-Charge",
+        f"response_body__contains={bytes(str(SECRET_AMOUNT), 'ascii').hex()}",
+        "response_headers__0__0__startswith=X",
+        "steps__has_key=charge",
+        "response_body=x",
+    ],
+)
+@pytest.mark.parametrize("codenames", [("view_idempotencykey",), ("view_response_body",)])
+def test_the_changelist_refuses_filters_on_what_it_does_not_show(
+    key: IdempotencyKey, lookup: str, codenames: tuple[str, ...]
+) -> None:
+    """Django's changelist takes a filter on any field from its URL: with the view permission
+    alone, whether a key was listed for ``response_headers__icontains=...`` answered yes or
+    no, and a header's value was read back one character at a time (``response_body=x``
+    crashed the page). Filters on the stored response and steps are refused (400) for every
+    user: the admin's own filters never use them, and the detail page shows them to those
+    allowed."""
+    client = staff_client("view_idempotencykey", *codenames)
+    response = client.get(f"/admin/idempotency/idempotencykey/?{lookup}")
+    assert response.status_code == 400, (response.status_code, response.content[:200])
+    assert (
+        client.get("/admin/idempotency/idempotencykey/?state__exact=completed").status_code == 200
+    )
+
+
 def test_keys_cannot_be_deleted_from_the_admin_even_by_a_superuser(
     admin_client: Client, key: IdempotencyKey
 ) -> None:
