@@ -24,7 +24,12 @@ from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.http import HttpRequest, HttpResponseBase
 
 from . import conf, drf, http, store
-from .errors import IdempotencyError, IdempotencyImproperlyConfigured, IdempotencyKeyMissing
+from .errors import (
+    IdempotencyError,
+    IdempotencyImproperlyConfigured,
+    IdempotencyKeyLost,
+    IdempotencyKeyMissing,
+)
 
 __all__ = ["IdempotentMixin", "idempotent"]
 
@@ -206,6 +211,9 @@ class _Guard:
         try:
             with guarding:
                 response = call()
+        except IdempotencyKeyLost as exc:
+            opened.abort()
+            return _lost(opened, exc)
         except BaseException:
             opened.abort()
             raise
@@ -230,10 +238,25 @@ class _Guard:
         try:
             with guarding:
                 response = await call()
+        except IdempotencyKeyLost as exc:
+            await sync_to_async(opened.abort)()
+            return _lost(opened, exc)
         except BaseException:
             await sync_to_async(opened.abort)()
             raise
         return await sync_to_async(self.close)(opened, response, request)
+
+
+def _lost(attempt: store.Attempt, exc: IdempotencyKeyLost) -> HttpResponseBase:
+    """The answer to a request whose key was taken over while its view ran (a step found it
+    so), as :meth:`_Guard.close` answers one found so at the end: the 409 problem. Only this
+    attempt's key: a key the view used itself (``idempotency_key(...)`` inside it) is the
+    view's business, and its loss goes on as the view's exception."""
+    claim = attempt.claim
+    if (exc.scope, exc.key) != (claim.scope, claim.key):
+        raise exc
+    logger.warning("idempotent attempt not stored: %s", exc)
+    return http.problem(exc)
 
 
 def _decorate(view: View, options: Options) -> View:

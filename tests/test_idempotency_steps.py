@@ -33,6 +33,7 @@ from idempotency.steps import derived_key
 from idempotency.store import begin
 from tests.celery_workers import Worker, celery_workers_fixture, new_queue  # noqa: F401
 from tests.steps_workflow import PAUSE_ENV, PROVIDER_ENV
+from tests.test_idempotency import identified, post, problem_type
 from tests.test_idempotency_live import Gunicorn, send
 from tests.testapp.models_idempotency import Charge
 from tests.waiting import wait_until
@@ -341,3 +342,16 @@ def test_an_operations_step_is_recorded_under_that_operation_inside_another() ->
             inner.result = 2
         assert IdempotencyKey.objects.get(key="outer").steps == {"s": 1}
         outer.result = 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("url", ["/idem/lost-at-a-step/", "/idem/alost-at-a-step/"])
+def test_a_view_whose_step_finds_its_key_taken_over_answers_409(url: str) -> None:
+    """The documented answer to a request that ran past its lock (``IdempotencyKeyLost``) is a
+    409 problem, as when the key is found lost at the end of the view; found lost while a step
+    recorded, the exception left the view and the client got a bare 500 page."""
+    client = identified(Client())
+    response = post(client, url, "k-lost-step")
+    assert response.status_code == 409, response.content[:200]
+    assert problem_type(response) == "idempotency-key-in-progress"
+    assert Charge.objects.count() == 0  # the attempt's effects rolled back

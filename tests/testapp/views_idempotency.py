@@ -358,6 +358,46 @@ def order_steps(request: HttpRequest) -> HttpResponse:
     return JsonResponse(place_order(str(data["order"]), int(data["amount"])), status=201)
 
 
+def _taken_over(request: HttpRequest) -> None:
+    """What a retry does once this attempt's lock lapsed: the key row gets another owner
+    (written on a connection of its own, committed at once)."""
+    from django.db import connections
+
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute(
+                "UPDATE idempotency_key SET owner = gen_random_uuid() WHERE key = %s",
+                [request.META["HTTP_IDEMPOTENCY_KEY"]],
+            )
+    finally:
+        other.close()
+
+
+@csrf_exempt
+@idempotent
+def lost_at_a_step(request: HttpRequest) -> HttpResponse:
+    """Taken over before its step records: the step raises ``IdempotencyKeyLost``."""
+    from idempotency import step
+
+    _taken_over(request)
+    step("charge", lambda key: _charge(request).pk)
+    return HttpResponse("not reached", status=201)
+
+
+@csrf_exempt
+@idempotent
+async def alost_at_a_step(request: HttpRequest) -> HttpResponse:
+    """:func:`lost_at_a_step`, async."""
+    from asgiref.sync import sync_to_async
+
+    from idempotency import astep
+
+    await sync_to_async(_taken_over)(request)
+    await astep("charge", lambda key: _charge(request).pk)
+    return HttpResponse("not reached", status=201)
+
+
 # The keys the async steps view's remote step was called with.
 REMOTE_CALLS: list[str] = []
 
@@ -437,6 +477,8 @@ urlpatterns = [
     path("drf-function/", drf_function_charge),
     path("held/", charge_held),
     path("order-steps/", order_steps),
+    path("lost-at-a-step/", lost_at_a_step),
+    path("alost-at-a-step/", alost_at_a_step),
     path("async-steps/", async_steps),
     path("held-wait/", charge_held_wait),
     path("upload/", upload),
