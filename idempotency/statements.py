@@ -76,9 +76,10 @@ _BACK_TO_WRITE_SAVEPOINT = "ROLLBACK TO SAVEPOINT idempotency_owned_write"
 # The last line of a conditional write: one row changed, or an error that aborts the
 # transaction (and any COMMIT after it in the same query). The cast's operand is not a
 # constant, so the planner cannot fold it into an error of its own.
+_LOST_TEXT = "idempotency key lost: "
 _REFUSE_UNLESS_ONE = (
     "SELECT CASE WHEN count(*) = 1 THEN 1 "
-    "ELSE ('idempotency key lost: ' || count(*))::int END FROM changed"
+    f"ELSE ('{_LOST_TEXT}' || count(*))::int END FROM changed"
 )
 
 
@@ -364,6 +365,13 @@ def _sqlstate(exc: BaseException) -> str | None:
     return getattr(exc.__cause__, "sqlstate", None)
 
 
+def _lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is :data:`LOST` raised on purpose (:data:`_REFUSE_UNLESS_ONE`), not the
+    same SQLSTATE for another reason (a step result that is not valid ``jsonb``, which was
+    reported as the key lost)."""
+    return _sqlstate(exc) == LOST and _LOST_TEXT in str(exc.__cause__)
+
+
 def one_query(cursor: CursorWrapper) -> bool:
     """Whether the cursor sends its text as one simple query, so several statements (a
     ``PREPARE`` and its first ``EXECUTE``, a write and its ``COMMIT``) share a round trip:
@@ -546,7 +554,7 @@ def owned_write(
         text = f"{_text(cursor, write.strict)}; COMMIT"
         _run(cursor, f"{text}; {after_commit}" if after_commit else text, params)
     except DatabaseError as exc:
-        if _sqlstate(exc) == LOST:
+        if _lost(exc):
             return False
         raise
     return True
@@ -579,7 +587,7 @@ def owned_write_on(
         try:
             _direct.run_text(connection, conn, texts, params)
         except DatabaseError as exc:
-            if _sqlstate(exc) == LOST:
+            if _lost(exc):
                 return False, False
             if _sqlstate(exc) != _NOT_PREPARED:
                 raise
@@ -591,7 +599,7 @@ def owned_write_on(
             try:
                 _direct.run_text(connection, conn, texts, params)
             except DatabaseError as again:
-                if _sqlstate(again) == LOST:
+                if _lost(again):
                     return False, False
                 raise
             _PREPARED.setdefault(conn, set()).add(write.strict.name)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -72,10 +73,24 @@ def _attempt(name: str) -> store.Attempt:
 
 
 def _encode(name: str, result: Any) -> str:
+    """The result as JSON that PostgreSQL's ``jsonb`` takes, or a ``TypeError`` before any
+    write: besides what ``json.dumps`` refuses, NaN and infinities (not JSON, though Python
+    writes them), a NUL character and an unpaired surrogate (which ``jsonb`` refuses: the
+    write failed, was reported as the key lost, and the step's call ran again on every
+    retry)."""
     try:
-        return json.dumps(result, cls=DjangoJSONEncoder)
-    except TypeError as exc:
+        text = json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
         raise TypeError(f"step {name!r} returned a result that is not JSON: {exc}") from exc
+    if _NUL.search(text):
+        raise TypeError(f"step {name!r} returned a result with a NUL character (jsonb refuses it)")
+    return text
+
+
+#: ``json.dumps``' escape of a NUL character: ``\u0000`` after an even number of backslashes
+#: (an odd number would make it the text of an escaped backslash followed by ``u0000``).
+_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def _record(attempt: store.Attempt, name: str, text: str, outermost: bool) -> Any:

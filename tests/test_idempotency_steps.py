@@ -355,3 +355,23 @@ def test_a_view_whose_step_finds_its_key_taken_over_answers_409(url: str) -> Non
     assert response.status_code == 409, response.content[:200]
     assert problem_type(response) == "idempotency-key-in-progress"
     assert Charge.objects.count() == 0  # the attempt's effects rolled back
+
+
+@pytest.mark.parametrize(
+    "result", [float("nan"), float("inf"), {"v": "a\x00b"}, "\ud800", ["ok", "\\u0000"]]
+)
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "not_atomic"])
+def test_a_step_result_jsonb_would_refuse_is_a_type_error_not_a_lost_key(
+    result: object, atomic: bool
+) -> None:
+    """NaN and infinities (which Python writes as JSON), a NUL and an unpaired surrogate
+    (which jsonb refuses) failed the step's write with SQLSTATE 22P02, the code the owned
+    write raises on purpose for a key taken over: reported as ``IdempotencyKeyLost`` (and a
+    ``conflict`` signal). Refused before the write, with the step named; a backslash
+    followed by ``u0000`` is text, not a NUL, and is recorded."""
+    with idempotency_key("op-jsonb", scope="steps", atomic=atomic):
+        if isinstance(result, list):
+            assert step("text", lambda key: result) == result
+            return
+        with pytest.raises(TypeError, match="step 'bad'"):
+            step("bad", lambda key: result)
