@@ -81,6 +81,36 @@ def test_malformed_redlock_nodes_are_an_error(options: dict[str, Any]) -> None:
     assert ids(messages) == ["leases.E005"]
 
 
+REDIS_URL_ONLY = {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0"}
+NODES = ["redis://a:6379/0", "redis://b:6379/0", "redis://c:6379/0"]
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), 1e11, float("nan"), -1, "5"])
+@pytest.mark.parametrize(
+    ("backend", "option"),
+    [
+        (REDIS_URL_ONLY, "SOCKET_TIMEOUT"),
+        (REDIS_URL_ONLY, "TRUST_SERVER_ID"),
+        ({"ENGINE": "leases.backends.redlock", "NODES": NODES}, "NODE_TIMEOUT"),
+        (DATABASE, "REQUEST_TIMEOUT"),
+        ({"ENGINE": "leases.backends.etcd", "ENDPOINTS": ["http://a:2379"]}, "REQUEST_TIMEOUT"),
+        ({"ENGINE": "leases.backends.etcd", "ENDPOINTS": ["http://a:2379"]}, "CONNECT_TIMEOUT"),
+        ({"ENGINE": "leases.backends.zookeeper", "HOSTS": "a:2181"}, "REQUEST_TIMEOUT"),
+        ({"ENGINE": "leases.backends.zookeeper", "HOSTS": "a:2181"}, "CONNECT_TIMEOUT"),
+        ({"ENGINE": "leases.backends.zookeeper", "HOSTS": "a:2181"}, "SESSION_TIMEOUT"),
+    ],
+)
+def test_a_timeout_option_must_be_a_finite_number_of_seconds(
+    backend: dict[str, Any], option: str, seconds: object
+) -> None:
+    """``float("inf")`` ("no timeout") or ``1e11`` passed the check, and then every acquire on
+    Redis and Redlock raised a bare ``OverflowError`` from the socket, which no ``except
+    LeaseError`` catches. Every backend's timeouts are finite, at most a day."""
+    messages = leases_checks({"store": {**backend, option: seconds}})
+    assert ids(messages) == ["leases.E005"], messages
+    assert option in messages[0].msg and "second" in messages[0].msg
+
+
 def test_a_redis_cluster_flag_must_be_a_bool() -> None:
     """``"CLUSTER": "no"`` is truthy: it made a cluster client for a plain server."""
     redis = {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0", "CLUSTER": "no"}

@@ -44,7 +44,6 @@ __all__ = [
     "name_back_due",
     "parsed",
     "pool_problems",
-    "positive_problems",
     "prefix_problems",
     "read_name_back",
     "read_timeout",
@@ -97,15 +96,6 @@ def prefix_problems(alias: str, prefix: object) -> list[str]:
         return [f"{where} must be a string of 1 to {MAX_PREFIX_LENGTH} characters, not {prefix!r}"]
     if any(c in prefix for c in "{}*?[]\\"):
         return [f"{where} must not contain braces or glob characters"]
-    return []
-
-
-def positive_problems(alias: str, option: str, value: object) -> list[str]:
-    """Why ``value`` is not a positive number of seconds, if it is not."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        return [
-            f'LEASES["BACKENDS"][{alias!r}]["{option}"] must be a positive number, not {value!r}'
-        ]
     return []
 
 

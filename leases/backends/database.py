@@ -51,6 +51,7 @@ from django.db import connections
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._aio import PerLoop
 from ._counter import TIMELINE_FLOOR_SQL
+from ._options import seconds_problems
 from ._pg_shared import (
     GROUP,
     SHARED_ACQUIRE_SQL,
@@ -439,10 +440,7 @@ class Backend(LeaseBackend):
                 "1 or more"
             )
         timeout = options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            problems.append(
-                f'LEASES["BACKENDS"][{alias!r}]["REQUEST_TIMEOUT"] must be a positive number'
-            )
+        problems += seconds_problems(alias, "REQUEST_TIMEOUT", timeout)
         return problems
 
     @classmethod

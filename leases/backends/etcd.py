@@ -47,6 +47,7 @@ from django.utils import timezone
 
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._etcd_io import EtcdRefused, Gateway, Reply, b64, unb64
+from ._options import seconds_problems
 from .base import FORGED, Capability, Grant, LeaseBackend, LeaseInfo, new_secret, not_revoked
 
 __all__ = [
@@ -234,9 +235,7 @@ class Backend(LeaseBackend):
         if not isinstance(prefix, str) or not prefix or not prefix.endswith("/"):
             problems.append(f'{where}["PREFIX"] must be a non-empty string ending in "/"')
         for option in ("REQUEST_TIMEOUT", "CONNECT_TIMEOUT"):
-            value = options.get(option, 1.0)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                problems.append(f'{where}["{option}"] must be a positive number of seconds')
+            problems += seconds_problems(alias, option, options.get(option, 1.0))
         for first, second in (("CERT_CERT", "CERT_KEY"), ("USERNAME", "PASSWORD")):
             if (options.get(first) is None) != (options.get(second) is None):
                 problems.append(f'{where}: "{first}" and "{second}" go together')

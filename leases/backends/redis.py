@@ -51,6 +51,7 @@ from typing import Any
 
 from ..errors import FencingUnavailable, LeaseNotHeld
 from ._counter import DurableCounter
+from ._options import seconds_problems
 from ._redis_async import AsyncRedis
 from ._redis_conn import Connections, Script, run_on_cluster, run_script, server_run
 from ._redis_io import (
@@ -63,7 +64,6 @@ from ._redis_io import (
     eviction_problems,
     expires,
     pool_problems,
-    positive_problems,
     prefix_problems,
     text,
     url_problems,
@@ -172,12 +172,11 @@ class Backend(LeaseBackend):
         else:
             problems += url_problems(alias, "URL", str(url))
         problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
-        problems += positive_problems(alias, "SOCKET_TIMEOUT", options.get("SOCKET_TIMEOUT", 5.0))
+        problems += seconds_problems(alias, "SOCKET_TIMEOUT", options.get("SOCKET_TIMEOUT", 5.0))
         if not isinstance(options.get("CLUSTER", False), bool):
             problems.append(f'LEASES["BACKENDS"][{alias!r}]["CLUSTER"] must be True or False')
         trust = options.get("TRUST_SERVER_ID", 0)
-        if trust != 0:
-            problems += positive_problems(alias, "TRUST_SERVER_ID", trust)
+        problems += seconds_problems(alias, "TRUST_SERVER_ID", trust, zero=True)
         return problems
 
     @classmethod

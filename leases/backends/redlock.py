@@ -61,6 +61,7 @@ from django.utils.module_loading import import_string
 from .. import conf
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
 from ._counter import DurableCounter
+from ._options import seconds_problems
 from ._redis_conn import Script, pack
 from ._redis_io import (
     BLPOP_WAIT,
@@ -72,7 +73,6 @@ from ._redis_io import (
     expires,
     ms,
     pool_problems,
-    positive_problems,
     prefix_problems,
     text,
     url_problems,
@@ -189,7 +189,7 @@ class Backend(LeaseBackend):
                 f'LEASES["BACKENDS"][{alias!r}]["NODES"] lists {", ".join(repeated)} more than '
                 "once: a quorum needs independent servers"
             )
-        problems += positive_problems(alias, "NODE_TIMEOUT", options.get("NODE_TIMEOUT", 0.05))
+        problems += seconds_problems(alias, "NODE_TIMEOUT", options.get("NODE_TIMEOUT", 0.05))
         problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
         problems += _token_source_problems(alias, options.get("TOKEN_SOURCE", "database"))
         return problems

@@ -68,6 +68,7 @@ from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-un
 
 from .._finishing import finish
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
+from ._options import seconds_problems
 from ._zookeeper_line import (
     Queued,
     child_prefix,
@@ -118,13 +119,12 @@ class Backend(LeaseBackend):
         prefix = options.get("PREFIX", "/leases")
         if not isinstance(prefix, str) or not prefix.startswith("/") or prefix.endswith("/"):
             problems.append(f'{where}["PREFIX"] must be an absolute znode path like "/leases"')
-        for option, default in (("SESSION_TIMEOUT", 10.0), ("CONNECT_TIMEOUT", 10.0)):
-            value = options.get(option, default)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                problems.append(f"{where}[{option!r}] must be a positive number of seconds")
-        value = options.get("REQUEST_TIMEOUT", 5.0)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            problems.append(f"{where}['REQUEST_TIMEOUT'] must be a positive number of seconds")
+        for option, default in (
+            ("SESSION_TIMEOUT", 10.0),
+            ("CONNECT_TIMEOUT", 10.0),
+            ("REQUEST_TIMEOUT", 5.0),
+        ):
+            problems += seconds_problems(alias, option, options.get(option, default))
         auth = options.get("AUTH", [])
         if not isinstance(auth, list | tuple) or not all(
             isinstance(pair, list | tuple) and len(pair) == 2 for pair in auth
