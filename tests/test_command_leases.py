@@ -145,6 +145,7 @@ def test_terminate_needs_its_permission_and_a_confirmation(lock_scene: LockScene
         (["release", "", "--token", "1", "--user", "u"], "must not be empty"),
         (["watch", "--interval", "-1"], "--interval must be greater than 0, not -1"),
         (["watch", "--interval", "nan"], "--interval must be greater than 0, not nan"),
+        (["watch", "--interval", "inf"], "--interval must be greater than 0 and finite, not inf"),
         (["watch", "--count", "-2"], "--count must be at least 0, not -2"),
     ],
 )

@@ -132,6 +132,7 @@ def test_command_never_runs_unless_elected(
     [
         (["x", "--ttl", "0"], "CommandError: --ttl must be greater than 0, not 0"),
         (["x", "--grace", "-1"], "CommandError: --grace must be at least 0, not -1"),
+        (["x", "--ttl", "inf"], "CommandError: --ttl must be greater than 0 and finite, not inf"),
         (["x", "--timeout", "-1"], "CommandError: --timeout must be at least 0, not -1"),
         ([""], "CommandError: invalid lease name '': must not be empty"),
         (["x", "--backend", "nope"], "CommandError: "),

@@ -371,6 +371,9 @@ def test_importing_the_package_needs_no_settings_or_app_registry(python: str) ->
     [
         ({"batch_size": 0}, "--batch-size must be at least 1, not 0"),
         ({"sleep": -1.0}, "--sleep must be at least 0, not -1"),
+        # Passed, deleted a batch, then crashed in time.sleep() with a traceback.
+        ({"sleep": float("inf")}, "--sleep must be at least 0 and finite, not inf"),
+        ({"batch_time": float("inf")}, "--batch-time must be at least 0 and finite, not inf"),
         ({"max_batches": -1}, "--max-batches must be at least 0, not -1"),
         ({"database": "nope"}, "unknown database 'nope'"),
     ],

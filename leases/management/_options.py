@@ -58,10 +58,13 @@ def database(alias: str) -> str:
 
 def at_least(option: str, value: float, minimum: float, *, inclusive: bool = True) -> float:
     """``value`` of ``option`` if it is at least (or, not ``inclusive``, above) ``minimum``;
-    NaN, which compares false with everything, is refused too."""
+    NaN, which compares false with everything, is refused too, and so is infinity (``--sleep
+    inf`` passed, deleted a batch, then crashed in ``time.sleep`` with a traceback)."""
+    relation = "at least" if inclusive else "greater than"
     if not (value >= minimum if inclusive else value > minimum):
-        relation = "at least" if inclusive else "greater than"
         raise CommandError(f"{option} must be {relation} {minimum:g}, not {value:g}")
+    if math.isinf(value):
+        raise CommandError(f"{option} must be {relation} {minimum:g} and finite, not {value:g}")
     return value
 
 
