@@ -199,6 +199,24 @@ class LeaseAdmin(_ReadOnlyAdmin):
 Target: TypeAlias = tuple[str, str, int]
 
 
+def posted_targets(request: HttpRequest) -> list[Target]:
+    """The targets a confirmation form posted: one ``targets`` field holding them all (one
+    field per target, as the page had, made Django refuse a form of more than
+    ``DATA_UPLOAD_MAX_NUMBER_FIELDS`` of them), and any ``target`` fields (a page rendered
+    before that change)."""
+    targets = parse_targets(request.POST.getlist("target"))
+    joined = request.POST.get("targets")
+    if joined is not None:
+        try:
+            listed = json.loads(joined)
+        except ValueError as exc:
+            raise SuspiciousOperation("malformed force-release targets") from exc
+        if not isinstance(listed, list):
+            raise SuspiciousOperation("malformed force-release targets")
+        targets += parse_targets([json.dumps(item) for item in listed])
+    return targets
+
+
 def parse_targets(values: list[str]) -> list[Target]:
     """``["backend", "name", token]`` JSON triples from the confirmation form, checked."""
     targets = []
@@ -207,6 +225,8 @@ def parse_targets(values: list[str]) -> list[Target]:
             alias, name, token = json.loads(value)
         except (TypeError, ValueError) as exc:
             raise SuspiciousOperation("malformed force-release target") from exc
+        if not isinstance(alias, str):  # a list or dict would fail the lookup below (a 500)
+            raise SuspiciousOperation("malformed force-release target")
         if alias not in conf.get().backends:
             raise PermissionDenied("unknown backend")
         if not isinstance(name, str) or isinstance(token, bool) or not isinstance(token, int):
@@ -236,13 +256,13 @@ def confirm_release(
                 "changed": now is None or not now.held or now.token != token,
                 "holder": operations.parse_holder(now.holder) if now else None,
                 "error": error,
-                "target": json.dumps([alias, name, token]),
             }
         )
     count = len(rows)
     context = model_admin.section_context(
         request,
         rows=rows,
+        targets=json.dumps([list(target) for target in targets]),
         back=back,
         title=f"Force-release {count} lease{'s' if count != 1 else ''}?",
     )
@@ -320,7 +340,7 @@ class BackendLeaseAdmin(_ReadOnlyAdmin):
         if not back or not url_has_allowed_host_and_scheme(back, allowed_hosts=None):
             back = reverse("admin:leases_backendlease_changelist")
         if request.method == "POST" and request.POST.get("confirm") == "yes":
-            release_and_report(self, request, parse_targets(request.POST.getlist("target")))
+            release_and_report(self, request, posted_targets(request))
             return HttpResponseRedirect(back)
         query = request.GET
         try:
