@@ -240,6 +240,14 @@ def _http_problems(raw: dict[str, Any]) -> list[str]:
                 re.compile(pattern)
             except re.error as exc:
                 found.append(f'{SETTING_NAME}["MIDDLEWARE_PATHS"]: {pattern!r}: {exc}')
+                continue
+            first = pattern.removeprefix("^")[:1]
+            if first.isalnum() or first in ("_", "-"):
+                found.append(
+                    f'{SETTING_NAME}["MIDDLEWARE_PATHS"]: {pattern!r} never matches: it is '
+                    "matched from the start of the path, which begins with '/' (unlike a "
+                    f"re_path pattern): write {'^/' + pattern.removeprefix('^')!r}"
+                )
     return found + _method_list_problem(raw, "MIDDLEWARE_METHODS")
 
 

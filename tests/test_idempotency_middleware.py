@@ -160,6 +160,9 @@ def test_a_drf_view_served_by_async_django_is_guarded() -> None:
         ("REPLAYED_HEADER", ""),
         ("MIDDLEWARE_PATHS", ["(unclosed"]),
         ("MIDDLEWARE_PATHS", "^/api/"),
+        # Written as a re_path pattern: the path begins with "/", so it guarded nothing.
+        ("MIDDLEWARE_PATHS", [r"^api/"]),
+        ("MIDDLEWARE_PATHS", [r"api/payments/"]),
         ("MIDDLEWARE_METHODS", []),
         ("PREPARED_STATEMENTS", "yes"),
     ],
