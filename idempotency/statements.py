@@ -78,7 +78,8 @@ _BACK_TO_WRITE_SAVEPOINT = "ROLLBACK TO SAVEPOINT idempotency_owned_write"
 # constant, so the planner cannot fold it into an error of its own.
 _LOST_TEXT = "idempotency key lost: "
 _REFUSE_UNLESS_ONE = (
-    f"SELECT CASE WHEN count(*) = 1 THEN 1 ELSE ('{_LOST_TEXT}' || count(*))::int END FROM changed"
+    "SELECT CASE WHEN count(*) = 1 THEN 1 "  # noqa: S608 (constants only)
+    f"ELSE ('{_LOST_TEXT}' || count(*))::int END FROM changed"
 )
 
 
