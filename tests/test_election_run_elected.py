@@ -30,6 +30,10 @@ def on_term(signum, frame):
     if mode == "term":
         sys.exit(0)
 signal.signal(signal.SIGTERM, on_term)
+if mode == "grandchild":  # a worker of its own, as a shell script's command is
+    import subprocess
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(out + ".grandchild", "w").write(str(worker.pid))
 with open(out + ".tmp", "w") as f:
     f.write(f"{os.getpid()} {os.environ['LEASES_LEADER_TOKEN']}")
 os.rename(out + ".tmp", out)
@@ -155,6 +159,25 @@ def test_a_missing_program_exits_127_like_the_shell(child_env: dict[str, str]) -
     assert leader_of(name) is None  # resigned on the way out
 
 
+@pytest.mark.parametrize("program", ["not-a-program", "/etc/passwd/x"])
+def test_a_program_that_cannot_be_executed_exits_126_like_the_shell(
+    child_env: dict[str, str], tmp_path: Path, program: str
+) -> None:
+    """An executable of an unknown format (ENOEXEC) or a path through a file (ENOTDIR) was a
+    traceback and exit 1; the shell says 126 for both, as for a file without the permission."""
+    if program == "not-a-program":
+        path = tmp_path / program
+        path.write_bytes(b"\x00\x01 not an executable")
+        path.chmod(0o755)
+        program = str(path)
+    name = f"run-elected-{uuid.uuid4().hex[:8]}"
+    done = manage(child_env, "run_elected", name, "--", program)
+    assert done.returncode == 126, done.stderr
+    (line,) = done.stderr.strip().splitlines()[-1:]
+    assert "cannot execute" in line and "Traceback" not in done.stderr
+    assert leader_of(name) is None
+
+
 def test_verbosity_0_silences_progress(child_env: dict[str, str]) -> None:
     name = f"run-elected-{uuid.uuid4().hex[:8]}"
     loud = manage(child_env, "run_elected", name, "--", "true")
@@ -216,3 +239,43 @@ def test_a_child_that_ignores_sigterm_dies_with_a_sigkilled_supervisor(
     _, proc, pid, _, _ = run_elected("ignore-term")  # type: ignore[operator]
     proc.kill()
     wait_until(lambda: not alive(pid), 5, "the child of a SIGKILLed run_elected to end")
+
+
+@pytest.mark.fault
+def test_a_sigkilled_supervisor_takes_its_commands_own_children_down_too(
+    run_elected: object,
+) -> None:
+    """The parent-death signal reaches the command alone: a worker the command started (a
+    shell script's, a pool's) went on running beside the successor's. The whole process
+    group goes now."""
+    _, proc, pid, _, out = run_elected("grandchild")  # type: ignore[operator]
+    worker = int(Path(f"{out}.grandchild").read_text())
+    assert alive(worker)
+    proc.kill()
+    wait_until(lambda: not alive(pid), 10, "the command of a SIGKILLed run_elected to end")
+    wait_until(lambda: not alive(worker), 10, "the command's own worker to end")
+
+
+@pytest.mark.fault
+def test_a_supervisor_that_ends_leaves_no_watchdog_behind(run_elected: object) -> None:
+    """Whatever watches for this process's death must end with it when it ends normally."""
+    _, proc, _, _, _ = run_elected("exit")  # type: ignore[operator]
+    assert proc.wait(20) == 7
+    wait_until(lambda: not _children_of(proc.pid), 10, "no process left of run_elected")
+
+
+def _children_of(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (reparented ones are not: an orphan's parent is
+    init), and processes started with run_elected's watchdog code line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(stat[1]) == pid or b"leases-run-elected-watchdog" in cmdline:
+            found.append(int(entry.name))
+    return found

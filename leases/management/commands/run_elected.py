@@ -15,7 +15,9 @@ supervisor tells a typo from a job that failed); 1 with one ``CommandError`` lin
 
 Once stopping has begun (leadership lost, or a first SIGTERM/SIGINT/SIGHUP), further signals
 cannot cut the SIGTERM -> grace -> SIGKILL escalation short, and the leadership is resigned only
-after the child is gone. If this process itself dies (even by SIGKILL), the child is SIGKILLed.
+after the child is gone. If this process itself dies (even by SIGKILL), the child and the
+processes of its group are SIGKILLed (the child by its parent-death signal, the rest by a
+watchdog: :func:`start_watchdog`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -52,6 +55,65 @@ def _die_with_parent() -> None:
     """
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+#: The watchdog (see :func:`start_watchdog`): ``argv`` is the command's process group, this
+#: process's pid, then a marker that names it in ``ps``. SIGTERM (the parent-death signal)
+#: arrives blocked from the ``preexec_fn``, so it waits until the handler is in place.
+WATCHDOG = """
+import os, signal, sys
+group, parent = int(sys.argv[1]), int(sys.argv[2])
+def reap(*_):
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os._exit(0)
+signal.signal(signal.SIGTERM, reap)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+if os.getppid() != parent:
+    reap()
+while True:
+    signal.pause()
+"""
+
+
+#: What names the watchdog in ``ps`` (an argument its code ignores).
+WATCHDOG_MARK = "leases-run-elected-watchdog"
+
+
+def _watch_parent() -> None:
+    """``preexec_fn`` of the watchdog: SIGTERM when this process dies, held back (blocked)
+    until the watchdog's handler is installed, so an early death is not lost."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_watchdog(group: int) -> subprocess.Popen[bytes] | None:
+    """A process that SIGKILLs the command's process ``group`` if this one dies.
+
+    The parent-death signal of the command (:func:`_die_with_parent`) reaches the command
+    alone: the workers it started itself (a shell script's commands, a pool's processes)
+    would run on beside the successor's. The watchdog is told of this process's death by a
+    parent-death signal of its own and takes the whole group down. It is stopped (SIGKILL,
+    so it reaps nothing) when the command has ended here; ``None`` if it cannot start (the
+    command's own parent-death signal still holds)."""
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", WATCHDOG, str(group), str(os.getpid()), WATCHDOG_MARK],
+            preexec_fn=_watch_parent,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
+    except OSError:
+        return None
+
+
+def _stop_watchdog(watchdog: subprocess.Popen[bytes] | None) -> None:
+    if watchdog is not None and watchdog.poll() is None:
+        watchdog.kill()
+        watchdog.wait()
 
 
 def exit_status(returncode: int) -> int:
@@ -196,6 +258,10 @@ class Command(BaseCommand):
         except PermissionError:
             self.stderr.write(f"run_elected: {command[0]}: permission denied")
             return NOT_EXECUTABLE_EXIT_CODE
+        except OSError as exc:  # a binary of another format, a path through a file, ...
+            self.stderr.write(f"run_elected: {command[0]}: cannot execute: {exc.strerror}")
+            return NOT_EXECUTABLE_EXIT_CODE
+        watchdog = start_watchdog(child.pid)
         # Not "elected leader ...": elect() has logged that (leases.election, INFO), and an
         # operator logging it to this stderr would read the election twice. This line says
         # what the command adds: which process now runs under the leadership.
@@ -214,3 +280,4 @@ class Command(BaseCommand):
         finally:
             if child.poll() is None:
                 stop_process_group(child, grace, self.stopping)
+            _stop_watchdog(watchdog)
