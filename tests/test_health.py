@@ -14,6 +14,7 @@ from asgiref.sync import async_to_sync
 from django.test import RequestFactory
 from health_check.views import HealthCheckView
 
+from devservers import free_port
 from leases.backends.etcd import revokes_live_leases
 from leases.health import LeaseBackendHealth
 from tests.clusters import etcd_member_versions
@@ -96,3 +97,16 @@ def test_a_load_balancers_check_asks_reachability_alone(
 def test_an_unknown_alias_is_unavailable() -> None:
     with pytest.raises(Exception, match="unreachable or misconfigured"):
         LeaseBackendHealth(alias="no-such-backend").run()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("deploy", [False, True])
+def test_a_redlock_none_of_whose_nodes_answers_is_unavailable(deploy: bool) -> None:
+    """Its probe read dropped the nodes that failed and answered "not held": the load
+    balancer's check (``deploy=False``) said healthy while every acquire failed."""
+    nodes = [f"redis://127.0.0.1:{free_port()}/0" for _ in range(3)]
+    config = {"ENGINE": "leases.backends.redlock", "NODES": nodes, "NODE_TIMEOUT": 0.2}
+    with added_backend("redlock-down", config) as alias:
+        check = LeaseBackendHealth(alias=alias, deploy=deploy)
+        with pytest.raises(Exception, match="unreachable or misconfigured"):
+            check.run()

@@ -604,8 +604,18 @@ class Backend(LeaseBackend):
         return self.next_token(name), None
 
     def inspect(self, name: str) -> LeaseInfo | None:
+        """What a quorum of nodes says; ``BackendUnavailable`` when fewer than a quorum
+        answer (read as "not held", a Redlock with every node down looked healthy to the
+        health check while every acquire failed)."""
         keys = LeaseKeys.of(self.prefix, name)
-        values = [v for v in self._fan_out("GET", keys.lock) if v not in (None, FAILED)]
+        answers = [v for v in self._fan_out("GET", keys.lock) if v is not FAILED]
+        if len(answers) < self.quorum:
+            raise BackendUnavailable(
+                self.alias,
+                f"{len(answers)} of {len(self.nodes)} Redlock nodes answered, fewer than a "
+                f"quorum of {self.quorum}",
+            )
+        values = [v for v in answers if v is not None]
         token = self.counter.current_lease(name) or 0
         held = [text(v) for v in values if values.count(v) >= self.quorum]
         if held:
