@@ -111,6 +111,25 @@ def test_a_timeout_option_must_be_a_finite_number_of_seconds(
     assert option in messages[0].msg and "second" in messages[0].msg
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        # Passed the check; the first acquire raised ValueError (port out of range).
+        {"ENGINE": "leases.backends.etcd", "ENDPOINTS": ["http://127.0.0.1:99999"]},
+        {"ENGINE": "leases.backends.etcd", "ENDPOINTS": ["http://127.0.0.1:port"]},
+        # TypeError (an int in the list), ValueError (a relative znode path), at first use.
+        {"ENGINE": "leases.backends.zookeeper", "HOSTS": ["127.0.0.1:2181", 2181]},
+        {"ENGINE": "leases.backends.zookeeper", "HOSTS": "127.0.0.1:2181", "PREFIX": "/a/./b"},
+        {"ENGINE": "leases.backends.zookeeper", "HOSTS": "127.0.0.1:2181", "PREFIX": "/a//b"},
+        {"ENGINE": "leases.backends.zookeeper", "HOSTS": "127.0.0.1:2181", "PREFIX": "/a/.."},
+    ],
+)
+def test_addresses_and_paths_that_fail_at_first_use_fail_the_check(
+    options: dict[str, Any],
+) -> None:
+    assert ids(leases_checks({"store": options})) == ["leases.E005"]
+
+
 def test_a_redis_cluster_flag_must_be_a_bool() -> None:
     """``"CLUSTER": "no"`` is truthy: it made a cluster client for a plain server."""
     redis = {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0", "CLUSTER": "no"}
@@ -210,8 +229,15 @@ def test_the_admin_finds_the_lease_rows_by_capability() -> None:
             "REQUEST_TIMEOUT": 0.5,
             "CONNECT_TIMEOUT": 0.5,
         },
+        # An unreachable ensemble was a warning: a deploy gated on the check passed.
+        {
+            "ENGINE": "leases.backends.zookeeper",
+            "HOSTS": "127.0.0.1:1",
+            "REQUEST_TIMEOUT": 0.5,
+            "CONNECT_TIMEOUT": 0.5,
+        },
     ],
-    ids=["redis", "etcd"],
+    ids=["redis", "etcd", "zookeeper"],
 )
 def test_an_unreachable_store_is_named_once_in_its_deploy_error(options: dict[str, Any]) -> None:
     """It read "lease backend 'r': lease backend 'r' is unavailable: ...". An unreachable

@@ -180,7 +180,8 @@ class Session:
             # Only this caller's wait ends: kazoo goes on connecting in its own thread, so a
             # connection slower than one call's bound still serves the next call.
             raise BackendUnavailable(
-                self.alias, f"connect: not connected within {within:.3g}s (still trying)"
+                self.alias,
+                f"connect to {self.hosts}: not connected within {within:.3g}s (still trying)",
             )
         self._connecting = None
         with Edge(self.alias, "connect"):

@@ -229,6 +229,11 @@ class Backend(LeaseBackend):
         else:
             for url in endpoints:
                 parts = urlsplit(str(url))
+                try:
+                    parts.port  # noqa: B018 - parsed here: out of range, it raised at first use
+                except ValueError:
+                    problems.append(f'{where}["ENDPOINTS"] has {url!r}: its port is not valid')
+                    continue
                 if parts.scheme not in ("http", "https") or not parts.hostname:
                     problems.append(f'{where}["ENDPOINTS"] has {url!r}: not an http(s):// URL')
         prefix = options.get("PREFIX", "leases/")
