@@ -192,6 +192,13 @@ def _expires(seconds: float) -> datetime:
     return timezone.now() + min(timedelta(seconds=max(0.0, seconds)), _LATEST)
 
 
+#: How long a waiter's watch lasts at least, unless the deletion it waits for comes first
+#: (the release, the holder's expiry, a force release: each wakes it at once). A try is three
+#: requests, two of them raft writes; cut at the backoff's first delays (milliseconds), the
+#: watch made a waiter try about ten times a second while the name stayed held.
+WATCH_AT_LEAST = 2.0
+
+
 class Backend(LeaseBackend):
     """Leases on an etcd v3 cluster, through its HTTP/JSON gateway (etcd3gw)."""
 
@@ -203,6 +210,8 @@ class Backend(LeaseBackend):
             Capability.DURABLE,
         }
     )
+    wait_at_least = WATCH_AT_LEAST
+
     known_options = frozenset(
         {
             "ENDPOINTS",
