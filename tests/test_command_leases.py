@@ -16,6 +16,7 @@ from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
+from devservers import free_port
 from leases import acquire
 from leases._asking import ANSWER_BOUND
 from leases.backends import get_backend
@@ -147,6 +148,8 @@ def test_terminate_needs_its_permission_and_a_confirmation(lock_scene: LockScene
         (["watch", "--interval", "nan"], "--interval must be greater than 0, not nan"),
         (["watch", "--interval", "inf"], "--interval must be greater than 0 and finite, not inf"),
         (["watch", "--count", "-2"], "--count must be at least 0, not -2"),
+        # A bigint LIMIT out of range: the database backend was reported unavailable.
+        (["list", "--limit", "9223372036854775808"], "--limit must be at most 10000000"),
     ],
 )
 @pytest.mark.django_db
@@ -288,3 +291,27 @@ def test_show_asks_every_backend_at_once_within_the_bound(
         err.getvalue()
     )
     assert f"no answer within {ANSWER_BOUND:g}s" in err.getvalue()
+
+
+def test_with_the_database_down_list_still_lists_the_other_backends_and_the_rest_is_one_line(
+    child_env: dict[str, str],
+) -> None:
+    """The advisory locks' query (and, for show/watch/release, the whole command) crashed with
+    a traceback when the database did not answer; ``list`` printed no lease of any backend."""
+    env = {
+        **child_env,
+        # The demo's settings: the tests' own would start a server of their own instead.
+        "DJANGO_SETTINGS_MODULE": "demo_project.settings",
+        "DATABASE_URL": f"postgres://u:p@127.0.0.1:{free_port()}/none",
+    }
+    listed = manage(env, "leases", "list")
+    assert "Traceback" not in listed.stderr, listed.stderr
+    assert listed.returncode == 0, listed.stderr
+    assert "advisory locks on default unavailable:" in listed.stdout
+    assert "backend default unavailable:" in listed.stdout
+    watched = manage(env, "leases", "watch", "--count", "1")
+    assert watched.returncode == 0 and "Traceback" not in watched.stderr, watched.stderr
+    assert "advisory locks on default unavailable:" in watched.stdout
+    shown = manage(env, "leases", "show", "x")
+    assert shown.returncode == 1 and "Traceback" not in shown.stderr, shown.stderr
+    assert shown.stderr.strip().splitlines()[-1].startswith("CommandError: database unavailable")

@@ -32,6 +32,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 from django.utils import timezone
 
 from leases import conf, operations
@@ -195,6 +196,16 @@ def table_lines(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> Iterat
         chunk = []
 
 
+#: The most leases ``--limit`` may ask for (its ``LIMIT`` is a bigint; past it the query
+#: failed and was reported as the backend being unavailable).
+MAX_LIMIT = 10_000_000
+
+
+def _first_line(exc: BaseException) -> str:
+    """A driver error's first line (psycopg's carry the server's detail on the next ones)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 class Command(BaseCommand):
     help = "List, show, watch and force-release leases and advisory locks."
     limit: int | None = DEFAULT_LIMIT
@@ -267,16 +278,26 @@ class Command(BaseCommand):
             at_least("--count", options["count"], 0)
         if action in ("list", "watch"):
             self.limit = int(at_least("--limit", options["limit"], 0)) or None
+            if self.limit is not None and self.limit > MAX_LIMIT:
+                raise CommandError(f"--limit must be at most {MAX_LIMIT}, not {self.limit}")
         if action == "list" and options["json"]:
             infos, errors = self.leases()
             using = options["database"]
-            locks = lambda: operations.advisory_locks(using)  # noqa: E731 - read after the leases
+            locks = lambda: self.advisory(using, errors)  # noqa: E731 - read after the leases
             for piece in json_listing(infos, locks, using, errors):
                 self.stdout.write(piece, ending="")
             self.stdout.write("")
         elif action == "list":
             self.write_listing(options["database"])
-        elif action == "show":
+        else:
+            try:
+                self.act(action, options)
+            except DatabaseError as exc:
+                raise CommandError(f"database unavailable: {_first_line(exc)}") from exc
+
+    def act(self, action: str, options: dict[str, Any]) -> None:
+        """The actions that need the database throughout (its errors are one line each)."""
+        if action == "show":
             self.show(options["name"], options["database"])
         elif action == "release":
             self.release(options["name"], options["backend"], options["token"], options["user"])
@@ -292,6 +313,16 @@ class Command(BaseCommand):
             self.terminate(options["pid"], options["user"], options["yes"], options["database"])
         else:
             self.watch(options["interval"], options["count"], options["database"])
+
+    def advisory(self, using: str, errors: dict[str, str]) -> list[Any]:
+        """The advisory locks of database ``using``; none, with the error in ``errors`` (under
+        ``advisory locks on <using>``), when it does not answer: the other backends' leases
+        are still listed (they crashed with it, in a traceback)."""
+        try:
+            return list(operations.advisory_locks(using))
+        except DatabaseError as exc:
+            errors[f"advisory locks on {using}"] = _first_line(exc)
+            return []
 
     def leases(self) -> tuple[Iterable[LeaseInfo], dict[str, str]]:
         """Up to ``--limit`` leases, held first; with ``--limit 0`` all of them as a stream."""
@@ -310,7 +341,7 @@ class Command(BaseCommand):
             for info in infos:
                 listed += 1
                 yield lease_row(info, now)
-            yield from advisory_rows(operations.advisory_locks(using), using)
+            yield from advisory_rows(self.advisory(using, errors), using)
 
         for lines in table_lines(HEADERS, rows()):
             self.stdout.write(lines)
@@ -319,7 +350,8 @@ class Command(BaseCommand):
                 f"(the first {self.limit} leases, held first: --limit N or 0 for more)"
             )
         for alias, error in errors.items():
-            self.stdout.write(f"backend {alias} unavailable: {error}")
+            what = alias if alias.startswith("advisory locks") else f"backend {alias}"
+            self.stdout.write(f"{what} unavailable: {error}")
 
     def show(self, name: str, using: str) -> None:
         """Every backend asked at once, each for at most ``ANSWER_BOUND`` seconds, as ``list``
