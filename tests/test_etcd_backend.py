@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import requests
 from django.conf import settings
 from django.db import connection
 from django.test import override_settings
@@ -107,6 +108,52 @@ def test_a_waiter_waits_on_its_watch_instead_of_trying_every_few_milliseconds(
     tries = sent.count("lease/grant")
     holder.release()
     assert 1 <= tries <= 4, sent
+
+
+def _release_reply_lost(monkeypatch: pytest.MonkeyPatch, alias: str, *, applied: bool) -> None:
+    """The release transaction's first attempt gets no reply (a read timeout), so the gateway
+    retries it on the next member and calls the retry a replay; with ``applied`` the first
+    attempt reached the cluster (its reply was what got lost), else it never left."""
+    gateway = get_backend(alias).gateway  # type: ignore[attr-defined]
+    post: Callable[..., Any] = gateway._post
+    cut: list[bool] = []
+
+    def losing(client: Any, path: str, body: Any, timeout: float) -> Any:
+        if (
+            path == "kv/txn"
+            and not cut
+            and any("request_delete_range" in op for op in body.get("success", []))
+        ):
+            cut.append(True)
+            if applied:
+                post(client, path, body, timeout)
+            raise requests.ReadTimeout("the reply was lost")
+        return post(client, path, body, timeout)
+
+    monkeypatch.setattr(gateway, "_post", losing)
+
+
+def test_a_retried_release_whose_first_attempt_deleted_the_lock_is_done(
+    etcd_store: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = acquire(lease_name, ttl=30, backend=etcd_store, keepalive=False)
+    _release_reply_lost(monkeypatch, etcd_store, applied=True)
+    held.release()  # the retry finds the lock gone: by our own first attempt
+    info = get_backend(etcd_store).inspect(lease_name)
+    assert info is not None and not info.held
+
+
+def test_a_retried_release_of_a_force_released_lease_is_refused(
+    etcd_store: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retry found the lock gone and took that for its own first attempt's work, so the
+    release of a lease force-released meanwhile was reported done (seen from outside with the
+    first member paused). etcd's history says who deleted it."""
+    held = acquire(lease_name, ttl=30, backend=etcd_store, keepalive=False)
+    get_backend(etcd_store).force_release(lease_name, held.token)
+    _release_reply_lost(monkeypatch, etcd_store, applied=False)
+    with pytest.raises(LeaseLost):
+        held.release()
 
 
 def test_a_ttl_below_the_servers_minimum_is_counted_as_asked(

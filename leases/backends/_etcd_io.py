@@ -218,6 +218,12 @@ class Gateway:
     def watch_deletion(self, key: str, start_revision: int, timeout: float) -> bool:
         """Block until ``key`` is deleted at or after ``start_revision`` (``True``), or until
         ``timeout`` passes (``False``): one streaming request, no polling."""
+        return self.deletion(key, start_revision, timeout) is not None
+
+    def deletion(self, key: str, start_revision: int, timeout: float) -> int | None:
+        """The revision at which ``key`` was (or, within ``timeout``, is) first deleted at or
+        after ``start_revision``; ``0`` when the history was compacted past it (a deletion may
+        have been missed); ``None`` when none came in time."""
         deadline = time.monotonic() + timeout
         client = self._order()[0]
         body: dict[str, Any] = {
@@ -239,34 +245,41 @@ class Gateway:
                 for chunk in response.iter_content(chunk_size=None):
                     buffer += chunk
                     *lines, buffer = buffer.split(b"\n")
-                    if any(_deleted(line) for line in lines):
-                        return True
+                    for line in lines:
+                        revision = _deleted(line)
+                        if revision is not None:
+                            return revision
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        return False
+                        return None
                     if sock is not None:
                         sock.settimeout(left)
         except requests.RequestException as exc:
             # Not only a reset or a timeout: a member that exits or drops the stream cleanly
             # ends the chunked reply mid-way (``ChunkedEncodingError``).
             if time.monotonic() >= deadline - 0.001:
-                return False
+                return None
             raise BackendUnavailable(self.alias, f"watch: {type(exc).__name__}") from exc
-        return False
+        return None
 
     def close(self) -> None:
         for client in self._clients:
             client.session.close()
 
 
-def _deleted(line: bytes) -> bool:
-    """Whether one message of the watch stream reports an event (only deletions are sent)."""
+def _deleted(line: bytes) -> int | None:
+    """The revision of the deletion one message of the watch stream reports (only deletions
+    are sent), ``0`` when the watch was canceled (compacted past its start: the caller tries
+    again), ``None`` for a message without an event (the watch's creation)."""
     if not line.strip():
-        return False
+        return None
     result = json.loads(line).get("result", {})
-    if result.get("canceled"):  # compacted past our revision: let the caller try again
-        return True
-    return bool(result.get("events"))
+    if result.get("canceled"):
+        return 0
+    events = result.get("events") or []
+    if not events:
+        return None
+    return int(events[0].get("kv", {}).get("mod_revision", 0))
 
 
 def _message(response: requests.Response) -> str:

@@ -375,10 +375,34 @@ class Backend(LeaseBackend):
             deleted = _kvs(reply.body, 0)
             self._revoke(deleted[0].get("lease", "0") if deleted else grant.extra.get("lease"))
             return
-        if reply.replayed and not _kvs(reply.body, 0):
+        if reply.replayed and not _kvs(reply.body, 0) and self._deleted_by_us(grant):
             self._revoke(grant.extra.get("lease", 0))  # our first attempt deleted it
             return
         raise self._refusal(grant, reply.body, "release")
+
+    def _deleted_by_us(self, grant: Grant) -> bool:
+        """After a retried release found the lock gone: whether the first attempt deleted it.
+
+        Otherwise it expired, or a force release deleted it first, and the release must be
+        refused (it was reported done). etcd's history says which: the lock's first deletion
+        after its creation (a watch from the grant's token replays it), then whether the name
+        key was written in the same revision (a force release's transaction writes it; our
+        deletion does not). An expiry cannot be told from our deletion there, so the grant's
+        own validity decides (the server's TTL is never shorter than the client's). History
+        compacted away: the outcome cannot be told (``BackendUnavailable``)."""
+        lock, name_key = self._keys(grant.name)
+        revision = self.gateway.deletion(lock, grant.token, self.gateway.request_timeout)
+        if not revision:
+            raise BackendUnavailable(
+                self.alias,
+                f"release of {grant.name!r}: a retry found the lease gone, and etcd's history "
+                "no longer says whether this release or an expiry or revocation removed it",
+            )
+        then = self._call("kv/range", {"key": name_key, "revision": revision}).body
+        found = then.get("kvs") or []
+        if found and int(found[0].get("mod_revision", 0)) == revision:
+            return False  # force-released
+        return time.monotonic() < grant.sent_at + grant.ttl
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
         """A watch on the lock's deletion from the revision it was last seen at, so a
