@@ -476,3 +476,30 @@ def test_a_waiter_finding_its_client_dead_waits_no_longer_than_its_deadline(
         )
         proxy.pass_through()
         holder.release()
+
+
+def test_a_hung_ensemble_costs_each_try_one_sweep_request_however_many_orphans_wait(
+    ensemble: ZooKeeperEnsemble, backends: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every create whose outcome a hung ensemble left unknown is remembered for a sweep at
+    the next join; the sweep read each one's line in turn, each failing after a full request
+    timeout, so every acquire took one timeout more than the one before (2, 3, 4, 5, 6 s for
+    five ``acquire(timeout=0)`` in a row). The sweep now stops at its first failure."""
+    backends(zk_sweep=ensemble.host(ensemble.ids[0]), request=0.5)
+    store = get_backend("zk_sweep")
+    session = store.zk  # type: ignore[attr-defined]
+    store.inspect("warm-up")  # connected before the member stops answering
+    for index in range(4):
+        session._orphans.add((f"orphan-{index}", f"guid{index}"))
+    reads: list[str] = []
+    line = session.line
+
+    def counted(name: str) -> Any:
+        reads.append(name)
+        return line(name)
+
+    monkeypatch.setattr(session, "line", counted)
+    ensemble.pause(ensemble.ids[0])
+    session.sweep()
+    assert len(reads) == 1, reads
+    assert len(session._orphans) == 4  # kept for a sweep that can reach the ensemble

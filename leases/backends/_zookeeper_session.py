@@ -305,14 +305,24 @@ class Session:
             raise
 
     def sweep(self) -> None:
-        """Delete nodes left by creates whose outcome was unknown (best effort, rare)."""
+        """Delete nodes left by creates whose outcome was unknown (best effort, rare).
+
+        Stops at the first request that fails: the creates were left unknown by an ensemble
+        that did not answer, which most likely still does not, and each further read would
+        cost the join a whole request timeout more (every failed try adding an orphan, every
+        acquire took one timeout longer than the one before). The rest wait for a sweep that
+        can reach it."""
         for name, guid in list(self._orphans):
-            with contextlib.suppress(KazooException, KazooTimeoutError):
+            try:
                 children, _ = self.line(name)
                 for child in children:
                     if guid in child:
                         self.get(self.client.delete_async(f"{self.name_path(name)}/{child}"))
-                self._orphans.discard((name, guid))
+            except NoNodeError:
+                pass  # no name node: nothing of ours under it
+            except (KazooException, KazooTimeoutError):
+                return
+            self._orphans.discard((name, guid))
 
     def leave(self, name: str, child: str) -> None:
         with contextlib.suppress(NoNodeError):
