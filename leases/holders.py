@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from . import conf
 from .errors import InvalidLeaseOption
-from .keys import MAX_NAME_LENGTH
+from .keys import MAX_NAME_LENGTH, SEPARATOR
 
 __all__ = ["Holder", "holder_identity", "parse_holder"]
 
@@ -76,6 +76,10 @@ def holder_identity(holder: str | None) -> str:
         raise InvalidLeaseOption("holder", holder, f"must be 1 to {MAX_NAME_LENGTH} characters")
     if not holder.isprintable():
         raise InvalidLeaseOption("holder", holder, "must be printable (no NUL, no control chars)")
+    if SEPARATOR in holder:
+        # The package's own mark: a Redis writer whose holder ended in "::\u241fshared" was
+        # taken for a group of readers, and a reader was granted beside it.
+        raise InvalidLeaseOption("holder", holder, f"must not contain {SEPARATOR!r}")
     return holder
 
 

@@ -476,6 +476,9 @@ def test_caller_rollback_neither_unacquires_nor_unreleases(
         ({"holder": "h\x00x"}, InvalidLeaseOption),
         ({"holder": "h\nx"}, InvalidLeaseOption),
         ({"holder": "\x7f"}, InvalidLeaseOption),
+        # The package's group mark: on Redis such a writer was taken for a group of readers,
+        # and a reader was granted beside it.
+        ({"holder": "x::\u241fshared"}, InvalidLeaseOption),
         # keepalive="no" is truthy: the lease was kept alive against the caller's wish.
         ({"keepalive": "no"}, InvalidLeaseOption),
         # 1 == True: it would have been taken as a reader's lease (or refused as unsupported).
