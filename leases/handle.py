@@ -49,6 +49,8 @@ class Lease:
     __slots__ = (
         "__weakref__",
         "_drift",
+        "_fraction",
+        "_keep_gen",
         "_key",
         "_lost",
         "_lost_event",
@@ -91,6 +93,10 @@ class Lease:
         self._key: tuple[str, str, str] = (self.backend, self.name, "")
         self._state = threading.Lock()
         self._released = False
+        #: The ``RENEW_FRACTION`` keepalive renews at (``None``: not kept alive), and the
+        #: generation of its keepalive jobs (see :func:`leases.keepalive.rewatch`).
+        self._fraction: float | None = None
+        self._keep_gen = 0
         self.grant = grant
         self.valid_until = grant.valid_until(*self._drift)
 
@@ -123,6 +129,7 @@ class Lease:
             signals.send(
                 signals.lease_acquired, held.backend, lease=held, elapsed=elapsed, waited=waited
             )
+        held._fraction = renew_fraction
         keepalive.watch(held, renew_fraction)  # and, with a fraction, renewed when due
         return held
 
@@ -299,9 +306,14 @@ class Lease:
 
     def _renewed(self, grant: Grant) -> Grant:
         with self._state:
+            retimed = not self.done and grant.ttl != self.grant.ttl
             if not self.done:
                 self.grant = grant
                 self.valid_until = grant.valid_until(*self._drift)
+        if retimed:
+            # Renewed to another TTL: the watchdog and renewer were due by the old one (a
+            # shorter TTL was never renewed in time, and its loss reported seconds late).
+            keepalive.rewatch(self, self._fraction)
         self._ensure_valid()  # lost or released while the renewal was on its way
         signals.send(signals.lease_renewed, self.backend, lease=self)
         return grant
@@ -376,9 +388,16 @@ class Lease:
 
     def _outcome_unknown(self) -> None:
         """A release whose outcome is unknown (a timeout, a dropped reply): never claim
-        "released", and let the caller retry, which is safe since release is conditional."""
+        "released", and let the caller retry, which is safe since release is conditional.
+        Held again, it is registered and watched again: the watchdog and renewer saw it
+        released and dropped out, and its loss would have gone unreported."""
         with self._state:
             self._released = False
+            lost = self._lost
+        if not lost:
+            with _held_lock:
+                _held.setdefault(self._key, self)
+            keepalive.rewatch(self, self._fraction)
 
     def _release_refused(
         self, exc: LeaseLost | LeaseNotHeld, lost_before: bool, revoked: int | None
@@ -446,7 +465,7 @@ class Lease:
         if self._on_lost is not None:
             try:
                 self._on_lost(self)
-            except Exception:
+            except (Exception, SystemExit):  # sys.exit() there ended the keepalive thread
                 logger.exception("leases: on_lost callback for %r raised", self.name)
         signals.send(signals.lease_lost, self.backend, lease=self, reason=reason, cause=cause)
 

@@ -60,6 +60,8 @@ class Kept(Protocol):
     grant: Grant
     valid_until: float
     clock: Clock
+    #: Bumped to retire the lease's current keepalive jobs (see :func:`rewatch`).
+    _keep_gen: int
 
     @property
     def done(self) -> bool: ...
@@ -145,7 +147,8 @@ class Scheduler:
             job = self._next_job()
             try:
                 due = job()
-            except Exception:  # a job must never take the thread down with it
+            except BaseException:  # a job must never take the thread down with it (an
+                # on_lost calling sys.exit() ended the watchdog: no loss was reported again)
                 logger.exception("leases: %s job failed; it will not run again", self.name)
                 continue
             if due is not None:
@@ -204,24 +207,34 @@ def watch(lease: Kept, renew_fraction: float | None = None) -> None:
     watchdog.schedule(due, _Watch(lease, renew_fraction))
 
 
+def rewatch(lease: Kept, renew_fraction: float | None = None) -> None:
+    """Retire ``lease``'s current watchdog and renewer jobs and watch it anew, from its grant
+    as it is now: after a renewal to another TTL (the jobs were due by the old one: a shorter
+    TTL was renewed late, or lost, and reported late), or once a release whose outcome is
+    unknown leaves it held (the jobs had seen it released and dropped out)."""
+    lease._keep_gen += 1
+    watch(lease, renew_fraction)
+
+
 class _Watch:
     """The watchdog's job for one lease, finished once it is released or lost (a class with
     slots rather than a closure: one is made on every acquire). While ``fraction`` is set it
     has yet to hand the lease to its renewer (see :func:`watch`)."""
 
-    __slots__ = ("fraction", "lease")
+    __slots__ = ("fraction", "gen", "lease")
 
     def __init__(self, lease: Kept, fraction: float | None = None) -> None:
         self.lease = lease
         self.fraction = fraction
+        self.gen = lease._keep_gen
 
     def __call__(self) -> float | None:
         lease = self.lease
-        if lease.done:
+        if lease.done or self.gen != lease._keep_gen:
             return None
         if self.fraction is not None:  # its first renewal is due: the renewer takes it over
             fraction, self.fraction = self.fraction, None
-            keep_alive(lease, fraction)
+            keep_alive(lease, fraction, self.gen)
         deadline = lease.valid_until
         if lease.clock.monotonic() < deadline:
             return deadline  # renewed meanwhile: look again at the new deadline
@@ -229,16 +242,17 @@ class _Watch:
         return None
 
     def finished(self) -> bool:
-        return self.lease.done
+        return self.lease.done or self.gen != self.lease._keep_gen
 
 
-def keep_alive(lease: Kept, fraction: float) -> None:
-    """Renew ``lease`` every ``fraction`` of its TTL until it is released or lost."""
+def keep_alive(lease: Kept, fraction: float, gen: int | None = None) -> None:
+    """Renew ``lease`` every ``fraction`` of its TTL until it is released or lost (or its
+    jobs of generation ``gen``, default the current one, are retired: :func:`rewatch`)."""
     due = lease.grant.sent_at + lease.grant.ttl * fraction
     renewer = _renewers.get(lease.backend)
     if renewer is None:
         renewer = _scheduler(lease.backend)
-    renewer.schedule(due, _Renewal(lease, fraction))
+    renewer.schedule(due, _Renewal(lease, fraction, lease._keep_gen if gen is None else gen))
 
 
 class _Renewal:
@@ -249,18 +263,19 @@ class _Renewal:
     the validity there is nothing left to save, and the watchdog reports the loss.
     """
 
-    __slots__ = ("failures", "fraction", "lease")
+    __slots__ = ("failures", "fraction", "gen", "lease")
 
-    def __init__(self, lease: Kept, fraction: float) -> None:
+    def __init__(self, lease: Kept, fraction: float, gen: int) -> None:
         self.lease = lease
         self.fraction = fraction
+        self.gen = gen
         self.failures: Backoff | None = None
 
     def __call__(self) -> float | None:
-        return None if self.lease.done else self.step()
+        return None if self.finished() else self.step()
 
     def finished(self) -> bool:
-        return self.lease.done
+        return self.lease.done or self.gen != self.lease._keep_gen
 
     def step(self) -> float | None:
         """Renew once; when the next step is due (``None``: stop)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -12,9 +13,10 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
-from leases import LeaseLost, acquire, keepalive
-from leases.backends import Capability
+from leases import LeaseLost, acquire, keepalive, signals
+from leases.backends import Capability, get_backend
 from leases.checks import check_default_ttl
+from leases.errors import BackendUnavailable
 from leases.keepalive import Scheduler
 from leases.retry import Backoff, FakeClock
 from tests.lease_backends import lease_backend, lease_name, require
@@ -181,3 +183,65 @@ def test_too_short_ttl_is_flagged(lease_backend: str, lease_name: str) -> None:
     # (a renewal that cannot keep up is what the warning is about): then it is truly lost.
     with contextlib.suppress(LeaseLost):
         held.release()
+
+
+def test_a_renewal_to_a_shorter_ttl_is_kept_alive_at_the_new_pace(
+    lease_backend: str, lease_name: str
+) -> None:
+    """``renew(ttl=2)`` on a lease kept alive at ttl=30: the renewer was due by the old TTL
+    (10 s on), so the lease ran out at 2 s unrenewed, and the watchdog, due at the old
+    validity, reported it seconds late. Renewals now follow the new TTL."""
+    renewed = threading.Event()
+    count = [0]
+
+    def counting(sender: Any, lease: Any, **kwargs: Any) -> None:
+        if lease.name == lease_name:
+            count[0] += 1
+            if count[0] >= 4:  # ours (1), then keepalive's, at a third of 2 s each
+                renewed.set()
+
+    signals.lease_renewed.connect(counting, weak=False)
+    held = acquire(lease_name, ttl=30, backend=lease_backend)
+    try:
+        held.renew(ttl=2)
+        assert renewed.wait(8), f"{count[0] - 1} keepalive renewals in 8 s at ttl=2"
+        held.ensure_held()
+    finally:
+        signals.lease_renewed.disconnect(counting)
+        held.release()
+
+
+def test_a_lease_whose_release_outcome_is_unknown_is_still_watched(
+    lease_backend: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release marked the lease released, so its watchdog job dropped out; a release
+    that then failed (no reply: the outcome unknown) made it held again, but nothing watched
+    it any more: its loss at expiry was never reported (``lost`` unset, no ``on_lost``)."""
+    held = acquire(lease_name, ttl=1, backend=lease_backend, keepalive=False)
+    store = get_backend(lease_backend)
+
+    def unanswered(grant: Any) -> None:
+        raise BackendUnavailable(lease_backend, "no reply: whether it took effect is unknown")
+
+    monkeypatch.setattr(store, "release", unanswered)
+    with pytest.raises(BackendUnavailable):
+        held.release()
+    monkeypatch.undo()
+    assert held.lost.wait(10), "the loss at expiry was never reported"
+    with pytest.raises(LeaseLost):
+        held.ensure_held()
+
+
+def test_an_on_lost_that_exits_leaves_the_watchdog_watching(
+    lease_backend: str, lease_name: str
+) -> None:
+    """``sys.exit()`` in an ``on_lost`` ended the watchdog thread: no loss was reported
+    again in the process, and no lease was handed to its renewer."""
+
+    def exits(_: Any) -> None:
+        sys.exit(3)
+
+    first = acquire(lease_name, ttl=0.5, backend=lease_backend, keepalive=False, on_lost=exits)
+    assert first.lost.wait(10)
+    second = acquire(f"{lease_name}-2", ttl=0.5, backend=lease_backend, keepalive=False)
+    assert second.lost.wait(10), "the watchdog no longer watched"
