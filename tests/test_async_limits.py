@@ -201,7 +201,9 @@ def test_a_slot_wait_announces_what_it_cost_like_acquire_slot(
         signals.lease_acquire_failed.disconnect(on_failed)
     (failed, won) = seen[-2:]
     assert failed[0] == "failed" and failed[1] is not None and failed[2] is not None, seen
-    assert 0.2 <= failed[2] <= failed[1] < 10, failed
+    # Waited: what the wait after the first try took, so the first try's own time is not in
+    # it (on a loaded machine a Redlock try took 0.2 s of the 0.3 s timeout: waited 0.1 s).
+    assert 0 < failed[2] <= failed[1] and 0.25 <= failed[1] < 10, failed
     assert won[0] == "acquired" and won[1] is not None and won[2] == 0.0, won
 
 
