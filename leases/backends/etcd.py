@@ -195,8 +195,11 @@ def _expires(seconds: float) -> datetime:
 #: How long a waiter's watch lasts at least, unless the deletion it waits for comes first
 #: (the release, the holder's expiry, a force release: each wakes it at once). A try is three
 #: requests, two of them raft writes; cut at the backoff's first delays (milliseconds), the
-#: watch made a waiter try about ten times a second while the name stayed held.
-WATCH_AT_LEAST = 2.0
+#: watch made a waiter try about ten times a second while the name stayed held. Not longer:
+#: an async wait holds a worker thread of the loop's default executor for the watch's length
+#: (2 s made twenty tasks on one name queue for the six threads of a 2-core machine: 1.5 s a
+#: hand-off), and a semaphore's waiter watches one slot while another may free.
+WATCH_AT_LEAST = 0.25
 
 
 class Backend(LeaseBackend):
