@@ -53,8 +53,14 @@ def _die_with_parent() -> None:
     will lapse within the TTL and a successor will start its own job, so a child that ignores
     SIGTERM must not be left running beside it.
     """
+    _set_parent_death_signal(signal.SIGKILL)
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    """In a ``preexec_fn``: ``sig`` to the child when this process dies (Linux; elsewhere
+    nothing)."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
 #: The watchdog (see :func:`start_watchdog`): ``argv`` is the command's process group, this
@@ -86,8 +92,7 @@ def _watch_parent() -> None:
     """``preexec_fn`` of the watchdog: SIGTERM when this process dies, held back (blocked)
     until the watchdog's handler is installed, so an early death is not lost."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _set_parent_death_signal(signal.SIGTERM)
 
 
 def start_watchdog(group: int) -> subprocess.Popen[bytes] | None:
