@@ -213,7 +213,7 @@ def posted_targets(request: HttpRequest) -> list[Target]:
             raise SuspiciousOperation("malformed force-release targets") from exc
         if not isinstance(listed, list):
             raise SuspiciousOperation("malformed force-release targets")
-        targets += parse_targets([json.dumps(item) for item in listed])
+        targets += [_checked_target(item) for item in listed]
     return targets
 
 
@@ -222,17 +222,29 @@ def parse_targets(values: list[str]) -> list[Target]:
     targets = []
     for value in values:
         try:
-            alias, name, token = json.loads(value)
+            item = json.loads(value)
         except (TypeError, ValueError) as exc:
             raise SuspiciousOperation("malformed force-release target") from exc
-        if not isinstance(alias, str):  # a list or dict would fail the lookup below (a 500)
-            raise SuspiciousOperation("malformed force-release target")
-        if alias not in conf.get().backends:
-            raise PermissionDenied("unknown backend")
-        if not isinstance(name, str) or isinstance(token, bool) or not isinstance(token, int):
-            raise SuspiciousOperation("malformed force-release target")
-        targets.append((alias, name, token))
+        targets.append(_checked_target(item))
     return targets
+
+
+def _checked_target(item: Any) -> Target:
+    """One decoded ``[backend, name, token]``, checked."""
+    alias: object
+    name: object
+    token: object
+    try:
+        alias, name, token = item
+    except (TypeError, ValueError) as exc:
+        raise SuspiciousOperation("malformed force-release target") from exc
+    if not isinstance(alias, str):  # a list or dict would fail the lookup below (a 500)
+        raise SuspiciousOperation("malformed force-release target")
+    if alias not in conf.get().backends:
+        raise PermissionDenied("unknown backend")
+    if not isinstance(name, str) or isinstance(token, bool) or not isinstance(token, int):
+        raise SuspiciousOperation("malformed force-release target")
+    return (alias, name, token)
 
 
 def confirm_release(
