@@ -86,7 +86,7 @@ def release_leaked(**kwargs: Any) -> None:
             continue
         labels = [label for label, _ in held]
         outcome = "gone" if connection.connection is None else _unlock(connection, held)
-        released = outcome == "released"
+        released = outcome in ("released", "closed")  # closed: the lock went with the session
         logger.error(
             "leases: session_lock(%s) still held on database %r when the request ended; %s",
             ", ".join(repr(label) for label in labels),
