@@ -7,14 +7,15 @@ import time
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import NotSupportedError, connection, connections, transaction
+from django.db.models import Count
 from django.test.utils import CaptureQueriesContext
 
 from leases import InvalidFencingToken, InvalidLeaseName, StaleFencingToken, check_fence
 from leases.fencing import FencedManager, FencedQuerySet
 from leases.models import Fence
 from leases.signals import fence_rejected
-from tests.testapp.models_fencing import FencedDoc
+from tests.testapp.models_fencing import DocNote, ElsewhereDoc, FencedDoc, FencedDocPart
 
 pytestmark = pytest.mark.django_db
 
@@ -207,3 +208,86 @@ def test_check_fence_validates_tokens(token: Any) -> None:
     with CaptureQueriesContext(connection) as queries, pytest.raises(InvalidFencingToken):
         check_fence("ok", token)
     assert len(queries) == 0
+
+
+def test_a_fenced_write_through_a_multi_valued_relation_counts_each_row_once() -> None:
+    """Filtering through a relation matches a row once per related row; the fenced write
+    counted the duplicates as rows it failed to write and refused, naming no stale token."""
+    (doc,) = docs(1)
+    DocNote.objects.bulk_create([DocNote(doc=doc, text="a"), DocNote(doc=doc, text="b")])
+    matched = FencedDoc.objects.filter(notes__text__in=["a", "b"])
+    assert matched.fenced(2).update(title="paid") == 1
+    assert state(doc) == [("paid", 2)]
+    assert matched.fenced(3).delete() == (3, {"testapp.DocNote": 2, "testapp.FencedDoc": 1})
+    assert not FencedDoc.objects.filter(pk=doc.pk).exists()
+
+
+@pytest.mark.parametrize(
+    "narrow",
+    [
+        pytest.param(lambda qs: qs.distinct(), id="distinct"),
+        pytest.param(lambda qs: qs.annotate(notes_count=Count("notes")), id="aggregate"),
+        pytest.param(
+            lambda qs: qs.annotate(n=Count("notes")).filter(n__gte=1), id="aggregate-filter"
+        ),
+    ],
+)
+def test_a_distinct_or_aggregated_queryset_is_fenced_like_any_other(narrow: Any) -> None:
+    """PostgreSQL refuses ``FOR UPDATE`` beside ``DISTINCT`` or ``GROUP BY``: a fenced write
+    of such a queryset failed with a database error, one whose rows were all fresh."""
+    a, b = docs(1, 4)
+    DocNote.objects.bulk_create([DocNote(doc=a), DocNote(doc=a), DocNote(doc=b)])
+    qs = narrow(FencedDoc.objects.filter(pk__in=[a.pk, b.pk]))
+    with pytest.raises(StaleFencingToken) as refused:
+        qs.fenced(3).update(title="late")
+    assert refused.value.stored == 4 and state(a, b) == [("doc0", 1), ("doc1", 4)]
+    assert qs.fenced(5).update(title="paid") == 2
+    assert state(a, b) == [("paid", 5), ("paid", 5)]
+    assert qs.fenced(5).delete()[1]["testapp.FencedDoc"] == 2
+
+
+def test_a_distinct_multi_table_child_queryset_is_fenced() -> None:
+    part = FencedDocPart(title="a")
+    part.save(fence=2)
+    rows = FencedDocPart.objects.filter(title="a").distinct()
+    with pytest.raises(StaleFencingToken):
+        rows.fenced(1).update(part="late")
+    assert rows.fenced(3).update(part="x", body="y") == 1
+    part.refresh_from_db()
+    assert (part.part, part.body, part.fencing_token) == ("x", "y", 3)
+
+
+def test_a_sliced_queryset_is_refused_before_any_query_as_django_refuses_it() -> None:
+    docs(1)
+    with CaptureQueriesContext(connection) as queries:
+        with pytest.raises(TypeError, match="slice"):
+            FencedDoc.objects.all()[:1].fenced(2).update(title="x")
+        with pytest.raises(TypeError, match="limit"):
+            FencedDoc.objects.all()[:1].fenced(2).delete()
+        with pytest.raises(TypeError, match="distinct"):
+            FencedDoc.objects.distinct("title").fenced(2).delete()
+        with pytest.raises(TypeError, match="values"):
+            FencedDoc.objects.values("pk").fenced(2).delete()  # type: ignore[attr-defined]
+        union = FencedDoc.objects.union(FencedDoc.objects.all()).fenced(2)
+        with pytest.raises(NotSupportedError, match=r"update\(\) after union"):
+            union.update(title="x")
+        with pytest.raises(NotSupportedError, match=r"delete\(\) after union"):
+            union.delete()
+    assert not queries.captured_queries
+
+
+def test_a_table_in_another_schema_is_fenced() -> None:
+    """``FOR UPDATE OF "schema"."table"`` is a syntax error: PostgreSQL wants the table's
+    unqualified name there."""
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE SCHEMA leases_elsewhere")
+    with connection.schema_editor() as editor:
+        editor.create_model(ElsewhereDoc)
+    doc = ElsewhereDoc(title="a")
+    doc.save(fence=2)
+    with pytest.raises(StaleFencingToken):
+        ElsewhereDoc.objects.filter(title="a").fenced(1).update(title="late")
+    assert ElsewhereDoc.objects.filter(title="a").fenced(3).update(title="b") == 1
+    doc.refresh_from_db()
+    assert (doc.title, doc.fencing_token) == ("b", 3)
+    assert ElsewhereDoc.objects.fenced(3).delete()[0] == 1

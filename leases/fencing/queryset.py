@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any, Self, TypeVar
 
-from django.db import models, transaction
+from django.db import NotSupportedError, models, transaction
 from django.db.models.expressions import Value
 from django.db.models.functions import Greatest
 
@@ -136,18 +136,12 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
             return super().update(**never_lower(kwargs))
         if FENCE_TOKEN_FIELD in kwargs:
             raise TypeError(f"a fenced update sets {FENCE_TOKEN_FIELD} itself; do not pass it")
+        self._refuse_as_django_would("update")
         offer = fence_offer(self._fence)
         token = offer.token
         self._for_write = True  # the write alias, as Django's own update() uses
         with transaction.atomic(using=self.db):
-            # Lock every matched row in primary-key order first: fenced writers racing over
-            # overlapping rows then queue instead of deadlocking, and the tokens read are the
-            # latest committed ones, so the decision below is final.
-            locked = list(
-                self.order_by("pk")
-                .select_for_update(of=(token_table(self.model),))
-                .values_list("pk", FENCE_TOKEN_FIELD)
-            )
+            locked = self._lock_matched()
             stale = sorted((t, pk) for pk, t in locked if t > token)
             if stale:
                 raise self._rejected(token, [(pk, t) for t, pk in reversed(stale)])
@@ -159,6 +153,45 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
             return updated
 
     update.alters_data = True  # type: ignore[attr-defined]
+
+    def _refuse_as_django_would(self, operation: str) -> None:
+        """A fenced write refuses the querysets Django's own refuses, in its words, before any
+        query: the fenced path locks rows by primary key from the queryset as a subquery,
+        which would otherwise quietly write a slice or a union."""
+        if self.query.combinator:
+            raise NotSupportedError(
+                f"Calling QuerySet.{operation}() after {self.query.combinator}() is not supported."
+            )
+        if self.query.is_sliced:
+            if operation == "delete":
+                raise TypeError("Cannot use 'limit' or 'offset' with delete().")
+            raise TypeError("Cannot update a query once a slice has been taken.")
+        if operation == "delete" and self.query.distinct_fields:
+            raise TypeError("Cannot call delete() after .distinct(*fields).")
+        if operation == "delete" and getattr(self, "_fields", None) is not None:
+            raise TypeError("Cannot call delete() after .values() or .values_list()")
+
+    def _lock_matched(self) -> list[tuple[Any, int]]:
+        """Lock every row this queryset matches, in primary-key order, and read their tokens.
+
+        Fenced writers racing over overlapping rows then queue instead of deadlocking, and the
+        tokens read are the latest committed ones, so the decision taken on them is final.
+
+        The rows are locked by primary key, the queryset a subquery, rather than by the
+        queryset itself: PostgreSQL refuses ``FOR UPDATE`` beside ``DISTINCT`` or ``GROUP BY``
+        (a ``distinct()``, an aggregate annotation), a filter through a multi-valued relation
+        matches a row once per related row (each counted as a row not written), and
+        ``FOR UPDATE OF`` wants a table's unqualified name, which a ``db_table`` in another
+        schema does not give. The locking query reads the model's table alone (joined to its
+        parents under multi-table inheritance, of which only the token's table is locked:
+        :func:`token_table`). As in Django's own updates through a subquery, a matched row
+        that a concurrent write changes while this waits for its lock stays matched; its
+        token is read after that write, which is what the fence decides on.
+        """
+        matched = self.model._base_manager.using(self.db).filter(pk__in=self.values("pk"))
+        table = token_table(self.model)
+        locking = matched.order_by("pk").select_for_update(of=(table,) if table != "self" else ())
+        return list(locking.values_list("pk", FENCE_TOKEN_FIELD))
 
     def _checked_update(self, held: FenceHolder, kwargs: dict[str, Any]) -> int:
         """``update()`` with the lease check in every statement that selects or writes rows.
@@ -183,14 +216,11 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
         if self._fence is None:
             refuse_unfenced(self.model, "delete()")
             return super().delete()
+        self._refuse_as_django_would("delete")
         offer = fence_offer(self._fence)
         self._for_write = True
         with transaction.atomic(using=self.db):
-            locked = list(
-                self.order_by("pk")
-                .select_for_update(of=(token_table(self.model),))
-                .values_list("pk", FENCE_TOKEN_FIELD)
-            )
+            locked = self._lock_matched()
             stale = sorted((t, pk) for pk, t in locked if t > offer.token)
             if stale:
                 raise self._rejected(offer.token, [(pk, t) for t, pk in reversed(stale)])

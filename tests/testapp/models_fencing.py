@@ -64,6 +64,34 @@ class FencedDoc(FencedModel):
         app_label = "testapp"
 
 
+class DocNote(models.Model):
+    """Rows of a multi-valued relation of :class:`FencedDoc`: filtering docs through them
+    matches a doc once per note."""
+
+    doc = models.ForeignKey(FencedDoc, on_delete=models.CASCADE, related_name="notes")
+    text = models.CharField(max_length=100, default="")
+
+    objects: models.Manager[DocNote] = models.Manager()
+
+    class Meta:
+        app_label = "testapp"
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class ElsewhereDoc(FencedModel):
+    """A fenced model whose table is in another schema (``db_table`` quoted the way Django
+    users write it). Unmanaged: a test creates the schema and the table in its transaction."""
+
+    title = models.CharField(max_length=100, default="")
+
+    class Meta:
+        app_label = "testapp"
+        db_table = 'leases_elsewhere"."elsewhere_doc'
+        managed = False
+
+
 class FencedUUIDDoc(FencedModel):
     """A fenced model whose primary key has a default (Django inserts without trying UPDATE)."""
 
