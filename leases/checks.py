@@ -278,3 +278,55 @@ def fenced_manager_problems(models: Iterable[type[Model]]) -> list[CheckMessage]
             )
         )
     return found
+
+
+@register(Tags.models)
+def check_fence_cascades(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """leases.W007: a ``require_fence`` model whose rows another model's deletion writes."""
+    from django.apps import apps
+
+    configs = app_configs if app_configs is not None else apps.get_app_configs()
+    return fence_cascade_problems(model for config in configs for model in config.get_models())
+
+
+def fence_cascade_problems(models: Iterable[type[Model]]) -> list[CheckMessage]:
+    """Each foreign key of a ``require_fence`` model whose ``on_delete`` writes its rows
+    (``CASCADE``, ``SET_NULL``, ``SET_DEFAULT``, ``SET(...)``, a database-level cascade).
+
+    Deleting the referenced row deletes or rewrites them through Django's collector, which
+    goes past the fenced manager, unfenced and unseen, so ``require_fence``'s promise (no
+    unfenced write to a stored row) does not hold for them. ``PROTECT``, ``RESTRICT`` and
+    ``DO_NOTHING`` write nothing. A multi-table child's link to a parent that requires the
+    fence too is fine: deleting the parent is itself fenced."""
+    from django.db.models import DO_NOTHING, PROTECT, RESTRICT
+
+    harmless = (PROTECT, RESTRICT, DO_NOTHING)
+    found: list[CheckMessage] = []
+    for model in models:
+        if not getattr(model, "require_fence", False) or model._meta.abstract:
+            continue
+        for field in model._meta.local_concrete_fields:  # a parent's are its own to report
+            remote = field.remote_field
+            if remote is None or not (field.many_to_one or field.one_to_one):
+                continue
+            on_delete = getattr(remote, "on_delete", None)
+            if on_delete is None or on_delete in harmless:
+                continue
+            target = remote.model
+            if getattr(remote, "parent_link", False) and getattr(target, "require_fence", False):
+                continue
+            label = target._meta.label if isinstance(target, type) else str(target)
+            found.append(
+                Warning(
+                    f"{model._meta.label}.{field.name} has on_delete="
+                    f"{getattr(on_delete, '__name__', repr(on_delete))}: deleting a {label} "
+                    f"deletes or rewrites {model._meta.label} rows unfenced, although the "
+                    "model sets require_fence",
+                    hint="Use on_delete=models.PROTECT (or RESTRICT) and delete the fenced "
+                    "rows first with Model.objects.fenced(lease).delete(); or silence this "
+                    "check if such deletions need no fence.",
+                    obj=model,
+                    id="leases.W007",
+                )
+            )
+    return found

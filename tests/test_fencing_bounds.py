@@ -193,3 +193,47 @@ def test_a_fenced_model_whose_default_manager_is_plain_is_a_check_warning() -> N
     assert warning.id == "leases.W006" and warning.obj is Order
     assert "testapp.Order's default manager 'objects' (Manager)" in warning.msg
     assert not check_fenced_managers()  # the project's own fenced models are fine
+
+
+@isolate_apps("tests.testapp")
+def test_a_require_fence_models_rows_written_by_another_models_deletion_is_a_check_warning() -> (
+    None
+):
+    """Deleting a row that a ``require_fence`` model's foreign key cascades from deleted (or
+    nulled) its rows through Django's collector, past the fence, without a word."""
+    from django.db import models
+
+    from leases.checks import check_fence_cascades, fence_cascade_problems
+    from leases.fencing import FencedModel
+
+    class Folder(models.Model):  # noqa: DJ008 - throwaway models of the check
+        class Meta:
+            app_label = "testapp"
+
+    class Strict(FencedModel):
+        require_fence = True
+        folder = models.ForeignKey(Folder, on_delete=models.CASCADE, related_name="+")
+        shelf = models.ForeignKey(Folder, models.SET_NULL, null=True, related_name="+")
+        kept = models.ForeignKey(Folder, on_delete=models.PROTECT, related_name="+")
+        safe = models.ForeignKey(Folder, on_delete=models.RESTRICT, related_name="+")
+
+        class Meta:
+            app_label = "testapp"
+
+    class StrictPart(Strict):  # its parent link is fine: deleting a Strict is fenced
+        class Meta:
+            app_label = "testapp"
+
+    class Loose(FencedModel):  # no require_fence: nothing is promised
+        folder = models.ForeignKey(Folder, on_delete=models.CASCADE, related_name="+")
+
+        class Meta:
+            app_label = "testapp"
+
+    warnings = fence_cascade_problems([Folder, Strict, StrictPart, Loose])
+    assert [(w.id, w.obj) for w in warnings] == [("leases.W007", Strict)] * 2
+    assert "testapp.Strict.folder has on_delete=CASCADE: deleting a testapp.Folder" in (
+        warnings[0].msg
+    )
+    assert "Strict.shelf has on_delete=SET_NULL" in warnings[1].msg
+    assert not check_fence_cascades()  # the project's own fenced models are fine
