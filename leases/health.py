@@ -7,8 +7,9 @@ PostgreSQL without durable commits, a Redlock with fewer than three nodes): thos
 each backend's ``store_checks()`` and ``deploy_checks()`` report, the lists ``manage.py check
 --deploy`` prints.
 
-Reachability is one cheap read, ``inspect()`` of a probe name nobody holds, so a check costs a
-round trip and writes nothing. Wire it into django-health-check's view, once per alias::
+Reachability is one cheap read, ``probe()`` of a name nobody holds (a round trip to each store
+a grant needs: the Redis backend's epoch database too), and writes nothing. Wire it into
+django-health-check's view, once per alias::
 
     path("ht/", HealthCheckView.as_view(checks=[
         "health_check.checks.Database",
@@ -64,7 +65,7 @@ class LeaseBackendHealth(HealthCheck):  # type: ignore[misc]  # health_check shi
         backend client is blocking."""
         try:
             backend = get_backend(self.alias)
-            backend.inspect(PROBE_NAME)
+            backend.probe(PROBE_NAME)
             problems = backend.store_checks() + backend.deploy_checks() if self.deploy else []
         except Exception as exc:
             logger.warning(

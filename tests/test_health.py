@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 import redis
 from asgiref.sync import async_to_sync
+from django.db import connections
 from django.test import RequestFactory
 from health_check.views import HealthCheckView
 
 from devservers import free_port
+from leases import FencingUnavailable, acquire
 from leases.backends.etcd import revokes_live_leases
 from leases.health import LeaseBackendHealth
 from tests.clusters import etcd_member_versions
@@ -107,6 +109,41 @@ def test_a_redlock_none_of_whose_nodes_answers_is_unavailable(deploy: bool) -> N
     nodes = [f"redis://127.0.0.1:{free_port()}/0" for _ in range(3)]
     config = {"ENGINE": "leases.backends.redlock", "NODES": nodes, "NODE_TIMEOUT": 0.2}
     with added_backend("redlock-down", config) as alias:
+        check = LeaseBackendHealth(alias=alias, deploy=deploy)
+        with pytest.raises(Exception, match="unreachable or misconfigured"):
+            check.run()
+
+
+@pytest.fixture
+def unreachable_database() -> Iterator[str]:
+    """A ``DATABASES`` alias for a PostgreSQL at a closed loopback port."""
+    connections.settings["nowhere"] = {
+        **connections.settings["default"],
+        "HOST": "127.0.0.1",
+        "PORT": str(free_port()),
+        "OPTIONS": {"connect_timeout": 2},
+    }
+    try:
+        yield "nowhere"
+    finally:
+        del connections.settings["nowhere"]
+
+
+@pytest.mark.parametrize("deploy", [False, True])
+def test_a_redis_backend_whose_epoch_database_is_down_is_unavailable(
+    redis_server: Any, unreachable_database: str, deploy: bool
+) -> None:
+    """Its probe read Redis alone and said healthy, while every name without an epoch yet
+    (every new name, every name after Redis forgot) failed with ``FencingUnavailable``."""
+    config = {
+        "ENGINE": "leases.backends.redis",
+        "URL": redis_server.url,
+        "PREFIX": f"epochless-{free_port()}:",
+        "EPOCH_DATABASE": unreachable_database,
+    }
+    with added_backend("epochless", config) as alias:
+        with pytest.raises(FencingUnavailable):
+            acquire("never-granted-here", ttl=5, backend=alias, keepalive=False)
         check = LeaseBackendHealth(alias=alias, deploy=deploy)
         with pytest.raises(Exception, match="unreachable or misconfigured"):
             check.run()

@@ -66,6 +66,10 @@ RETURNING token
 #: :mod:`~._pgprepared`). As plain text it cost the server more to plan than to run.
 PREPARED_BUMP_LEASE = Prepared("bump_lease", BUMP_LEASE_SQL)
 
+#: Whether the counters' database answers, on the connection the bumps use: the health check
+#: (a bump would write).
+PING_SQL = "SELECT 1"
+
 CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
 #: :data:`CURRENT_LEASE_SQL` with a named parameter, as the async connection takes them.
 ACURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %(name)s"
@@ -164,6 +168,10 @@ class DurableCounter:
         assert row is not None
         new, current = row
         return (None if new is None else int(new)), (None if current is None else int(current))
+
+    def ping(self) -> None:
+        """Raise :class:`~leases.errors.FencingUnavailable` unless the database answers."""
+        self._fetch(PING_SQL, ())
 
     def current_lease(self, name: str) -> int | None:
         """The last token handed out for ``name``, or ``None`` if none ever was."""

@@ -403,6 +403,14 @@ class LeaseBackend(abc.ABC):
     def inspect(self, name: str) -> LeaseInfo | None:
         """The current state of ``name`` (held or not), or ``None`` if never granted."""
 
+    def probe(self, name: str) -> None:
+        """Raise unless every store a grant needs answers: the health check's reachability.
+
+        This default reads ``name`` (:meth:`inspect`), a round trip to the store. A backend
+        that takes its tokens from a second store a read does not touch overrides it, so a
+        load balancer hears that grants fail while the first store answers."""
+        self.inspect(name)
+
     @abc.abstractmethod
     def inspect_all(self) -> list[LeaseInfo]:
         """Every name the store knows, held or not, for operators' views."""

@@ -395,6 +395,13 @@ class Backend(LeaseBackend):
             return None
         return LeaseInfo(name, "", pack_token(epoch, counter), False, self.alias)
 
+    def probe(self, name: str) -> None:
+        """Redis and the epoch database: a name with no epoch in Redis yet (every new name,
+        every name after Redis forgot its keys) is granted only after the database gives one,
+        which :meth:`inspect` never asks it for."""
+        self.inspect(name)
+        self.epochs.ping()
+
     def inspect_all(self) -> list[LeaseInfo]:
         """Every name with a counter, by ``SCAN`` (never ``KEYS``): operators' views only."""
         with Edge(self.alias, "inspect_all"):
