@@ -390,14 +390,30 @@ class Lease:
         """A release whose outcome is unknown (a timeout, a dropped reply): never claim
         "released", and let the caller retry, which is safe since release is conditional.
         Held again, it is registered and watched again: the watchdog and renewer saw it
-        released and dropped out, and its loss would have gone unreported."""
+        released and dropped out, and its loss would have gone unreported. Watched, not
+        renewed: its holder asked to give it up, so it runs out by its TTL unless a retry
+        releases it first. Renewed, a grant whose holder dropped the handle after the
+        failed release (a ``with`` block's, every caller that only logs the error) stayed
+        held for as long as the process lived."""
         with self._state:
             self._released = False
             lost = self._lost
         if not lost:
             with _held_lock:
                 _held.setdefault(self._key, self)
-            keepalive.rewatch(self, self._fraction)
+            keepalive.rewatch(self)
+
+    def _abandon(self) -> None:
+        """Give up a lease whose release got no answer after the block it protected ended in
+        time (``lease()``, ``alease()``): nobody holds the handle any more, and the grant is
+        left to run out by its TTL, as the block's warning says. Done, unwatched: its expiry
+        is no loss to report, the work it protected having finished while it was held."""
+        with self._state:
+            if self._released or self._lost:
+                return
+            self._released = True
+            self._keep_gen += 1  # retires the watchdog's job (and a renewer's, were there one)
+        _unregister(self)
 
     def _release_refused(
         self, exc: LeaseLost | LeaseNotHeld, lost_before: bool, revoked: int | None

@@ -117,6 +117,8 @@ def _settle(
     """
     if not isinstance(error, LeaseLost | BackendUnavailable):
         raise error
+    if isinstance(error, BackendUnavailable) and protected:
+        held._abandon()  # the block is over: the grant runs out by its TTL, unrenewed
     if body_error is not None:
         body_error.add_note(f"and then the lease {held.name!r} could not be released: {error}")
         return

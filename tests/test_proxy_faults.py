@@ -28,6 +28,7 @@ from leases import (
     LeaseUnavailable,
     aacquire,
     acquire,
+    lease,
 )
 from leases.backends import Capability, get_backend
 from leases.backends._pgconn import connect
@@ -595,3 +596,26 @@ def test_blackholed_waiting_room_connection_does_not_outlast_the_deadline(
     # A try held in the proxy may reach the server once it passes again, after the release:
     # granted to a waiter that gave up, it ends by its TTL.
     wait_until(lambda: holder_of(lease_name) is None, 15, "a lost grant to expire")
+
+
+@pytest.mark.parametrize("proxied", ["database", "redis"], indirect=True)
+def test_a_with_block_whose_release_got_no_answer_lets_its_grant_expire(
+    proxied: Proxied, lease_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The block finished in time and its release got no answer: ``lease()`` logs that the
+    grant "will expire", and nobody holds the handle any more. But the unknown outcome put the
+    lease back under keepalive, whose renewals then kept the name held for as long as the
+    process lived."""
+    ttl = max(4.0, 2 * proxied.call_bound)
+
+    def block() -> Lease:
+        with lease(lease_name, ttl=ttl, backend="proxied") as held:
+            proxied.each(FaultProxy.blackhole)  # the release's request goes nowhere
+        return held
+
+    held = in_thread(block, timeout=ttl)
+    assert "could not release" in caplog.text and holder_of(lease_name) is not None
+    proxied.each(FaultProxy.reset_all)  # the held release never reaches the store
+    proxied.each(FaultProxy.pass_through)
+    wait_until(lambda: holder_of(lease_name) is None, 3 * ttl, "the abandoned grant to end")
+    assert not held.lost.is_set()  # the block gave it up: no loss to report
