@@ -148,7 +148,8 @@ class Leadership:
             except (LeaseLost, LeaseNotHeld):
                 pass  # already lost (nothing of ours left to give back), or resigned meanwhile
             except BackendUnavailable as exc:
-                # Stepping down must not fail: keepalive has stopped, so the grant expires.
+                # Stepping down must not fail: the grant is given up to its TTL, unrenewed.
+                lease._abandon()
                 logger.warning("could not resign %r, it will expire: %s", self.name, exc)
         self._end("resigned")
 
@@ -161,6 +162,7 @@ class Leadership:
             except (LeaseLost, LeaseNotHeld):
                 pass
             except BackendUnavailable as exc:
+                lease._abandon()
                 logger.warning("could not resign %r, it will expire: %s", self.name, exc)
         self._end("resigned")
 

@@ -28,6 +28,7 @@ from leases import (
     LeaseUnavailable,
     aacquire,
     acquire,
+    elect,
     lease,
 )
 from leases.backends import Capability, get_backend
@@ -619,3 +620,20 @@ def test_a_with_block_whose_release_got_no_answer_lets_its_grant_expire(
     proxied.each(FaultProxy.pass_through)
     wait_until(lambda: holder_of(lease_name) is None, 3 * ttl, "the abandoned grant to end")
     assert not held.lost.is_set()  # the block gave it up: no loss to report
+
+
+@pytest.mark.parametrize("proxied", ["database"], indirect=True)
+def test_a_resignation_that_got_no_answer_lets_another_candidate_lead(
+    proxied: Proxied, lease_name: str
+) -> None:
+    """``resign()`` logged "it will expire", but the unknown release put the leadership's
+    lease back under keepalive: renewed forever, no other candidate was ever elected."""
+    ttl = max(4.0, 2 * proxied.call_bound)
+    leading = elect(lease_name, ttl=ttl, backend="proxied")
+    proxied.each(FaultProxy.blackhole)
+    in_thread(leading.resign, timeout=ttl)
+    proxied.each(FaultProxy.reset_all)  # the held release never reaches the store
+    proxied.each(FaultProxy.pass_through)
+    successor = in_thread(lambda: elect(lease_name, ttl=ttl, backend="direct", timeout=3 * ttl))
+    assert successor.token > leading.token and not leading.is_leader
+    successor.resign()

@@ -156,6 +156,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         try:
             call.lease.release()
         except (LeaseLost, BackendUnavailable) as exc:
+            if isinstance(exc, BackendUnavailable) and protected:
+                call.lease._abandon()  # the run is over: the grant runs out by its TTL
             if not quiet and (isinstance(exc, LeaseLost) or not protected):
                 raise
             logger.warning(

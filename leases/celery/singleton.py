@@ -13,7 +13,7 @@ from celery.result import AsyncResult
 
 from .. import conf
 from ..backends import Grant, get_backend
-from ..errors import LeaseError, LeaseUnavailable
+from ..errors import BackendUnavailable, LeaseError, LeaseUnavailable
 from ..handle import Lease
 from ..keys import validate_name
 from ._base import Key, format_key
@@ -179,5 +179,10 @@ def _adopt(data: Mapping[str, Any], ttl: float, alias: str) -> Lease:
 def _release_quietly(guard: Lease) -> None:
     try:
         guard.release()
+    except BackendUnavailable as exc:
+        guard._abandon()  # its task is over: the guard runs out by its TTL, unrenewed
+        logger.warning(
+            "singleton guard %r could not be released, it will expire: %s", guard.name, exc
+        )
     except LeaseError as exc:
         logger.warning("singleton guard %r was lost before its release: %s", guard.name, exc)
