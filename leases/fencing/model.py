@@ -8,7 +8,6 @@ one-row INSERT into an INSERT ... SELECT that a revoked grant cannot pass.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self
 
@@ -18,8 +17,9 @@ from django.db.models.constants import OnConflict
 
 from .. import revocation
 from ..errors import FenceRequired, LeaseCheckFailed, StaleFencingToken
-from ..revocation import NOT_REVOKED_SQL, Offer
-from .checked import LEASE_HELD_SQL, LeaseCheck, lease_check
+from ..revocation import Offer
+from .checked import LeaseCheck, lease_check
+from .guarded_insert import InsertUnless
 from .queryset import FencedManager, FencedQuerySet, never_lower, refuse_unfenced
 from .tokens import (
     FENCE_TOKEN_FIELD,
@@ -37,8 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = ["UPSERT_FENCE_SQL", "FencedModel"]
 
-#: A query parameter in Django's SQL (``%%`` is an escaped percent sign, not a parameter).
-_PLACEHOLDER = re.compile(r"%%|%s")
 #: A fenced UPDATE can miss a row another transaction committed while it ran (READ COMMITTED
 #: snapshot); the retry sees it. Two tries always decide; the third is slack.
 _UPDATE_ATTEMPTS = 3
@@ -101,6 +99,10 @@ class FencedModel(models.Model):
         after a rejection. Raises ``StaleFencingToken``, leaving the row and this instance's
         ``fencing_token`` unchanged and the caller's transaction usable.
         """
+        if args and (fence is not None or lease is not None):
+            # Django 5.2 still takes save()'s arguments positionally (deprecated); the fence
+            # must see update_fields and using to add the token and judge the right database.
+            raise TypeError("a fenced save() takes its other arguments by keyword only")
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
         needed_rollback = connections[using].needs_rollback
         check = None if lease is None else lease_check(lease, using)
@@ -115,8 +117,10 @@ class FencedModel(models.Model):
             return
         offer = None if fence is None else fence_offer(fence)
         previous = self.fencing_token
+        update_fields = kwargs.get("update_fields")
+        if update_fields is not None and not update_fields:
+            return  # Django's no-op: nothing to write, so nothing to fence
         if offer is not None:
-            update_fields = kwargs.get("update_fields")
             if update_fields is not None:
                 kwargs["update_fields"] = {*update_fields, FENCE_TOKEN_FIELD}
             self.fencing_token = offer.token
@@ -129,7 +133,7 @@ class FencedModel(models.Model):
         else:
             offer_checked = offer
         if offer_checked is not None or check is not None:
-            wrapper = _InsertUnless(self, using, offer_checked, check)
+            wrapper = InsertUnless(self, using, offer_checked, check)
             guard = connections[using].execute_wrapper(wrapper)
         try:
             with guard:
@@ -150,15 +154,41 @@ class FencedModel(models.Model):
         *,
         fence: FenceLike | None = None,
     ) -> tuple[int, dict[str, int]]:
-        """Delete; with ``fence`` only if no greater token was accepted and it is not revoked."""
+        """Delete; with ``fence`` only if no greater token was accepted and it is not revoked.
+
+        Fenced, it is the fenced queryset delete of this row (all its tables, cascades
+        included), so ``keep_parents`` is refused rather than ignored; as Django's, it refuses
+        an unsaved instance and forgets the primary key of the one it deleted."""
         if fence is None:
             refuse_unfenced(type(self), "delete()")
             return super().delete(using=using, keep_parents=keep_parents)
+        if keep_parents:
+            raise TypeError("a fenced delete() deletes the parents' rows too: no keep_parents")
+        if self.pk is None:
+            raise ValueError(
+                f"{self._meta.object_name} object can't be deleted because its "
+                f"{self._meta.pk.attname} attribute is set to None."
+            )
+        valid = fence_offer(fence)
         using = using or router.db_for_write(type(self), instance=self)
         rows: FencedQuerySet[Self] = FencedQuerySet(type(self), using=using).filter(pk=self.pk)
-        return rows.fenced(fence_offer(fence)).delete()
+        deleted = rows.fenced(valid).delete()
+        setattr(self, self._meta.pk.attname, None)
+        return deleted
 
     delete.alters_data = True  # type: ignore[attr-defined]
+
+    async def adelete(
+        self,
+        using: str | None = None,
+        keep_parents: bool = False,
+        *,
+        fence: FenceLike | None = None,
+    ) -> tuple[int, dict[str, int]]:
+        """Async ``delete()``, fenced the same way (Django runs the delete in a thread)."""
+        return await sync_to_async(self.delete)(using, keep_parents, fence=fence)
+
+    adelete.alters_data = True  # type: ignore[attr-defined]
 
     async def asave(self, *args: Any, fence: FenceLike | None = None, **kwargs: Any) -> None:
         """Async ``save()``, fenced the same way (Django runs the save in a thread)."""
@@ -322,8 +352,9 @@ class FencedModel(models.Model):
         returning = returning_fields or [meta.pk]
         columns = ", ".join(f"{qn(meta.db_table)}.{qn(f.column)}" for f in returning)
         if fenced:
+            column = qn(meta.get_field(FENCE_TOKEN_FIELD).column)
             sql += UPSERT_FENCE_SQL.format(
-                table=qn(meta.db_table), column=qn(FENCE_TOKEN_FIELD), returning=columns
+                table=qn(meta.db_table), column=column, returning=columns
             )
         else:
             sql += f" RETURNING {columns}"
@@ -372,83 +403,3 @@ def _unfenced_values(values: Any, update_fields: Iterable[str] | None) -> list[A
         else (field, model, value)
         for field, model, value in values
     ]
-
-
-class _InsertUnless:
-    """Rewrites a guarded save's one-row ``INSERT ... VALUES (...)`` into ``INSERT ... SELECT
-    ... WHERE <conditions>``, through Django's ``execute_wrapper``: the grant is not revoked
-    (a fenced save), the lease is still held (a lease-checked save), or both.
-
-    So an insert (auto primary key, the fenced upsert, a multi-table parent's row) refuses in
-    the very statement that writes, while Django still builds the statement and reads back what
-    it returns. A refused insert writes nothing; the wrapper then raises
-    :class:`~leases.errors.LeaseCheckFailed` or :class:`~leases.errors.FencingTokenRevoked`
-    (an empty upsert for neither reason is a stale token, which the upsert itself reports).
-    """
-
-    def __init__(
-        self, instance: FencedModel, using: str, offer: Offer | None, check: LeaseCheck | None
-    ) -> None:
-        self.instance = instance
-        self.using = using
-        self.offer = offer
-        self.check = check
-
-    def __call__(
-        self, execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]
-    ) -> Any:
-        conditions: list[str] = []
-        extra: list[Any] = []
-        if self.offer is not None:
-            conditions.append(NOT_REVOKED_SQL)
-            extra += self.offer.params()
-        if self.check is not None:
-            conditions.append(LEASE_HELD_SQL)
-            extra += self.check.params()
-        rewritten = None if many else _insert_select(sql, " AND ".join(conditions))
-        if rewritten is None:
-            return execute(sql, params, many, context)
-        sql, placeholders = rewritten
-        params = [*params[:placeholders], *extra, *params[placeholders:]]
-        result = execute(sql, params, many, context)
-        if context["cursor"].rowcount == 0:
-            self._refused()
-        return result
-
-    def _refused(self) -> None:
-        resource = self.instance._resource()
-        if self.check is not None and not self.check.holds(self.using):
-            raise self.check.refused(resource)
-        if self.offer is not None:
-            through = revocation.revoked_through(self.offer, self.using)
-            if through is not None:
-                raise revoked(type(self.instance), resource, self.offer, through)
-
-
-def _insert_select(sql: str, condition: str) -> tuple[str, int] | None:
-    """``(the INSERT as INSERT ... SELECT ... WHERE condition, parameters before the
-    condition)`` for a one-row ``INSERT ... VALUES (...)``; ``None`` for any other statement."""
-    head, found, rest = sql.partition(" VALUES (")
-    if not found or not head.startswith("INSERT INTO "):
-        return None
-    end = _closing_parenthesis(rest)
-    if end is None:
-        return None
-    values, tail = rest[:end], rest[end + 1 :]
-    if tail.lstrip().startswith(","):  # several rows: not a save's insert
-        return None
-    placeholders = sum(1 for found in _PLACEHOLDER.findall(values) if found == "%s")
-    return f"{head} SELECT {values} WHERE {condition}{tail}", placeholders
-
-
-def _closing_parenthesis(text: str) -> int | None:
-    """Index of the ``)`` that closes a ``(`` just before ``text`` starts."""
-    depth = 1
-    for index, char in enumerate(text):
-        if char == "(":
-            depth += 1
-        elif char == ")":
-            depth -= 1
-            if depth == 0:
-                return index
-    return None

@@ -58,8 +58,7 @@ def token_table(model: type[models.Model]) -> str:
     ``"self"``, or under multi-table inheritance the path of parent links to the ancestor
     whose table has the column (``"fenceddoc_ptr"``). Locking the child's rows alone let a
     fenced write read a token that a concurrent fenced save of the parent was replacing, and
-    then write over it; and locking the token's table alone (not both) takes the locks in
-    the order a model save does, parents first, so the two queue instead of deadlocking."""
+    then write over it."""
     owner = token_owner(model)
     current, path = model._meta.concrete_model, []
     while owner is not None and current is not None and current is not owner:
@@ -71,6 +70,17 @@ def token_table(model: type[models.Model]) -> str:
         else:  # pragma: no cover - the field is this model's or an ancestor's
             return "self"
     return "__".join(path) or "self"
+
+
+def locked_before_the_token(model: type[models.Model]) -> list[type[models.Model]]:
+    """The tables a save writes before the one that holds ``model``'s token: the token
+    owner's multi-table ancestors, root first. A fenced write locks their rows first, in
+    that order, then the token's (:func:`token_table`), the order a save writes them in, so
+    the two queue instead of deadlocking. With the token below a plain parent (``class
+    Order(FencedModel, Base)``), locking the token's table first did deadlock against a save
+    that had written ``Base``'s row and waited for ``Order``'s."""
+    owner = token_owner(model)
+    return [] if owner is None else list(reversed(owner._meta.get_parent_list()))
 
 
 class FencedQuerySet(models.QuerySet[_M, _M]):
@@ -184,14 +194,27 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
         ``FOR UPDATE OF`` wants a table's unqualified name, which a ``db_table`` in another
         schema does not give. The locking query reads the model's table alone (joined to its
         parents under multi-table inheritance, of which only the token's table is locked:
-        :func:`token_table`). As in Django's own updates through a subquery, a matched row
-        that a concurrent write changes while this waits for its lock stays matched; its
-        token is read after that write, which is what the fence decides on.
+        :func:`token_table`), after the rows of the tables a save writes first
+        (:func:`locked_before_the_token`). As in Django's own updates through a subquery, a
+        matched row that a concurrent write changes while this waits for its lock stays
+        matched; its token is read after that write, which is what the fence decides on.
         """
-        matched = self.model._base_manager.using(self.db).filter(pk__in=self.values("pk"))
+        keys = self.values("pk")
+        for ancestor in locked_before_the_token(self.model):
+            rows: models.QuerySet[Any] = models.QuerySet(ancestor, using=self.db)
+            rows = rows.filter(pk__in=keys)
+            list(rows.order_by("pk").select_for_update().values_list("pk"))
+        matched = self._plain().filter(pk__in=keys).order_by("pk")
         table = token_table(self.model)
-        locking = matched.order_by("pk").select_for_update(of=(table,) if table != "self" else ())
+        locking = matched.select_for_update(of=(table,) if table != "self" else ())
         return list(locking.values_list("pk", FENCE_TOKEN_FIELD))
+
+    def _plain(self) -> models.QuerySet[_M]:
+        """Django's own queryset of this model's rows, every one: what the fenced paths write
+        and lock through once they decided. Not the base manager's, which a model may have
+        made a ``FencedManager`` (whose unfenced writes a ``require_fence`` model refuses) or
+        a filtering one (whose writes skip rows the fenced queryset matched)."""
+        return models.QuerySet(self.model, using=self.db)
 
     def _checked_update(self, held: FenceHolder, kwargs: dict[str, Any]) -> int:
         """``update()`` with the lease check in every statement that selects or writes rows.
@@ -257,12 +280,13 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
         return deleted, per_model
 
     def _unrevoked(self, offer: Offer) -> models.QuerySet[_M]:
-        """The plain rows of this model, narrowed to "the offer's grant is not revoked".
+        """Every row of this model (:meth:`_plain`), narrowed to "the offer's grant is not
+        revoked".
 
         The condition is part of the writing statement itself, so a revocation committed before
         it runs is always seen.
         """
-        rows = self.model._base_manager.using(self.db).all()
+        rows = self._plain()
         if offer.revocable and revocation.checked_on(self.db):
             rows = rows.filter(revocation.not_revoked(offer))
         if self._lease_check is not None:
@@ -279,6 +303,31 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
             return revoked(self.model, resource, offer, through)
         return reject(self.model, resource, offer.token, None)
 
+    def _refuse_fenced(self, operation: str) -> None:
+        """A fence or lease applies to ``update()``, ``bulk_update()`` and ``delete()``; any
+        other write of a fenced queryset would read as fenced and write unfenced (a stale
+        holder's ``update_or_create`` over the successor's row, without a word)."""
+        if self._fence is not None or self._lease is not None:
+            raise TypeError(
+                f"{operation} does not take the fence of a fenced() or under_lease() queryset: "
+                "save instances with save(fence=...) / save(lease=...), or write with the "
+                "fenced queryset's update(), bulk_update() or delete()"
+            )
+
+    def create(self, **kwargs: Any) -> _M:
+        self._refuse_fenced("create()")
+        return super().create(**kwargs)
+
+    def get_or_create(self, defaults: Any = None, **kwargs: Any) -> tuple[_M, bool]:
+        self._refuse_fenced("get_or_create()")
+        return super().get_or_create(defaults, **kwargs)
+
+    def update_or_create(
+        self, defaults: Any = None, create_defaults: Any = None, **kwargs: Any
+    ) -> tuple[_M, bool]:
+        self._refuse_fenced("update_or_create()")
+        return super().update_or_create(defaults, create_defaults, **kwargs)
+
     def bulk_create(
         self,
         objs: Iterable[_M],
@@ -293,6 +342,7 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
         ``fencing_token`` among its ``update_fields``: ``ON CONFLICT DO UPDATE`` sets a field
         to the new row's value and cannot say ``GREATEST``, so it could lower the token (and a
         stale holder would pass the fence again). Creating rows stays allowed."""
+        self._refuse_fenced("bulk_create()")
         if update_conflicts:
             refuse_unfenced(self.model, "bulk_create(update_conflicts=True)")
             if FENCE_TOKEN_FIELD in (update_fields or ()):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import uuid
 
 from django.db import models
+from django.db.models.functions import Now
 
-from leases.fencing import FencedModel
+from leases.fencing import FencedManager, FencedModel
 
 
 class FencedRegister(FencedModel):
@@ -117,6 +118,90 @@ class StrictDoc(FencedModel):
     require_fence = True
 
     title = models.CharField(max_length=100, default="")
+
+    class Meta:
+        app_label = "testapp"
+
+
+class ColumnDoc(FencedModel):
+    """A fenced model whose token column is named otherwise, with a primary key of its own
+    (so a fenced save of a new row upserts)."""
+
+    name = models.CharField(max_length=50, primary_key=True)
+    fencing_token = models.BigIntegerField(default=0, editable=False, db_column="fence_tok")
+    value = models.CharField(max_length=50, default="")
+
+    class Meta:
+        app_label = "testapp"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class StrictBaseManaged(FencedModel):
+    """``require_fence`` with its ``FencedManager`` as the base manager too (so Django's related
+    managers, which write through the base manager, are fenced as well)."""
+
+    require_fence = True
+    title = models.CharField(max_length=50, default="")
+    shelf = models.ForeignKey("PlainBase", models.PROTECT, null=True, related_name="strict_rows")
+
+    objects = FencedManager()
+
+    class Meta:
+        app_label = "testapp"
+        base_manager_name = "objects"
+
+    def __str__(self) -> str:
+        return self.title
+
+
+class DefaultedDoc(FencedModel):
+    """A fenced model with a database default (``db_default``): Django inserts ``DEFAULT``."""
+
+    title = models.CharField(max_length=50, default="")
+    created = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        app_label = "testapp"
+
+    def __str__(self) -> str:
+        return self.title
+
+
+class SavedLog(models.Model):
+    """A plain model a receiver writes to while a fenced model saves, with a database default."""
+
+    message = models.CharField(max_length=100)
+    at = models.DateTimeField(db_default=Now())
+
+    objects: models.Manager[SavedLog] = models.Manager()
+
+    class Meta:
+        app_label = "testapp"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class PlainBase(models.Model):
+    """A concrete plain model that a fenced one extends: the token then lives in the child."""
+
+    title = models.CharField(max_length=50, default="")
+
+    objects: models.Manager[PlainBase] = models.Manager()
+
+    class Meta:
+        app_label = "testapp"
+
+    def __str__(self) -> str:
+        return self.title
+
+
+class TokenInChild(FencedModel, PlainBase):  # type: ignore[misc]  # both declare objects
+    """Multi-table inheritance with the fence in the child's table, below a plain parent."""
+
+    part = models.CharField(max_length=50, default="")
 
     class Meta:
         app_label = "testapp"
