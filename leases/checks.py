@@ -316,15 +316,26 @@ def fence_cascade_problems(models: Iterable[type[Model]]) -> list[CheckMessage]:
             if getattr(remote, "parent_link", False) and getattr(target, "require_fence", False):
                 continue
             label = target._meta.label if isinstance(target, type) else str(target)
-            found.append(
-                Warning(
+            if getattr(remote, "parent_link", False):
+                message = (
+                    f"{model._meta.label} sets require_fence but its multi-table parent "
+                    f"{label} does not: writing through {label} (its update(), save(), "
+                    f"delete()) writes {model._meta.label} rows unfenced"
+                )
+            else:
+                message = (
                     f"{model._meta.label}.{field.name} has on_delete="
                     f"{getattr(on_delete, '__name__', repr(on_delete))}: deleting a {label} "
                     f"deletes or rewrites {model._meta.label} rows unfenced, although the "
-                    "model sets require_fence",
-                    hint="Use on_delete=models.PROTECT (or RESTRICT) and delete the fenced "
-                    "rows first with Model.objects.fenced(lease).delete(); or silence this "
-                    "check if such deletions need no fence.",
+                    "model sets require_fence"
+                )
+            found.append(
+                Warning(
+                    message,
+                    hint="Set require_fence on the parent too; for a foreign key, use "
+                    "on_delete=models.PROTECT (or RESTRICT) and delete the fenced rows first "
+                    "with Model.objects.fenced(lease).delete(); or silence this check if such "
+                    "writes need no fence.",
                     obj=model,
                     id="leases.W007",
                 )

@@ -230,8 +230,17 @@ def test_a_require_fence_models_rows_written_by_another_models_deletion_is_a_che
         class Meta:
             app_label = "testapp"
 
-    warnings = fence_cascade_problems([Folder, Strict, StrictPart, Loose])
-    assert [(w.id, w.obj) for w in warnings] == [("leases.W007", Strict)] * 2
+    class StrictKid(Loose):
+        require_fence = True
+
+        class Meta:
+            app_label = "testapp"
+
+    warnings = fence_cascade_problems([Folder, Strict, StrictPart, Loose, StrictKid])
+    assert [(w.id, w.obj) for w in warnings] == [("leases.W007", Strict)] * 2 + [
+        ("leases.W007", StrictKid)
+    ]
+    assert "its multi-table parent testapp.Loose does not" in warnings[2].msg
     assert "testapp.Strict.folder has on_delete=CASCADE: deleting a testapp.Folder" in (
         warnings[0].msg
     )
