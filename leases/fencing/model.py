@@ -294,13 +294,14 @@ class FencedModel(models.Model):
         **kwargs: Any,
     ) -> Any:
         meta = manager.model._meta
-        if self._leases_fence is None or self._leases_force_insert or raw or meta.pk not in fields:
+        keyed = all(f in fields for f in meta.pk_fields)  # a composite key's columns too
+        if self._leases_fence is None or self._leases_force_insert or raw or not keyed:
             return super()._do_insert(  # type: ignore[misc]
                 manager, using, fields, returning_fields, raw, *args, **kwargs
             )
         if has_fence_column(manager.model):
             return self._fenced_upsert(manager, using, fields, returning_fields)
-        if _below_the_fence(manager.model):
+        if _below_the_fence(manager.model) or _above_the_fence(manager.model, type(self)):
             return self._upsert(manager, using, fields, returning_fields, fenced=False)
         return super()._do_insert(  # type: ignore[misc]
             manager, using, fields, returning_fields, raw, *args, **kwargs
@@ -339,17 +340,18 @@ class FencedModel(models.Model):
         meta = manager.model._meta
         connection = connections[using]
         qn = connection.ops.quote_name
-        updated = [f for f in fields if f is not meta.pk]
+        keys = list(meta.pk_fields)
+        updated = [f for f in fields if f not in keys]
         query: InsertQuery = InsertQuery(
             manager.model,
             on_conflict=OnConflict.UPDATE if updated else OnConflict.IGNORE,
             update_fields=updated,
-            unique_fields=[meta.pk],
+            unique_fields=keys,
         )
         query.insert_values(fields, [self])
         compiler = query.get_compiler(using=using)
         [(sql, params)] = compiler.as_sql()
-        returning = returning_fields or [meta.pk]
+        returning = returning_fields or keys
         columns = ", ".join(f"{qn(meta.db_table)}.{qn(f.column)}" for f in returning)
         if fenced:
             column = qn(meta.get_field(FENCE_TOKEN_FIELD).column)
@@ -380,6 +382,22 @@ class FencedModel(models.Model):
         if converters:
             rows = list(compiler.apply_converters(rows, converters))
         return [tuple(r) for r in rows]
+
+
+def _above_the_fence(model: type[models.Model], saved: type[models.Model]) -> bool:
+    """Whether ``model`` is a multi-table ancestor, without the token, of the model whose
+    table holds ``saved``'s token (``class Order(FencedModel, Base)``: ``Base``). A save writes
+    its row first, before the fence has judged anything: upserted, a creator racing ours that
+    inserted it first does not fail ours, and the fenced upsert of the token's table, later
+    in the same transaction, decides (a refusal there fails the save, whose transaction then
+    has to roll back, this row with it)."""
+    owner = token_owner(saved)
+    return (
+        owner is not None
+        and model is not owner._meta.concrete_model
+        and issubclass(owner, model)
+        and not has_fence_column(model)
+    )
 
 
 def _below_the_fence(model: type[models.Model]) -> bool:

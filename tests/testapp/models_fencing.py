@@ -205,3 +205,19 @@ class TokenInChild(FencedModel, PlainBase):  # type: ignore[misc]  # both declar
 
     class Meta:
         app_label = "testapp"
+
+
+class CompositeDoc(FencedModel):
+    """A fenced model with a composite primary key (Django 5.2): its fenced saves of new rows
+    upsert on both columns."""
+
+    pk = models.CompositePrimaryKey("tenant", "number")
+    tenant = models.CharField(max_length=20)
+    number = models.IntegerField()
+    title = models.CharField(max_length=50, default="")
+
+    class Meta:
+        app_label = "testapp"
+
+    def __str__(self) -> str:
+        return f"{self.tenant}/{self.number}"
