@@ -97,7 +97,9 @@ class FencedModel(models.Model):
         explicit primary key is one ``INSERT ... ON CONFLICT (pk) DO UPDATE ... WHERE`` so two
         racing creators still end with the greater token's row. The stored token is read only
         after a rejection. Raises ``StaleFencingToken``, leaving the row and this instance's
-        ``fencing_token`` unchanged and the caller's transaction usable.
+        ``fencing_token`` unchanged and the caller's transaction usable, except under
+        multi-table inheritance: a parent's row may have been written before the refusal, so
+        the enclosing ``atomic()`` block is marked to roll back, as for any failed save.
         """
         if args and (fence is not None or lease is not None):
             # Django 5.2 still takes save()'s arguments positionally (deprecated); the fence
