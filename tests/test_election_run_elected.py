@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -30,14 +31,14 @@ def on_term(signum, frame):
     if mode == "term":
         sys.exit(0)
 signal.signal(signal.SIGTERM, on_term)
-if mode == "grandchild":  # a worker of its own, as a shell script's command is
+if mode.startswith("grandchild"):  # a worker of its own, as a shell script's command is
     import subprocess
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     open(out + ".grandchild", "w").write(str(worker.pid))
 with open(out + ".tmp", "w") as f:
     f.write(f"{os.getpid()} {os.environ['LEASES_LEADER_TOKEN']}")
 os.rename(out + ".tmp", out)
-if mode == "exit":
+if mode in ("exit", "grandchild-exit"):
     sys.exit(7)
 if mode == "kill-self":
     os.kill(os.getpid(), signal.SIGKILL)
@@ -254,6 +255,24 @@ def test_a_sigkilled_supervisor_takes_its_commands_own_children_down_too(
     proc.kill()
     wait_until(lambda: not alive(pid), 10, "the command of a SIGKILLed run_elected to end")
     wait_until(lambda: not alive(worker), 10, "the command's own worker to end")
+
+
+@pytest.mark.fault
+def test_a_command_that_ends_by_itself_leaves_none_of_its_workers_behind(
+    run_elected: object,
+) -> None:
+    """The command exited and the leadership was resigned, but a worker it had started (in
+    its process group) went on running, beside the successor's command. What is left of the
+    group is stopped (SIGTERM, then SIGKILL after the grace period) before the resignation."""
+    name, proc, _, _, out = run_elected("grandchild-exit")  # type: ignore[operator]
+    worker = int(Path(f"{out}.grandchild").read_text())
+    try:
+        assert proc.wait(20) == 7
+        assert not alive(worker), "the command's worker outlived run_elected"
+        assert leader_of(name) is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
 
 
 @pytest.mark.fault

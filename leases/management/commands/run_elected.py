@@ -15,7 +15,8 @@ supervisor tells a typo from a job that failed); 1 with one ``CommandError`` lin
 
 Once stopping has begun (leadership lost, or a first SIGTERM/SIGINT/SIGHUP), further signals
 cannot cut the SIGTERM -> grace -> SIGKILL escalation short, and the leadership is resigned only
-after the child is gone. If this process itself dies (even by SIGKILL), the child and the
+after the child is gone, and with it every process left in its group (a worker it started,
+a background job). If this process itself dies (even by SIGKILL), the child and the
 processes of its group are SIGKILLed (the child by its parent-death signal, the rest by a
 watchdog: :func:`start_watchdog`).
 """
@@ -30,6 +31,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -41,6 +43,9 @@ from leases.errors import LeaseError, LeaseUnavailable
 from leases.management._options import at_least, lease_name
 
 LOST_EXIT_CODE = 75
+#: How often, and after its SIGKILL how long, :func:`stop_stragglers` looks at the group.
+STRAGGLER_POLL = 0.02
+STRAGGLER_KILL_WAIT = 5.0
 NOT_FOUND_EXIT_CODE = 127
 NOT_EXECUTABLE_EXIT_CODE = 126
 _PR_SET_PDEATHSIG = 1
@@ -146,6 +151,41 @@ def stop_process_group(
         except subprocess.TimeoutExpired:
             continue
     return child.wait()
+
+
+def group_members(group: int) -> list[int]:
+    """The live processes of process group ``group`` (zombies, which nothing can stop and an
+    init that never reaps may keep, left out)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):  # it ended as we read
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == group:
+            members.append(int(entry.name))
+    return members
+
+
+def stop_stragglers(group: int, grace: float) -> None:
+    """SIGTERM what is left of the command's process group once the command itself has ended
+    (a worker it started, a shell script's background job), SIGKILL it after ``grace``.
+
+    The leadership is resigned after this: a straggler left running would do the job beside
+    the successor's command. Polled, as nothing can wait for processes that are not one's own
+    children; bounded by ``grace`` and a few seconds after the SIGKILL.
+    """
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, STRAGGLER_KILL_WAIT)):
+        if not group_members(group):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, sig)
+        deadline = time.monotonic() + wait
+        while group_members(group) and time.monotonic() < deadline:
+            time.sleep(STRAGGLER_POLL)
 
 
 class _Stopping:
@@ -285,4 +325,5 @@ class Command(BaseCommand):
         finally:
             if child.poll() is None:
                 stop_process_group(child, grace, self.stopping)
+            stop_stragglers(child.pid, grace)
             _stop_watchdog(watchdog)
