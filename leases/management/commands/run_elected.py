@@ -156,6 +156,12 @@ def stop_process_group(
 def group_members(group: int) -> list[int]:
     """The live processes of process group ``group`` (zombies, which nothing can stop and an
     init that never reaps may keep, left out)."""
+    if not os.path.isdir("/proc"):  # no procfs (macOS): whether the group has anyone at all
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [group]
     members = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
