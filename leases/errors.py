@@ -246,9 +246,10 @@ class StaleFencingToken(LeaseError):
         self.resource = resource
         self.offered = offered
         self.stored = stored
+        accepted = "a greater one" if stored is None else str(stored)
         super().__init__(
-            f"stale fencing token for {resource}: offered {offered}, but {stored} was already "
-            "accepted; the lease behind this write was lost, so the write was rejected"
+            f"stale fencing token for {resource}: offered {offered}, but {accepted} was "
+            "already accepted; the lease behind this write was lost, so the write was rejected"
         )
 
 

@@ -48,3 +48,9 @@ def test_message_and_attributes_are_unchanged() -> None:
     assert (error.resource, error.offered, error.stored) == ("r", 3, 9)
     assert error.args == ("r", 3, 9)
     assert "offered 3" in str(error)
+
+
+def test_a_stale_token_whose_stored_one_is_unknown_says_a_greater_one() -> None:
+    """It said "offered 4, but None was already accepted" (a row the write could not read)."""
+    error = StaleFencingToken("r", offered=4, stored=None)
+    assert "but a greater one was already accepted" in str(error) and "None" not in str(error)
