@@ -26,6 +26,7 @@ from tests.testapp.models_fencing import (
     PlainBase,
     SavedLog,
     StrictBaseManaged,
+    StrictDoc,
     TokenInChild,
 )
 from tests.waiting import wait_until
@@ -307,3 +308,14 @@ def test_racing_creators_of_a_composite_key_end_with_the_greater_tokens_row() ->
     assert CompositeDoc.objects.values_list("title", "fencing_token").get() == ("greater", 2)
     with pytest.raises(StaleFencingToken):
         CompositeDoc(tenant="t", number=7, title="stale").save(fence=1)
+
+
+def test_an_unfenced_save_of_a_new_row_with_its_own_key_is_a_creation() -> None:
+    """``StrictDoc(pk=999).save()`` raised ``FenceRequired`` although no row 999 existed
+    (Django tries an ``UPDATE`` first): creating rows unfenced is allowed. A new instance
+    whose key is a stored row's is still refused."""
+    StrictDoc(pk=999, title="new").save()
+    assert StrictDoc.objects.get(pk=999).title == "new"
+    with pytest.raises(FenceRequired):
+        StrictDoc(pk=999, title="over the stored one").save()
+    assert StrictDoc.objects.get(pk=999).title == "new"

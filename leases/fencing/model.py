@@ -260,6 +260,8 @@ class FencedModel(models.Model):
             return update(base_qs, *rest, **kwargs)
         offer = self._leases_fence
         if offer is None:
+            if self._state.adding and not base_qs.filter(pk=pk_val).exists():
+                return 0  # a new row with a key of its own: creating stays allowed, unfenced
             refuse_unfenced(type(self), "save()")
             values = _unfenced_values(values, update_fields)
             return update(
