@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 from django.db import NotSupportedError, connection, connections, transaction
-from django.db.models import Count
+from django.db.models import Count, F, Value
+from django.db.models.functions import Concat
 from django.test.utils import CaptureQueriesContext
 
 from leases import InvalidFencingToken, InvalidLeaseName, StaleFencingToken, check_fence
@@ -291,3 +292,14 @@ def test_a_table_in_another_schema_is_fenced() -> None:
     doc.refresh_from_db()
     assert (doc.title, doc.fencing_token) == ("b", 3)
     assert ElsewhereDoc.objects.fenced(3).delete()[0] == 1
+
+
+def test_a_fenced_update_may_read_the_querysets_annotations() -> None:
+    """``annotate(x=...).fenced(t).update(body=F("x"))`` raised ``FieldError`` (the decided
+    write ran on a fresh queryset, without the annotation); Django's own update reads it."""
+    (doc,) = docs(1)
+    marked = FencedDoc.objects.annotate(x=Concat("title", Value("!")))
+    assert marked.filter(pk=doc.pk).fenced(2).update(body=F("x")) == 1
+    assert FencedDoc.objects.values_list("body", "fencing_token").get(pk=doc.pk) == ("doc0!", 2)
+    with pytest.raises(StaleFencingToken):
+        marked.filter(pk=doc.pk).fenced(1).update(body=F("x"))

@@ -156,7 +156,9 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
             if stale:
                 raise self._rejected(token, [(pk, t) for t, pk in reversed(stale)])
             pks = [pk for pk, _ in locked]
-            rows = self._unrevoked(offer).filter(pk__in=pks, fencing_token__lte=token)
+            rows = self._unrevoked(offer, self._updating()).filter(
+                pk__in=pks, fencing_token__lte=token
+            )
             updated = rows.update(**kwargs, **{FENCE_TOKEN_FIELD: token})
             if updated < len(pks):  # the rows are locked: only a revocation skips one
                 raise self._revoked_or_stale(offer, pks)
@@ -279,14 +281,27 @@ class FencedQuerySet(models.QuerySet[_M, _M]):
                 raise check.refused(f"{self.model._meta.label}(under lease {check.name!r})")
         return deleted, per_model
 
-    def _unrevoked(self, offer: Offer) -> models.QuerySet[_M]:
-        """Every row of this model (:meth:`_plain`), narrowed to "the offer's grant is not
-        revoked".
+    def _updating(self) -> models.QuerySet[_M]:
+        """What a decided fenced ``update()`` writes through, narrowed to the locked rows by its
+        caller: this queryset's own annotations kept (``update(body=F("x"))`` may read one), in
+        Django's plain queryset; :meth:`_plain` when one aggregates or the rows are
+        ``distinct()`` (Django's ``UPDATE`` cannot group; the rows are the locked keys)."""
+        annotations = self.query.annotations.values()
+        grouped = any(getattr(a, "contains_aggregate", False) for a in annotations)
+        if not annotations or grouped or self.query.distinct:
+            return self._plain()
+        return models.QuerySet(self.model, query=self.query.chain(), using=self.db)
+
+    def _unrevoked(
+        self, offer: Offer, rows: models.QuerySet[_M] | None = None
+    ) -> models.QuerySet[_M]:
+        """``rows`` (every row of this model: :meth:`_plain`), narrowed to "the offer's grant
+        is not revoked".
 
         The condition is part of the writing statement itself, so a revocation committed before
         it runs is always seen.
         """
-        rows = self._plain()
+        rows = self._plain() if rows is None else rows
         if offer.revocable and revocation.checked_on(self.db):
             rows = rows.filter(revocation.not_revoked(offer))
         if self._lease_check is not None:
