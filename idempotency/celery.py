@@ -38,6 +38,9 @@ __all__ = ["IdempotentTask", "idempotent_task"]
 
 logger = logging.getLogger(__name__)
 
+#: "No such attribute" (an override of None is a value of its own).
+_NONE = object()
+
 
 class IdempotentTask(Task):  # type: ignore[type-arg]
     """A task whose database effects and result are recorded once per key; see the module doc.
@@ -107,7 +110,17 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
             key,
             countdown,
         )
-        raise self.retry(countdown=countdown, max_retries=self.in_flight_max_retries, exc=exc)
+        # retry(max_retries=...) leaves it on the task object, which every later run in this
+        # process shares; Celery's autoretry then took our budget (100) for the task's own
+        # failures: a flaky body with max_retries=3 ran 101 times. Put back what was there.
+        before = self.__dict__.get("override_max_retries", _NONE)
+        try:
+            raise self.retry(countdown=countdown, max_retries=self.in_flight_max_retries, exc=exc)
+        finally:
+            if before is _NONE:
+                self.__dict__.pop("override_max_retries", None)
+            else:
+                self.override_max_retries = before
 
     # -- machinery ---------------------------------------------------------------------------
 

@@ -244,3 +244,46 @@ def test_only_locked_tasks_take_a_lease_parameter() -> None:
         return lease
 
     assert "lease" not in inspect.signature(inside.run).parameters
+
+
+FLAKY_RUNS: Counter[str] = Counter()
+
+
+@idempotent_task(
+    app=app,
+    bind=True,
+    autoretry_for=(ConnectionError,),
+    max_retries=3,
+    name="keys.flaky",
+    in_flight_backoff=0.0,
+)
+def flaky(self: Any) -> None:
+    FLAKY_RUNS[self.request.id] += 1
+    raise ConnectionError("provider down")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_in_flight_retry_leaves_the_tasks_own_retry_budget_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``retry(max_retries=in_flight_max_retries)`` left that budget (100) on the task object,
+    shared by every later run in the process: Celery's autoretry then used it for the task's
+    own failures, and a body with ``max_retries=3`` ran 101 times instead of 4."""
+    from idempotency.http import digest
+    from idempotency.models import IdempotencyKey
+    from idempotency.store import begin
+
+    fingerprint = digest([flaky.fingerprint((), {}).encode()])
+    begin(f"celery:{flaky.name}", "held-elsewhere", fingerprint, ttl=60, lock_timeout=60)
+    real = IdempotentTask.in_flight
+
+    def in_flight(self: Any, key: str, exc: Any) -> Any:
+        IdempotencyKey.objects.filter(key="held-elsewhere").delete()  # the other copy gives up
+        return real(self, key, exc)
+
+    monkeypatch.setattr(IdempotentTask, "in_flight", in_flight)
+    flaky.apply(task_id="held-elsewhere")
+    monkeypatch.undo()
+    assert "override_max_retries" not in vars(flaky)
+    flaky.apply(task_id="a-later-call")
+    assert FLAKY_RUNS["a-later-call"] == 4  # max_retries=3: the first run and three retries
