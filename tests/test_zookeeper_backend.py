@@ -171,3 +171,56 @@ def test_async_waiters_take_the_name_in_line(zookeeper: str, lease_name: str) ->
     asyncio.run(main())
     assert order == ["w0", "w1", "w2"]
     assert store.zk.line(lease_name)[0] == []
+
+
+def test_with_auth_an_anonymous_client_can_neither_release_nor_keep_a_lease(
+    zookeeper: str,
+) -> None:
+    """``AUTH`` authenticated the backend's session, but its znodes were created with kazoo's
+    default ACL (anyone, every permission): a client with no credential deleted a holder's
+    node (releasing its lease) or wrote it (keeping a dead holder's lease alive). With
+    ``AUTH`` the nodes are the credential's; anyone may still read them (holders are public)."""
+    from django.conf import settings
+    from kazoo.client import KazooClient  # type: ignore[import-untyped]
+    from kazoo.exceptions import NoAuthError
+
+    from leases.backends.zookeeper import Backend
+
+    hosts = cast(dict[str, Any], settings.LEASES)["BACKENDS"][zookeeper]["HOSTS"]
+    prefix = f"/acl-{time.monotonic_ns()}"
+    auth = [("digest", "app:app-password")]
+    backend = Backend("zk-auth", {"HOSTS": hosts, "PREFIX": prefix, "AUTH": auth})
+    outsider = KazooClient(hosts=hosts)  # no credential
+    outsider.start(timeout=15)
+    try:
+        grant = backend.try_acquire("payroll", "host:1:1", 5.0)
+        assert grant is not None
+        line = f"{prefix}/names/payroll"
+        (child,) = outsider.get_children(line)  # readable: holders are public
+        with pytest.raises(NoAuthError):
+            outsider.delete(f"{line}/{child}")
+        with pytest.raises(NoAuthError):
+            outsider.set(f"{line}/{child}", b"")
+        with pytest.raises(NoAuthError):
+            outsider.create(f"{line}/c-intruder-", b"", sequence=True)
+        backend.renew(grant, 5.0)
+        backend.release(grant)
+        assert backend.deploy_checks() == []
+        open_prefix = f"{prefix}-open"
+        outsider.ensure_path(open_prefix)  # made without AUTH: anyone may write there
+        opened = Backend("zk-open", {"HOSTS": hosts, "PREFIX": open_prefix, "AUTH": auth})
+        try:
+            (problem,) = opened.deploy_checks()
+            assert "lets anyone write" in problem
+        finally:
+            opened.close()
+            outsider.delete(open_prefix, recursive=True)
+    finally:
+        backend.close()
+        admin = KazooClient(hosts=hosts, auth_data=auth)
+        admin.start(timeout=15)
+        admin.delete(prefix, recursive=True)
+        admin.stop()
+        admin.close()
+        outsider.stop()
+        outsider.close()

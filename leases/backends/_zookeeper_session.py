@@ -26,6 +26,7 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
 )
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
 from kazoo.protocol.states import EventType, KeeperState, WatchedEvent  # type: ignore[import-untyped]
+from kazoo.security import CREATOR_ALL_ACL, READ_ACL_UNSAFE  # type: ignore[import-untyped]
 
 from ..errors import BackendUnavailable
 from ._edge import DriverEdge
@@ -56,6 +57,15 @@ def _failed(results: list[Any]) -> BaseException | None:
     return next((e for e in errors if type(e).__name__ != "RolledBackError"), None) or (
         errors[0] if errors else None
     )
+
+
+#: The ACL of every node the backend creates when ``AUTH`` is set: all permissions for the
+#: authenticated identity (every app server configured with the same credential), reading
+#: for anyone (holders and the line are public, as everywhere in the package). Without it
+#: kazoo gives every node "anyone, every permission": ``AUTH`` then authenticated the session
+#: but protected nothing, and a client with no credential could delete a holder's node
+#: (releasing its lease) or write it (keeping a dead holder's lease alive).
+AUTHENTICATED_ACL = [*READ_ACL_UNSAFE, *CREATOR_ALL_ACL]
 
 
 class Edge(DriverEdge):
@@ -162,10 +172,12 @@ class Session:
             raise BackendUnavailable(self.alias, "connect: no time left to reconnect")
         client = self._connecting
         if client is None:  # a client left connecting by an earlier call is waited for again
+            auth = [tuple(pair) for pair in self.options.get("AUTH", [])]
             client = KazooClient(
                 hosts=self.hosts,
                 timeout=self.session_timeout,
-                auth_data=[tuple(pair) for pair in self.options.get("AUTH", [])],
+                auth_data=auth,
+                default_acl=AUTHENTICATED_ACL if auth else None,
                 connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
             )
             client.add_listener(self._on_state)

@@ -65,6 +65,7 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
     NoNodeError,
 )
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
+from kazoo.security import Permissions  # type: ignore[import-untyped]
 
 from .._finishing import finish
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
@@ -531,9 +532,19 @@ class Backend(LeaseBackend):
         """An ensemble that does not answer raises, as every store does (``leases.E003``:
         nothing can be held there); it was returned as a warning, so a deploy gated on the
         check passed without a reachable ZooKeeper."""
+        problems = []
         with Edge(self.alias, "deploy check"):
-            self.zk.get(self.client.exists_async(self.prefix))
-        return []
+            found = self.zk.get(self.client.exists_async(self.prefix))
+            if found is not None and self.zk.options.get("AUTH"):
+                acls, _ = self.zk.get(self.client.get_acls_async(self.prefix))
+                if any(acl.id.scheme == "world" and acl.perms & ~Permissions.READ for acl in acls):
+                    problems.append(
+                        f"{self.alias}: AUTH is set but {self.prefix!r} lets anyone write (made "
+                        "before AUTH, or by another client): a client with no credential can "
+                        "release or keep any lease under it; recreate the prefix with AUTH, or "
+                        "set its nodes' ACLs to the credential's"
+                    )
+        return problems
 
     def close(self) -> None:
         self.zk.close()
