@@ -360,3 +360,53 @@ def test_a_notification_read_with_a_prepared_statements_reply_is_kept(
         assert heard == ["first", "second"]
     finally:
         conn.close()
+
+
+def _query_texts() -> list[str]:
+    """What ``pg_stat_activity`` shows of every session (a monitoring role sees as much)."""
+    with connect("default") as observer:
+        return [row[0] for row in observer.execute("SELECT query FROM pg_stat_activity")]
+
+
+def test_a_grants_secret_never_appears_in_pg_stat_activity(lease_name: str) -> None:
+    """A statement the session did not have was sent as ``PREPARE ...; EXECUTE name('<the
+    secret>')``: PostgreSQL keeps that whole text as the statement's source and shows it in
+    ``pg_stat_activity`` each time the statement runs again, so the first grant's secret
+    stayed readable to monitoring roles (and usable: it releases the lease) for the
+    session's life."""
+    backend = Backend("secret-in-text-test", {})
+    try:
+        first = backend.try_acquire(lease_name, "first", 30.0)
+        second = backend.try_acquire(f"{lease_name}-2", "second", 30.0)
+        assert first is not None and second is not None
+        seen = []
+        for grant in (first, first, second):  # the session's first renewal, then by name
+            backend.renew(grant, 30.0)
+            seen += [t for t in _query_texts() if first.secret in t or second.secret in t]
+        assert seen == []
+        backend.release(first)
+        backend.release(second)
+    finally:
+        backend.close()
+
+
+def test_an_async_grants_secret_never_appears_in_pg_stat_activity(lease_name: str) -> None:
+    async def grants() -> list[str]:
+        backend = Backend("secret-in-text-async-test", {})
+        try:
+            first = await backend.atry_acquire(lease_name, "first", 30.0)
+            second = await backend.atry_acquire(f"{lease_name}-2", "second", 30.0)
+            assert first is not None and second is not None
+            seen = []
+            for grant in (first, first, second):
+                await backend.arenew(grant, 30.0)
+                texts = await asyncio.to_thread(_query_texts)
+                seen += [t for t in texts if first.secret in t or second.secret in t]
+            await backend.arelease(first)
+            await backend.arelease(second)
+            return seen
+        finally:
+            await backend.aclose()
+            backend.close()
+
+    assert asyncio.run(grants()) == []

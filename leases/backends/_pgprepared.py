@@ -17,15 +17,20 @@ On the client, a prepared statement is then run by name with libpq's ``Bind``/``
 pair's client CPU drops from about 300 µs through a psycopg cursor to about 70 µs.
 
 A session that does not have the statement (a new connection, a pooler's other session,
-``DISCARD ALL``) answers SQLSTATE 26000 before running anything; it is then prepared and
-executed in one simple query (one implicit transaction, so on one server session even behind a
-transaction pooler). A session that has it although this connection did not prepare it answers
-42P05 to the ``PREPARE``, which aborts the query before its ``EXECUTE``; the statement is then
-only executed. A migration that changes a returned column's type makes the session refuse
-the statement's plan (0A000) until it is made again: it is deallocated and prepared anew.
-These refusals happen before the statement runs, so sending it again is safe;
-after :data:`ATTEMPTS` of them the plain text is sent instead. Option ``PREPARED_STATEMENTS``
-``False`` always sends the plain text.
+``DISCARD ALL``) answers SQLSTATE 26000 before running anything; it is then prepared and run
+in one round trip (a pipeline of the protocol's ``Parse`` and ``Bind``/``Execute``: one
+implicit transaction, so one server session even behind a transaction pooler). Not
+``PREPARE ...; EXECUTE name('<values>')`` in one simple query, as it once was: the values
+were then quoted into the text, and PostgreSQL keeps
+a prepared statement's whole source text, showing it in ``pg_stat_activity`` (to monitoring
+roles) each time the statement runs, for the session's life: the first grant's secret stayed
+readable there. A session that has it although this connection did not prepare it answers
+42P05 to the ``PREPARE``; the statement is then only run. A migration that changes a returned
+column's type makes the session refuse the statement's plan (0A000) until it is made again: it
+is deallocated and prepared anew. These refusals happen before the statement runs, so sending
+it again is safe; after :data:`ATTEMPTS` of them the plain text is sent instead (its values
+bound apart from the text). Option ``PREPARED_STATEMENTS`` ``False`` always sends the plain
+text.
 
 On an async connection (:func:`arun_prepared`) the prepared statement is run by name as well:
 libpq's non-blocking ``Bind``/``Execute`` (``send_query_prepared``), its reply awaited on the
@@ -36,17 +41,19 @@ event loop by psycopg's own waiting function, as an ``AsyncCursor`` awaits its s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import psycopg
 from psycopg import pq
+from psycopg.abc import Buffer, PQGen
 from psycopg.adapt import PyFormat
 from psycopg.generators import execute
-from psycopg.waiting import wait_async
+from psycopg.waiting import Wait, wait, wait_async
 
 from ._pgloading import transformer as loading_transformer
 
@@ -84,9 +91,8 @@ class Prepared:
     sql: str
     name: str = field(init=False)
     prepare_sql: str = field(init=False)
-    execute_sql: str = field(init=False)
-    #: Both in one query: one round trip, and one server session even behind a pooler.
-    first_sql: str = field(init=False)
+    #: The text with ``$1``, ``$2``... for the protocol's ``Parse`` (see :func:`_first_run`).
+    body: bytes = field(init=False)
     #: The parameters' names in the order of ``$1``, ``$2``...
     order: tuple[str, ...] = field(init=False)
     #: ``name`` for libpq, and the values' formats (text: the server parses them as the
@@ -105,12 +111,9 @@ class Prepared:
         body = _PLACEHOLDER.sub(number, self.sql)
         digest = hashlib.sha256(self.sql.encode()).hexdigest()[:12]
         name = f"leases_{self.what}_{digest}"
-        arguments = ", ".join(f"%({param})s" for param in order)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "prepare_sql", f"PREPARE {name} AS {body}")
-        execute = f"EXECUTE {name}({arguments})" if order else f"EXECUTE {name}"
-        object.__setattr__(self, "execute_sql", execute)
-        object.__setattr__(self, "first_sql", f"{self.prepare_sql}; {execute}")
+        object.__setattr__(self, "body", body.encode())
         object.__setattr__(self, "order", tuple(order))
         object.__setattr__(self, "key", name.encode())
         object.__setattr__(self, "formats", (PyFormat.TEXT,) * len(order))
@@ -123,7 +126,9 @@ def run_prepared(
     prepared: set[str],
 ) -> list[tuple[Any, ...]]:
     """Run ``statement`` on ``conn`` (autocommit) and fetch its rows, in one round trip when
-    ``prepared`` (the names this connection's session is known to have) is right."""
+    ``prepared`` (the names this connection's session is known to have) is right; else the
+    statement is prepared first (a round trip of its own, once per session), its values never
+    in the text."""
     for _ in range(ATTEMPTS):
         if statement.name in prepared:
             rows = _bound(conn, statement, params)
@@ -131,13 +136,15 @@ def run_prepared(
                 return rows
             prepared.discard(statement.name)  # lost, or dropped as stale: nothing ran
             continue
-        try:
-            rows = _prepared_and_run(conn, statement, params)
-        except psycopg.Error as exc:
-            if exc.sqlstate != _ALREADY_PREPARED:
-                raise
-            rows = None  # the session has it already: the EXECUTE after the PREPARE did not run
-        prepared.add(statement.name)
+        transformer = loading_transformer(conn)
+        values = transformer.dump_sequence(
+            [params[key] for key in statement.order], statement.formats
+        )
+        pgconn = conn.pgconn
+        results = wait(_first_run(pgconn, statement, values), pgconn.socket, _WAKE_INTERVAL)
+        keep_notifies(pgconn)
+        prepared.add(statement.name)  # made now, or the session had it (42P05: run it by name)
+        rows = _first_rows(results, transformer, conn.info.encoding)
         if rows is not None:
             return rows
     plain = conn.execute(statement.sql, params)
@@ -199,18 +206,6 @@ def keep_notifies(pgconn: pq.abc.PGconn) -> None:
             pgconn.notify_handler(note)
 
 
-def _prepared_and_run(
-    conn: psycopg.Connection[Any], statement: Prepared, params: Mapping[str, Any]
-) -> list[tuple[Any, ...]]:
-    """``PREPARE`` and ``EXECUTE`` in one query, the values bound on the client (psycopg's
-    quoting): one round trip, one implicit transaction, one server session even behind a
-    transaction pooler."""
-    cursor = psycopg.ClientCursor(conn)
-    cursor.execute(statement.first_sql, params)
-    cursor.nextset()  # the EXECUTE's rows follow the PREPARE's empty result
-    return cursor.fetchall() if cursor.description else []
-
-
 async def arun_prepared(
     conn: psycopg.AsyncConnection[Any],
     statement: Prepared,
@@ -218,8 +213,7 @@ async def arun_prepared(
     prepared: set[str],
 ) -> list[tuple[Any, ...]]:
     """:func:`run_prepared` on an async connection (autocommit): the statement run by name
-    (:func:`_abound`) when ``prepared`` says the session has it, else ``PREPARE`` and
-    ``EXECUTE`` in one query; one round trip either way when ``prepared`` is right."""
+    (:func:`_abound`) when ``prepared`` says the session has it, else prepared first."""
     for _ in range(ATTEMPTS):
         if statement.name in prepared:
             rows = await _abound(conn, statement, params)
@@ -227,13 +221,18 @@ async def arun_prepared(
                 return rows
             prepared.discard(statement.name)  # lost, or dropped as stale: nothing ran
             continue
-        try:
-            rows = await _aquery(conn, statement.first_sql, params)
-        except psycopg.Error as exc:
-            if exc.sqlstate != _ALREADY_PREPARED:
-                raise
-            rows = None  # the session has it already: the EXECUTE after the PREPARE did not run
+        transformer = loading_transformer(conn)
+        values = transformer.dump_sequence(
+            [params[key] for key in statement.order], statement.formats
+        )
+        async with conn.lock:
+            pgconn = conn.pgconn
+            results = await wait_async(
+                _first_run(pgconn, statement, values), pgconn.socket, _WAKE_INTERVAL
+            )
+            keep_notifies(pgconn)
         prepared.add(statement.name)
+        rows = _first_rows(results, transformer, conn.info.encoding)
         if rows is not None:
             return rows
     plain = await conn.execute(statement.sql, params)
@@ -265,13 +264,49 @@ async def _abound(
     return rows
 
 
-async def _aquery(
-    conn: psycopg.AsyncConnection[Any], query: str, params: Mapping[str, Any]
-) -> list[tuple[Any, ...]]:
-    """``query``'s last result's rows, the values quoted on the client (one simple query: a
-    ``PREPARE`` and its ``EXECUTE`` run in one implicit transaction, on one server session)."""
-    cursor = psycopg.AsyncClientCursor(conn)
-    await cursor.execute(query, params)
-    while cursor.nextset():
-        pass
-    return await cursor.fetchall() if cursor.description else []
+def _first_run(
+    pgconn: pq.abc.PGconn, statement: Prepared, values: Sequence[Buffer | None]
+) -> PQGen[list[pq.abc.PGresult]]:
+    """Prepare ``statement`` under its name and run it, in one round trip: a libpq pipeline
+    of the protocol's ``Parse`` (named), ``Bind``/``Execute`` and ``Sync``, the values sent
+    apart from the text. The ``PREPARE`` and ``EXECUTE`` of one simple query would quote the
+    values into the statement's source text, which the session keeps and shows in
+    ``pg_stat_activity`` each time the statement runs. One ``Sync``: one implicit transaction,
+    so one server session even behind a transaction pooler. The results: the ``Parse``'s and
+    the ``Execute``'s (aborted when the ``Parse`` failed)."""
+    pgconn.enter_pipeline_mode()
+    try:
+        pgconn.send_prepare(statement.key, statement.body)
+        pgconn.send_query_prepared(statement.key, values)
+        pgconn.pipeline_sync()
+        while pgconn.flush() == 1:
+            yield Wait.W
+        results: list[pq.abc.PGresult] = []
+        while True:
+            while pgconn.is_busy():
+                yield Wait.R
+                pgconn.consume_input()
+            result = pgconn.get_result()
+            if result is None:  # the end of one command's results
+                continue
+            if result.status == pq.ExecStatus.PIPELINE_SYNC:
+                return results
+            results.append(result)
+    finally:
+        if pgconn.pipeline_status != pq.PipelineStatus.OFF:
+            with contextlib.suppress(psycopg.Error):
+                pgconn.exit_pipeline_mode()
+
+
+def _first_rows(
+    results: list[pq.abc.PGresult], transformer: psycopg.abc.Transformer, encoding: str
+) -> list[Any] | None:
+    """The rows of :func:`_first_run`; ``None`` when the session had the statement already
+    (the ``Parse`` failed with 42P05 and the ``Execute`` did not run: run it by name)."""
+    parsed, executed = results
+    if parsed.status != pq.ExecStatus.COMMAND_OK:
+        if parsed.error_field(pq.DiagnosticField.SQLSTATE) == _ALREADY_PREPARED.encode():
+            return None
+        raise psycopg.errors.error_from_result(parsed, encoding=encoding)
+    rows = read_result(executed, transformer, encoding)
+    return None if rows is False else rows
