@@ -97,7 +97,7 @@ class Queued:
 
     name: str
     child: str
-    secret: str
+    secret: str = field(repr=False)  # the grant's, once promoted: never in a log line
     czxid: int
     session: int
     woken: threading.Event = field(default_factory=threading.Event)

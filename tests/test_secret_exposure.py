@@ -1,0 +1,65 @@
+"""Where a grant's secret must not show: error reports of a store call that failed while the
+grant was still valid, and the objects that carry it (an outside security review, stop 37).
+``pg_stat_activity`` is proven in ``tests/test_lease_database_prepared.py``."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+import pytest
+from django.test import RequestFactory, override_settings
+from django.views.debug import technical_500_response
+
+from leases import BackendUnavailable, acquire
+from leases.backends import get_backend
+from leases.backends._zookeeper_line import Queued
+from leases.backends.base import Grant, Secret, new_secret
+from tests.lease_backends import lease_name
+
+__all__ = ["lease_name"]  # fixtures, for pytest
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize("backend", ["default", "redis"])
+def test_a_failed_renewals_error_report_does_not_show_the_live_secret(
+    backend: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renewal timed out (the grant still valid): Django's debug page, HTML error mails
+    and ``capture_locals`` tracebacks printed the frames' variables, among them the
+    statement's parameters with the secret, ten times on the database backend's page."""
+    held = acquire(lease_name, ttl=30, backend=backend, keepalive=False)
+    store = get_backend(backend)
+    real = type(store)._run  # type: ignore[attr-defined]
+
+    def no_reply(*args: Any, **kwargs: Any) -> Any:
+        raise BackendUnavailable(backend, "no reply within 5s (a test's stand-in)")
+
+    monkeypatch.setattr(store, "_run", no_reply)
+    try:
+        held.renew()
+    except BackendUnavailable:
+        info = sys.exc_info()
+    else:
+        pytest.fail("the renewal did not fail")
+    monkeypatch.setattr(store, "_run", real.__get__(store))
+    assert info[0] is not None
+    report = "".join(traceback.TracebackException(*info, capture_locals=True).format())
+    with override_settings(DEBUG=True):
+        page = technical_500_response(RequestFactory().get("/"), *info).content.decode()
+    secret = str(held.grant.secret)  # only now: this frame's variables are in the report too
+    assert "params" in report or "args" in report  # the frames' variables are there
+    assert secret not in report
+    assert secret not in page
+    held.release()
+
+
+def test_the_objects_that_carry_a_secret_do_not_show_it() -> None:
+    secret = new_secret()
+    assert isinstance(secret, Secret) and str(secret) not in repr({"secret": secret})
+    rebuilt = Grant("n", "h", 1, 5.0, 0.0, secret=str(secret))  # from a task's headers
+    assert rebuilt.secret == secret and str(secret) not in repr(vars(rebuilt))
+    place = Queued("n", "c-1", str(secret), 1, 2)
+    assert str(secret) not in repr(place)
