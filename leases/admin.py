@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied, SuspiciousOperation
 from django.db.models import QuerySet
+from django.db.models.constants import LOOKUP_SEP
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
@@ -148,11 +149,26 @@ class LeaseAdmin(_ReadOnlyAdmin):
     #: may count it whole (the planner's estimate for large lists; see ``leases.paginator``).
     paginator = EstimatedCountPaginator
     show_full_result_count = False
+    #: The change page: every column but the secret's hash, and ``meta`` without the readers'.
+    fields = ("name", "holder", "token", "acquired_at", "expires_at", "renewed_at", "meta_shown")
+    readonly_fields = fields
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         return super().changelist_view(
             request, {**(extra_context or {}), "see_also": see_also_links()}
         )
+
+    @admin.display(description="meta")
+    def meta_shown(self, obj: Lease) -> str:
+        return json.dumps(operations.shown_meta(obj), sort_keys=True, default=str)
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
+        """No filter on the secret's hash or on ``meta`` (the readers' hashes) from the URL:
+        a filter answers yes or no about what the pages never show (and a hash given as text
+        reached the database adapter: a 500). Refused, Django answers 400."""
+        if lookup.split(LOOKUP_SEP, 1)[0] in ("secret_hash", "meta"):
+            return False
+        return bool(super().lookup_allowed(lookup, value, request))
 
     @admin.display(description="state")
     def state(self, obj: Lease) -> str:

@@ -28,6 +28,7 @@ from . import conf, revocation
 from ._asking import ANSWER_BOUND, ask_every_backend
 from ._paging import Pages
 from .backends import LeaseBackend, get_backend
+from .backends._pg_shared import public_meta
 from .backends.base import LIST_BATCH, InternalLock, LeaseInfo, LeaseWaiter
 from .databases import migrated_databases
 from .errors import InvalidFencingToken, LeaseError, LeaseNotHeld
@@ -389,6 +390,12 @@ def state_of(holder: str, held: bool) -> str:
 def lease_state(info: LeaseInfo) -> str:
     """The verdict for what a backend reported: the store's own clock decided ``held``."""
     return state_of(info.holder, info.held)
+
+
+def shown_meta(row: Any) -> dict[str, Any]:
+    """A ``leases_lease`` row's ``meta`` as operators may see it: without the readers'
+    secret hashes, as every listing shows it (the admin's change page showed it raw)."""
+    return public_meta(row.meta or {})
 
 
 def row_state(row: Any, now: datetime | None = None) -> str:

@@ -393,3 +393,23 @@ def test_the_confirmation_of_more_leases_than_a_form_may_carry_fields_releases_t
     assert done.status_code == 302
     assert ForceRelease.objects.filter(name__in=names).count() == 12
     assert not any(info is not None and info.held for info in map(store.inspect, names))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_leases_page_shows_no_secret_hash_and_refuses_filters_on_one(client: Client) -> None:
+    """A shared lease's change page showed its readers' secret hashes (its ``meta`` raw, while
+    listings hide them), and ``?secret_hash=...`` reached the database adapter: a 500."""
+    import hashlib
+    import uuid
+
+    from leases import lease
+
+    login(client, "view_lease")
+    name = f"admin-shared-{uuid.uuid4().hex[:8]}"
+    with lease(name, ttl=30, keepalive=False, shared=True) as reader:
+        reader_hash = hashlib.sha256(str(reader.grant.secret).encode()).hexdigest()
+        page = client.get(reverse("admin:leases_lease_change", args=[name]))
+        assert page.status_code == 200 and reader_hash not in page.content.decode()
+        assert "readers" in page.content.decode()  # what is public of them is shown
+        for lookup in ("secret_hash", "secret_hash__isnull", "meta__readers__icontains"):
+            assert client.get(LEASES, {lookup: "x"}).status_code == 400, lookup
