@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import hashlib
 import inspect
 import json
 from collections.abc import Callable
@@ -174,7 +175,7 @@ class idempotency_key:
         @functools.wraps(func)
         def run_once(*args: Any, **kwargs: Any) -> Any:
             key = self.key(*args, **kwargs) if callable(self.key) else self.key
-            with self._with_key(key) as op:
+            with self._with_key(key, self._call_fingerprint(func, args, kwargs)) as op:
                 if not op.replayed:
                     op.result = func(*args, **kwargs)
             return op.result
@@ -185,18 +186,42 @@ class idempotency_key:
         @functools.wraps(func)
         async def run_once(*args: Any, **kwargs: Any) -> Any:
             key = self.key(*args, **kwargs) if callable(self.key) else self.key
-            async with self._with_key(key) as op:
+            async with self._with_key(key, self._call_fingerprint(func, args, kwargs)) as op:
                 if not op.replayed:
                     op.result = await func(*args, **kwargs)
             return op.result
 
         return run_once
 
-    def _with_key(self, key: str) -> idempotency_key:
+    def _call_fingerprint(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str:
+        """The decorator form's fingerprint, unless one was given: the function and its
+        arguments, bound to its signature with defaults applied (``f(7, 1)`` and
+        ``f(7, amount=1)`` are one call). A key string another decorated function also makes,
+        or the same key with other arguments, is then a mismatch
+        (:class:`~idempotency.errors.IdempotencyKeyMismatch`), as a request's other payload is;
+        with an empty fingerprint the second function silently returned the first's result
+        and never ran. Arguments that are not JSON (a model instance) leave the function
+        alone to fingerprint."""
+        if self.fingerprint:
+            return self.fingerprint
+        name = f"{func.__module__}.{func.__qualname__}"
+        try:
+            bound = inspect.signature(func).bind_partial(*args, **kwargs)
+            bound.apply_defaults()
+            raw = json.dumps(
+                [name, list(bound.args), dict(bound.kwargs)], cls=DjangoJSONEncoder, sort_keys=True
+            )
+        except (TypeError, ValueError):
+            raw = json.dumps([name])
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+    def _with_key(self, key: str, fingerprint: str) -> idempotency_key:
         return idempotency_key(
             key,
             scope=self.scope,
-            fingerprint=self.fingerprint,
+            fingerprint=fingerprint,
             ttl=self.ttl,
             lock_timeout=self.lock_timeout,
             wait=self.wait,

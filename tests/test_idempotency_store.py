@@ -147,6 +147,29 @@ def test_the_decorator_form_skips_the_call_on_a_repeat() -> None:
     assert calls == [1, 2] and Charge.objects.count() == 2
 
 
+def test_the_decorator_form_tells_two_operations_and_two_calls_apart() -> None:
+    """Every decorated operation shared one scope and one empty fingerprint: an unrelated
+    function whose key came out as the same string returned the other's result and never ran,
+    and the same key with other arguments replayed instead of being refused."""
+
+    @idempotency_key(lambda pk, amount=1: f"{pk}")
+    def send_invoice(pk: int, amount: int = 1) -> str:
+        Charge.objects.create(amount=amount)
+        return f"invoice {pk} sent"
+
+    @idempotency_key(lambda pk: f"{pk}")
+    def ship_order(pk: int) -> str:
+        return f"order {pk} shipped"
+
+    assert send_invoice(7) == "invoice 7 sent"
+    assert send_invoice(7, amount=1) == send_invoice(pk=7) == "invoice 7 sent"  # one call
+    with pytest.raises(IdempotencyKeyMismatch):
+        ship_order(7)
+    with pytest.raises(IdempotencyKeyMismatch):
+        send_invoice(7, 2)
+    assert Charge.objects.count() == 1
+
+
 def test_an_operation_refuses_a_key_in_use_or_used_differently() -> None:
     assert begin("cmd", "busy", idempotency_key_digest(""), ttl=60, lock_timeout=60).claim
     with pytest.raises(IdempotencyKeyInProgress), idempotency_key("busy", scope="cmd"):
