@@ -14,6 +14,7 @@ aside: the outer guard's options are the ones that count.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -230,7 +231,16 @@ class _Guard:
         guarding = _Guarding(request)
         if guarding.nested:
             return await call()
-        opened = await sync_to_async(self.open)(request, scope_source)
+        opening = asyncio.ensure_future(sync_to_async(self.open)(request, scope_source))
+        try:
+            opened = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The client went away (ASGI cancels the request's task) while the key was being
+            # claimed: the thread goes on and may claim it, for nobody. Give that claim up
+            # once the thread is done, then let the cancellation go on. Left claimed, the
+            # client's retries got 409 until the lock lapsed.
+            await _give_up(opening)
+            raise
         if opened is None:
             return await call()
         if isinstance(opened, HttpResponseBase):
@@ -245,6 +255,16 @@ class _Guard:
             await sync_to_async(opened.abort)()
             raise
         return await sync_to_async(self.close)(opened, response, request)
+
+
+async def _give_up(opening: asyncio.Future[Any]) -> None:
+    """Abort what a claim cut off by a cancellation opened, once its thread has finished."""
+    try:
+        opened = await opening
+    except Exception:  # the claim failed on its own: nothing was claimed
+        return
+    if isinstance(opened, store.Attempt):
+        await sync_to_async(opened.abort)()
 
 
 def _lost(attempt: store.Attempt, exc: IdempotencyKeyLost) -> HttpResponseBase:

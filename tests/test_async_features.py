@@ -4,7 +4,9 @@ blocked loop, and ``async with idempotency_key(...)``."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -81,3 +83,63 @@ def test_async_idempotency_key_runs_once(transactional_db: None, lease_name: str
     results, ran = asyncio.run(main())
     assert results[0] == results[1] and ran == 1
     assert Charge.objects.filter(key=lease_name).count() == 1
+
+
+def test_a_request_cancelled_while_its_key_is_claimed_leaves_the_key_free(
+    transactional_db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ASGI a client that goes away cancels its request's task. Cancelled while its key
+    was being claimed (a thread runs the claim, and goes on), the key was claimed for
+    nobody: no view ran, nothing gave the key up, and the client's retries got 409 until
+    ``LOCK_TIMEOUT``. The claim is given up once the thread is done with it."""
+    from django.contrib.auth.models import AnonymousUser
+    from django.contrib.sessions.backends.db import SessionStore
+    from django.http import HttpRequest, JsonResponse
+    from django.test import RequestFactory
+
+    from idempotency import idempotent, views
+
+    ran: list[str] = []
+
+    @idempotent
+    async def view(request: HttpRequest) -> JsonResponse:
+        ran.append("view")
+        return JsonResponse({"ok": True}, status=201)
+
+    claimed, cancelled = threading.Event(), threading.Event()
+    real_open = views._Guard.open
+
+    def open_until_cancelled(self: Any, *args: Any, **kwargs: Any) -> Any:
+        opened = real_open(self, *args, **kwargs)
+        claimed.set()
+        assert cancelled.wait(10)  # the client goes away while the claim is in hand
+        return opened
+
+    session = SessionStore()
+    session.create()
+
+    def request() -> HttpRequest:
+        made = RequestFactory().post(
+            "/", b"{}", content_type="application/json", HTTP_IDEMPOTENCY_KEY="gone-1"
+        )
+        made.session, made.user = session, AnonymousUser()
+        return made
+
+    async def cancelled_request() -> None:
+        task = asyncio.ensure_future(view(request()))
+        await asyncio.to_thread(claimed.wait, 10)
+        task.cancel()
+        cancelled.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    monkeypatch.setattr(views._Guard, "open", open_until_cancelled)
+    asyncio.run(cancelled_request())
+    monkeypatch.undo()
+    retried: list[Any] = []
+    retry = threading.Thread(target=lambda: retried.append(asyncio.run(view(request()))))
+    retry.daemon = True
+    retry.start()
+    retry.join(30)
+    assert retried, "the retry did not finish: the key's claim was still open"
+    assert retried[0].status_code == 201 and ran == ["view"]
