@@ -414,3 +414,41 @@ def test_the_admin_lists_keys_read_only_searchable_and_filtered(admin_client: Cl
     assert admin_client.get("/admin/idempotency/idempotencykey/add/").status_code == 403
     detail = admin_client.get(f"/admin/idempotency/idempotencykey/{row.pk}/change/")
     assert detail.status_code == 200 and b'name="key"' not in detail.content
+
+
+def test_a_header_with_a_nul_is_not_storable_rather_than_a_database_error() -> None:
+    """Django lets a NUL through in a header value (an echoed ``X-Request-Id``); ``jsonb``
+    refused it, and the store's write failed with a ``DataError``: a 500 only with a key."""
+    from django.http import HttpResponse
+
+    from idempotency.http import capture
+
+    response = HttpResponse("ok")
+    response["X-Request-Id"] = "a\x00b"
+    with pytest.raises(ResponseNotStorable, match="NUL"):
+        capture(response, 1000)
+
+
+def test_a_refused_file_response_is_closed() -> None:
+    import io
+
+    from django.http import FileResponse
+
+    from idempotency.http import capture
+
+    stream = io.BytesIO(b"data")
+    with pytest.raises(ResponseNotStorable, match="streamed"):
+        capture(FileResponse(stream), 1000)
+    assert stream.closed
+
+
+def test_a_replayed_redirect_is_followed_as_the_first_was() -> None:
+    """A replayed 3xx was a plain ``HttpResponse`` without ``url``: ``Client(follow=True)``
+    and ``assertRedirects`` failed on it."""
+    from django.http import HttpResponseRedirect
+
+    from idempotency.http import capture, replay
+
+    _, outcome = capture(HttpResponseRedirect("/orders/7/"), 1000)
+    again = replay(outcome)
+    assert again.status_code == 302 and again.url == "/orders/7/"  # type: ignore[attr-defined]
