@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 import pytest
+from django.db import connections
 
 from leases import (
     InvalidLeaseName,
@@ -118,6 +119,10 @@ def test_at_most_limit_holders_and_tokens_increase_per_slot(
                 held.release()
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
+        finally:
+            # The thread's Django connection (record_write's): left open until the garbage
+            # collector freed it, it kept the test database from being dropped at teardown.
+            connections.close_all()
 
     pool = [threading.Thread(target=contend, args=(i,)) for i in range(threads)]
     for thread in pool:
