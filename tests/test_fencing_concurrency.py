@@ -262,16 +262,10 @@ def test_a_stale_fenced_write_to_a_child_waits_for_the_successors_write_to_its_p
     )
 
 
-@pytest.mark.django_db(transaction=True)
-def test_racing_creators_of_one_child_row_end_with_the_greater_tokens_row() -> None:
-    """Two holders save a new multi-table child with one explicit primary key; the lower
-    token's insert commits while the greater one's waits on it. The greater token's parent
-    upsert then updated the row, but Django took it for an insert and inserted the child's
-    row too: ``IntegrityError``, the greater token's write lost. As for a model of one table,
-    the greater token's row now wins."""
-    from tests.testapp.models_fencing import FencedDoc, FencedDocPart
-
-    pk = 900_001
+def creators_race(make: Any) -> list[object]:
+    """``make(token, title)``'s instance saved with its token by two creators of one new row:
+    the lower one's insert commits while the greater one's waits on it. The greater one's
+    outcome."""
     lower_wrote = threading.Event()
     greater_pid: list[int] = []
     outcome: list[object] = []
@@ -279,7 +273,7 @@ def test_racing_creators_of_one_child_row_end_with_the_greater_tokens_row() -> N
     def lower() -> None:
         try:
             with transaction.atomic():
-                FencedDocPart(pk=pk, title="lower", part="lower").save(fence=1)
+                make(1, "lower").save(fence=1)
                 lower_wrote.set()
                 wait_until(lambda: bool(greater_pid), 20, "the greater creator to start")
                 wait_until(
@@ -292,14 +286,28 @@ def test_racing_creators_of_one_child_row_end_with_the_greater_tokens_row() -> N
         try:
             assert lower_wrote.wait(20)
             greater_pid.append(_backend_pid())
-            FencedDocPart(pk=pk, title="greater", part="greater").save(fence=2)
+            make(2, "greater").save(fence=2)
             outcome.append("saved")
-        except Exception as exc:  # reported below
+        except Exception as exc:  # reported by the caller
             outcome.append(exc)
         finally:
             connections.close_all()
 
     run_together(lower, greater)
+    return outcome
+
+
+@pytest.mark.django_db(transaction=True)
+def test_racing_creators_of_one_child_row_end_with_the_greater_tokens_row() -> None:
+    """Two holders save a new multi-table child with one explicit primary key; the lower
+    token's insert commits while the greater one's waits on it. The greater token's parent
+    upsert then updated the row, but Django took it for an insert and inserted the child's
+    row too: ``IntegrityError``, the greater token's write lost. As for a model of one table,
+    the greater token's row now wins."""
+    from tests.testapp.models_fencing import FencedDoc, FencedDocPart
+
+    pk = 900_001
+    outcome = creators_race(lambda token, title: FencedDocPart(pk=pk, title=title, part=title))
     assert outcome == ["saved"], outcome
     row = FencedDocPart.objects.values_list("fencing_token", "title", "part").get(pk=pk)
     assert row == (2, "greater", "greater")

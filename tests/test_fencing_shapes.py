@@ -15,7 +15,12 @@ from django.db import connections, transaction
 from django.db.models.signals import post_save
 
 from leases import FenceRequired, StaleFencingToken, acquire
-from tests.test_fencing_concurrency import _backend_pid, _blocked_on_a_lock, run_together
+from tests.test_fencing_concurrency import (
+    _backend_pid,
+    _blocked_on_a_lock,
+    creators_race,
+    run_together,
+)
 from tests.testapp.models_fencing import (
     ColumnDoc,
     CompositeDoc,
@@ -250,46 +255,11 @@ def test_a_fenced_write_below_a_plain_parent_queues_behind_a_fenced_save(operati
         assert not TokenInChild.objects.exists()
 
 
-def _creators_race(make: Any) -> list[object]:
-    """``make(token, title)``'s instance saved with its token by two creators of one new row:
-    the lower one's insert commits while the greater one's waits on it. The greater one's
-    outcome."""
-    lower_wrote = threading.Event()
-    greater_pid: list[int] = []
-    outcome: list[object] = []
-
-    def lower() -> None:
-        try:
-            with transaction.atomic():
-                make(1, "lower").save(fence=1)
-                lower_wrote.set()
-                wait_until(lambda: bool(greater_pid), 20, "the greater creator to start")
-                wait_until(
-                    lambda: _blocked_on_a_lock(greater_pid[0]), 20, "the greater one to wait"
-                )
-        finally:
-            connections.close_all()
-
-    def greater() -> None:
-        try:
-            assert lower_wrote.wait(20)
-            greater_pid.append(_backend_pid())
-            make(2, "greater").save(fence=2)
-            outcome.append("saved")
-        except Exception as exc:  # reported by the caller
-            outcome.append(exc)
-        finally:
-            connections.close_all()
-
-    run_together(lower, greater)
-    return outcome
-
-
 @pytest.mark.django_db(transaction=True)
 def test_racing_creators_below_a_plain_parent_end_with_the_greater_tokens_row() -> None:
     """The plain parent's insert came first and was not an upsert: the greater token's save
     failed with ``IntegrityError`` and the lower token's row stayed."""
-    outcome = _creators_race(lambda token, title: TokenInChild(pk=77, title=title, part=title))
+    outcome = creators_race(lambda token, title: TokenInChild(pk=77, title=title, part=title))
     assert outcome == ["saved"], outcome
     assert TokenInChild.objects.values_list("title", "part", "fencing_token").get() == (
         "greater",
@@ -303,7 +273,7 @@ def test_racing_creators_below_a_plain_parent_end_with_the_greater_tokens_row() 
 def test_racing_creators_of_a_composite_key_end_with_the_greater_tokens_row() -> None:
     """A composite primary key was never "in the inserted fields", so the insert was not an
     upsert: ``IntegrityError`` for the greater token."""
-    outcome = _creators_race(lambda token, title: CompositeDoc(tenant="t", number=7, title=title))
+    outcome = creators_race(lambda token, title: CompositeDoc(tenant="t", number=7, title=title))
     assert outcome == ["saved"], outcome
     assert CompositeDoc.objects.values_list("title", "fencing_token").get() == ("greater", 2)
     with pytest.raises(StaleFencingToken):

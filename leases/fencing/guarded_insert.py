@@ -16,6 +16,7 @@ which the server fills with the same default.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections
@@ -120,18 +121,9 @@ def insert_select(sql: str, condition: str) -> tuple[str, int] | None:
 
 def split_top_level(text: str) -> list[str]:
     """``text`` split at the commas outside parentheses, quotes and quoted names."""
-    parts, depth, quote, start = [], 0, "", 0
-    for index, char in enumerate(text):
-        if quote:
-            if char == quote:
-                quote = ""
-        elif char in "'\"":
-            quote = char
-        elif char == "(":
-            depth += 1
-        elif char == ")":
-            depth -= 1
-        elif char == "," and depth == 0:
+    parts, start = [], 0
+    for index, char, depth in _scanned(text):
+        if char == "," and depth == 0:
             parts.append(text[start:index])
             start = index + 1
     parts.append(text[start:])
@@ -140,17 +132,26 @@ def split_top_level(text: str) -> list[str]:
 
 def closing_parenthesis(text: str) -> int | None:
     """Index of the ``)`` that closes a ``(`` just before ``text`` starts (quotes skipped)."""
-    depth, quote = 1, ""
+    for index, char, depth in _scanned(text, depth=1):
+        if char == ")" and depth == 0:
+            return index
+    return None
+
+
+def _scanned(text: str, depth: int = 0) -> Iterator[tuple[int, str, int]]:
+    """Each character of ``text`` outside quotes and quoted names, with the parenthesis depth
+    after it (a ``)`` that closes the outermost one comes at depth 0)."""
+    quote = ""
     for index, char in enumerate(text):
         if quote:
             if char == quote:
                 quote = ""
-        elif char in "'\"":
+            continue
+        if char in "'\"":
             quote = char
-        elif char == "(":
+            continue
+        if char == "(":
             depth += 1
         elif char == ")":
             depth -= 1
-            if depth == 0:
-                return index
-    return None
+        yield index, char, depth
