@@ -126,7 +126,7 @@ def capture(response: HttpResponseBase, max_bytes: int) -> tuple[HttpResponseBas
     """The response (rendered) and what to store for it; refuses what cannot be replayed exactly."""
     response = _materialize(response)
     if response.streaming or isinstance(response, StreamingHttpResponse):
-        response.close()  # a FileResponse's file, which nobody would close otherwise
+        _close_quietly(response)
         raise ResponseNotStorable(
             f"{type(response).__name__} is streamed; return an HttpResponse from an idempotent "
             "view, or exempt it"
@@ -150,6 +150,17 @@ def capture(response: HttpResponseBase, max_bytes: int) -> tuple[HttpResponseBas
         # one, and the store's write failed with a DataError: a 500, the effects undone.
         raise ResponseNotStorable("a header holds a NUL character, which cannot be stored")
     return response, Outcome(status=response.status_code, headers=headers, body=body)
+
+
+def _close_quietly(response: HttpResponseBase) -> None:
+    """Close what a refused streamed response holds (a ``FileResponse``'s file, which nobody
+    would close otherwise). Not ``response.close()``: that also sends ``request_finished``,
+    which closes the database connections, the attempt's among them, mid-request."""
+    for closer in getattr(response, "_resource_closers", ()):
+        try:
+            closer()
+        except Exception:  # noqa: S112 - closing is best effort; the refusal follows
+            continue
 
 
 def replay(outcome: Outcome) -> HttpResponse:

@@ -132,6 +132,15 @@ class _Guard:
             fingerprint = http.digest([fingerprint.encode()])
         return _Plan(scope=scope_fn(scope_request), key=key, fingerprint=fingerprint)
 
+    def _open_into(
+        self, box: list[Any], request: HttpRequest, scope_source: Callable[[], Any] | None
+    ) -> HttpResponseBase | store.Attempt | None:
+        """:meth:`open`, its result also left in ``box``: an async request cancelled while
+        this runs in its thread gets no result, and gives up what is left there."""
+        opened = self.open(request, scope_source)
+        box.append(opened)
+        return opened
+
     def open(
         self, request: HttpRequest, scope_source: Callable[[], Any] | None = None
     ) -> HttpResponseBase | store.Attempt | None:
@@ -231,15 +240,18 @@ class _Guard:
         guarding = _Guarding(request)
         if guarding.nested:
             return await call()
-        opening = asyncio.ensure_future(sync_to_async(self.open)(request, scope_source))
+        box: list[Any] = []
         try:
-            opened = await asyncio.shield(opening)
+            opened = await sync_to_async(self._open_into)(box, request, scope_source)
         except asyncio.CancelledError:
             # The client went away (ASGI cancels the request's task) while the key was being
-            # claimed: the thread goes on and may claim it, for nobody. Give that claim up
-            # once the thread is done, then let the cancellation go on. Left claimed, the
-            # client's retries got 409 until the lock lapsed.
-            await _give_up(opening)
+            # claimed: the thread goes on and may claim it, for nobody. Give that claim up,
+            # in the same thread (thread-sensitive calls run one after the other there, so
+            # after the claim), then let the cancellation go on. Left claimed, the client's
+            # retries got 409 until the lock lapsed. (Not a task of its own for the claim:
+            # the context variables it sets, the attempt's steps among them, must be this
+            # task's.)
+            await sync_to_async(_give_up)(box)
             raise
         if opened is None:
             return await call()
@@ -257,14 +269,10 @@ class _Guard:
         return await sync_to_async(self.close)(opened, response, request)
 
 
-async def _give_up(opening: asyncio.Future[Any]) -> None:
-    """Abort what a claim cut off by a cancellation opened, once its thread has finished."""
-    try:
-        opened = await opening
-    except Exception:  # the claim failed on its own: nothing was claimed
-        return
-    if isinstance(opened, store.Attempt):
-        await sync_to_async(opened.abort)()
+def _give_up(box: list[Any]) -> None:
+    """Abort what a claim cut off by a cancellation opened (see :meth:`_Guard._open_into`)."""
+    if box and isinstance(box[0], store.Attempt):
+        box[0].abort()
 
 
 def _lost(attempt: store.Attempt, exc: IdempotencyKeyLost) -> HttpResponseBase:
