@@ -29,7 +29,6 @@ from .tokens import (
     has_fence_column,
     reject,
     revoked,
-    token_owner,
 )
 
 if TYPE_CHECKING:
@@ -305,11 +304,9 @@ class FencedModel(models.Model):
             )
         if has_fence_column(manager.model):
             return self._fenced_upsert(manager, using, fields, returning_fields)
-        if _below_the_fence(manager.model) or _above_the_fence(manager.model, type(self)):
-            return self._upsert(manager, using, fields, returning_fields, fenced=False)
-        return super()._do_insert(  # type: ignore[misc]
-            manager, using, fields, returning_fields, raw, *args, **kwargs
-        )
+        # Another table of this model's multi-table chain, above or below the token's: every
+        # one of them is upserted, unfenced (see _upsert).
+        return self._upsert(manager, using, fields, returning_fields, fenced=False)
 
     def _fenced_upsert(
         self,
@@ -334,10 +331,13 @@ class FencedModel(models.Model):
         when ``fenced`` (the table that holds the token).
 
         Django builds the insert and its conflict clause (so field preparation, ``pre_save``
-        and expressions behave as in any save); only the fence condition is appended. A
-        child's table under the token's (``fenced`` false) is upserted too: a creator racing
-        ours may have inserted the row, and the fenced upsert of the token's table, which ran
-        first in this save's transaction and keeps its row locked, has decided already.
+        and expressions behave as in any save); only the fence condition is appended. The
+        chain's other tables (``fenced`` false) are upserted too, since a creator racing ours
+        may have inserted their row first. Below the token's (a child's table), the fenced
+        upsert of the token's table ran first in this save's transaction, keeps its row locked
+        and has decided already. Above it (``class Order(FencedModel, Base)``: ``Base``'s row
+        is written first), the fenced upsert comes later in the same transaction and decides;
+        a refusal there fails the save, whose transaction then rolls this row back with it.
         """
         from django.db.models.sql.subqueries import InsertQuery
 
@@ -386,29 +386,6 @@ class FencedModel(models.Model):
         if converters:
             rows = list(compiler.apply_converters(rows, converters))
         return [tuple(r) for r in rows]
-
-
-def _above_the_fence(model: type[models.Model], saved: type[models.Model]) -> bool:
-    """Whether ``model`` is a multi-table ancestor, without the token, of the model whose
-    table holds ``saved``'s token (``class Order(FencedModel, Base)``: ``Base``). A save writes
-    its row first, before the fence has judged anything: upserted, a creator racing ours that
-    inserted it first does not fail ours, and the fenced upsert of the token's table, later
-    in the same transaction, decides (a refusal there fails the save, whose transaction then
-    has to roll back, this row with it)."""
-    owner = token_owner(saved)
-    return (
-        owner is not None
-        and model is not owner._meta.concrete_model
-        and issubclass(owner, model)
-        and not has_fence_column(model)
-    )
-
-
-def _below_the_fence(model: type[models.Model]) -> bool:
-    """Whether ``model``'s table lacks the token that a multi-table ancestor's table holds
-    (saved first, so a fenced save has locked and judged that row before this table)."""
-    owner = token_owner(model)
-    return owner is not None and owner is not model._meta.concrete_model
 
 
 def _unfenced_values(values: Any, update_fields: Iterable[str] | None) -> list[Any]:
