@@ -127,10 +127,13 @@ class _Guard:
         if scope_request is None:
             return None
         scope_fn = conf.resolve_scope(opts.scope) if opts.scope else defaults.scope
+        # The scope first: a client it refuses (no identity) must not make the server read,
+        # and spool to disk, a body of any size only to be refused.
+        scope = scope_fn(scope_request)
         fingerprint = (opts.fingerprint or http.default_fingerprint)(request)
         if opts.fingerprint is not None:
             fingerprint = http.digest([fingerprint.encode()])
-        return _Plan(scope=scope_fn(scope_request), key=key, fingerprint=fingerprint)
+        return _Plan(scope=scope, key=key, fingerprint=fingerprint)
 
     def _open_into(
         self, box: list[Any], request: HttpRequest, scope_source: Callable[[], Any] | None

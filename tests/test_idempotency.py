@@ -11,6 +11,7 @@ from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import connection
 from django.test import AsyncClient, Client, RequestFactory, override_settings
+from django.test.client import FakePayload
 
 from idempotency import (
     IdempotencyImproperlyConfigured,
@@ -196,6 +197,21 @@ def test_clients_with_no_identity_are_refused_not_put_in_one_key_space() -> None
         assert json.loads(response.content)["type"] == ANONYMOUS_GUIDE
     assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
     assert post(Client(), "/idem/charge/", None).status_code == 201  # no key: nothing to scope
+
+
+def test_a_keyed_request_with_no_identity_is_refused_before_its_body_is_read() -> None:
+    """The scope is asked for first: hashing the body first had any anonymous client that adds
+    the header make the server read its whole body and spool it to disk, only to refuse it."""
+    body = b"x" * (settings.FILE_UPLOAD_MAX_MEMORY_SIZE + 1)
+    payload = FakePayload(body)
+    extra: dict[str, Any] = {"HTTP_IDEMPOTENCY_KEY": "k-anon-body", "wsgi.input": payload}
+    request = RequestFactory().post(
+        "/idem/charge/", body, content_type="application/octet-stream", **extra
+    )
+    response = views_idempotency.charge(request)
+    assert response.status_code == 400
+    assert json.loads(response.content)["type"] == ANONYMOUS_GUIDE
+    assert not payload.read_started
 
 
 def test_each_session_is_a_key_space_of_its_own() -> None:
