@@ -25,6 +25,7 @@ from leases import (
     BackendUnavailable,
     LeaseError,
     LeaseLost,
+    LeaseNotHeld,
     LeaseUnavailable,
     aacquire,
     acquire,
@@ -597,6 +598,26 @@ def test_blackholed_waiting_room_connection_does_not_outlast_the_deadline(
     # A try held in the proxy may reach the server once it passes again, after the release:
     # granted to a waiter that gave up, it ends by its TTL.
     wait_until(lambda: holder_of(lease_name) is None, 15, "a lost grant to expire")
+
+
+@pytest.mark.parametrize("proxied", ["database"], indirect=True)
+def test_a_retried_release_whose_first_landed_is_a_release_not_a_loss(
+    proxied: Proxied, lease_name: str
+) -> None:
+    """The release landed and its reply was lost; the caller retries, as the error invites.
+    The row shows the name freed by this very grant (holder cleared, token unchanged: an expiry
+    keeps the holder, a take-over or a revocation advances the token), yet the retry raised
+    ``LeaseLost`` ("expired or taken over") and reported a loss of work that ended in time."""
+    ttl = max(10.0, 3 * proxied.call_bound)
+    held = acquire(lease_name, ttl=ttl, backend="proxied", keepalive=False)
+    proxied.each(FaultProxy.drop_next_reply)
+    with pytest.raises(BackendUnavailable):
+        in_thread(held.release, timeout=ttl)
+    assert holder_of(lease_name) is None  # it landed
+    in_thread(held.release, timeout=ttl)
+    assert not held.lost.is_set()
+    with pytest.raises(LeaseNotHeld):
+        held.release()  # released now, for the handle too
 
 
 @pytest.mark.parametrize("proxied", ["database", "redis"], indirect=True)

@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any
 
 import psycopg
 from django.db import connections
@@ -217,13 +217,16 @@ SELECT freed.released, freed.queued,
 FROM (SELECT 1) AS one LEFT JOIN freed ON true
 """  # noqa: S608
 
-#: Why :data:`RELEASE_SQL` refused, read only after it did: a row (``true``) when holder and
-#: token are the current grant's but the secret is not (a forged grant: the lease stays held,
-#: as in :data:`RENEW_SQL`), else the grant expired or was taken over. Read-only, so a forger
-#: retrying it costs no write.
+#: Why :data:`RELEASE_SQL` refused, read only after it did. A row whose first column is true:
+#: this grant's own release already freed the name (a retry after a reply was lost): only that
+#: release clears the holder and keeps the token (an expiry keeps the holder; a take-over, a
+#: reader group or a revocation advances the token). Else a row whose second column is true:
+#: holder and token are the current grant's but the secret is not (a forged grant: the lease
+#: stays held, as in :data:`RENEW_SQL`). No row: the grant expired or was taken over.
+#: Read-only, so a forger retrying it costs no write.
 RELEASE_REFUSED_SQL = """
-SELECT secret_hash IS DISTINCT FROM sha256(%(secret)s::bytea) FROM leases_lease
-WHERE name = %(name)s::text AND holder = %(holder)s::text AND token = %(token)s
+SELECT holder = '', secret_hash IS DISTINCT FROM sha256(%(secret)s::bytea) FROM leases_lease
+WHERE name = %(name)s::text AND holder IN (%(holder)s::text, '') AND token = %(token)s
 """
 
 #: Compare-and-revoke: only if ``name``'s stored token is still ``token``, advance it (so the
@@ -358,9 +361,14 @@ def _renewed(grant: Grant, ttl: float, sent_at: float, rows: list[tuple[Any, ...
     return replace(grant, ttl=ttl, sent_at=sent_at, expires_at=rows[0][0])
 
 
-def _refused(grant: Grant, rows: list[tuple[Any, ...]]) -> NoReturn:
-    """Why :data:`RELEASE_SQL` refused the release, from :data:`RELEASE_REFUSED_SQL`'s rows."""
+def _refused(grant: Grant, rows: list[tuple[Any, ...]]) -> None:
+    """Why :data:`RELEASE_SQL` refused the release, from :data:`RELEASE_REFUSED_SQL`'s rows;
+    returns when the grant's own earlier release freed the name (its reply was lost: the
+    release is done, and calling that a loss would report work that ended in time as
+    unprotected)."""
     if rows and rows[0][0]:
+        return
+    if rows and rows[0][1]:
         raise LeaseNotHeld(grant.name, FORGED)
     raise LeaseLost(grant.name, grant.token, "expired or taken over before release")
 
@@ -632,6 +640,7 @@ class Backend(LeaseBackend):
             rows = self._run(PREPARED_RELEASE, params)
         if not rows or rows[0][0] is None:
             _refused(grant, self._run(RELEASE_REFUSED_SQL, _owner(grant)))
+            return  # released by its own earlier try
         if rows[0][1]:
             self._queued()[grant.name] = time.monotonic()
 
