@@ -319,8 +319,19 @@ def release_and_report(
         )
 
 
+class _PageAdmin(_ReadOnlyAdmin):
+    """A page of its own (what a backend or ``pg_locks`` says now) on a proxy model: only its
+    changelist is routed. Django's per-object views, reachable by URL with the same view
+    permission, showed the proxied table's raw rows: a shared lease's ``meta`` with its
+    readers' secret hashes, which every page of the package hides."""
+
+    def get_urls(self) -> list[URLPattern]:
+        view = self.admin_site.admin_view(self.changelist_view)
+        return [path("", view, name=f"{self.opts.app_label}_{self.opts.model_name}_changelist")]
+
+
 @admin.register(BackendLease)
-class BackendLeaseAdmin(_ReadOnlyAdmin):
+class BackendLeaseAdmin(_PageAdmin):
     """Leases of every configured backend, read through the backend interface."""
 
     def get_urls(self) -> list[URLPattern]:
@@ -379,7 +390,7 @@ class BackendLeaseAdmin(_ReadOnlyAdmin):
 
 
 @admin.register(AdvisoryLock)
-class AdvisoryLockAdmin(_ReadOnlyAdmin):
+class AdvisoryLockAdmin(_PageAdmin):
     """Postgres advisory locks held or awaited now, by name where the name was recorded."""
 
     def get_urls(self) -> list[URLPattern]:

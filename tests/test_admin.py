@@ -396,6 +396,28 @@ def test_the_confirmation_of_more_leases_than_a_form_may_carry_fields_releases_t
 
 
 @pytest.mark.django_db(transaction=True)
+def test_the_pages_of_proxy_models_have_no_per_object_views(client: Client) -> None:
+    """The "Leases on every backend" page (a proxy of the lease table) had Django's change page
+    reachable by URL with the view permission, showing a shared lease's raw ``meta``: its
+    readers' secret hashes. Only each page's own views are routed now."""
+    import hashlib
+    import uuid
+
+    from leases import lease
+
+    login(client, "view_lease")
+    name = f"admin-proxy-{uuid.uuid4().hex[:8]}"
+    with lease(name, ttl=30, keepalive=False, shared=True) as reader:
+        reader_hash = hashlib.sha256(str(reader.grant.secret).encode()).hexdigest()
+        for model in ("backendlease", "advisorylock"):
+            for view in ("change", "history", "delete"):
+                page = client.get(f"/admin/leases/{model}/{name}/{view}/")
+                assert page.status_code == 404, (model, view)
+                assert reader_hash not in page.content.decode()
+            assert client.get(reverse(f"admin:leases_{model}_changelist")).status_code == 200
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_leases_page_shows_no_secret_hash_and_refuses_filters_on_one(client: Client) -> None:
     """A shared lease's change page showed its readers' secret hashes (its ``meta`` raw, while
     listings hide them), and ``?secret_hash=...`` reached the database adapter: a 500."""
