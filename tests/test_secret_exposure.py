@@ -16,6 +16,7 @@ from leases import BackendUnavailable, acquire
 from leases.backends import get_backend
 from leases.backends._zookeeper_line import Queued
 from leases.backends.base import Grant, Secret, new_secret
+from tests.clusters import etcd_ready
 from tests.lease_backends import lease_name
 
 __all__ = ["lease_name"]  # fixtures, for pytest
@@ -63,3 +64,16 @@ def test_the_objects_that_carry_a_secret_do_not_show_it() -> None:
     assert rebuilt.secret == secret and str(secret) not in repr(vars(rebuilt))
     place = Queued("n", "c-1", str(secret), 1, 2)
     assert str(secret) not in repr(place)
+
+
+def test_an_etcd_grants_lease_id_is_not_shown(lease_name: str) -> None:
+    """The etcd lease behind a grant is a handle of its own: a client of the cluster that may
+    use leases can keep it alive (a dead holder's lease held on) or look it up with its ID
+    alone. ``repr(grant)`` showed it, so every log line or debug page that showed a grant did."""
+    etcd_ready()
+    held = acquire(lease_name, ttl=30, backend="etcd", keepalive=False)
+    try:
+        lease_id = str(held.grant.extra["lease"])
+        assert lease_id not in repr(held.grant) and lease_id not in repr(held)
+    finally:
+        held.release()

@@ -149,8 +149,10 @@ class Grant:
     ttl: float
     sent_at: float
     expires_at: datetime | None = None
-    #: Backend-private data needed to renew or release (e.g. a Redis value, an epoch).
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    #: Backend-private data needed to renew or release (e.g. a Redis value, an epoch). Kept
+    #: out of ``repr`` as the secret is: some of it is a handle of its own (an etcd lease's
+    #: ID lets a client of the cluster keep it alive), and none of it tells a reader more.
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
     #: The grant's credential (:func:`new_secret`): renew and release must present it, because
     #: holder and token are public (``inspect()``, the admin) and would let anyone release
     #: someone else's lease. Kept out of ``repr`` so it never reaches a log line; stores keep
