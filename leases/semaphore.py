@@ -10,7 +10,8 @@ by an operator, and the admin and ``manage.py leases`` listing each slot.
 Why slots rather than a native counting primitive per store: one design is then correct on the
 database, Redis, Redlock, etcd and ZooKeeper alike (a native semaphore would be five new
 protocols to prove, and tokens per holder would need a counter shared by the slots anyway). The
-price is round trips while the semaphore is full: one try per slot. Tries start at a random slot
+price is round trips while the semaphore is full: one try per slot, so a pass looks at the
+deadline before each try (:func:`slot_tries`), not only at its end. Tries start at a random slot
 (so contenders spread over the free ones instead of all racing for slot 0) and a full pass is
 followed by a wait on the store's wake-up for one held slot, cut into slices because a
 release of another slot does not wake it; hence :data:`MAX_LIMIT`. The slices are the
@@ -26,14 +27,15 @@ the highest limit any live holder used, never more; new acquirers only take slot
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast, overload
 
 from ._event_loop import refuse_blocking
 from .acquiring import Request, Timing, _wait, attempt, prepare, start
-from .backends import Grant, LeaseBackend
+from .backends import Grant, LeaseBackend, first_try_until, tries_until
 from .errors import InvalidLeaseOption, LeaseUnavailable
 from .handle import Lease, OnLost, holder_key
 from .keys import SEPARATOR, derived_name
@@ -45,11 +47,13 @@ __all__ = [
     "Slot",
     "acquire_slot",
     "all_held",
+    "pass_bound",
     "prepare_slots",
     "semaphore",
     "slot_name",
     "slot_options",
     "slot_order",
+    "slot_tries",
     "valid_limit",
 ]
 
@@ -130,18 +134,42 @@ def all_held(ask: Request, limit: int) -> LeaseUnavailable:
     return LeaseUnavailable(ask.name, ask.timeout, f"all {limit} slots are held")
 
 
+def slot_tries(ask: Request, limit: int, deadline: float | None) -> Iterator[str]:
+    """The slots of one pass (:func:`slot_order`), cut short once the deadline has passed.
+
+    Each try is a round trip, so a pass that looked at the deadline only at its end made a
+    failing ``timeout=T`` last at least ``limit`` tries: seconds over ``T`` on a slow store.
+    A pass's first slot is always tried, as ``acquire()`` always tries after its wait (so a
+    deadline is overrun by one try at most, as there); ``timeout=0`` tries every slot once,
+    as documented: it asks "is any slot free now?", which only a whole pass answers."""
+    for tried, slot in enumerate(slot_order(ask.name, limit)):
+        if tried and ask.timeout and deadline is not None and SYSTEM_CLOCK.monotonic() >= deadline:
+            return
+        yield slot
+
+
+def pass_bound(deadline: float | None, first: bool) -> contextlib.AbstractContextManager[None]:
+    """How long a pass's tries may wait on their own (a ZooKeeper try (re)connecting): the
+    first pass as ``acquire()``'s first try (:func:`~leases.backends.first_try_until`, so a
+    first connection has its second), later ones to the deadline, as its retries. Without
+    it a try against a silent store waits out the backend's own bound (ZooKeeper's: the TTL),
+    far past the acquisition's deadline."""
+    return first_try_until(deadline) if first else tries_until(deadline)
+
+
 def _grant(ask: Request, limit: int, timing: Timing) -> Grant:
-    """Try every slot from a random one; then wait a slice on one held slot; until the
-    deadline."""
+    """Try the slots from a random one, until one is won or the deadline has passed
+    (:func:`slot_tries`); then wait a slice on one held slot; until the deadline."""
     deadline = None if ask.timeout is None else timing.started + ask.timeout
     backoff = Backoff(deadline=deadline, floor=ask.store.wait_at_least)
     waiting_since: float | None = None
     try:
         while True:
-            for slot in slot_order(ask.name, limit):
-                grant = attempt(ask.store, slot, ask.holder, ask.ttl, deadline)
-                if grant is not None:
-                    return grant
+            with pass_bound(deadline, first=waiting_since is None):
+                for slot in slot_tries(ask, limit, deadline):
+                    grant = attempt(ask.store, slot, ask.holder, ask.ttl, deadline)
+                    if grant is not None:
+                        return grant
             delay = None if ask.timeout == 0 else backoff.next_delay()
             if delay is None:
                 raise all_held(ask, limit)

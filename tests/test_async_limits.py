@@ -38,7 +38,12 @@ from tests.checker import new_register, record_write
 from tests.extra_backends import added_backend, closed_port_backend
 from tests.lease_backends import lease_backend, lease_name, require
 from tests.test_lease_async import Ticker, arun
-from tests.test_semaphore import check_slot_histories
+from tests.test_semaphore import (
+    SLOW_LIMIT,
+    SLOW_TIMEOUT,
+    check_slot_histories,
+    slow_full_semaphore,
+)
 
 __all__ = ["closed_port_backend", "lease_backend", "lease_name"]
 
@@ -165,6 +170,23 @@ def test_a_full_semaphore_fails_within_the_timeout(lease_backend: str, lease_nam
     took = arun(lease_backend, main)
     held.release()
     assert 0.4 <= took < 3.0, took
+
+
+def test_a_full_semaphore_gives_up_by_its_timeout_whatever_its_limit(
+    lease_name: str, db: None
+) -> None:
+    """As ``acquire_slot()`` (``test_semaphore``): the deadline is looked at before each
+    slot's try, not after a pass over all of them (32 slowed tries, 1.6 s)."""
+
+    async def main() -> float:
+        started = time.monotonic()
+        with pytest.raises(LeaseUnavailable):
+            await aacquire_slot(lease_name, limit=SLOW_LIMIT, timeout=SLOW_TIMEOUT)
+        return time.monotonic() - started
+
+    with slow_full_semaphore(lease_name):
+        took = arun("default", main)
+    assert SLOW_TIMEOUT <= took < SLOW_TIMEOUT + 1.0, f"gave up after {took:.2f}s"
 
 
 def test_a_slot_wait_announces_what_it_cost_like_acquire_slot(

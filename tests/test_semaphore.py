@@ -4,13 +4,17 @@ to its slot's resource is rejected once its slot has a successor."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
 
 import pytest
 from django.db import connections
@@ -32,6 +36,11 @@ from tests.lease_backends import lease_backend, lease_name
 from tests.test_lease_faults import Workers, workers
 
 __all__ = ["closed_port_backend", "lease_backend", "lease_name", "workers"]
+
+#: A semaphore whose tries are slowed to ``SLOW_TRY`` seconds each: a pass over every slot
+#: lasts 1.6 s, far past ``SLOW_TIMEOUT``, so an acquire that looks at its deadline only
+#: after a whole pass shows against the bound by a second.
+SLOW_LIMIT, SLOW_TRY, SLOW_TIMEOUT = 32, 0.05, 0.2
 
 
 def max_concurrent(attempts: Iterable[Attempt]) -> int:
@@ -188,6 +197,56 @@ def test_a_full_semaphore_fails_within_the_timeout_and_wakes_on_a_release(
     assert third.slot == held[1].slot and third.token > held[1].token
     third.release()
     held[0].release()
+
+
+@contextmanager
+def slow_full_semaphore(name: str) -> Iterator[list[str]]:
+    """Every slot of ``name`` held on the database backend; inside, each sync and async try
+    of that backend waits ``SLOW_TRY`` first (a slow network's round trip, on a real store).
+    Yields the names tried, in order. The cause is the acquire loop's, the same on every
+    backend, so one backend shows it."""
+    store = get_backend("default")
+    held = [store.try_acquire(slot_name(name, k), "holder", 30) for k in range(SLOW_LIMIT)]
+    tried: list[str] = []
+    try_acquire, atry_acquire = store.try_acquire, store.atry_acquire
+
+    def slow(slot: str, *args: Any) -> Any:
+        tried.append(slot)
+        time.sleep(SLOW_TRY)
+        return try_acquire(slot, *args)
+
+    async def aslow(slot: str, *args: Any) -> Any:
+        tried.append(slot)
+        await asyncio.sleep(SLOW_TRY)
+        return await atry_acquire(slot, *args)
+
+    try:
+        with (
+            mock.patch.object(store, "try_acquire", slow),
+            mock.patch.object(store, "atry_acquire", aslow),
+        ):
+            yield tried
+    finally:
+        for grant in held:
+            assert grant is not None
+            store.release(grant)
+
+
+def test_a_full_semaphore_gives_up_by_its_timeout_whatever_its_limit(
+    lease_name: str, db: None
+) -> None:
+    """Each slot's try is a round trip, so a pass over all of them before looking at the
+    deadline made ``timeout=0.2`` last 32 slowed tries (1.6 s): the deadline is looked at
+    before each try instead. ``timeout=0`` still tries every slot once."""
+    with slow_full_semaphore(lease_name) as tried:
+        with pytest.raises(LeaseUnavailable):
+            acquire_slot(lease_name, limit=2, timeout=0)
+        assert sorted(tried) == [slot_name(lease_name, k) for k in range(2)]
+        started = time.monotonic()
+        with pytest.raises(LeaseUnavailable):
+            acquire_slot(lease_name, limit=SLOW_LIMIT, timeout=SLOW_TIMEOUT)
+        took = time.monotonic() - started
+    assert SLOW_TIMEOUT <= took < SLOW_TIMEOUT + 1.0, f"gave up after {took:.2f}s"
 
 
 def test_block_decorator_and_no_reentry(lease_backend: str, lease_name: str) -> None:

@@ -19,7 +19,7 @@ from kazoo.exceptions import NoNodeError  # type: ignore[import-untyped]
 
 from devservers.proxy import FaultProxy
 from devservers.zookeeper import ZooKeeperEnsemble, zookeeper_classpath
-from leases import LeaseLost, LeaseUnavailable, acquire
+from leases import LeaseLost, LeaseUnavailable, acquire, acquire_slot
 from leases.backends import get_backend, tries_until
 from leases.backends._zookeeper_line import read_data
 from leases.errors import BackendUnavailable
@@ -410,6 +410,23 @@ def test_a_first_try_against_a_silent_ensemble_gives_up_by_the_acquisitions_dead
         wait_until(
             lambda: _acquired_once(name, "zk_first"), 30, "the ensemble serving once it answers"
         )
+
+
+def test_a_semaphores_first_try_against_a_silent_ensemble_gives_up_by_its_deadline(
+    ensemble: ZooKeeperEnsemble, backends: Any
+) -> None:
+    """The same for ``acquire_slot(timeout=1)``: its slots' tries are bounded as
+    ``acquire()``'s are, not by the TTL (10 s), which is all a try without a bound has."""
+    with FaultProxy(ensemble.ports[ensemble.ids[0]]) as proxy:
+        backends(zk_slots=f"127.0.0.1:{proxy.port}", session=10.0, request=5.0)
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            acquire_slot(f"zk-slots-{time.monotonic_ns()}", limit=2, ttl=10.0, backend="zk_slots",
+                         timeout=1.0)  # fmt: skip
+        took = time.monotonic() - started
+        assert took <= 1.0 + 3.0, f"the first try took {took:.1f}s, the acquisition's timeout 1s"
+        proxy.pass_through()
 
 
 def _acquired_once(name: str, alias: str) -> bool:
