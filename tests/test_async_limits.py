@@ -364,7 +364,7 @@ def test_failed_tries_no_wait_follows_are_not_kept_forever(lease_name: str, db: 
 
     async def main() -> int:
         state = backend._async.get()  # type: ignore[attr-defined]
-        with mock.patch("leases.backends._pgaio._RECENT_RELEASES", 5):
+        with mock.patch("leases.backends._pgconn._RECENT_RELEASES", 5):
             for _ in range(12):  # each task its own entry (while it lives, its own id)
                 await asyncio.gather(*(fail_in_a_new_task() for _ in range(3)))
             return len(state.failed_at)

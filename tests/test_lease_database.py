@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import IO, Any
+from unittest import mock
 
 import psycopg
 import pytest
@@ -31,6 +32,7 @@ from leases import (
     LeaseUnavailable,
     aacquire,
     acquire,
+    acquire_slot,
 )
 from leases.backends import _waiting_room, get_backend
 from leases.backends._tenure import PREPARED_QUEUED_ACQUIRE
@@ -45,6 +47,7 @@ from leases.backends.database import (
     Backend,
 )
 from leases.keys import advisory_key, split_key
+from leases.semaphore import slot_name
 from tests.lease_backends import lease_name
 from tests.waiting import wait_until
 
@@ -189,6 +192,25 @@ def test_failed_try_assigns_no_transaction_id(lease_name: str) -> None:
             probe.rollback()
             assert (xid is not None) is assigned, sql
     held.release()
+
+
+def test_failed_tries_no_wait_follows_are_not_kept_forever(lease_name: str) -> None:
+    """Each thread remembers its failed tries for the wait after them; the tries no wait
+    follows (``timeout=0``, the other slots of a full semaphore: here all eight) must not pile
+    up for the thread's life. Past the bound (5 here) the oldest are forgotten, as on the
+    async side (``test_async_limits``)."""
+    backend = get_backend("default")
+    held = [backend.try_acquire(slot_name(lease_name, k), "holder", 30) for k in range(8)]
+    try:
+        with mock.patch("leases.backends._pgconn._RECENT_RELEASES", 5):
+            with pytest.raises(LeaseUnavailable):
+                acquire_slot(lease_name, limit=8, ttl=5, timeout=0)
+            kept = len(backend._failed_at())  # type: ignore[attr-defined]
+    finally:
+        for grant in held:
+            assert grant is not None
+            backend.release(grant)
+    assert kept <= 5, kept
 
 
 def test_sql_never_deletes_rows() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from ..errors import BackendUnavailable
-from ._pgconn import LISTEN_SQL, cannot_connect, connect_params, stale
+from ._pgconn import LISTEN_SQL, cannot_connect, connect_params, remember, stale
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed
 from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_unheard
 from ._pgprepared import Prepared, arun_prepared
@@ -32,8 +32,6 @@ from ._pgprepared import Prepared, arun_prepared
 __all__ = ["AsyncListener", "AsyncPrivateConnection", "AsyncState", "aconnect"]
 
 logger = logging.getLogger("leases")
-
-_RECENT_RELEASES = 4096
 
 
 async def aconnect(db_alias: str, alias: str | None = None) -> psycopg.AsyncConnection[Any]:
@@ -160,10 +158,7 @@ class AsyncListener:
 
     async def _record(self, name: str) -> None:
         async with self._changed:
-            self._released[name] = time.monotonic()
-            self._released.move_to_end(name)
-            while len(self._released) > _RECENT_RELEASES:
-                self._released.popitem(last=False)
+            remember(self._released, name, time.monotonic())
             self._changed.notify_all()
 
     async def wait(self, name: str, since: float, timeout: float) -> bool:
@@ -212,14 +207,10 @@ class AsyncState:
     def failed(self, name: str, sent_at: float) -> None:
         """Remember when this task's try of ``name`` was sent, for the wait that may follow.
 
-        Only the latest :data:`_RECENT_RELEASES` are kept: a failed try that no wait follows
-        (``timeout=0``, the other slots of a full semaphore) would otherwise stay for the
-        loop's whole life, one entry per task and name."""
-        key = (self.task_id(), name)
-        self.failed_at[key] = sent_at
-        self.failed_at.move_to_end(key)
-        while len(self.failed_at) > _RECENT_RELEASES:
-            self.failed_at.popitem(last=False)
+        Only the latest are kept (:func:`~._pgconn.remember`): a failed try that no wait
+        follows (``timeout=0``, the other slots of a full semaphore) would otherwise stay for
+        the loop's whole life, one entry per task and name."""
+        remember(self.failed_at, (self.task_id(), name), sent_at)
 
     def failed_since(self, name: str) -> float:
         """When this task's last failed try of ``name`` was sent (now, if not remembered)."""

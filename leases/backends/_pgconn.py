@@ -22,9 +22,9 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 from django.db import connections
@@ -51,6 +51,7 @@ __all__ = [
     "connect_params",
     "driver_failure",
     "inherit",
+    "remember",
     "stale",
     "track",
 ]
@@ -60,7 +61,26 @@ logger = logging.getLogger("leases")
 #: The NOTIFY channel every release and forced release announces the name on.
 CHANNEL = "leases_released"
 LISTEN_SQL = "LISTEN leases_released"
+#: How many names (or keys) :func:`remember` keeps, newest first.
 _RECENT_RELEASES = 4096
+
+KeyT = TypeVar("KeyT", bound=Hashable)
+
+
+def remember(recent: OrderedDict[KeyT, float], key: KeyT, at: float) -> None:
+    """``recent[key] = at``, as the newest entry, keeping only the latest
+    :data:`_RECENT_RELEASES`.
+
+    For what is noted per name and read back only if something comes for that name later
+    (a release heard for a waiter, a failed try for the wait after it): most never are read
+    (nobody waited; ``timeout=0``; the other slots of a full semaphore), so a plain dict grows
+    by one entry per name for the life of the process, thread or event loop. One function for
+    the sync and async sides, so their bound cannot drift apart."""
+    recent[key] = at
+    recent.move_to_end(key)
+    while len(recent) > _RECENT_RELEASES:
+        recent.popitem(last=False)
+
 
 #: How the package's own sessions name themselves to the server (unless the database's
 #: ``OPTIONS`` say otherwise): operators' views tell its internal locks by it.
@@ -403,10 +423,7 @@ class Listener:
 
     def _record(self, name: str) -> None:
         with self._cond:
-            self._released[name] = time.monotonic()
-            self._released.move_to_end(name)
-            while len(self._released) > _RECENT_RELEASES:
-                self._released.popitem(last=False)
+            remember(self._released, name, time.monotonic())
             self._cond.notify_all()
 
     def wait(self, name: str, since: float, timeout: float) -> bool:

@@ -40,6 +40,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import replace
@@ -71,6 +72,7 @@ from ._pgconn import (
     PrivateConnection,
     driver_failure,
     inherit,
+    remember,
     track,
 )
 from ._pgdeadline import REQUEST_TIMEOUT
@@ -545,7 +547,7 @@ class Backend(LeaseBackend):
         sent_at = time.monotonic()
         if sent_at - self._queued().pop(name, -math.inf) < ROOM_GRACE.total_seconds():
             # This thread's release just saw waiters queued: a try now would be refused.
-            self._failed_at()[name] = sent_at
+            remember(self._failed_at(), name, sent_at)
             return None
         secret = new_secret()
         params = _asking(name, holder, ttl, secret)
@@ -553,7 +555,7 @@ class Backend(LeaseBackend):
         if rows is None and not self._room.behind(name):
             return self._try_own(params, sent_at)
         if not rows:
-            self._failed_at()[name] = sent_at
+            remember(self._failed_at(), name, sent_at)
             return None
         token, expires_at = rows[0][:2]
         if len(rows[0]) == 2:
@@ -578,7 +580,7 @@ class Backend(LeaseBackend):
         if not self._room.probed:
             self._probe_pooler()  # the database answered just now: once per process
         if not rows:
-            self._failed_at()[name] = sent_at
+            remember(self._failed_at(), name, sent_at)
             return None
         token, expires_at, took = rows[0]
         if took:
@@ -679,7 +681,7 @@ class Backend(LeaseBackend):
         sent_at, secret = time.monotonic(), new_secret()
         rows = self._run(SHARED_ACQUIRE_SQL, shared_acquire_params(name, holder, ttl, secret))
         if not rows:
-            self._failed_at()[name] = sent_at
+            remember(self._failed_at(), name, sent_at)
             return None
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
@@ -889,11 +891,15 @@ class Backend(LeaseBackend):
             queued = self._local.queued = {}
         return queued
 
-    def _failed_at(self) -> dict[str, float]:
-        """Per thread: when this thread's last failed try of each name was sent."""
-        failed: dict[str, float] | None = getattr(self._local, "failed", None)
+    def _failed_at(self) -> OrderedDict[str, float]:
+        """Per thread: when this thread's last failed try of each name was sent, for the wait
+        that may follow. Only the latest are kept (:func:`~._pgconn.remember`), as the async
+        side does: only a wait for ``name`` takes its entry back, and most failed tries have
+        none after them (``timeout=0``, the other slots of a full semaphore), so a plain dict
+        kept one entry per name the thread ever found held, for the thread's whole life."""
+        failed: OrderedDict[str, float] | None = getattr(self._local, "failed", None)
         if failed is None:
-            failed = self._local.failed = {}
+            failed = self._local.failed = OrderedDict()
         return failed
 
     def forget_after_fork(self) -> None:
