@@ -120,6 +120,50 @@ def test_only_blocked_connections_of_this_prefix_count() -> None:
     assert " " not in named  # a client name may not hold spaces
 
 
+@pytest.mark.parametrize("since", ["1e20", "nan", "1e12", "-5", "9" * 30, "1000000000000"])
+def test_a_connection_named_like_a_waiter_with_an_impossible_start_is_not_one(since: str) -> None:
+    """Any client of the server may name its connection ``leases-wait:...``: a ``since`` that
+    ``float()`` took but no ``datetime`` holds raised OverflowError or ValueError here."""
+    encoded = label(LeaseKeys.of("leases:", "n").wake, 0).rsplit(":", 1)[1]
+    forged = f"{LABEL_PREFIX}{since}:evil:1:2:{encoded}"
+    assert waiters("redis", "leases:", [{"name": forged, "flags": "b"}], "redis here") == []
+
+
+def test_a_foreign_connection_named_like_a_waiter_does_not_break_the_page(
+    client: Client, redis_server: RedisServer
+) -> None:
+    """A client blocked under the name ``leases-wait:1e20:...`` made the every-backend page
+    answer 500 for as long as it stayed blocked."""
+    backends = {
+        "default": {"ENGINE": "leases.backends.database"},
+        "redis": {"ENGINE": "leases.backends.redis", "CACHE": "own"},
+    }
+    caches = {"own": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_server.url}}
+    encoded = label(LeaseKeys.of("leases:", "n").wake, 0).rsplit(":", 1)[1]
+    forger = redis.Redis.from_url(redis_server.url)
+    forger.client_setname(f"{LABEL_PREFIX}1e20:evil:1:2:{encoded}")
+    forged = forger.client_id()
+    blocked = threading.Thread(target=lambda: forger.blpop(["nothing-here"], timeout=10))
+    blocked.start()
+    observer = redis.Redis.from_url(redis_server.url)
+    wait_until(
+        lambda: any("b" in c.get("flags", "") for c in observer.client_list(_type="normal")),
+        5,
+        "the forged waiter to block",
+    )
+    login(client, "view_lease")
+    try:
+        with override_settings(CACHES=caches, LEASES={"BACKENDS": backends}):
+            response = client.get(EVERY_BACKEND)
+    finally:
+        observer.client_unblock(forged)
+        blocked.join(15)
+        forger.close()
+        observer.close()
+    assert response.status_code == 200
+    assert "Nobody waits for a lease." in response.content.decode()
+
+
 def test_a_wait_is_listed_once_while_its_previous_blpop_is_not_reaped_yet() -> None:
     """A wait is a loop of ``BLPOP``s; the one dropped at its deadline can still be listed as
     blocked (the server has not read the close yet) beside the next one, on the same server or

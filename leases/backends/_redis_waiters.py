@@ -49,16 +49,23 @@ def label(key: str, since: float) -> str:
     return f"{LABEL_PREFIX}{int(since)}:{_process()}:{threading.get_ident()}:{encoded}"
 
 
-def _parse(name: str, prefix: str) -> tuple[str, float, str] | None:
+def _parse(name: str, prefix: str) -> tuple[str, datetime, str] | None:
     """(lease name, since, who) from a connection name made by :func:`label` for a key
-    under ``prefix``; ``None`` for any other name."""
+    under ``prefix``; ``None`` for any other name.
+
+    Any client of the server may name its connection so: ``since`` must be what
+    :func:`label` writes (whole epoch seconds) and a date a ``datetime`` holds, or one foreign
+    connection named ``leases-wait:1e20:...`` would fail every page listing the waiters.
+    """
     if not name.startswith(LABEL_PREFIX):
         return None
     try:
         since, host, pid, thread, encoded = name[len(LABEL_PREFIX) :].split(":", 4)
         key = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
-        started = float(since)
-    except ValueError:
+        if not (since.isascii() and since.isdigit()):
+            return None
+        started = datetime.fromtimestamp(int(since), UTC)
+    except (ValueError, OverflowError, OSError):
         return None
     if not (key.startswith(prefix + "{") and key.endswith("}:wake")):
         return None
@@ -96,7 +103,7 @@ def waiters(
                 name=name,
                 backend=alias,
                 who=who,
-                since=datetime.fromtimestamp(since, UTC),
+                since=since,
                 where=f"{where} (client {client.get('addr', '?')})",
             )
         )
