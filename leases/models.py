@@ -8,8 +8,32 @@ every new row's tokens start.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from django.conf import settings
 from django.db import models
+
+if TYPE_CHECKING:
+    from django.db.models.sql.compiler import SQLCompiler
+
+#: What the ORM passes along with a fragment of SQL.
+_Params = tuple[str | int, ...]
+
+
+class ReadableDateTimeField(models.DateTimeField):  # type: ignore[type-arg]
+    """A date that every ORM read clamps into what Python's ``datetime`` can hold.
+
+    PostgreSQL keeps dates up to the year 294276; psycopg cannot load one past 9999 and fails
+    the whole query. The database backend's own reads clamp (``_COLUMNS`` in
+    ``leases/backends/database.py``, the same bound), but a row written with an absurd TTL by
+    a direct backend call, an older release or by hand made every admin page showing it fail.
+    Migration 0008 clamps the rows that exist; this keeps later ones readable.
+    """
+
+    def select_format(
+        self, compiler: SQLCompiler, sql: str, params: _Params
+    ) -> tuple[str, _Params]:
+        return f"LEAST({sql}, '9999-12-30 00:00:00+00')", params
 
 
 class Lease(models.Model):
@@ -20,7 +44,7 @@ class Lease(models.Model):
     holder = models.CharField(max_length=255, blank=True, default="")
     token = models.BigIntegerField(default=0)
     acquired_at = models.DateTimeField(null=True, blank=True)
-    expires_at = models.DateTimeField(null=True, blank=True)
+    expires_at = ReadableDateTimeField(null=True, blank=True)
     renewed_at = models.DateTimeField(null=True, blank=True)
     meta = models.JSONField(default=dict, blank=True)
     #: sha256 of the current grant's secret: renew and release must present the secret itself,

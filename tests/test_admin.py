@@ -435,3 +435,51 @@ def test_a_leases_page_shows_no_secret_hash_and_refuses_filters_on_one(client: C
         assert "readers" in page.content.decode()  # what is public of them is shown
         for lookup in ("secret_hash", "secret_hash__isnull", "meta__readers__icontains"):
             assert client.get(LEASES, {lookup: "x"}).status_code == 400, lookup
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lease_expiring_past_the_year_9999_is_listed_and_clamped_by_migrating(
+    client: Client,
+) -> None:
+    """A row expiring past the year 9999 (a TTL before TTLs were capped; a direct backend call
+    with ``ttl=1e12`` still commits one before failing to read it back) made the "Leases"
+    changelist and change page answer 500: psycopg cannot load the date. Every ORM read now
+    clamps it, and migration 0008 brings stored ones within the cap; a sane expiry is kept."""
+    import uuid
+
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    from leases.models import Lease
+
+    store = get_backend("default")
+    far, sane = (f"admin-{kind}-{uuid.uuid4().hex[:8]}" for kind in ("far", "sane"))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO leases_lease (name, holder, token, acquired_at, expires_at, meta)"
+            " VALUES (%s, 'old@host:1:2:abcd', 7, clock_timestamp(),"
+            " clock_timestamp() + make_interval(secs => 1e12), '{}')",
+            [far],
+        )
+    kept = store.try_acquire(sane, "new@host:1:2:abcd", 60)
+    assert kept is not None
+    login(client, "view_lease")
+    client.raise_request_exception = False
+    assert far in client.get(LEASES, {"q": far}).content.decode()
+    assert client.get(reverse("admin:leases_lease_change", args=[far])).status_code == 200
+    expires = Lease.objects.get(name=far).expires_at
+    assert expires is not None and expires.year == 9999
+
+    executor = MigrationExecutor(connection)
+    latest = executor.loader.graph.leaf_nodes("leases")
+    executor.migrate([("leases", "0007_lease_holder_cover_index")])
+    MigrationExecutor(connection).migrate(latest)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT name, expires_at FROM leases_lease WHERE name IN (%s, %s)", [far, sane]
+        )
+        stored = dict(cursor.fetchall())
+    assert stored[far].year < 9999
+    assert stored[sane] == kept.expires_at
+    info = store.inspect(far)
+    assert info is not None and info.held and info.token == 7
