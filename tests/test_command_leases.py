@@ -147,6 +147,8 @@ def test_terminate_needs_its_permission_and_a_confirmation(lock_scene: LockScene
         (["watch", "--interval", "-1"], "--interval must be greater than 0, not -1"),
         (["watch", "--interval", "nan"], "--interval must be greater than 0, not nan"),
         (["watch", "--interval", "inf"], "--interval must be greater than 0 and finite, not inf"),
+        # Printed the leases, then crashed in time.sleep() with an OverflowError traceback.
+        (["watch", "--interval", "1e10"], "--interval must be at most 86400 seconds (a day)"),
         (["watch", "--count", "-2"], "--count must be at least 0, not -2"),
         # A bigint LIMIT out of range: the database backend was reported unavailable.
         (["list", "--limit", "9223372036854775808"], "--limit must be at most 10000000"),

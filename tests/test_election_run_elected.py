@@ -137,6 +137,8 @@ def test_command_never_runs_unless_elected(
     [
         (["x", "--ttl", "0"], "CommandError: --ttl must be greater than 0, not 0"),
         (["x", "--grace", "-1"], "CommandError: --grace must be at least 0, not -1"),
+        # Elected, ran the command, then crashed waiting (Event.wait: OverflowError).
+        (["x", "--poll", "1e10"], "CommandError: --poll must be at most 86400 seconds (a day)"),
         (["x", "--ttl", "inf"], "CommandError: --ttl must be greater than 0 and finite, not inf"),
         (["x", "--timeout", "-1"], "CommandError: --timeout must be at least 0, not -1"),
         ([""], "CommandError: invalid lease name '': must not be empty"),

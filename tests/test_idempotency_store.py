@@ -397,6 +397,8 @@ def test_importing_the_package_needs_no_settings_or_app_registry(python: str) ->
         # Passed, deleted a batch, then crashed in time.sleep() with a traceback.
         ({"sleep": float("inf")}, "--sleep must be at least 0 and finite, not inf"),
         ({"batch_time": float("inf")}, "--batch-time must be at least 0 and finite, not inf"),
+        # Finite, yet past what time.sleep() takes: the same crash after the first batch.
+        ({"sleep": 1e10, "batch_size": 1}, r"--sleep must be at most 86400 seconds \(a day\)"),
         ({"max_batches": -1}, "--max-batches must be at least 0, not -1"),
         ({"database": "nope"}, "unknown database 'nope'"),
     ],

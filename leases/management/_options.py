@@ -22,7 +22,13 @@ from django.utils.dateparse import parse_duration
 from leases.errors import InvalidLeaseName
 from leases.keys import validate_name
 
-__all__ = ["at_least", "database", "duration", "lease_name", "share_base_options"]
+__all__ = ["at_least", "database", "duration", "lease_name", "pause", "share_base_options"]
+
+#: The longest pause a command takes between two steps (a day). ``time.sleep`` and
+#: ``Event.wait`` overflow past ``threading.TIMEOUT_MAX`` (about 292 years), after the command
+#: has done its first step; a pause of more than a day between polls or batches is a unit
+#: mistake (milliseconds typed as seconds), better refused up front than waited for.
+MAX_PAUSE = 86400.0
 
 #: The options Django's ``BaseCommand`` adds to every command's parser.
 _BASE_DESTS = frozenset(
@@ -65,6 +71,16 @@ def at_least(option: str, value: float, minimum: float, *, inclusive: bool = Tru
         raise CommandError(f"{option} must be {relation} {minimum:g}, not {value:g}")
     if math.isinf(value):
         raise CommandError(f"{option} must be {relation} {minimum:g} and finite, not {value:g}")
+    return value
+
+
+def pause(option: str, value: float, *, inclusive: bool = True) -> float:
+    """``value`` of ``option``, seconds to wait between steps: :func:`at_least` 0 (or, not
+    ``inclusive``, above 0) and at most :data:`MAX_PAUSE`. ``--interval 1e10`` passed
+    :func:`at_least`, printed the leases, then crashed in ``time.sleep`` with a traceback."""
+    at_least(option, value, 0, inclusive=inclusive)
+    if value > MAX_PAUSE:
+        raise CommandError(f"{option} must be at most {MAX_PAUSE:g} seconds (a day), not {value:g}")
     return value
 
 

@@ -28,7 +28,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import OperationalError, connections, transaction
 
 from idempotency import conf
-from leases.management._options import at_least, database
+from leases.management._options import at_least, database, pause
 
 EXPIRED = """
 expires_at < clock_timestamp() AND (state <> 'started' OR locked_until < clock_timestamp())
@@ -125,7 +125,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         alias = database(options["database"] or conf.get().database)
         batch = int(at_least("--batch-size", options["batch_size"], 1))
-        at_least("--sleep", options["sleep"], 0)
+        pause("--sleep", options["sleep"])
         target = at_least("--batch-time", options["batch_time"], 0) / 1000
         at_least("--max-batches", options["max_batches"], 0)
         self.talk = options["verbosity"] > 0

@@ -45,6 +45,7 @@ from leases.management._options import (
     database,
     duration,
     lease_name,
+    pause,
     share_base_options,
     spoken_duration,
 )
@@ -274,7 +275,7 @@ class Command(BaseCommand):
         if "name" in options:
             lease_name(options["name"])
         if action == "watch":
-            at_least("--interval", options["interval"], 0, inclusive=False)
+            pause("--interval", options["interval"], inclusive=False)
             at_least("--count", options["count"], 0)
         if action in ("list", "watch"):
             self.limit = int(at_least("--limit", options["limit"], 0)) or None

@@ -40,7 +40,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from leases.election import Leadership, elect
 from leases.errors import LeaseError, LeaseUnavailable
-from leases.management._options import at_least, lease_name
+from leases.management._options import at_least, lease_name, pause
 
 LOST_EXIT_CODE = 75
 #: How often, and after its SIGKILL how long, :func:`stop_stragglers` looks at the group.
@@ -258,14 +258,12 @@ class Command(BaseCommand):
         if not command:
             raise CommandError("nothing to run: manage.py run_elected NAME -- COMMAND [ARGS...]")
         lease_name(options["name"])
-        for option, minimum, inclusive in (
-            ("ttl", 0, False),
-            ("timeout", 0, True),
-            ("grace", 0, True),
-            ("poll", 0, False),
-        ):
+        for option, inclusive in (("ttl", False), ("timeout", True)):
             if options[option] is not None:
-                at_least(f"--{option}", options[option], minimum, inclusive=inclusive)
+                at_least(f"--{option}", options[option], 0, inclusive=inclusive)
+        for option, inclusive in (("grace", True), ("poll", False)):  # waited for
+            if options[option] is not None:
+                pause(f"--{option}", options[option], inclusive=inclusive)
         self.talk = options["verbosity"] > 0
         self.stopping = _Stopping()
         with _terminate_on((signal.SIGTERM, signal.SIGINT, signal.SIGHUP), self.stopping):
