@@ -29,6 +29,9 @@ MAX_TTL_LIMIT = 10 * 365 * 86400.0
 #: The longest ``HOLDER_LABEL``: with host, pid, thread and a random part it must still fit the
 #: 255 characters of a holder identity.
 MAX_LABEL_LENGTH = 100
+#: The longest backend alias: revocations and the force-release audit keep it in a column this
+#: wide (``Revocation.backend``, ``ForceRelease.backend``).
+MAX_ALIAS_LENGTH = 100
 
 DEFAULTS: dict[str, Any] = {
     "BACKENDS": {"default": {"ENGINE": "leases.backends.database"}},
@@ -112,6 +115,13 @@ def problems() -> list[str]:
         found.append(f'{SETTING_NAME}["BACKENDS"] must be a non-empty dict of alias -> options')
     else:
         for alias, entry in backends.items():
+            if not isinstance(alias, str) or len(alias) > MAX_ALIAS_LENGTH:
+                # Else a force release on it failed in the database (DataError): its leases
+                # could never be revoked, and nothing said so before the first incident.
+                found.append(
+                    f'{SETTING_NAME}["BACKENDS"] alias {alias!r} must be a string of at most '
+                    f"{MAX_ALIAS_LENGTH} characters (revocations record it)"
+                )
             if not isinstance(entry, dict) or not isinstance(entry.get("ENGINE"), str):
                 found.append(
                     f'{SETTING_NAME}["BACKENDS"][{alias!r}] needs an "ENGINE" module path, '

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.db import models
 
+from .conf import MAX_ALIAS_LENGTH
+
 if TYPE_CHECKING:
     from django.db.models.sql.compiler import SQLCompiler
 
@@ -124,7 +126,7 @@ class Revocation(models.Model):
     first and works the same on every backend.
     """
 
-    backend = models.CharField(max_length=100)
+    backend = models.CharField(max_length=MAX_ALIAS_LENGTH)
     name = models.CharField(max_length=255)
     #: Grants of the name with a token up to and including this one are revoked.
     token = models.BigIntegerField()
@@ -169,7 +171,7 @@ class ForceRelease(models.Model):
 
     action = models.CharField(max_length=16, choices=Action.choices, default=Action.RELEASE)
     name = models.CharField(max_length=255)
-    backend = models.CharField(max_length=100, blank=True, default="")
+    backend = models.CharField(max_length=MAX_ALIAS_LENGTH, blank=True, default="")
     #: The holder evicted (or the terminated session's description) and its token.
     holder = models.CharField(max_length=255, blank=True, default="")
     token = models.BigIntegerField(null=True, blank=True)

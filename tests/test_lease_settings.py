@@ -35,6 +35,10 @@ from leases.errors import InvalidLeaseOption, LeasesImproperlyConfigured
         # "@" ends the label in a holder identity: the admin, leader_of() and manage.py leases
         # could no longer find host, pid and thread in it and showed it raw.
         ({"HOLDER_LABEL": "svc@prod"}, "@"),
+        # Revocations keep the alias in varchar(100): a force release on a longer one failed
+        # with a DataError (a 500 in the admin, "database unavailable" from the command).
+        ({"BACKENDS": {"b" + "x" * 100: {"ENGINE": "leases.backends.database"}}}, "at most 100"),
+        ({"BACKENDS": {1: {"ENGINE": "leases.backends.database"}}}, "must be a string"),
     ],
 )
 def test_bad_limits_are_reported_by_check(extra: dict[str, Any], problem: str) -> None:
