@@ -28,7 +28,13 @@ from typing import Any, ClassVar, Literal, overload
 from celery import Task
 from django.core.serializers.json import DjangoJSONEncoder
 
-from leases.celery._base import backoff, format_key, task_decorator, task_signature
+from leases.celery._base import (
+    backoff,
+    format_key,
+    retry_on_own_budget,
+    task_decorator,
+    task_signature,
+)
 
 from . import conf
 from .errors import IdempotencyImproperlyConfigured, IdempotencyKeyInProgress
@@ -39,7 +45,6 @@ __all__ = ["IdempotentTask", "idempotent_task"]
 logger = logging.getLogger(__name__)
 
 #: "No such attribute" (an override of None is a value of its own).
-_NONE = object()
 
 
 class IdempotentTask(Task):  # type: ignore[type-arg]
@@ -110,17 +115,7 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
             key,
             countdown,
         )
-        # retry(max_retries=...) leaves it on the task object, which every later run in this
-        # process shares; Celery's autoretry then took our budget (100) for the task's own
-        # failures: a flaky body with max_retries=3 ran 101 times. Put back what was there.
-        before = self.__dict__.get("override_max_retries", _NONE)
-        try:
-            raise self.retry(countdown=countdown, max_retries=self.in_flight_max_retries, exc=exc)
-        finally:
-            if before is _NONE:
-                self.__dict__.pop("override_max_retries", None)
-            else:
-                self.override_max_retries = before
+        retry_on_own_budget(self, self.in_flight_max_retries, countdown=countdown, exc=exc)
 
     # -- machinery ---------------------------------------------------------------------------
 

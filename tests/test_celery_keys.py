@@ -17,6 +17,7 @@ import pytest
 
 from idempotency.celery import IdempotentTask, idempotent_task
 from idempotency.errors import IdempotencyImproperlyConfigured
+from leases import acquire
 from leases.celery import (
     LockedTask,
     PartitionedTask,
@@ -28,7 +29,7 @@ from leases.celery import (
     singleton_task,
 )
 from leases.celery._base import Call, current_call
-from leases.errors import InvalidLeaseOption
+from leases.errors import InvalidLeaseName, InvalidLeaseOption, LeaseUnavailable
 from tests.celery_app import app
 
 
@@ -151,11 +152,36 @@ def test_bare_decorator_and_option_checks() -> None:
         # Refused, but with a bare ValueError that no LeaseError handler catches.
         (locked_task, {"on_busy": "retyr"}),
         (singleton_task, {"on_duplicate": "ignore"}),
+        # Accepted; the first lease lost mid-run then failed to report its own loss.
+        (locked_task, {"on_lost": "log"}),
     ],
 )
 def test_bad_options_are_refused_when_decorating(decorator: Any, options: dict[str, Any]) -> None:
     with pytest.raises(InvalidLeaseOption, match=next(iter(options))):
         decorator(**options)
+
+
+@pytest.mark.parametrize(
+    ("decorator", "options", "error"),
+    [
+        (locked_task, {"key": 123, "name": "keys.int_key.locked"}, InvalidLeaseOption),
+        (singleton_task, {"key": 123, "name": "keys.int_key.singleton"}, InvalidLeaseOption),
+        (idempotent_task, {"key": 123, "name": "keys.int_key.idempotent"}, InvalidLeaseOption),
+        (leader_only, {"name": 123}, InvalidLeaseName),
+        (leader_only, {"name": "x" * 300}, InvalidLeaseName),
+    ],
+    ids=["locked", "singleton", "idempotent", "leader-int", "leader-too-long"],
+)
+def test_a_key_or_election_that_is_no_name_is_refused_when_decorating(
+    decorator: Any, options: dict[str, Any], error: type[Exception]
+) -> None:
+    """Only templates were checked: a key that was neither a template nor a callable, or an
+    election name no store takes, was accepted, and every call then failed in the worker."""
+
+    def body(n: int) -> None: ...
+
+    with pytest.raises(error):
+        decorator(app=app, **options)(body)
 
 
 def test_an_idempotent_tasks_fingerprint_is_the_same_for_every_form_of_one_call() -> None:
@@ -287,3 +313,38 @@ def test_an_in_flight_retry_leaves_the_tasks_own_retry_budget_alone(
     assert "override_max_retries" not in vars(flaky)
     flaky.apply(task_id="a-later-call")
     assert FLAKY_RUNS["a-later-call"] == 4  # max_retries=3: the first run and three retries
+
+
+LOCKED_FLAKY_RUNS: Counter[str] = Counter()
+
+
+@locked_task(
+    key="keys-flaky:{n}",
+    app=app,
+    bind=True,
+    autoretry_for=(ConnectionError,),
+    max_retries=3,
+    busy_backoff=0.0,
+    busy_backoff_max=0.0,
+    busy_max_retries=6,
+    name="keys.locked_flaky",
+)
+def locked_flaky(self: Any, n: int) -> None:
+    LOCKED_FLAKY_RUNS[self.request.id] += 1
+    raise ConnectionError("provider down")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_busy_retry_leaves_a_locked_tasks_own_retry_budget_alone() -> None:
+    """``lease_busy`` left ``retry(max_retries=busy_max_retries)`` on the task object, as
+    ``in_flight`` once did: autoretry then gave the body's own failures that budget, and a
+    body with ``max_retries=3`` ran ``busy_max_retries + 1`` times instead of 4."""
+    holder = acquire("keys-flaky:1", ttl=30)
+    try:
+        busy = locked_flaky.apply((1,), task_id="busy-call")
+        assert isinstance(busy.result, LeaseUnavailable), busy.result
+    finally:
+        holder.release()
+    assert "override_max_retries" not in vars(locked_flaky)
+    locked_flaky.apply((1,), task_id="a-later-call")
+    assert LOCKED_FLAKY_RUNS["a-later-call"] == 4  # max_retries=3: the first run and three retries

@@ -35,6 +35,7 @@ from typing import Any, Literal, overload
 from .._arguments import valid_timeout, valid_ttl_shape
 from ..errors import InvalidLeaseOption
 from ..handle import Lease
+from ..keys import validate_name
 from ..semaphore import valid_limit
 from ._base import SKIPPED, Key, format_key, task_decorator
 from .leader import LeaderOnlyTask, resign_leaderships
@@ -106,6 +107,10 @@ def locked_task(
     _check_times(ttl, timeout)
     if limit is not None:
         valid_limit(limit)
+    if on_lost is not None and not callable(on_lost):
+        # Called only when a lease is lost, on the keepalive thread: found there, the loss
+        # report itself would fail, at the worst moment and long after the deploy.
+        raise InvalidLeaseOption("on_lost", on_lost, "must be None or a callable taking the lease")
     attrs = {
         "lease_key": key,
         "lease_ttl": ttl,
@@ -175,8 +180,14 @@ def leader_only(
     backend: str = "default",
     **options: Any,
 ) -> Any:
-    """A periodic task sent and run only by the leader of ``name``; see :class:`LeaderOnlyTask`."""
+    """A periodic task sent and run only by the leader of ``name``; see :class:`LeaderOnlyTask`.
+
+    ``name`` is checked here (:func:`~leases.keys.validate_name`): a bad one would make every
+    send fail in beat and every run fail in the worker.
+    """
     _check_times(ttl)
+    if name is not None:
+        validate_name(name)
     attrs = {"leader_name": name, "leader_ttl": ttl, "leader_backend": backend}
     return task_decorator(LeaderOnlyTask, fun, attrs, options)
 

@@ -13,7 +13,7 @@ import logging
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task, shared_task
 from celery.exceptions import Ignore
@@ -30,6 +30,7 @@ __all__ = [
     "check_key",
     "current_call",
     "format_key",
+    "retry_on_own_budget",
     "skip",
     "task_decorator",
     "task_signature",
@@ -93,9 +94,13 @@ def check_key(template: Key | None, run: Callable[..., Any], *, bind: bool = Fal
     of the task, in a worker, long after the deploy; a positional field (``"{0}"``) or broken
     braces would too. A callable key is the caller's code and is left to run. The function is
     read, not the task: a ``shared_task`` is a proxy that would bind to an app if touched now.
+    Anything else (``key=123``) is refused too: every call would fail formatting it.
     """
-    if not isinstance(template, str):
+    if template is None or callable(template):
         return
+    if not isinstance(template, str):
+        reason = f"must be a str.format template or a callable, not {type(template).__name__}"
+        raise InvalidLeaseOption("key", template, reason)
     parameters = list(inspect.signature(run).parameters)[1 if bind else 0 :]
     name = getattr(run, "__qualname__", repr(run))
     try:
@@ -125,6 +130,28 @@ def backoff(retries: int, base: float, cap: float) -> float:
     delay = Backoff(base=base, cap=cap, attempt=retries).next_delay()
     assert delay is not None  # no deadline: a backoff without one always has a next delay
     return delay
+
+
+_UNSET = object()
+
+
+def retry_on_own_budget(task: Task[..., Any], max_retries: int, **options: Any) -> NoReturn:
+    """``raise task.retry(max_retries=max_retries, ...)`` for a busy lease or key, leaving the
+    task's own retry budget as it was.
+
+    Celery keeps ``max_retries`` passed to :meth:`~celery.Task.retry` on the task object
+    (``override_max_retries``), which every later run in the process shares; its
+    ``autoretry_for`` then takes that budget (say 100 busy retries) for the body's own
+    failures, and a flaky body with ``max_retries=3`` ran 101 times. Put back what was there.
+    """
+    before = task.__dict__.get("override_max_retries", _UNSET)
+    try:
+        raise task.retry(max_retries=max_retries, **options)
+    finally:
+        if before is _UNSET:
+            task.__dict__.pop("override_max_retries", None)
+        else:
+            task.__dict__["override_max_retries"] = before
 
 
 def skip(task: Task[..., Any], reason: str, **meta: Any) -> None:

@@ -15,7 +15,7 @@ from ..errors import BackendUnavailable, LeaseLost, LeaseUnavailable
 from ..handle import Lease
 from ..keys import validate_name
 from ..semaphore import acquire_slot
-from ._base import Call, Key, backoff, current_call, format_key, skip
+from ._base import Call, Key, backoff, current_call, format_key, retry_on_own_budget, skip
 
 __all__ = ["LockedTask", "OnBusy"]
 
@@ -89,7 +89,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             skip(self, f"lease {name!r} is busy", lease=name)
         countdown = backoff(self.request.retries, self.busy_backoff, self.busy_backoff_max)
         logger.debug("task %s[%s]: %s; retry in %.2fs", self.name, self.request.id, exc, countdown)
-        raise self.retry(countdown=countdown, max_retries=self.busy_max_retries, exc=exc)
+        retry_on_own_budget(self, self.busy_max_retries, countdown=countdown, exc=exc)
 
     def lease_lost(self, lease: Lease) -> None:
         """Hook, run on the keepalive thread when the run's lease is lost mid-run."""
