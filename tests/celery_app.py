@@ -275,6 +275,30 @@ def singleton_strict_twin(name: str) -> None:
     _run(name, "", None, 0)
 
 
+@singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL, bind=True, acks_late=True)
+def singleton_late(self: Any, name: str, hold: float) -> None:
+    """Acknowledged after the run: redelivered when its worker dies mid-body."""
+    _run(name, self.request.id, None, hold)
+
+
+@singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL, bind=True)
+def singleton_retrying(self: Any, name: str) -> int:
+    """Retries itself once: the retry, sent without the guard, takes it in the worker."""
+    _run(name, self.request.id, None, 0)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return int(self.request.retries)
+
+
+class SingletonFailed(Exception):
+    """The own error of :func:`singleton_failing`'s body."""
+
+
+@singleton_task(key="celery-test:{name}", ttl=_LEASE_TTL)
+def singleton_failing(name: str) -> None:
+    raise SingletonFailed(name)
+
+
 @leader_only(name="celery-test-beat", ttl=_LEASE_TTL, bind=True)
 def leader_tick(self: Any, label: str) -> None:
     sender = getattr(self.request, _SENDER, None) or (self.request.headers or {}).get(_SENDER)

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import pytest
 import redis
-from celery import Task, group
+from celery import Task, chain, group
 from celery.result import AsyncResult
 from django.conf import settings
 
@@ -29,11 +29,12 @@ from leases.backends import get_backend
 from leases.celery import SKIPPED, partition_for, partition_queues, resign_leaderships
 from leases.celery.leader import LEADER_HEADER
 from leases.election import elect, leader_of
-from leases.errors import LeaseUnavailable
+from leases.errors import BackendUnavailable, LeaseUnavailable
 from tests.celery_app import (
     BACKENDS,
     LOCKED_WRITE,
     SINGLETON_HOLD,
+    SingletonFailed,
     add_once,
     app,
     leader_tick,
@@ -43,7 +44,10 @@ from tests.celery_app import (
     locked_slow,
     locked_until_lost,
     partitioned_touch,
+    singleton_failing,
     singleton_hold,
+    singleton_late,
+    singleton_retrying,
     singleton_strict,
     singleton_strict_twin,
 )
@@ -349,10 +353,105 @@ def test_a_duplicate_singleton_inside_a_group_is_refused_not_left_hanging() -> N
     """A group freezes each call's task id; another task's result cannot stand in for it."""
     queue, name = new_queue(), new_register("canvas")
     try:
-        with pytest.raises(LeaseUnavailable, match="inside a group or chord"):
+        with pytest.raises(LeaseUnavailable, match="inside a group, chord or chain"):
             group(singleton_hold.s(name, 0), singleton_hold.s(name, 0)).apply_async(queue=queue)
     finally:
         broker().delete(queue)
+
+
+def test_a_singleton_message_without_its_guard_is_skipped_beside_the_guarded_copy(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    """``send_task`` (or a beat sending by name) sends no guard, and the worker ran such a
+    message without looking at the guard, beside the guarded copy of the same key."""
+    queue, name = new_queue(), new_register("single-sendtask")
+    celery_workers([queue], concurrency=2).wait_ready()
+    first = singleton_hold.apply_async((name, 4.0), queue=queue)
+    wait_until(lambda: TaskRun.objects.filter(label=name).exists(), 30, "the first run")
+    other = app.send_task(singleton_hold.name, (name, 0.5), queue=queue)
+    assert wait_states([first, other]) == ["SUCCESS", SKIPPED]
+    assert [r.task_id for r in TaskRun.objects.filter(label=name)] == [first.id]
+
+
+def test_a_singleton_retry_takes_the_guard_again_and_runs(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    queue, name = new_queue(), new_register("single-retry")
+    celery_workers([queue]).wait_ready()
+    assert singleton_retrying.apply_async((name,), queue=queue).get(timeout=60) == 1
+    assert TaskRun.objects.filter(label=name).count() == 2
+
+
+@pytest.mark.fault
+def test_a_redelivered_singleton_whose_guard_expired_never_runs_beside_a_newer_copy(
+    celery_workers: Callable[..., Worker], redis_server: RedisServer
+) -> None:
+    """``acks_late`` and a worker SIGKILLed mid-body: the guard frees within its TTL, a new
+    ``delay()`` queues copy B, then the broker redelivers the killed copy A, whose guard cannot
+    be adopted any more; A ran anyway, unguarded, beside B. Now a copy that finds the guard
+    taken ends SKIPPED (or is dropped, when it is a redelivery of the copy that holds it)."""
+    queue, name = new_queue(), new_register("single-redeliver")
+    guard, store = singleton_late.singleton_name((name, 6.0), {}), get_backend()
+    extra = broker_env(redis_server.url, visibility=4)
+    victim = celery_workers([queue], name="a", extra_env=extra).wait_ready()
+    with producer_on(redis_server.url) as producer:
+        a = singleton_late.apply_async((name, 6.0), queue=queue, producer=producer)
+    wait_until(lambda: TaskRun.objects.filter(task_id=a.id).exists(), 30, "A to start")
+    victim.kill()
+    ttl = singleton_late.singleton_ttl or 0.0
+    wait_until(lambda: not (info := store.inspect(guard)) or not info.held, ttl + 10,
+               "the dead worker's guard to expire")  # fmt: skip
+    with producer_on(redis_server.url) as producer:
+        b = singleton_late.apply_async((name, 6.0), queue=queue, producer=producer)
+    assert b.id != a.id
+    celery_workers([queue], name="b", concurrency=2, extra_env=extra).wait_ready()
+    wait_until(lambda: TaskRun.objects.filter(label=name, worker__startswith="b:").exists(),
+               60, "a copy to run on b")  # fmt: skip
+    settle(a.id, b.id, dead="a:", timeout=90)
+    runs = list(TaskRun.objects.filter(label=name, worker__startswith="b:"))
+    assert_runs_never_overlap(runs)
+    assert set(wait_states([a, b])) <= {"SUCCESS", SKIPPED}
+
+
+@pytest.mark.parametrize("canvas", ["chain", "link", "link_error"])
+def test_a_duplicate_singleton_carrying_more_work_is_refused_not_dropped(canvas: str) -> None:
+    """Only groups and chords were refused: a duplicate at the head of a chain (or with
+    callbacks) returned the first copy's result, and the chain's tail, which rides in the
+    message never sent, was silently dropped; ``chain.apply_async()`` then returned the
+    tail's frozen result, which nothing would ever complete."""
+    queue, name, follow = new_queue(), new_register("chainhead"), new_register("follow")
+    head, tail = singleton_hold.s(name, 0), singleton_strict.si(follow)
+    try:
+        first = singleton_hold.apply_async((name, 0), queue=queue)
+        with pytest.raises(LeaseUnavailable, match=f"{first.id}.*{canvas}"):
+            if canvas == "chain":
+                chain(head, tail).apply_async(queue=queue)
+            else:
+                callbacks: dict[str, Any] = {canvas: tail}
+                head.apply_async(queue=queue, **callbacks)
+        assert broker().llen(queue) == 1
+    finally:
+        broker().delete(queue)
+
+
+def test_a_singleton_whose_send_fails_raises_its_own_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The send's error (here the eager body's own) left ``apply_async`` through the release of
+    the guard, and an error of that release (the store gone, or the guard the run had already
+    released taken by another) replaced it: the caller saw a lease error, not what failed."""
+
+    def release(self: Any, grant: Any) -> None:
+        raise BackendUnavailable("default", "gone while the task was sent")
+
+    monkeypatch.setattr(type(get_backend()), "release", release)
+    before = app.conf.task_always_eager, app.conf.task_eager_propagates
+    app.conf.task_always_eager = app.conf.task_eager_propagates = True
+    try:
+        with pytest.raises(SingletonFailed):
+            singleton_failing.delay(new_register("eager"))
+    finally:
+        app.conf.task_always_eager, app.conf.task_eager_propagates = before
 
 
 def test_singleton_guard_frees_within_its_ttl_after_worker_sigkill(

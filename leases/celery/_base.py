@@ -154,7 +154,7 @@ def retry_on_own_budget(task: Task[..., Any], max_retries: int, **options: Any) 
             task.__dict__["override_max_retries"] = before
 
 
-def skip(task: Task[..., Any], reason: str, **meta: Any) -> None:
+def skip(task: Task[..., Any], reason: str, **meta: Any) -> NoReturn:
     """End a run that does nothing on purpose: log it and record state :data:`SKIPPED`."""
     logger.info("task %s[%s] skipped: %s", task.name, task.request.id, reason)
     if task.request.id and not task.request.called_directly:

@@ -9,14 +9,15 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from celery import Task
+from celery.exceptions import Ignore
 from celery.result import AsyncResult
 
 from .. import conf
-from ..backends import Grant, get_backend
+from ..backends import Grant, LeaseBackend, get_backend
 from ..errors import BackendUnavailable, LeaseError, LeaseUnavailable
 from ..handle import Lease
 from ..keys import validate_name
-from ._base import Key, format_key
+from ._base import Key, format_key, skip
 
 __all__ = ["GUARD_HEADER", "SingletonTask"]
 
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 GUARD_HEADER = "leases_singleton"
 _HOLDER_PREFIX = "celery-task:"
 _LOOKS = 5
+#: ``apply_async`` options through which a canvas waits on, or chains work after, this very
+#: call: another task's result cannot stand in for it.
+_CANVAS_OPTIONS = ("group_id", "chord", "chain", "link", "link_error")
 
 
 class SingletonTask(Task):  # type: ignore[type-arg]
@@ -40,6 +44,12 @@ class SingletonTask(Task):  # type: ignore[type-arg]
     run ends (a retry waiting for its countdown is not guarded). The guard is a lease, so a
     crashed worker's guard frees after ``singleton_ttl`` at most, which must cover the time a
     task may wait in the queue.
+
+    A message with no guard to adopt (sent with ``send_task`` or by name, a retry, or a
+    redelivered copy whose guard expired while it waited) takes the guard in the worker before
+    its body runs; if another copy holds it the run is a duplicate and ends in state
+    :data:`~leases.celery.SKIPPED`, never beside that copy. When the store cannot be reached
+    the run fails with :class:`~leases.errors.BackendUnavailable` rather than run unguarded.
     """
 
     singleton_key: ClassVar[Key | None] = None
@@ -65,17 +75,21 @@ class SingletonTask(Task):  # type: ignore[type-arg]
 
         Inside a group or chord the canvas has already frozen this call's own task id into its
         result set, so returning another task's result would leave ``GroupResult.get()``
-        waiting forever and a chord body never firing: a duplicate there is refused.
+        waiting forever and a chord body never firing; at the head of a chain, or with
+        ``link``/``link_error`` callbacks, the rest of the work rides in this call's message,
+        which is never sent, so the chain's result would never complete. A duplicate in any of
+        these is refused.
         """
         if self.on_duplicate == "raise":
             raise LeaseUnavailable(name, 0, f"task {task_id} is already queued or running")
-        canvas = [key for key in ("group_id", "chord") if (options or {}).get(key)]
+        canvas = [key for key in _CANVAS_OPTIONS if (options or {}).get(key)]
         if canvas:
             raise LeaseUnavailable(
                 name,
                 0,
-                f"task {task_id} is already queued or running, and a singleton inside a group "
-                "or chord cannot stand in for it (the canvas waits for its own task id)",
+                f"task {task_id} is already queued or running, and a singleton inside a group, "
+                "chord or chain, or with callbacks, cannot stand in for it (the canvas waits "
+                f"for its own task id, or its {', '.join(canvas)} would be dropped)",
             )
         return self.AsyncResult(task_id)
 
@@ -109,36 +123,73 @@ class SingletonTask(Task):  # type: ignore[type-arg]
                     args, kwargs, task_id=task_id, headers=headers, **options
                 )
             except BaseException:
-                store.release(guard)
+                _release_sent_quietly(store, guard)
                 raise
         raise LeaseUnavailable(name, 0, "the guard changed hands on every look")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        guard = self._adopt_guard()
-        if guard is None:
+        """Run the body only under the guard: the sender's, adopted, or else taken here.
+
+        A message without a live guard is not proof that no other copy runs: ``send_task`` and
+        a beat sending by name send none, and an ``acks_late`` copy redelivered after its
+        worker died finds its guard expired, maybe retaken by a newer copy. Running those
+        unguarded put two copies of one key side by side. Calling the task object directly
+        (plain Python in this process, not a message) runs unguarded, as Celery's own
+        ``task(...)`` does.
+        """
+        if self.request.called_directly:
             return super().__call__(*args, **kwargs)
+        guard = self._adopt_guard() or self._take_guard(args, kwargs)
         try:
             return super().__call__(*args, **kwargs)
         finally:
             _release_quietly(guard)
 
     def _adopt_guard(self) -> Lease | None:
-        """The sender's guard, adopted by this run (``None`` if there is none or it expired)."""
+        """The sender's guard, adopted by this run (``None`` if there is none or it expired).
+
+        A store that cannot be reached raises :class:`~leases.errors.BackendUnavailable`: the
+        guard can then be checked neither way, and the run must not go ahead unguarded.
+        """
         request = self.request
         data = (request.headers or {}).get(GUARD_HEADER) or getattr(request, GUARD_HEADER, None)
-        if not data or request.called_directly:
+        if not data:
             return None
         try:
             return _adopt(data, self._guard_ttl(), self.singleton_backend)
+        except BackendUnavailable:
+            raise
         except LeaseError as exc:  # expired while queued: a duplicate may have been sent
             logger.warning(
-                "task %s[%s]: singleton guard %r expired before the run: %s",
+                "task %s[%s]: singleton guard %r expired before the run, taking it again: %s",
                 self.name,
                 request.id,
                 data.get("name"),
                 exc,
             )
             return None
+
+    def _take_guard(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Lease:
+        """Take the guard in the worker, for a run that brought none it could adopt.
+
+        Held in this task's id, as :meth:`apply_async` holds it, so a ``delay()`` meanwhile
+        returns this run's result. If another copy holds it this run is the duplicate: it is
+        skipped (state :data:`~leases.celery.SKIPPED`), as a second ``delay()`` would have
+        been refused on enqueue. Retries (sent without the guard) come through here too.
+        """
+        name = self.singleton_name(args, kwargs)
+        store = get_backend(self.singleton_backend)
+        holder = _HOLDER_PREFIX + str(self.request.id)
+        grant = store.try_acquire(name, holder, self._guard_ttl())
+        if grant is None:
+            info = store.inspect(name)
+            if info is not None and info.held and info.holder == holder:
+                # This very task is running elsewhere (a broker's redelivery of a running
+                # task): that copy records the task's state, which a SKIPPED must not replace.
+                logger.info("task %s[%s] skipped: already running", self.name, self.request.id)
+                raise Ignore(f"task {self.request.id} is already running")
+            skip(self, f"another copy holds the singleton guard {name!r}", guard=name)
+        return Lease.start(store, grant, renew_fraction=conf.get().renew_fraction)
 
 
 def _guard_header(guard: Grant) -> dict[str, Any]:
@@ -174,6 +225,19 @@ def _adopt(data: Mapping[str, Any], ttl: float, alias: str) -> Lease:
         secret=str(data.get("secret") or ""),
     )
     return Lease.start(store, store.renew(sent, ttl), renew_fraction=conf.get().renew_fraction)
+
+
+def _release_sent_quietly(store: LeaseBackend, guard: Grant) -> None:
+    """Free the sender's guard after a send that failed, keeping the send's own error.
+
+    The send's error is what the caller must see: a broker that refused the message, or (in
+    eager mode) the body's own exception, whose run already released the guard. A guard that
+    cannot be released here expires by its TTL.
+    """
+    try:
+        store.release(guard)
+    except LeaseError as exc:
+        logger.debug("singleton guard %r not released after the failed send: %s", guard.name, exc)
 
 
 def _release_quietly(guard: Lease) -> None:
