@@ -413,6 +413,53 @@ def test_a_redelivered_singleton_whose_guard_expired_never_runs_beside_a_newer_c
     assert set(wait_states([a, b])) <= {"SUCCESS", SKIPPED}
 
 
+@pytest.mark.fault
+def test_a_singleton_redelivered_while_it_runs_never_runs_twice_at_once(
+    celery_workers: Callable[..., Worker], redis_server: RedisServer
+) -> None:
+    """``acks_late`` and a visibility timeout shorter than the body: the broker hands the
+    running task to a second worker. That copy carries the same guard, which it adopted (a
+    renewal with the sender's secret, as good as the first copy's), and ran beside it. Now it
+    waits for the run lease, finds the guard released by the copy that ran, and is dropped."""
+    queue, name = new_queue(), new_register("single-visible")
+    extra = broker_env(redis_server.url, visibility=1.5)
+    ready(celery_workers, *({"queues": [queue], "name": n, "concurrency": 2, "extra_env": extra}
+                            for n in "ab"))  # fmt: skip
+    with producer_on(redis_server.url) as producer:
+        sent = singleton_late.apply_async((name, 5.0), queue=queue, producer=producer)
+    assert sent.get(timeout=60) is None
+    settle(sent.id, timeout=90)
+    copies = deliveries(sent.id)
+    runs = list(TaskRun.objects.filter(label=name))
+    assert len(copies) >= 2 and copies[1].at < runs[0].ended_at, (  # type: ignore[operator]
+        f"no duplicate delivered while the first copy ran: {copies}"
+    )
+    assert_runs_never_overlap(runs)
+    assert len(runs) == 1, "a copy delivered while the first ran, ran after it"
+
+
+@pytest.mark.fault
+def test_a_singleton_redelivered_at_once_after_its_worker_died_runs_once_the_run_lease_lapses(
+    celery_workers: Callable[..., Worker], amqp_url: str
+) -> None:
+    """RabbitMQ hands an ``acks_late`` message on as soon as its worker's connection drops,
+    while the dead worker's guard and run lease are still valid: the copy adopts the guard,
+    waits for the dead run's lease to lapse (it is no longer renewed), and runs: it is not
+    taken for a copy beside a live run and dropped."""
+    queue, name = new_queue(), new_register("single-rerun")
+    extra = {"LEASES_TEST_BROKER_URL": amqp_url}
+    victim = celery_workers([queue], name="a", extra_env=extra).wait_ready()
+    with producer_on(amqp_url) as producer:
+        sent = singleton_late.apply_async((name, 8.0), queue=queue, producer=producer)
+    wait_until(lambda: TaskRun.objects.filter(task_id=sent.id).exists(), 30, "the first run")
+    rescuer = celery_workers([queue], name="b", extra_env=extra).wait_ready()
+    victim.kill()
+    assert sent.get(timeout=60) is None, rescuer.tail()
+    runs = list(TaskRun.objects.filter(label=name))
+    assert [r.worker[0] for r in runs] == ["a", "b"] and runs[0].ended_at is None
+    assert_runs_never_overlap(runs[1:])
+
+
 @pytest.mark.parametrize("canvas", ["chain", "link", "link_error"])
 def test_a_duplicate_singleton_carrying_more_work_is_refused_not_dropped(canvas: str) -> None:
     """Only groups and chords were refused: a duplicate at the head of a chain (or with

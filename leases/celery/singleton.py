@@ -13,6 +13,7 @@ from celery.exceptions import Ignore
 from celery.result import AsyncResult
 
 from .. import conf
+from ..acquiring import acquire
 from ..backends import Grant, LeaseBackend, get_backend
 from ..errors import BackendUnavailable, LeaseError, LeaseUnavailable
 from ..handle import Lease
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 GUARD_HEADER = "leases_singleton"
 _HOLDER_PREFIX = "celery-task:"
 _LOOKS = 5
+#: Before the guard's name, the run lease's (see :meth:`SingletonTask._enter_run`); no guard
+#: name starts so (theirs is ``singleton:``), so no key's guard is another key's run lease.
+_RUN_PREFIX = "singleton-run:"
 #: ``apply_async`` options through which a canvas waits on, or chains work after, this very
 #: call: another task's result cannot stand in for it.
 _CANVAS_OPTIONS = ("group_id", "chord", "chain", "link", "link_error")
@@ -105,6 +109,7 @@ class SingletonTask(Task):  # type: ignore[type-arg]
             headers.pop(GUARD_HEADER, None)
             return super().apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
         name = self.singleton_name(tuple(args or ()), dict(kwargs or {}))
+        _run_name(name)  # the run lease's name must fit too: refused here, not in a worker
         store = get_backend(self.singleton_backend)
         for _ in range(_LOOKS):  # the holder may release between our try and our look
             # The sender never renews nor releases the guard (the worker does), so it is a bare
@@ -141,9 +146,56 @@ class SingletonTask(Task):  # type: ignore[type-arg]
             return super().__call__(*args, **kwargs)
         guard = self._adopt_guard() or self._take_guard(args, kwargs)
         try:
+            run = self._enter_run(guard)
+        except BaseException:
+            _release_quietly(guard)
+            raise
+        try:
             return super().__call__(*args, **kwargs)
         finally:
-            _release_quietly(guard)
+            _release_quietly(guard)  # first: a copy waiting for the run lease then sees it gone
+            _release_quietly(run)
+
+    def _enter_run(self, guard: Lease) -> Lease:
+        """The run lease ``singleton-run:<guard>``: one delivery of a key runs at a time.
+
+        The guard alone does not ensure that: a copy the broker delivers again while the first
+        still runs (``acks_late`` and a visibility timeout shorter than the body, a worker whose
+        broker connection dropped) carries the same guard, and adopts it with the sender's
+        secret as well as the first copy did; both ran. The run lease is taken in the worker,
+        by this process, and kept alive while the body runs, so its TTL (``DEFAULT_TTL`` at
+        most, not the guard's queue-covering one) bounds how long a dead worker's lease holds
+        the next delivery back. A copy that finds it held waits that long: if it then gets it,
+        the one before died (or ended), and the guard says which: still held, this copy is the
+        redelivery of a crashed run and goes ahead; gone, the run ended and released it, and
+        this copy is dropped. Not getting it, the other copy still runs: dropped too (``Ignore``,
+        leaving the running copy's state alone). The guard is abandoned then, not released:
+        it is the running copy's as well.
+        """
+        alias = self.singleton_backend
+        name = _run_name(guard.name)
+        ttl = min(self._guard_ttl(), conf.get().default_ttl)
+        try:
+            return acquire(name, ttl=ttl, timeout=0, backend=alias)
+        except LeaseUnavailable:
+            pass
+        try:
+            run = acquire(name, ttl=ttl, timeout=1.25 * ttl + 1, backend=alias)
+        except LeaseUnavailable:
+            guard._abandon()
+            logger.info("task %s[%s] dropped: another copy runs", self.name, self.request.id)
+            raise Ignore(f"task {self.request.id}: another copy of {guard.name!r} runs") from None
+        try:
+            guard.renew()
+        except BackendUnavailable:
+            _release_quietly(run)
+            raise  # which it is cannot be told: the run fails, as when the guard is unreachable
+        except LeaseError:
+            _release_quietly(run)
+            guard._abandon()
+            logger.info("task %s[%s] dropped: another copy ran", self.name, self.request.id)
+            raise Ignore(f"task {self.request.id}: another copy of {guard.name!r} ran") from None
+        return run
 
     def _adopt_guard(self) -> Lease | None:
         """The sender's guard, adopted by this run (``None`` if there is none or it expired).
@@ -190,6 +242,10 @@ class SingletonTask(Task):  # type: ignore[type-arg]
                 raise Ignore(f"task {self.request.id} is already running")
             skip(self, f"another copy holds the singleton guard {name!r}", guard=name)
         return Lease.start(store, grant, renew_fraction=conf.get().renew_fraction)
+
+
+def _run_name(guard: str) -> str:
+    return validate_name(_RUN_PREFIX + guard)
 
 
 def _guard_header(guard: Grant) -> dict[str, Any]:
@@ -240,13 +296,14 @@ def _release_sent_quietly(store: LeaseBackend, guard: Grant) -> None:
         logger.debug("singleton guard %r not released after the failed send: %s", guard.name, exc)
 
 
-def _release_quietly(guard: Lease) -> None:
+def _release_quietly(held: Lease) -> None:
+    """Release the run's guard or run lease; a failure is logged, the task being over."""
     try:
-        guard.release()
+        held.release()
     except BackendUnavailable as exc:
-        guard._abandon()  # its task is over: the guard runs out by its TTL, unrenewed
+        held._abandon()  # its task is over: the lease runs out by its TTL, unrenewed
         logger.warning(
-            "singleton guard %r could not be released, it will expire: %s", guard.name, exc
+            "singleton lease %r could not be released, it will expire: %s", held.name, exc
         )
     except LeaseError as exc:
-        logger.warning("singleton guard %r was lost before its release: %s", guard.name, exc)
+        logger.warning("singleton lease %r was lost before its release: %s", held.name, exc)
