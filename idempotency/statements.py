@@ -234,37 +234,49 @@ FINISH = _owned(
     WHERE id = %(id)s AND owner = %(owner)s""",
 )
 
+# A started row's recorded steps are kept for a retry until its ``expires_at``, which BEGIN
+# and PROBE (steps reset on a take-over past it) and the purge (row deleted past it) all read.
+# Set at the claim, it would count the TTL from the claim: an operation that ran or waited
+# longer than the TTL lost the steps it had committed, while still running or right after
+# failing, and its retry ran them again. So recording a step and giving the key up push it to
+# at least TTL from then: the TTL counts from the attempt's last step or its failure.
+_STEPS_KEPT_SQL = (
+    "expires_at = greatest(expires_at, clock_timestamp() + %(ttl)s::float8 * interval '1 second')"
+)
+
 # A completed step, recorded in the transaction of its local effects; it renews the lock, so
-# LOCK_TIMEOUT bounds one step rather than the whole operation.
+# LOCK_TIMEOUT bounds one step rather than the whole operation, and the key's TTL (see above).
 RECORD_STEP = _owned(
-    "idempotency_record_step_v2",
+    "idempotency_record_step_v3",
     (
         ("id", "bigint"),
         ("owner", "uuid"),
         ("step", "text"),
         ("result", "jsonb"),
         ("lock", "float8"),
+        ("ttl", "float8"),
     ),
-    """    UPDATE idempotency_key
+    f"""    UPDATE idempotency_key
     SET steps = steps || jsonb_build_object(%(step)s::text, %(result)s::jsonb),
-        locked_until = clock_timestamp() + %(lock)s::float8 * interval '1 second'
-    WHERE id = %(id)s AND owner = %(owner)s""",
+        locked_until = clock_timestamp() + %(lock)s::float8 * interval '1 second',
+        {_STEPS_KEPT_SQL}
+    WHERE id = %(id)s AND owner = %(owner)s""",  # noqa: S608 (constants only)
 )
 
 # A failed attempt gives its key up: deleted when it recorded no step, so the retry starts
-# afresh; unlocked (kept) when it did, so the retry resumes after the last recorded step
-# instead of redoing effects that committed. Never another owner's key.
+# afresh; unlocked (kept, for a TTL from now) when it did, so the retry resumes after the last
+# recorded step instead of redoing effects that committed. Never another owner's key.
 RELEASE = Statement(
-    "idempotency_release_v3",
-    (("id", "bigint"), ("owner", "uuid")),
-    """
+    "idempotency_release_v4",
+    (("id", "bigint"), ("owner", "uuid"), ("ttl", "float8")),
+    f"""
 WITH unlocked AS (
-    UPDATE idempotency_key SET owner = NULL, locked_until = clock_timestamp()
-    WHERE id = %(id)s AND owner = %(owner)s AND steps <> '{}'::jsonb
+    UPDATE idempotency_key SET owner = NULL, locked_until = clock_timestamp(), {_STEPS_KEPT_SQL}
+    WHERE id = %(id)s AND owner = %(owner)s AND steps <> '{{}}'::jsonb
 )
 DELETE FROM idempotency_key
-WHERE id = %(id)s AND owner = %(owner)s AND steps = '{}'::jsonb
-""",
+WHERE id = %(id)s AND owner = %(owner)s AND steps = '{{}}'::jsonb
+""",  # noqa: S608 (constants only)
 )
 
 # A claim in the view's transaction (``claim_in_transaction``) writes nothing before the view

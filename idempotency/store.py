@@ -115,6 +115,10 @@ class Claim:
     fingerprint: str = ""
     #: Seconds a lock lasts; each recorded step renews it.
     lock_timeout: float = 60.0
+    #: Seconds the key is kept (at least ``lock_timeout``): a started key's recorded steps for
+    #: this long after its last step or its release (see
+    #: :data:`~idempotency.statements.RECORD_STEP`).
+    ttl: float = 86400.0
     #: Steps an earlier attempt recorded (name -> result), which this one resumes after.
     steps: dict[str, Any] = field(default_factory=dict)
     #: For a claim made in the view's transaction: the advisory lock key held instead of a row
@@ -230,6 +234,7 @@ def _begin_in_transaction_once(params: dict[str, Any], using: str) -> Begun:
             taken_over=row_id is not None,
             fingerprint=params["fingerprint"],
             lock_timeout=params["lock"],
+            ttl=params["ttl"],
             steps=_json(steps) or {},
             gate=params["gate"],
             session_gate=params["session"],
@@ -284,6 +289,7 @@ def _begin_once(
             taken_over=kind == "taken_over",
             fingerprint=params["fingerprint"],
             lock_timeout=params["lock"],
+            ttl=params["ttl"],
             steps=_json(steps) or {},
         )
         return Begun(Status.NEW, claim=claim)
@@ -409,8 +415,8 @@ def finish(claim: Claim, outcome: Outcome, *, ttl: float, commit: bool = False) 
 
 
 def record_step(claim: Claim, step: str, result: str, *, commit: bool = False) -> None:
-    """Record a completed step (``result`` is JSON text) and renew the lock; raises
-    IdempotencyKeyLost if another attempt took the key over.
+    """Record a completed step (``result`` is JSON text), renew the lock and keep the key for
+    a TTL from now; raises IdempotencyKeyLost if another attempt took the key over.
 
     A claim made in the transaction has no row until its outcome is stored, and nothing it
     records could outlive the transaction (a crash rolls every step back): the attempt keeps its
@@ -423,13 +429,15 @@ def record_step(claim: Claim, step: str, result: str, *, commit: bool = False) -
         "step": step,
         "result": result,
         "lock": claim.lock_timeout,
+        "ttl": claim.ttl,
     }
     _owned_write(claim, RECORD_STEP, params, commit=commit)
 
 
 def release(claim: Claim) -> None:
     """Give up a key whose attempt failed (never another owner's): deleted, so the retry runs
-    again, unless it holds recorded steps, which the retry resumes after. A claim made in the
+    again, unless it holds recorded steps, which the retry resumes after if it comes within a
+    TTL from now. A claim made in the
     transaction wrote nothing: its session gate is given back (a transaction's gate goes with
     the transaction)."""
     if claim.gate is not None:
@@ -437,7 +445,8 @@ def release(claim: Claim) -> None:
             with connections[claim.using].cursor() as cursor:
                 cursor.execute(UNLOCK_SQL, {"gate": claim.gate})
         return
-    statements.fetch_one(claim.using, RELEASE, {"id": claim.id, "owner": claim.owner})
+    params = {"id": claim.id, "owner": claim.owner, "ttl": claim.ttl}
+    statements.fetch_one(claim.using, RELEASE, params)
 
 
 # The attempts running in this context, innermost last: what ``idempotency.step`` works under.

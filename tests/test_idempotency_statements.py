@@ -153,13 +153,13 @@ def test_owned_writes_find_their_row_by_primary_key() -> None:
     assert claim is not None
     owned = {"id": claim.id, "owner": claim.owner}
     finish_params = {**owned, "status": 201, "headers": "[]", "body": b"", "ttl": 60.0}
-    step_params = {**owned, "step": "a", "result": "1", "lock": 60.0}
+    step_params = {**owned, "step": "a", "result": "1", "lock": 60.0, "ttl": 60.0}
     for statement, params in [
         (FINISH.counting, finish_params),
         (FINISH.strict, finish_params),
         (RECORD_STEP.counting, step_params),
         (RECORD_STEP.strict, step_params),
-        (RELEASE, owned),
+        (RELEASE, {**owned, "ttl": 60.0}),
     ]:
         assert _index_scanned(statement, params) == {"idempotency_key_pkey"}, statement.name
 

@@ -18,11 +18,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.db import connection, transaction
 from django.test import Client
 
@@ -78,6 +81,43 @@ def test_a_failed_step_keeps_the_steps_before_it_and_the_retry_resumes_there() -
     assert calls[0] == "local" and len(calls) == 2, "the recorded step ran again"
     assert _orders() == 1 and result["row"] == Charge.objects.get().pk
     assert run(fail=False) == result  # now a replay of the completed operation
+
+
+def _outrun_ttl(key: str, *, fail: bool, pause: float = 0.0) -> None:
+    """An operation with a TTL of 1 s whose step commits an order, then pauses ``pause``
+    seconds (longer than the TTL: each step renews the lock) and fails or completes."""
+    with idempotency_key(key, scope="steps", atomic=False, ttl=1, lock_timeout=1) as op:
+        if op.replayed:
+            return
+        op.step("order", lambda k: Charge.objects.create(key=f"order:{key}", amount=1).pk)
+        time.sleep(pause)
+        if fail:
+            raise RuntimeError("the next step failed")
+        op.result = "done"
+
+
+def test_a_retry_resumes_after_a_failed_step_of_an_operation_that_outran_its_ttl() -> None:
+    """The TTL that bounds how long recorded steps are kept was counted from the claim: an
+    operation that ran longer than it lost its recovery points as it failed, and the retry
+    ran the committed step again. It counts from the last step or the failure."""
+    with pytest.raises(RuntimeError):
+        _outrun_ttl("ttl-1", fail=True, pause=1.3)
+    row = IdempotencyKey.objects.get(key="ttl-1")
+    assert row.state == "started" and "order" in row.steps
+    assert row.locked_until is not None
+    assert row.expires_at - row.locked_until >= timedelta(seconds=1)  # a TTL from the failure
+    _outrun_ttl("ttl-1", fail=False)
+    assert Charge.objects.filter(key="order:ttl-1").count() == 1, "the recorded step ran again"
+
+
+def test_the_purge_keeps_the_steps_of_a_failed_operation_for_a_ttl_from_its_failure() -> None:
+    """The purge deleted a failed operation's started row once the TTL from its claim had
+    passed, steps and all, though a retry may resume for a TTL from the failure."""
+    with pytest.raises(RuntimeError):
+        _outrun_ttl("ttl-2", fail=True, pause=1.3)
+    call_command("purge_idempotency_keys", verbosity=0)
+    _outrun_ttl("ttl-2", fail=False)
+    assert Charge.objects.filter(key="order:ttl-2").count() == 1, "the recorded step ran again"
 
 
 def _local(calls: list[str], key: str) -> int:

@@ -30,6 +30,9 @@ from django.db import OperationalError, connections, transaction
 from idempotency import conf
 from leases.management._options import at_least, database, pause
 
+#: What a claim would no longer resume: a started key's ``expires_at`` is pushed to a TTL after
+#: each recorded step and after its release (:data:`idempotency.statements.RECORD_STEP`), so a
+#: failed operation's recovery points are kept as long as a retry may resume from them.
 EXPIRED = """
 expires_at < clock_timestamp() AND (state <> 'started' OR locked_until < clock_timestamp())
 """
