@@ -13,15 +13,17 @@ key stuck. So the work is cut into named steps, and each step
   us, answers it once;
 - is skipped by a retry that finds it recorded, which gets the recorded result instead.
 
-A retry after a crash takes the key over once its lock lapses (each recorded step renews the
-lock, so ``LOCK_TIMEOUT`` bounds one step, not the whole operation) and resumes after the last
-recorded step. A step that raises gives the key up but keeps the steps before it, so the retry
-resumes there too; only a key with no recorded step is deleted.
+A retry after a crash takes the key over once its lock lapses (each step a non-atomic attempt
+records renews the lock, so ``LOCK_TIMEOUT`` bounds one step, not the whole operation) and
+resumes after the last recorded step. A step that raises gives the key up but keeps the steps
+before it, so the retry resumes there too; only a key with no recorded step is deleted.
 
 Recovery needs the steps to commit as they go: the attempt must not be atomic
 (``@idempotent(atomic=False)``, ``idempotency_key(..., atomic=False)``,
 ``idempotent_task(atomic=False)``). In an atomic attempt steps are savepoints: a crash rolls them
 all back and the retry runs every step again, outside calls deduplicated by their derived keys.
+So they are kept in the attempt's memory, not written to the key row (see
+:attr:`~idempotency.store.Attempt.steps_in_memory`): ``LOCK_TIMEOUT`` bounds the whole attempt.
 A step with an outside effect that takes no key (an SMTP server) happens again if the crash
 falls between it and its record: at least once, as everywhere outside the database.
 """
@@ -96,8 +98,9 @@ _NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 def _record(attempt: store.Attempt, name: str, text: str, outermost: bool) -> Any:
     """Record the step in its open transaction (committing it in the same round trip when the
     step's block is the outermost one); the result as a resumed run would see it."""
-    commit = outermost and not connections[attempt.claim.using].needs_rollback
-    store.record_step(attempt.claim, name, text, commit=commit)
+    if not attempt.steps_in_memory:
+        commit = outermost and not connections[attempt.claim.using].needs_rollback
+        store.record_step(attempt.claim, name, text, commit=commit)
     return json.loads(text)
 
 

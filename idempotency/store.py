@@ -416,13 +416,8 @@ def finish(claim: Claim, outcome: Outcome, *, ttl: float, commit: bool = False) 
 
 def record_step(claim: Claim, step: str, result: str, *, commit: bool = False) -> None:
     """Record a completed step (``result`` is JSON text), renew the lock and keep the key for
-    a TTL from now; raises IdempotencyKeyLost if another attempt took the key over.
-
-    A claim made in the transaction has no row until its outcome is stored, and nothing it
-    records could outlive the transaction (a crash rolls every step back): the attempt keeps its
-    steps in memory only."""
-    if claim.gate is not None:
-        return
+    a TTL from now; raises IdempotencyKeyLost if another attempt took the key over. Only for
+    an attempt that does not keep its steps in memory (:attr:`Attempt.steps_in_memory`)."""
     params = {
         "id": claim.id,
         "owner": claim.owner,
@@ -512,6 +507,16 @@ class Attempt:
         # Not a token reset: the async views start and end attempts in sync_to_async threads,
         # whose context changes asgiref copies back, so a token would belong to another context.
         _ACTIVE.set((*_ACTIVE.get(), self))
+
+    @property
+    def steps_in_memory(self) -> bool:
+        """Whether this attempt's steps are kept in memory rather than written to its key row:
+        an atomic attempt's. Its steps roll back with its transaction whatever happens (a crash
+        rolls every one back), so writing them would add nothing, and would cost liveness: the
+        write locks the row until the attempt ends and its lock renewal stays invisible, so once
+        the committed lock lapsed a duplicate's claim queued on the row for as long as the
+        attempt ran. A claim made in the transaction has no row to write to anyway."""
+        return self.atomic or self.claim.gate is not None
 
     def _leave(self) -> None:
         _ACTIVE.set(tuple(attempt for attempt in _ACTIVE.get() if attempt is not self))

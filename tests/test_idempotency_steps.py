@@ -30,7 +30,7 @@ from django.db import connection, transaction
 from django.test import Client
 
 from devservers.provider import Provider
-from idempotency import IdempotencyImproperlyConfigured, idempotency_key, step
+from idempotency import IdempotencyImproperlyConfigured, IdempotencyKeyLost, idempotency_key, step
 from idempotency.models import IdempotencyKey
 from idempotency.steps import derived_key
 from idempotency.store import begin
@@ -159,8 +159,6 @@ def test_a_step_outside_an_operation_or_on_a_replay_is_refused() -> None:
 
 
 def test_a_taken_over_attempt_records_no_step_and_its_effects_roll_back() -> None:
-    from idempotency import IdempotencyKeyLost
-
     with (
         pytest.raises(IdempotencyKeyLost),
         idempotency_key("op-5", scope="steps", atomic=False, lock_timeout=60) as op,
@@ -175,6 +173,46 @@ def test_steps_in_an_atomic_operation_roll_back_with_it() -> None:
         op.step("local", lambda key: Charge.objects.create(key="order:6", amount=1).pk)
         raise RuntimeError("after the step")
     assert _orders() == 0 and not IdempotencyKey.objects.filter(key="op-6").exists()
+
+
+def test_a_duplicate_of_a_slow_atomic_operation_with_a_step_is_not_queued_behind_it() -> None:
+    """An atomic attempt's step was written to the key row in the attempt's open transaction:
+    the row stayed locked and the lock's renewal invisible, so once the committed lock lapsed
+    a duplicate's claim queued on the row for as long as the attempt ran. Its steps are kept
+    in memory: the duplicate takes the lapsed key over at once, as from an attempt without
+    steps, and the slow attempt's outcome is refused, its step's effects rolled back."""
+    stepped, finish = threading.Event(), threading.Event()
+    lost: list[Exception] = []
+
+    def first() -> None:
+        try:
+            with idempotency_key("slow", scope="steps", lock_timeout=0.5) as op:
+                op.step("s", lambda key: _local([], "order:slow"))
+                stepped.set()
+                finish.wait(10)
+                op.result = 1
+        except IdempotencyKeyLost as exc:
+            lost.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    timer = threading.Timer(3.0, finish.set)  # what a duplicate that queued would wait for
+    try:
+        assert stepped.wait(10)
+        time.sleep(0.8)  # the lock committed with the claim has lapsed
+        timer.start()
+        sent = time.monotonic()
+        with idempotency_key("slow", scope="steps", lock_timeout=0.5) as op:
+            op.result = op.step("s", lambda key: 2)
+        took = time.monotonic() - sent
+    finally:
+        finish.set()
+        timer.cancel()
+        thread.join(15)
+    assert took < 1.5, f"the duplicate queued {took:.1f}s behind the running attempt"
+    assert lost and _orders() == 0
 
 
 def test_steps_in_async_code() -> None:

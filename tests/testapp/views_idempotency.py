@@ -375,7 +375,7 @@ def _taken_over(request: HttpRequest) -> None:
 
 
 @csrf_exempt
-@idempotent
+@idempotent(atomic=False)  # an atomic attempt's steps are kept in memory: found lost at the end
 def lost_at_a_step(request: HttpRequest) -> HttpResponse:
     """Taken over before its step records: the step raises ``IdempotencyKeyLost``."""
     from idempotency import step
@@ -386,7 +386,7 @@ def lost_at_a_step(request: HttpRequest) -> HttpResponse:
 
 
 @csrf_exempt
-@idempotent
+@idempotent(atomic=False)
 async def alost_at_a_step(request: HttpRequest) -> HttpResponse:
     """:func:`lost_at_a_step`, async."""
     from asgiref.sync import sync_to_async
