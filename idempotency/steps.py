@@ -35,6 +35,7 @@ import inspect
 import json
 import re
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
@@ -95,13 +96,39 @@ def _encode(name: str, result: Any) -> str:
 _NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
+def _jsonb_number(token: str) -> int | float:
+    """A JSON number with a fraction or an exponent as ``jsonb`` gives it back: stored as
+    ``numeric``, printed without an exponent, so one that has no fraction then (Python writes
+    floats from 1e16 up as ``1e+16``) is read back as an int; and ``numeric`` has no -0."""
+    plain = format(Decimal(token), "f")
+    return float(plain) + 0.0 if "." in plain else int(plain)
+
+
+def _jsonb_key_order(item: tuple[str, Any]) -> tuple[int, bytes]:
+    """``jsonb``'s order of an object's keys: shorter (in UTF-8 bytes) first, then bytewise."""
+    key = item[0].encode()
+    return len(key), key
+
+
+def _jsonb_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object as ``jsonb`` gives it back: the last of repeated keys, in its key order."""
+    return dict(sorted(dict(pairs).items(), key=_jsonb_key_order))
+
+
+def _as_stored(text: str) -> Any:
+    """The step result ``text`` as a resumed run reads it from its ``jsonb`` record, which is
+    what the first run gets too: read as Python wrote it, a float of 1e16 or more was a float
+    on the first run and an int on every resumed one."""
+    return json.loads(text, parse_float=_jsonb_number, object_pairs_hook=_jsonb_object)
+
+
 def _record(attempt: store.Attempt, name: str, text: str, outermost: bool) -> Any:
     """Record the step in its open transaction (committing it in the same round trip when the
     step's block is the outermost one); the result as a resumed run would see it."""
     if not attempt.steps_in_memory:
         commit = outermost and not connections[attempt.claim.using].needs_rollback
         store.record_step(attempt.claim, name, text, commit=commit)
-    return json.loads(text)
+    return _as_stored(text)
 
 
 def step(name: str, fn: Callable[[str], T]) -> Any:

@@ -132,6 +132,39 @@ def test_a_step_returns_what_was_recorded_so_a_resumed_run_sees_the_same_value()
     assert value == again == [1, "a"]
 
 
+def test_a_float_step_result_is_the_same_on_the_first_run_and_a_resumed_one() -> None:
+    """The first run read its result back as Python wrote it, a resumed run as ``jsonb`` gave
+    it back (numbers kept as ``numeric``, printed without an exponent): a float of 1e16 or
+    more was a float on the first run and an int on the retry."""
+    seen = []
+    with pytest.raises(RuntimeError), idempotency_key("fl", scope="steps", atomic=False) as op:
+        seen.append(op.step("quote", lambda key: {"amount": 1e20, "rate": 2.5e16, "x": 0.5}))
+        raise RuntimeError("a later step failed")
+    with idempotency_key("fl", scope="steps", atomic=False) as op:
+        seen.append(op.step("quote", lambda key: pytest.fail("the recorded step ran again")))
+    first, resumed = seen
+    assert repr(first) == repr(resumed)  # types and key order too
+
+
+JSONB_SAMPLES = [
+    1e20, -2.5e16, 1e16, 9999999999999998.0, 0.5, 1.0, 1.5e-07, -0.0, 5e-324, 1e300,
+    1.7976931348623157e308, 123456789.123, 10**30, -7, "1e20",
+    {"bb": 1, "a": 2, "é": 3, "ab": {"yy": 1.0, "x": 1e16}},
+    [0.1, 1e15, [1e17, {}]],
+]  # fmt: skip
+
+
+def test_a_step_result_reads_as_jsonb_gives_it_back() -> None:
+    """What the first run gets is what ``jsonb`` returns to a resumed one, value by value."""
+    from idempotency.steps import _as_stored, _encode
+
+    with connection.cursor() as cursor:
+        for sample in JSONB_SAMPLES:
+            text = _encode("sample", sample)
+            cursor.execute("SELECT %s::jsonb::text", [text])
+            assert repr(_as_stored(text)) == repr(json.loads(cursor.fetchone()[0])), sample
+
+
 def test_derived_keys_are_stable_per_request_and_step_and_differ_between_steps() -> None:
     seen: list[str] = []
     for _ in range(2):
