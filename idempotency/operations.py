@@ -39,6 +39,7 @@ from asgiref.sync import sync_to_async
 from django.core.serializers.json import DjangoJSONEncoder
 
 from . import conf, http, steps, store
+from ._claiming import open_cancellably
 from .errors import IdempotencyImproperlyConfigured
 
 __all__ = ["Operation", "idempotency_key"]
@@ -145,7 +146,13 @@ class idempotency_key:
         _finish(self._pop(), exc_type is not None)
 
     async def __aenter__(self) -> Operation:
-        operation = await sync_to_async(self._open)(self._fixed_key())
+        # Cancelled while claiming (asyncio.timeout, a client gone away), the block never runs
+        # and __aexit__ never comes: the claim the thread goes on to make is given up in that
+        # thread. Left, the key stayed started until its lock lapsed, and in atomic mode the
+        # attempt's block stayed open on the connection, swallowing the thread's later writes.
+        operation = await open_cancellably(
+            functools.partial(self._open, self._fixed_key()), lambda opened: opened._attempt
+        )
         _OPEN.set((*_OPEN.get(), operation))
         return operation
 

@@ -14,7 +14,6 @@ aside: the outer guard's options are the ones that count.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -25,6 +24,7 @@ from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.http import HttpRequest, HttpResponseBase
 
 from . import conf, drf, http, store
+from ._claiming import open_cancellably
 from .errors import (
     IdempotencyError,
     IdempotencyImproperlyConfigured,
@@ -135,15 +135,6 @@ class _Guard:
             fingerprint = http.digest([fingerprint.encode()])
         return _Plan(scope=scope, key=key, fingerprint=fingerprint)
 
-    def _open_into(
-        self, box: list[Any], request: HttpRequest, scope_source: Callable[[], Any] | None
-    ) -> HttpResponseBase | store.Attempt | None:
-        """:meth:`open`, its result also left in ``box``: an async request cancelled while
-        this runs in its thread gets no result, and gives up what is left there."""
-        opened = self.open(request, scope_source)
-        box.append(opened)
-        return opened
-
     def open(
         self, request: HttpRequest, scope_source: Callable[[], Any] | None = None
     ) -> HttpResponseBase | store.Attempt | None:
@@ -243,19 +234,12 @@ class _Guard:
         guarding = _Guarding(request)
         if guarding.nested:
             return await call()
-        box: list[Any] = []
-        try:
-            opened = await sync_to_async(self._open_into)(box, request, scope_source)
-        except asyncio.CancelledError:
-            # The client went away (ASGI cancels the request's task) while the key was being
-            # claimed: the thread goes on and may claim it, for nobody. Give that claim up,
-            # in the same thread (thread-sensitive calls run one after the other there, so
-            # after the claim), then let the cancellation go on. Left claimed, the client's
-            # retries got 409 until the lock lapsed. (Not a task of its own for the claim:
-            # the context variables it sets, the attempt's steps among them, must be this
-            # task's.)
-            await sync_to_async(_give_up)(box)
-            raise
+        # A client that goes away while the key is being claimed (ASGI cancels the request's
+        # task) has the claim given up before the cancellation goes on. Left claimed, the
+        # client's retries got 409 until the lock lapsed.
+        opened = await open_cancellably(
+            functools.partial(self.open, request, scope_source), _attempt_in
+        )
         if opened is None:
             return await call()
         if isinstance(opened, HttpResponseBase):
@@ -272,10 +256,9 @@ class _Guard:
         return await sync_to_async(self.close)(opened, response, request)
 
 
-def _give_up(box: list[Any]) -> None:
-    """Abort what a claim cut off by a cancellation opened (see :meth:`_Guard._open_into`)."""
-    if box and isinstance(box[0], store.Attempt):
-        box[0].abort()
+def _attempt_in(opened: HttpResponseBase | store.Attempt | None) -> store.Attempt | None:
+    """The attempt :meth:`_Guard.open` opened, if it opened one (not a refusal or replay)."""
+    return opened if isinstance(opened, store.Attempt) else None
 
 
 def _lost(attempt: store.Attempt, exc: IdempotencyKeyLost) -> HttpResponseBase:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import connections
+from django.db import connections, transaction
 
 from idempotency import idempotency_key
 from leases import LeaseLost, StaleFencingToken, aacquire, aelect, leader_of
@@ -143,3 +143,68 @@ def test_a_request_cancelled_while_its_key_is_claimed_leaves_the_key_free(
     retry.join(30)
     assert retried, "the retry did not finish: the key's claim was still open"
     assert retried[0].status_code == 201 and ran == ["view"]
+
+
+def _connection_state() -> tuple[bool, bool]:
+    db = connections["default"]
+    return db.in_atomic_block, db.get_autocommit()
+
+
+def _close_thread_connection() -> None:
+    """Hygiene for a failure: roll back blocks a leaked attempt left open, then close."""
+    db = connections["default"]
+    while db.atomic_blocks:
+        transaction.set_rollback(True)
+        db.atomic_blocks[-1].__exit__(None, None, None)
+    db.close()
+
+
+@pytest.mark.parametrize("in_transaction", [False, True], ids=["row", "in_transaction"])
+def test_a_task_cancelled_while_its_operation_claims_leaves_nothing_behind(
+    transactional_db: None, monkeypatch: pytest.MonkeyPatch, in_transaction: bool
+) -> None:
+    """``async with idempotency_key(...)`` cancelled while its claim ran in the ORM's thread
+    (asyncio.timeout, a client gone away) lost the operation, but the thread went on: the
+    key stayed started until its lock lapsed (claimed in the transaction, its advisory lock
+    stayed for the connection's life), and the attempt's atomic block stayed open on the
+    connection, under every later write of the thread, which never committed."""
+    from idempotency import IdempotencyKeyInProgress, store
+
+    claimed, cancelled = threading.Event(), threading.Event()
+    real_begin = store.begin
+
+    def begin_until_cancelled(*args: Any, **kwargs: Any) -> Any:
+        begun = real_begin(*args, **kwargs)
+        claimed.set()
+        assert cancelled.wait(10)  # the task is cancelled while the claim is in hand
+        return begun
+
+    def retry_elsewhere() -> tuple[str, int]:
+        try:
+            with idempotency_key("cut", scope="aio-tests", claim_in_transaction=in_transaction):
+                pass
+            return "ran", Charge.objects.count()
+        except IdempotencyKeyInProgress:
+            return "in progress", Charge.objects.count()
+        finally:
+            connections.close_all()
+
+    async def main() -> tuple[tuple[bool, bool], tuple[str, int]]:
+        once = idempotency_key("cut", scope="aio-tests", claim_in_transaction=in_transaction)
+        task = asyncio.ensure_future(once.__aenter__())
+        try:
+            await asyncio.to_thread(claimed.wait, 10)
+            task.cancel()
+            cancelled.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            state = await sync_to_async(_connection_state)()
+            await Charge.objects.acreate(amount=7)  # a later write of the thread
+            return state, await asyncio.to_thread(retry_elsewhere)
+        finally:
+            await sync_to_async(_close_thread_connection)()
+
+    monkeypatch.setattr(store, "begin", begin_until_cancelled)
+    state, retried = asyncio.run(main())
+    assert state == (False, True), "the cancelled claim left its block open on the connection"
+    assert retried == ("ran", 1)
