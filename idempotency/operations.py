@@ -47,8 +47,10 @@ __all__ = ["Operation", "idempotency_key"]
 F = TypeVar("F", bound=Callable[..., Any])
 KeySource = str | Callable[..., str]
 
-_OPEN: contextvars.ContextVar[tuple[Operation, ...]] = contextvars.ContextVar(
-    "idempotency_operations", default=()
+#: The blocks open in this context, each with its operation, innermost last: how ``__exit__``
+#: finds its block's operation when the instance (which holds only options) is shared.
+_OPEN: contextvars.ContextVar[tuple[tuple[idempotency_key, Operation], ...]] = (
+    contextvars.ContextVar("idempotency_operations", default=())
 )
 
 
@@ -134,7 +136,7 @@ class idempotency_key:
 
     def __enter__(self) -> Operation:
         operation = self._open(self._fixed_key())
-        _OPEN.set((*_OPEN.get(), operation))
+        _OPEN.set((*_OPEN.get(), (self, operation)))
         return operation
 
     def __exit__(
@@ -143,7 +145,7 @@ class idempotency_key:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _finish(self._pop(), exc_type is not None)
+        _finish(self._take(), exc_type is not None)
 
     async def __aenter__(self) -> Operation:
         # Cancelled while claiming (asyncio.timeout, a client gone away), the block never runs
@@ -153,7 +155,7 @@ class idempotency_key:
         operation = await open_cancellably(
             functools.partial(self._open, self._fixed_key()), lambda opened: opened._attempt
         )
-        _OPEN.set((*_OPEN.get(), operation))
+        _OPEN.set((*_OPEN.get(), (self, operation)))
         return operation
 
     async def __aexit__(
@@ -162,18 +164,23 @@ class idempotency_key:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await sync_to_async(_finish)(self._pop(), exc_type is not None)
+        await sync_to_async(_finish)(self._take(), exc_type is not None)
 
     def _fixed_key(self) -> str:
         if callable(self.key):
             raise TypeError("a key computed from arguments needs the decorator form")
         return self.key
 
-    @staticmethod
-    def _pop() -> Operation:
-        *rest, operation = _OPEN.get()
-        _OPEN.set(tuple(rest))
-        return operation
+    def _take(self) -> Operation:
+        """This block's operation, taken off the open ones: the last one this instance opened.
+        Not simply the innermost: blocks need not nest (a generator's block ends while its
+        caller's is still open), and the innermost one then belonged to the other block, whose
+        key this one finished with its own result. (The open blocks of one shared instance
+        have one key, so at most one of them holds it; order tells them apart.)"""
+        entries = _OPEN.get()
+        index = max(i for i, (block, _) in enumerate(entries) if block is self)
+        _OPEN.set(entries[:index] + entries[index + 1 :])
+        return entries[index][1]
 
     def __call__(self, func: F) -> F:
         if inspect.iscoroutinefunction(func):

@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -168,6 +169,26 @@ def test_the_decorator_form_tells_two_operations_and_two_calls_apart() -> None:
     with pytest.raises(IdempotencyKeyMismatch):
         send_invoice(7, 2)
     assert Charge.objects.count() == 1
+
+
+def test_blocks_that_do_not_nest_each_finish_their_own_key() -> None:
+    """``__exit__`` finished the innermost open operation, not its own: a generator's block
+    ending while its caller's was still open finished the caller's key with the
+    generator's result (and the other way round), which then replayed for its TTL."""
+
+    def export() -> Iterator[int]:
+        with idempotency_key("export", scope="cmd", atomic=False) as op:
+            yield 1
+            op.result = "export-result"
+
+    rows = export()
+    next(rows)
+    with idempotency_key("row", scope="cmd", atomic=False) as row:
+        next(rows, None)  # the generator's block ends while "row" is still open
+        row.result = "row-result"
+    for key in ("export", "row"):
+        with idempotency_key(key, scope="cmd", atomic=False) as again:
+            assert again.replayed and again.result == f"{key}-result"
 
 
 def test_an_operation_refuses_a_key_in_use_or_used_differently() -> None:
