@@ -14,7 +14,8 @@ Only database effects on the key's database are covered: an email sent from the 
 every run that gets that far, unless the body is made of steps (:mod:`idempotency.steps`,
 ``atomic=False``): then each step commits with its record, a redelivery resumes after the last
 recorded one, and outside calls get a derived key to deduplicate by. Results must be
-JSON-serialisable (they are stored as JSON).
+JSON-serialisable: they are stored as JSON, and every run returns that JSON form, the first too
+(:mod:`idempotency.operations`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,11 @@ block cannot skip itself, so the block checks ``op.replayed``; the decorator for
     @idempotency_key(lambda invoice_id: f"invoice-{invoice_id}", scope="billing")
     def send_invoice(invoice_id: int) -> dict: ...
 
-Results are stored as JSON (``DjangoJSONEncoder``), so a replay returns the JSON form.
+Results are stored as JSON (``DjangoJSONEncoder``) and every run returns that JSON form: after
+a first run too, ``op.result`` (and the decorator's return value) is the recorded value read
+back, as a replay returns it: tuples become lists, ``Decimal`` and ``datetime`` strings, dict
+keys strings. (It used to be the value as the block left it on a first run, so code that worked
+on the first run broke on a retry.)
 
 Async code uses ``async with idempotency_key(...) as op`` and decorates coroutine functions the
 same way. The key's statements run through ``sync_to_async`` (thread-sensitive, as Django's
@@ -265,3 +269,5 @@ def _finish(operation: Operation, failed: bool) -> None:
             f"is not JSON, so it could not be replayed: {exc}"
         ) from exc
     attempt.commit(store.Outcome(status=None, headers=[], body=body))
+    # What a replay will return, so the first run returns it too (see the module docstring).
+    operation.result = json.loads(body)

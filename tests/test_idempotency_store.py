@@ -7,6 +7,7 @@ import os
 import subprocess
 import threading
 from collections.abc import Iterator
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -146,6 +147,19 @@ def test_the_decorator_form_skips_the_call_on_a_repeat() -> None:
 
     assert [job(1), job(1), job(2)] == [10, 10, 20]
     assert calls == [1, 2] and Charge.objects.count() == 2
+
+
+def test_a_first_run_returns_what_its_replays_return() -> None:
+    """The decorator returned the function's own value on the first call and its JSON form
+    on every replay (tuples became lists, ``Decimal`` strings, int keys strings): code that
+    worked on the first call broke only on a retry."""
+
+    @idempotency_key("types", scope="jobs")
+    def invoice() -> dict[object, object]:
+        return {"lines": (1, 2), "total": Decimal("9.50"), 7: "by id"}
+
+    first, replay = invoice(), invoice()
+    assert first == replay == {"lines": [1, 2], "total": "9.50", "7": "by id"}
 
 
 def test_the_decorator_form_tells_two_operations_and_two_calls_apart() -> None:
