@@ -19,6 +19,9 @@ back, as a replay returns it: tuples become lists, ``Decimal`` and ``datetime`` 
 keys strings. (It used to be the value as the block left it on a first run, so code that worked
 on the first run broke on a retry.)
 
+The key and the scope are 1 to 255 characters of text without NUL (the ``Idempotency-Key``
+header's bound, and the key table's), checked with the other options before any round trip.
+
 Async code uses ``async with idempotency_key(...) as op`` and decorates coroutine functions the
 same way. The key's statements run through ``sync_to_async`` (thread-sensitive, as Django's
 async ORM methods do), so in atomic mode the block's own ``await Model.objects.acreate(...)``
@@ -100,9 +103,18 @@ class idempotency_key:
         atomic: bool | None = None,
         claim_in_transaction: bool | None = None,
     ) -> None:
+        if not callable(key):
+            _check_text("key", key)  # a computed key is checked once computed (_with_key)
+        _check_text("scope", scope)
+        if not isinstance(fingerprint, str):
+            raise IdempotencyImproperlyConfigured(
+                f"fingerprint must be a str, not {type(fingerprint).__name__}"
+            )
         conf.check_seconds("ttl", ttl, positive=True)
         conf.check_seconds("lock_timeout", lock_timeout, positive=True)
         conf.check_seconds("wait", wait, positive=False)
+        conf.check_flag("atomic", atomic, optional=True)
+        conf.check_flag("claim_in_transaction", claim_in_transaction, optional=True)
         self.key = key
         self.scope = scope
         self.fingerprint = fingerprint
@@ -271,3 +283,18 @@ def _finish(operation: Operation, failed: bool) -> None:
     attempt.commit(store.Outcome(status=None, headers=[], body=body))
     # What a replay will return, so the first run returns it too (see the module docstring).
     operation.result = json.loads(body)
+
+
+def _check_text(name: str, value: object) -> None:
+    """Refuse a key or scope the key table cannot hold before any round trip: found by the
+    database, an over-long one failed (under ``claim_in_transaction`` only after the block
+    ran), None broke a constraint, a number was stored as its text and met that string's key."""
+    if not isinstance(value, str):
+        problem = f"must be a str, not {type(value).__name__}"
+    elif not 0 < len(value) <= http.MAX_KEY_LENGTH:
+        problem = f"must be 1 to {http.MAX_KEY_LENGTH} characters, not {len(value)}"
+    elif "\x00" in value:
+        problem = "must not contain a NUL character (Postgres text cannot hold one)"
+    else:
+        return
+    raise IdempotencyImproperlyConfigured(f"{name} {value!r:.80} {problem}")

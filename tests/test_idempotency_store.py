@@ -18,6 +18,7 @@ from django.test.utils import CaptureQueriesContext
 
 from idempotency import (
     IdempotencyClientUnidentified,
+    IdempotencyImproperlyConfigured,
     IdempotencyKeyInProgress,
     IdempotencyKeyLost,
     IdempotencyKeyMismatch,
@@ -203,6 +204,52 @@ def test_blocks_that_do_not_nest_each_finish_their_own_key() -> None:
     for key in ("export", "row"):
         with idempotency_key(key, scope="cmd", atomic=False) as again:
             assert again.replayed and again.result == f"{key}-result"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"key": ""},
+        {"key": "x" * 256},
+        {"key": None},
+        {"key": 5},
+        {"key": "a\x00b"},
+        {"scope": ""},
+        {"scope": 5},
+        {"fingerprint": 5},
+        {"atomic": "no"},
+        {"claim_in_transaction": "yes"},
+    ],
+    ids=["empty", "256", "none", "int", "nul", "empty-scope", "int-scope", "int-fp", "no", "yes"],
+)
+def test_an_operation_refuses_bad_options_before_any_round_trip(options: dict[str, Any]) -> None:
+    """Only the numbers were checked: a key or scope the header guard refuses (empty, over
+    255 characters, a NUL) failed in the database (claimed in the transaction, only after
+    the block ran), None broke a constraint, 5 was stored as "5" and met that key,
+    ``fingerprint=5`` raised AttributeError, and ``atomic="no"`` meant atomic."""
+    given = {"key": "fine", **options}
+    with (
+        CaptureQueriesContext(connection) as queries,
+        pytest.raises(IdempotencyImproperlyConfigured),
+        idempotency_key(**given),
+    ):
+        pass
+    assert not queries.captured_queries
+
+
+def test_a_computed_key_is_checked_before_any_round_trip() -> None:
+    @idempotency_key(lambda length: "k" * length, scope="jobs")
+    def job(length: int) -> int:
+        return length
+
+    for length in (0, 256):
+        with (
+            CaptureQueriesContext(connection) as queries,
+            pytest.raises(IdempotencyImproperlyConfigured, match=f"key .* not {length}"),
+        ):
+            job(length)
+        assert not queries.captured_queries
+    assert job(255) == 255
 
 
 def test_an_operation_refuses_a_key_in_use_or_used_differently() -> None:
