@@ -540,14 +540,15 @@ def remember_advisory_names(*names: str, using: str | None = None) -> None:
     """
     from .models import AdvisoryLockName
 
-    rows = [AdvisoryLockName(key=_name_key(name), name=name) for name in names]
+    rows = [AdvisoryLockName(key=_name_key(name), name=name) for name in names]  # before SQL
     manager = AdvisoryLockName.objects if using is None else AdvisoryLockName.objects.using(using)
     manager.bulk_create(rows, ignore_conflicts=True)
 
 
 def _name_key(name: str) -> int:
-    from .keys import advisory_key
+    """The key of ``name``, validated before any SQL: an explicit key (an ``int``, a pair)
+    has no name to record, and a bare ``assert`` let a pair through under ``python -O``
+    while an ``int`` was stored as its text."""
+    from .keys import hashed_key, validate_name
 
-    key = advisory_key(name)
-    assert isinstance(key, int)  # a name always maps to one signed 64-bit key
-    return key
+    return hashed_key(validate_name(name))

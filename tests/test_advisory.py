@@ -262,6 +262,20 @@ def test_bad_names_are_rejected_before_any_sql(bad: Any, helper: str) -> None:
         getattr(advisory, helper)(bad)
 
 
+@pytest.mark.parametrize("bad", [(1, 2), 5, "", "nul\x00", None])
+def test_remember_advisory_names_rejects_what_is_no_name_before_any_sql(bad: Any) -> None:
+    """A key pair failed a bare ``assert`` (gone under ``python -O``, where the pair reached
+    the database) and an ``int`` was stored as its text, not the typed error of every other
+    advisory entry point."""
+    from leases.operations import remember_advisory_names
+
+    def no_sql(*args: Any) -> None:
+        raise AssertionError("SQL was sent for a bad name")
+
+    with connection.execute_wrapper(no_sql), pytest.raises(InvalidLeaseName):
+        remember_advisory_names(bad)
+
+
 @pytest.mark.parametrize("bad", ["false", "no", 0, 1, None])
 @pytest.mark.parametrize("helper", ["xact_lock", "try_xact_lock", "session_lock"])
 def test_a_shared_flag_that_is_not_a_bool_is_rejected_before_any_sql(bad: Any, helper: str) -> None:
