@@ -43,9 +43,12 @@ _held: weakref.WeakKeyDictionary[BaseDatabaseWrapper, list[tuple[str, str]]] = (
 )
 
 
-#: Per Django connection object: how many of its tracked locks were held when the current
-#: request started (they are not the request's to release).
-_before: weakref.WeakKeyDictionary[BaseDatabaseWrapper, int] = weakref.WeakKeyDictionary()
+#: Per Django connection object: how many of its tracked locks were held when each request
+#: now running on it started (they are not that request's to release), innermost last. A
+#: stack, not one count: a request served inside another on the same thread (Django's test
+#: ``Client`` called from a view) overwrote the outer request's count, then popped it, so the
+#: outer request's end released a lock taken before either began.
+_before: weakref.WeakKeyDictionary[BaseDatabaseWrapper, list[int]] = weakref.WeakKeyDictionary()
 
 
 def track(connection: BaseDatabaseWrapper, label: str, unlock_sql: str) -> None:
@@ -71,14 +74,15 @@ def untrack(connection: BaseDatabaseWrapper, unlock_sql: str) -> None:
 def mark_start(**kwargs: Any) -> None:
     """At the start of a request: what is held now was taken outside it."""
     for connection in connections.all(initialized_only=True):
-        _before[connection] = len(_held.get(connection, ()))
+        _before.setdefault(connection, []).append(len(_held.get(connection, ())))
 
 
 def release_leaked(**kwargs: Any) -> None:
     """At the end of a request: unlock every session lock the request took and left held,
     and say so."""
     for connection in connections.all(initialized_only=True):
-        kept = _before.pop(connection, 0)
+        starts = _before.get(connection)
+        kept = starts.pop() if starts else 0
         held = _held.pop(connection, None)
         if held and kept:
             _held[connection], held = held[:kept], held[kept:]

@@ -52,7 +52,13 @@ def leak_inside_a_shared_block(request: HttpRequest, alias: str) -> HttpResponse
     return HttpResponse("leaked")
 
 
+def nested(request: HttpRequest, alias: str) -> HttpResponse:
+    """A request that serves another on the same thread and connection before it ends."""
+    return HttpResponse(Client().get(f"/held/{alias}").content)
+
+
 urlpatterns = [
+    path("nested/<str:alias>", nested),
     path("leak/<str:alias>", leak),
     path("leak-mixed/<str:alias>", leak_inside_a_shared_block),
     path("held/<str:alias>", held_here),
@@ -162,3 +168,20 @@ def test_a_session_lock_taken_before_a_request_is_not_the_requests_to_release(
         held.ensure_held()  # still ours, on the same session
     assert not [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
     assert free_elsewhere("default", "taken-before")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_taken_before_nested_requests_is_not_released_by_the_outer_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One "held at the start" count per connection: the inner request overwrote the outer
+    one's and its end dropped it, so the outer request's end released (and reported) a lock
+    taken before both began, while its block still ran."""
+    with (
+        caplog.at_level(logging.ERROR, logger="leases.advisory"),
+        advisory.session_lock("taken-before-nested") as held,
+    ):
+        with override_settings(ROOT_URLCONF=__name__):
+            assert Client().get("/nested/default").content == b"1"
+        held.ensure_held()
+    assert not [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
