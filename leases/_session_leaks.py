@@ -32,7 +32,7 @@ from django.core.signals import request_finished, request_started
 from django.db import close_old_connections, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-__all__ = ["install", "mark_start", "release_leaked", "track", "untrack"]
+__all__ = ["end_session", "install", "mark_start", "release_leaked", "track", "untrack"]
 
 logger = logging.getLogger("leases.advisory")
 
@@ -51,9 +51,60 @@ _held: weakref.WeakKeyDictionary[BaseDatabaseWrapper, list[tuple[str, str]]] = (
 _before: weakref.WeakKeyDictionary[BaseDatabaseWrapper, list[int]] = weakref.WeakKeyDictionary()
 
 
+#: Django connection objects whose ``close()`` ends the server session while they hold a
+#: tracked lock (see :func:`_end_on_close`).
+_guarded: weakref.WeakSet[BaseDatabaseWrapper] = weakref.WeakSet()
+
+
 def track(connection: BaseDatabaseWrapper, label: str, unlock_sql: str) -> None:
     """A session lock was taken on ``connection``; ``unlock_sql`` releases it once."""
     _held.setdefault(connection, []).append((label, unlock_sql))
+    if connection not in _guarded:
+        _end_on_close(connection)
+
+
+def end_session(connection: BaseDatabaseWrapper) -> None:
+    """End ``connection``'s server session, and with it every lock of it; then let Django
+    forget the connection (it reconnects on the next query).
+
+    Django's ``close()`` does not end the session of a pooled alias (``OPTIONS={"pool":
+    ...}``): it hands the session back to the pool, locks and all, and the pool lends it to
+    another thread, whose ``session_lock`` of the same name is then let straight in (advisory
+    locks are re-entrant per session): two holders, and both unlocks succeed. Finishing the
+    driver's connection first ends the session whatever happens next: a pool discards a
+    closed connection and opens another. (Not the driver's ``close()``: a pool made with
+    ``close_returns`` would take the connection back instead.)
+    """
+    raw = connection.connection
+    if raw is not None:
+        raw.pgconn.finish()
+    connection.close()
+
+
+def _end_on_close(connection: BaseDatabaseWrapper) -> None:
+    """Make Django's own closing of ``connection`` (``close_old_connections`` between units
+    of work, ``connections.close_all()``) end the server session while a tracked lock is
+    held on it, as it does without a pool: the lock goes with the session, never into the
+    pool, and its holder learns it at ``ensure_held()`` or at the block's exit.
+
+    Django has no hook around closing, so the instance's ``close`` (which every closing path
+    calls, and which pools the driver's connection) is wrapped, once per connection object.
+    The wrapper holds the connection weakly, so it does not keep it (and its entries) alive.
+    """
+    _guarded.add(connection)
+    owner = weakref.ref(connection)
+    close = type(connection).close
+
+    def close_ending_locked_sessions() -> None:
+        wrapper = owner()
+        if wrapper is None:
+            return
+        wrapper.validate_thread_sharing()  # another thread's close must not end our session
+        if _held.get(wrapper) and wrapper.connection is not None:
+            wrapper.connection.pgconn.finish()
+        close(wrapper)
+
+    connection.close = close_ending_locked_sessions  # type: ignore[method-assign]
 
 
 def untrack(connection: BaseDatabaseWrapper, unlock_sql: str) -> None:
@@ -126,7 +177,7 @@ def _unlock(connection: BaseDatabaseWrapper, held: list[tuple[str, str]]) -> str
                 found = found and bool(row and row[0])
     except Exception as exc:  # the driver's error, whatever the state of the session
         logger.warning("leases: could not unlock a leaked session lock (%s); closing", exc)
-        connection.close()
+        end_session(connection)
         return "closed"
     return "released" if found else "not held"
 

@@ -472,12 +472,14 @@ def _unlock(lock: AdvisoryLock) -> None:
 
 
 def _release_by_closing(connection: BaseDatabaseWrapper, lock: AdvisoryLock) -> None:
-    """An aborted transaction refuses the unlock; ending the session is the only release left.
+    """An aborted transaction refuses the unlock; ending the session is the only release left
+    (really ending it: Django's ``close()`` alone hands a pooled session back to its pool,
+    lock and all, see :func:`leases._session_leaks.end_session`).
 
     Django then rolls the transaction back (it already could not commit) and reconnects on the
     next query.
     """
-    connection.close()
+    _session_leaks.end_session(connection)
     raise BackendUnavailable(
         f"postgresql:{lock.using}",
         f"the transaction around session_lock({lock.label!r}) was aborted by an earlier error, "

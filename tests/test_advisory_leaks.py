@@ -8,21 +8,25 @@ never exited); the next request must find the lock free and its own session hold
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from django.core.handlers.wsgi import WSGIHandler
 from django.core.signals import request_finished
-from django.db import connections
+from django.db import DatabaseError, DataError, close_old_connections, connections, transaction
 from django.http import HttpRequest, HttpResponse
 from django.test import Client, override_settings
 from django.urls import path
 
 from leases import advisory
-from tests.advisory_support import free_elsewhere
+from leases.errors import LeaseLost, LeaseNotHeld
+from tests.advisory_support import free_elsewhere, holders, other_session
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse
@@ -45,6 +49,15 @@ def held_here(request: HttpRequest, alias: str) -> HttpResponse:
         return HttpResponse(str(cursor.fetchone()[0]))
 
 
+def leak_then_abort(request: HttpRequest, alias: str) -> HttpResponse:
+    """A leaked lock whose transaction then failed: the unlock at the end is refused."""
+    advisory.session_lock("leaked-then-aborted", using=alias).__enter__()
+    transaction.set_autocommit(False, using=alias)
+    with contextlib.suppress(DatabaseError), connections[alias].cursor() as cursor:
+        cursor.execute("SELECT 1 / 0")
+    return HttpResponse("leaked")
+
+
 def leak_inside_a_shared_block(request: HttpRequest, alias: str) -> HttpResponse:
     """A reader's block that ends, around a writer's lock of the same name left held."""
     with advisory.session_lock("leaked-by-a-view", shared=True, using=alias):
@@ -60,6 +73,7 @@ def nested(request: HttpRequest, alias: str) -> HttpResponse:
 urlpatterns = [
     path("nested/<str:alias>", nested),
     path("leak/<str:alias>", leak),
+    path("leak-aborted/<str:alias>", leak_then_abort),
     path("leak-mixed/<str:alias>", leak_inside_a_shared_block),
     path("held/<str:alias>", held_here),
 ]
@@ -82,6 +96,25 @@ def serve(path: str) -> bytes:
         return b"".join(response)
     finally:
         response.close()
+
+
+def locks_of_a_borrowed_session(alias: str) -> int:
+    """How many advisory locks the session another thread gets from ``alias`` holds."""
+    box: list[int] = []
+
+    def run() -> None:
+        try:
+            with connections[alias].cursor() as cursor:
+                cursor.execute(HELD_ADVISORY_SQL)
+                box.append(int(cursor.fetchone()[0]))
+        finally:
+            connections[alias].close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert box, "the other thread got no session"
+    return box[0]
 
 
 @pytest.fixture
@@ -185,3 +218,55 @@ def test_a_lock_taken_before_nested_requests_is_not_released_by_the_outer_one(
             assert Client().get("/nested/default").content == b"1"
         held.ensure_held()
     assert not [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
+
+
+@pytest.mark.parametrize("reused_alias", ["pool"], indirect=True)
+def test_closing_a_pooled_connection_mid_block_ends_the_session_with_its_lock(
+    reused_alias: str,
+) -> None:
+    """``close_old_connections()`` between units of work, inside a ``session_lock`` block,
+    handed the session to the pool with the lock still on it: the next borrower's
+    ``session_lock`` of the name was let straight in (re-entrant per session), two holders,
+    and neither exit noticed. Now the close ends the session as it does without a pool."""
+    with pytest.raises(LeaseNotHeld), advisory.session_lock("pooled", using=reused_alias) as held:
+        close_old_connections()  # as Django's docs advise for long-running commands
+        with other_session() as other:
+            wait_until(lambda: holders(other, "pooled") == 0, 10, "the ended session's lock to go")
+        assert locks_of_a_borrowed_session(reused_alias) == 0
+        with pytest.raises(LeaseLost):
+            held.ensure_held()
+
+
+@pytest.mark.parametrize("reused_alias", ["pool"], indirect=True)
+def test_release_by_closing_in_an_aborted_transaction_ends_a_pooled_session(
+    reused_alias: str,
+) -> None:
+    """The exit "closed the connection to release" the lock its aborted transaction refused
+    to unlock; on a pool that close rolled back and pooled the session, lock and all."""
+    with (
+        pytest.raises(DataError),
+        transaction.atomic(using=reused_alias),
+        advisory.session_lock("pooled-aborted", using=reused_alias),
+        connections[reused_alias].cursor() as cursor,
+    ):
+        cursor.execute("SELECT 1 / 0")
+    with other_session() as other:
+        wait_until(lambda: holders(other, "pooled-aborted") == 0, 10, "the lock to go")
+    assert locks_of_a_borrowed_session(reused_alias) == 0
+
+
+@pytest.mark.parametrize("reused_alias", ["pool"], indirect=True)
+def test_a_leaked_lock_closed_away_at_request_end_is_gone_from_a_pool(
+    reused_alias: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The end of the request could not unlock (aborted transaction), closed the connection
+    and logged the lock released "with the session"; on a pool the session went back to the
+    pool with it."""
+    with caplog.at_level(logging.ERROR, logger="leases.advisory"):
+        assert serve(f"/leak-aborted/{reused_alias}") == b"leaked"
+    record: Any
+    (record,) = [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
+    assert record.released
+    with other_session() as other:
+        wait_until(lambda: holders(other, "leaked-then-aborted") == 0, 10, "the lock to go")
+    assert serve(f"/held/{reused_alias}") == b"0"
