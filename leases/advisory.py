@@ -36,6 +36,7 @@ import functools
 import logging
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from contextlib import ContextDecorator
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from psycopg.pq import TransactionStatus
 from . import _advisory_names, _session_leaks, conf
 from ._arguments import valid_flag, valid_timeout
 from .backends._pgdeadline import Deadline, armed
+from .backends._pgpooler import BACKEND_PID_SQL, behind_pooler
 from .errors import (
     BackendNotSupported,
     BackendUnavailable,
@@ -408,15 +410,57 @@ def try_xact_lock(name: LockKey, *, shared: bool = False, using: str = DEFAULT_D
     return bool(_call(lock, XACT_TRY_LOCK, needs_transaction=True))
 
 
+#: Per driver connection (one server session, or one pooler client): whether session state
+#: stays with it, asked before its first session lock (:func:`_keeps_sessions`).
+_session_keeping: weakref.WeakKeyDictionary[psycopg.Connection[Any], bool] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _keeps_sessions(lock: AdvisoryLock) -> bool:
+    """Whether ``lock``'s connection keeps its server session from one statement to the next.
+
+    Behind a transaction pooler (PgBouncer's default mode) it does not: the lock is taken on
+    one server session, the pooler lends that session to another client, whose
+    ``session_lock`` of the same name is let straight in (advisory locks are re-entrant per
+    session), and both unlocks succeed, so neither exit notices the two holders. The lease
+    backend's probe tells (:mod:`leases.backends._pgpooler`: a pooler answers the startup
+    with a process id of its own), once per connection; the alias may be declared a session
+    pooler in ``LEASES["SESSION_POOLING"]`` (the client cannot read the pooler's mode).
+    """
+    connection = _database(lock.using)
+    if lock.using in conf.get().session_pooling:
+        return True
+    connection.ensure_connection()
+    raw = connection.connection
+    known = _session_keeping.get(raw)
+    if known is None:
+        try:
+            pid = _execute(connection, BACKEND_PID_SQL, bound=CHECK_TIMEOUT)
+        except _DRIVER_ERRORS as exc:
+            raise _translate(exc, lock, None) from exc
+        known = _session_keeping[raw] = not behind_pooler(raw, int(pid))
+    return known
+
+
 class _SessionLock(_LockBlock):
     """``session_lock(...)``: tracked while held, so a lock still held when the request ends
     is released and reported rather than inherited by the next request on the connection
-    (:mod:`leases._session_leaks`)."""
+    (:mod:`leases._session_leaks`). Refused behind a transaction pooler
+    (:func:`_keeps_sessions`)."""
 
     WAIT, TRY, NEEDS_TRANSACTION = SESSION_LOCK, SESSION_TRY_LOCK, False
     FACTORY = "session_lock"
 
     def __enter__(self) -> AdvisoryLock:
+        if not _keeps_sessions(self.lock):
+            self.used = True
+            raise BackendNotSupported(
+                f"database {self.lock.using!r} (behind a connection pooler that may hand each "
+                'transaction another server session; list it in LEASES["SESSION_POOLING"] if '
+                "the pooler keeps each client's session)",
+                "session_lock",
+            )
         lock = super().__enter__()
         _session_leaks.track(connections[lock.using], lock.label, _session_unlock_sql(lock))
         return lock

@@ -50,6 +50,9 @@ DEFAULTS: dict[str, Any] = {
     # Record each advisory lock name on first use (from a background thread with a connection
     # of its own), so operators' views show names instead of 64-bit keys.
     "RECORD_ADVISORY_NAMES": True,
+    # Django database aliases that reach PostgreSQL through a pooler which keeps each client's
+    # server session (PgBouncer's session mode): session_lock is refused behind any other.
+    "SESSION_POOLING": (),
 }
 
 
@@ -72,6 +75,7 @@ class LeasesSettings:
     drift_min: float
     holder_label: str
     record_advisory_names: bool = True
+    session_pooling: frozenset[str] = frozenset()
 
     def retry_window(self, ttl: float) -> float:
         """Time between a renewal falling due and the holder's validity running out.
@@ -143,6 +147,11 @@ def problems() -> list[str]:
     found += _label_problems(raw.get("HOLDER_LABEL", ""))
     if not isinstance(raw.get("RECORD_ADVISORY_NAMES", True), bool):
         found.append(f'{SETTING_NAME}["RECORD_ADVISORY_NAMES"] must be True or False')
+    pooled = raw.get("SESSION_POOLING", ())
+    if not isinstance(pooled, list | tuple | set | frozenset) or not all(
+        isinstance(alias, str) for alias in pooled
+    ):
+        found.append(f'{SETTING_NAME}["SESSION_POOLING"] must be a list of database aliases')
     return found
 
 
@@ -222,6 +231,7 @@ def get() -> LeasesSettings:
         drift_min=float(raw["DRIFT_MIN"]),
         holder_label=str(raw["HOLDER_LABEL"]),
         record_advisory_names=bool(raw["RECORD_ADVISORY_NAMES"]),
+        session_pooling=frozenset(raw["SESSION_POOLING"]),
     )
 
 

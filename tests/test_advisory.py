@@ -417,3 +417,14 @@ def test_a_name_that_cannot_be_recorded_does_not_stop_the_writer() -> None:
         10,
         "a name noted after a bad batch to be recorded",
     )
+
+
+@pytest.mark.parametrize("bad", ["bounced", [1]])
+def test_session_pooling_must_list_database_aliases(bad: Any) -> None:
+    """A bare string would read as a set of one-letter aliases."""
+    from django.test import override_settings
+
+    from leases import conf
+
+    with override_settings(LEASES={"SESSION_POOLING": bad}):
+        assert conf.problems() == ['LEASES["SESSION_POOLING"] must be a list of database aliases']

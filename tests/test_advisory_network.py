@@ -1,4 +1,5 @@
-"""A session lock on a connection that goes silent, and the TCP settings that bound it.
+"""A session lock on a connection that goes silent, and the TCP settings that bound it; and
+one behind a transaction pooler, which is refused.
 
 The holder's Django connection goes through :class:`devservers.proxy.FaultProxy`; a blackhole
 there is a half-open peer as the client sees it (no reply, no FIN, no RST). The holder must
@@ -17,11 +18,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.conf import settings as django_settings
+from django.db import connections, transaction
+from django.test import override_settings
 
+from devservers.pgbouncer import PgBouncer, pgbouncer_binary
 from devservers.proxy import FaultProxy
 from leases import LeaseLost, advisory
 from leases.backends._pgconn import connect
+from leases.errors import BackendNotSupported
 from tests.advisory_support import free_elsewhere
 from tests.waiting import wait_until
 
@@ -49,6 +54,27 @@ def half_open(
             proxy.close()
             del connections["halfopen"]
             connections.settings.pop("halfopen", None)
+
+
+@pytest.fixture
+def bounced(fault_database: tuple[str, Any], django_db_blocker: Any) -> Iterator[str]:
+    """Alias ``"bounced"``: the server of our own through PgBouncer in transaction pooling."""
+    if pgbouncer_binary() is None:
+        pytest.skip("pgbouncer is not installed")
+    direct, server = fault_database
+    with PgBouncer(server.port, pool_mode="transaction", pool_size=1) as bouncer:
+        settings = dict(connections.settings[direct])
+        settings["PORT"] = str(bouncer.port)
+        settings["DISABLE_SERVER_SIDE_CURSORS"] = True
+        connections.settings["bounced"] = settings
+        try:
+            with django_db_blocker.unblock():
+                yield "bounced"
+        finally:
+            with contextlib.suppress(Exception):
+                connections["bounced"].close()
+            del connections["bounced"]
+            connections.settings.pop("bounced", None)
 
 
 def taken_elsewhere(alias: str, name: str) -> Callable[[], bool]:
@@ -107,3 +133,25 @@ def test_the_packages_connections_carry_their_keepalive_and_user_timeout(
             sock.detach()  # the descriptor is psycopg's
     finally:
         conn.close()
+
+
+def test_a_session_lock_behind_a_transaction_pooler_is_refused(bounced: str) -> None:
+    """Two clients handed one server session both held one ``session_lock`` (re-entrant per
+    session) and both unlocks succeeded, so neither exit noticed, though the guide promised
+    ``LeaseNotHeld``. The connection is probed before its first session lock, as the lease
+    backend probes its own; transaction locks still work."""
+    with (
+        pytest.raises(BackendNotSupported, match="SESSION_POOLING"),
+        advisory.session_lock("bounced", using=bounced),
+    ):
+        pytest.fail("a session lock was taken through a transaction pooler")
+    with transaction.atomic(using=bounced), advisory.xact_lock("bounced", using=bounced) as lock:
+        assert lock.held()
+
+
+def test_a_declared_session_pooler_is_taken_at_its_word(bounced: str) -> None:
+    """``LEASES["SESSION_POOLING"]`` names the aliases whose pooler keeps each client's
+    session (the client cannot read the pooler's mode), as the backend option does."""
+    declared = {**getattr(django_settings, "LEASES", {}), "SESSION_POOLING": [bounced]}
+    with override_settings(LEASES=declared), advisory.session_lock("declared", using=bounced):
+        pass
