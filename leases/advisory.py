@@ -453,8 +453,8 @@ class _SessionLock(_LockBlock):
     FACTORY = "session_lock"
 
     def __enter__(self) -> AdvisoryLock:
+        self.used = True  # entered, even if refused below: not a lock dropped unused
         if not _keeps_sessions(self.lock):
-            self.used = True
             raise BackendNotSupported(
                 f"database {self.lock.using!r} (behind a connection pooler that may hand each "
                 'transaction another server session; list it in LEASES["SESSION_POOLING"] if '
