@@ -118,6 +118,15 @@ def problems() -> list[str]:
     if not isinstance(backends, dict) or not backends:
         found.append(f'{SETTING_NAME}["BACKENDS"] must be a non-empty dict of alias -> options')
     else:
+        if "default" not in backends:
+            # As Django's DATABASES: every call without backend= (lease(), acquire(), the
+            # Celery decorators) names it, and each failed at its first use in production.
+            found.append(
+                f'{SETTING_NAME}["BACKENDS"] has no "default" backend, which every call '
+                "without backend= uses (configured: "
+                + ", ".join(sorted(map(str, backends)))
+                + ")"
+            )
         for alias, entry in backends.items():
             if not isinstance(alias, str) or len(alias) > MAX_ALIAS_LENGTH:
                 # Else a force release on it failed in the database (DataError): its leases

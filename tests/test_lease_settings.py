@@ -39,6 +39,8 @@ from leases.errors import InvalidLeaseOption, LeasesImproperlyConfigured
         # with a DataError (a 500 in the admin, "database unavailable" from the command).
         ({"BACKENDS": {"b" + "x" * 100: {"ENGINE": "leases.backends.database"}}}, "at most 100"),
         ({"BACKENDS": {1: {"ENGINE": "leases.backends.database"}}}, "must be a string"),
+        # Every call without backend= failed at its first use, past a clean `check`.
+        ({"BACKENDS": {"primary": {"ENGINE": "leases.backends.database"}}}, 'no "default"'),
     ],
 )
 def test_bad_limits_are_reported_by_check(extra: dict[str, Any], problem: str) -> None:
