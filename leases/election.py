@@ -11,9 +11,10 @@ Observers ask :func:`leader_of`, which reads the store without campaigning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -140,31 +141,43 @@ class Leadership:
     ensure_leader = ensure_held
 
     def resign(self) -> None:
-        """Stop leading now so another candidate need not wait for the TTL to run out."""
+        """Stop leading now so another candidate need not wait for the TTL to run out.
+
+        The leadership ends (``is_leader`` false, ``leader_lost`` sent, ``lost`` set) whatever
+        the release's outcome, even when it is interrupted (Ctrl-C): once asked to step down,
+        this process must not go on claiming to lead beside a successor. A grant whose release
+        went unanswered is left to run out by its TTL (watched, never renewed)."""
         lease = self._lease
-        if lease is not None and not lease.done:
-            try:
+        with self._stepping_down():
+            if lease is not None and not lease.done:
                 lease.release()
-            except (LeaseLost, LeaseNotHeld):
-                pass  # already lost (nothing of ours left to give back), or resigned meanwhile
-            except BackendUnavailable as exc:
-                # Stepping down must not fail: the grant is given up to its TTL, unrenewed.
-                lease._abandon()
-                logger.warning("could not resign %r, it will expire: %s", self.name, exc)
-        self._end("resigned")
 
     async def aresign(self) -> None:
-        """:meth:`resign` from async code (the release is awaited, never blocking the loop)."""
+        """:meth:`resign` from async code (the release is awaited, never blocking the loop).
+
+        A cancellation during the release is raised after it ran to its end (see
+        :meth:`~leases.handle.Lease.arelease`), and after the leadership has ended."""
         lease = self._lease
-        if lease is not None and not lease.done:
-            try:
+        with self._stepping_down():
+            if lease is not None and not lease.done:
                 await lease.arelease()
-            except (LeaseLost, LeaseNotHeld):
-                pass
-            except BackendUnavailable as exc:
-                lease._abandon()
-                logger.warning("could not resign %r, it will expire: %s", self.name, exc)
-        self._end("resigned")
+
+    @contextlib.contextmanager
+    def _stepping_down(self) -> Iterator[None]:
+        """Around a resignation's release: what it may raise, and the end it always ends in
+        (in a ``finally``: a ``KeyboardInterrupt`` or a held-back ``CancelledError`` raised
+        once the release was attempted skipped it, leaving ``is_leader`` true, ``lost`` unset
+        and ``leader_lost`` unsent)."""
+        try:
+            yield
+        except (LeaseLost, LeaseNotHeld):
+            pass  # already lost (nothing of ours left to give back), or resigned meanwhile
+        except BackendUnavailable as exc:
+            # Stepping down must not fail: the grant is given up to its TTL, unrenewed.
+            self.lease._abandon()
+            logger.warning("could not resign %r, it will expire: %s", self.name, exc)
+        finally:
+            self._end("resigned")
 
     def _lease_lost(self, *args: Any, **kwargs: Any) -> None:
         """Keepalive's ``on_lost`` hook: the lease behind the leadership is gone."""

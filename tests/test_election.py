@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -18,7 +19,7 @@ from django.conf import settings
 
 from leases import signals
 from leases.backends import Capability, get_backend
-from leases.election import Leadership, elect, election_lease_name, leader_of
+from leases.election import Leadership, aelect, elect, election_lease_name, leader_of
 from leases.errors import InvalidLeaseName, InvalidLeaseOption, LeaseUnavailable
 from tests import checker
 
@@ -161,6 +162,66 @@ def test_leadership_fences_writes_and_logs_structured_records(
         ("leader_lost", first.token),
         ("leader_elected", second.token),
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("backend", ["default", "redis"])
+def test_a_cancelled_aresign_still_ends_the_leadership(backend: str) -> None:
+    """The release ran to its end and re-raised the held-back cancellation, which skipped the
+    end of the leadership: ``lost`` was never set (a waiter on it hung) and ``leader_lost``
+    never sent."""
+    name, told = unique(), []
+
+    def on_lost(sender: str, leadership: Leadership, reason: str, **kwargs: Any) -> None:
+        told.append(reason)
+
+    async def resign_cancelled() -> Leadership:
+        leadership = await aelect(name, ttl=10, backend=backend, timeout=5)
+        resigning = asyncio.create_task(leadership.aresign())
+        await asyncio.sleep(0)  # the release is on its way
+        resigning.cancel()  # asyncio.run() shutting down, a TaskGroup, a timeout
+        with pytest.raises(asyncio.CancelledError):
+            await resigning
+        return leadership
+
+    signals.leader_lost.connect(on_lost)
+    try:
+        leadership = asyncio.run(resign_cancelled())
+    finally:
+        signals.leader_lost.disconnect(on_lost)
+    assert leader_of(name, backend=backend) is None  # released all the same
+    assert leadership.lost.is_set() and not leadership.is_leader
+    assert told == ["resigned"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_resign_interrupted_after_the_release_does_not_leave_two_leaders(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C landing as the release's reply came back: the release's outcome was unknown, so
+    ``is_leader`` stayed true for the whole TTL beside a successor's."""
+    name, store = unique(), get_backend("default")
+    old = elect(name, ttl=20, timeout=5)
+    released = store.release
+
+    def release_interrupted(grant: Any) -> None:
+        released(grant)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "release", release_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        old.resign()
+    monkeypatch.undo()
+    assert not old.is_leader and old.lost.is_set()
+    with ThreadPoolExecutor(1) as pool:  # another thread: leases are not reentrant per thread
+        new = pool.submit(elect, name, ttl=20, timeout=0).result(10)
+    try:
+        leader = leader_of(name)
+        assert leader is not None and leader.token == new.token > old.token
+        assert new.is_leader and not old.is_leader
+    finally:
+        new.resign()
+        old.resign()
 
 
 CONTENDER = """
