@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -23,28 +24,43 @@ from tests.waiting import wait_until
 TTL, GRACE, SLACK = 1.5, 1.0, 3.0
 
 #: The elected command: records its pid and token, optionally ignores SIGTERM, runs forever.
+#: Its third argument is run_elected's --grace.
 COMMAND = """
-import os, signal, sys, time
-out, mode = sys.argv[1], sys.argv[2]
+import os, signal, subprocess, sys, time
+out, mode, grace = sys.argv[1], sys.argv[2], float(sys.argv[3])
 def on_term(signum, frame):
     open(out + ".term", "w").write(str(time.monotonic()))
-    if mode == "term":
+    if mode == "stubborn-slow-term":  # a clean shutdown that takes most of the grace period
+        time.sleep(grace * 0.9)
+    if mode in ("term", "stubborn-slow-term"):
         sys.exit(0)
 signal.signal(signal.SIGTERM, on_term)
 if mode.startswith("grandchild"):  # a worker of its own, as a shell script's command is
-    import subprocess
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(out + ".grandchild", "w").write(str(worker.pid))
+if mode.startswith("stubborn"):  # a worker that notes SIGTERM and runs on (trap '' TERM)
+    worker = subprocess.Popen([sys.executable, "-c", STUBBORN, out + ".worker"])
+    while not os.path.exists(out + ".worker"):
+        time.sleep(0.01)
     open(out + ".grandchild", "w").write(str(worker.pid))
 with open(out + ".tmp", "w") as f:
     f.write(f"{os.getpid()} {os.environ['LEASES_LEADER_TOKEN']}")
 os.rename(out + ".tmp", out)
-if mode in ("exit", "grandchild-exit"):
+if mode in ("exit", "grandchild-exit", "stubborn-exit"):
     sys.exit(7)
 if mode == "kill-self":
     os.kill(os.getpid(), signal.SIGKILL)
 for _ in range(6000):
     time.sleep(0.01)
-"""
+""".replace(
+    "STUBBORN",
+    repr(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: open(sys.argv[1] + '.term', 'w').close())\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "time.sleep(60)\n"
+    ),
+)
 
 
 def alive(pid: int) -> bool:
@@ -60,11 +76,13 @@ def alive(pid: int) -> bool:
 def run_elected(child_env: dict[str, str], python: str, tmp_path: Path) -> Iterator[object]:
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(mode: str) -> tuple[str, subprocess.Popen[bytes], int, int, Path]:
+    def start(
+        mode: str, grace: float = GRACE
+    ) -> tuple[str, subprocess.Popen[bytes], int, int, Path]:
         name, out = f"run-elected-{uuid.uuid4().hex[:8]}", tmp_path / f"cmd-{len(started)}"
-        args = ["run_elected", name, "--ttl", str(TTL), "--grace", str(GRACE), "--"]
+        args = ["run_elected", name, "--ttl", str(TTL), "--grace", str(grace), "--"]
         proc = subprocess.Popen(
-            [python, "-m", "django", *args, python, "-c", COMMAND, str(out), mode],
+            [python, "-m", "django", *args, python, "-c", COMMAND, str(out), mode, str(grace)],
             env=child_env,
         )
         started.append(proc)
@@ -126,7 +144,10 @@ def test_command_never_runs_unless_elected(
     with elect(name, ttl=30, timeout=5):
         args = ["run_elected", name, "--timeout", "0.5", "--", python, "-c", COMMAND, str(out)]
         done = subprocess.run(
-            [python, "-m", "django", *args, "term"], env=child_env, capture_output=True, timeout=60
+            [python, "-m", "django", *args, "term", "1"],
+            env=child_env,
+            capture_output=True,
+            timeout=60,
         )
     assert done.returncode == 1 and b"not elected" in done.stderr
     assert not out.exists()
@@ -300,3 +321,125 @@ def _children_of(pid: int) -> list[int]:
         if int(stat[1]) == pid or b"leases-run-elected-watchdog" in cmdline:
             found.append(int(entry.name))
     return found
+
+
+def _stopped_by_time(proc: subprocess.Popen[bytes], name: str, pid: int) -> list[float]:
+    """Until ``proc`` exits: the moments its leadership was seen released with ``pid`` alive."""
+    released_while_alive = []
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        if alive(pid) and leader_of(name) is None:
+            released_while_alive.append(time.monotonic())
+        time.sleep(0.01)
+    return released_while_alive
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("how", ["deposed", "sigterm"])
+def test_the_whole_group_is_sigkilled_grace_seconds_after_its_sigterm(
+    run_elected: object, how: str
+) -> None:
+    """The command shut down within the grace period but its worker ignored SIGTERM: the
+    worker was then sent SIGTERM again and given a whole new grace period, outliving the
+    first SIGTERM by up to twice ``--grace``. One deadline holds for the whole group."""
+    grace = 2.0
+    name, proc, _, token, out = run_elected("stubborn-slow-term", grace)  # type: ignore[operator]
+    worker = int(Path(f"{out}.grandchild").read_text())
+    try:
+        if how == "deposed":
+            get_backend().force_release(election_lease_name(name), token)
+        else:
+            proc.terminate()
+        term = Path(f"{out}.term")
+        wait_until(term.exists, TTL + SLACK, "the command to get SIGTERM")
+        wait_until(lambda: term.read_text() != "", 5, "the command to note its SIGTERM")
+        wait_until(lambda: not alive(worker), 3 * grace + SLACK, "the worker to be killed")
+        lived = time.monotonic() - float(term.read_text())
+        # Twice the grace before (1.9 x, the command's shutdown taking 0.9 x of it).
+        assert lived < 1.45 * grace, f"the worker outlived the SIGTERM by {lived:.2f}s"
+        assert proc.wait(10) == (75 if how == "deposed" else 128 + signal.SIGTERM)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.fault
+def test_a_first_sigterm_while_stopping_what_a_finished_command_left_cannot_skip_sigkill(
+    run_elected: object,
+) -> None:
+    """The command exited by itself; a first SIGTERM during the grace period its worker was
+    given cut the stop short: no SIGKILL, the leadership resigned with the worker running,
+    and exit 143 instead of the command's status."""
+    name, proc, _, _, out = run_elected("stubborn-exit", 2.0)  # type: ignore[operator]
+    worker = int(Path(f"{out}.grandchild").read_text())
+    try:
+        wait_until(Path(f"{out}.worker.term").exists, 10, "the worker to get SIGTERM")
+        proc.terminate()  # during the worker's grace period
+        assert not _stopped_by_time(proc, name, worker), "resigned with the worker running"
+        assert proc.wait(10) == 7
+        assert not alive(worker)
+        assert leader_of(name) is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+#: run_elected in this process, with a SIGTERM sent to it at ``argv[3]``: "elected" (as
+#: ``elect()`` returns) or "started" (as the command has started, before the watchdog); prints
+#: its exit status and the command's pid, if one was started.
+DRIVER = """
+import json, os, signal, sys, time
+import django
+django.setup()
+from leases.management.commands import run_elected as module
+name, out, when = sys.argv[1:4]
+started = []
+def elect(*args, **kwargs):
+    leadership = real_elect(*args, **kwargs)
+    if when == "elected":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return leadership
+def start_watchdog(group):
+    started.append(group)
+    while not os.path.exists(out):  # its SIGTERM handler is in place
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real_start_watchdog(group)
+real_elect, module.elect = module.elect, elect
+real_start_watchdog, module.start_watchdog = module.start_watchdog, start_watchdog
+try:
+    module.Command().run_from_argv(["manage.py", "run_elected", name, "--ttl", "10",
+        "--grace", "5", "-v", "0", "--", sys.executable, "-c", COMMAND, out, "term", "5"])
+    code = 0
+except SystemExit as exc:
+    code = exc.code
+print(json.dumps({"code": code, "pid": started[0] if started else None}), flush=True)
+""".replace("COMMAND", repr(COMMAND))
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("when", ["elected", "started"])
+def test_a_sigterm_as_the_command_starts_stops_it_before_resigning(
+    child_env: dict[str, str], python: str, tmp_path: Path, when: str
+) -> None:
+    """A SIGTERM landing between ``elect()`` returning and ``with leadership`` left the
+    leadership unresigned (renewed by keepalive while the process lived); one landing between
+    the command's start and the ``try`` that stops it resigned with the command running,
+    never sent SIGTERM. Both now stop the command (if started), then resign, exit 143."""
+    name, out = f"run-elected-{uuid.uuid4().hex[:8]}", tmp_path / "cmd"
+    done = subprocess.run(
+        [python, "-c", DRIVER, name, str(out), when],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["code"] == 128 + signal.SIGTERM, seen
+    assert leader_of(name) is None, "never resigned"
+    if when == "elected":
+        assert seen["pid"] is None and not out.exists(), "started after being asked to stop"
+    else:
+        assert Path(f"{out}.term").exists(), "the command was never sent SIGTERM"
+        assert not alive(seen["pid"])

@@ -13,10 +13,12 @@ program does not exist and 126 when it cannot be executed (the shell's conventio
 supervisor tells a typo from a job that failed); 1 with one ``CommandError`` line on bad input.
 ``-v 0`` silences the progress lines.
 
-Once stopping has begun (leadership lost, or a first SIGTERM/SIGINT/SIGHUP), further signals
-cannot cut the SIGTERM -> grace -> SIGKILL escalation short, and the leadership is resigned only
-after the child is gone, and with it every process left in its group (a worker it started,
-a background job). If this process itself dies (even by SIGKILL), the child and the
+SIGTERM/SIGINT/SIGHUP stop the campaign at once; once elected, they are only noted (see
+:class:`_Stopping`) and acted on by the supervision loop, so none can cut starting, stopping or
+resigning short. Stopping is one SIGTERM -> grace -> SIGKILL for the whole process group (the
+command and every process left in it: a worker it started, a background job), SIGKILL coming
+``--grace`` seconds after the SIGTERM whoever ended first, and the leadership is resigned only
+after the group is gone. If this process itself dies (even by SIGKILL), the child and the
 processes of its group are SIGKILLed (the child by its parent-death signal, the rest by a
 watchdog: :func:`start_watchdog`).
 """
@@ -38,12 +40,14 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from leases.election import Leadership, elect
+from leases.backends import get_backend
+from leases.election import Leadership, elect, election_lease_name
 from leases.errors import LeaseError, LeaseUnavailable
+from leases.handle import held_by, holder_key
 from leases.management._options import at_least, lease_name, pause
 
 LOST_EXIT_CODE = 75
-#: How often, and after its SIGKILL how long, :func:`stop_stragglers` looks at the group.
+#: How often, and after its SIGKILL how long, :func:`stop_process_group` looks at the group.
 STRAGGLER_POLL = 0.02
 STRAGGLER_KILL_WAIT = 5.0
 NOT_FOUND_EXIT_CODE = 127
@@ -132,25 +136,42 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def stop_process_group(
-    child: subprocess.Popen[bytes], grace: float, stopping: _Stopping | None = None
-) -> int:
-    """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds; the exit code.
+def stop_process_group(child: subprocess.Popen[bytes], grace: float) -> int:
+    """SIGTERM the child's process group, SIGKILL what is left of it ``grace`` seconds later;
+    the child's exit code. Nothing is sent once the child has ended and its group is empty.
 
-    Marks ``stopping`` first, so no signal can interrupt the escalation once it has begun.
+    One deadline for the whole group, from the SIGTERM: waiting for the child, then for the
+    rest of the group with a grace period of its own, let a worker that ignores SIGTERM
+    outlive ``--grace`` by up to twice over. Also what is left after a child that ended by
+    itself (a worker it started, a shell script's background job): the leadership is resigned
+    after this, and a straggler left running would do the job beside the successor's.
     """
-    if stopping is not None:
-        stopping.begun = True
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        if child.poll() is not None:
-            break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, sig)
-        try:
-            return child.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
+    group = child.pid
+    if child.poll() is not None and not group_members(group):
+        return child.returncode
+    deadline = time.monotonic() + grace
+    _signal_group(group, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(max(0.0, deadline - time.monotonic()))
+    if _group_outlives(group, deadline):
+        _signal_group(group, signal.SIGKILL)
+        _group_outlives(group, time.monotonic() + STRAGGLER_KILL_WAIT)
     return child.wait()
+
+
+def _signal_group(group: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, sig)
+
+
+def _group_outlives(group: int, deadline: float) -> bool:
+    """Whether process ``group`` still has a live member at ``deadline``. Polled, as nothing
+    can wait for processes that are not one's own children."""
+    while group_members(group):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(STRAGGLER_POLL)
+    return False
 
 
 def group_members(group: int) -> list[int]:
@@ -176,41 +197,30 @@ def group_members(group: int) -> list[int]:
     return members
 
 
-def stop_stragglers(group: int, grace: float) -> None:
-    """SIGTERM what is left of the command's process group once the command itself has ended
-    (a worker it started, a shell script's background job), SIGKILL it after ``grace``.
-
-    The leadership is resigned after this: a straggler left running would do the job beside
-    the successor's command. Polled, as nothing can wait for processes that are not one's own
-    children; bounded by ``grace`` and a few seconds after the SIGKILL.
-    """
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, STRAGGLER_KILL_WAIT)):
-        if not group_members(group):
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, sig)
-        deadline = time.monotonic() + wait
-        while group_members(group) and time.monotonic() < deadline:
-            time.sleep(STRAGGLER_POLL)
-
-
 class _Stopping:
-    """Whether stopping has begun: from then on, signals can no longer cut it short.
+    """What SIGTERM/SIGINT/SIGHUP do: interrupt the campaign, or, once elected, ask to stop.
 
-    The first SIGTERM/SIGINT/SIGHUP becomes a ``SystemExit`` so ``finally`` stops the child and
-    then resigns; a second one arriving during the grace period (an impatient operator, a
-    supervisor's own escalation) must not interrupt that wait, or SIGKILL would never be sent
-    and the leadership would be released with the child still running.
+    Campaigning, a signal raises ``SystemExit``: there is nothing to stop yet. Once the
+    election is won, a ``SystemExit`` raised wherever the signal lands would skip what must
+    follow (between the election and ``with leadership``: the leadership left unresigned;
+    between starting the command and the ``try`` that stops it: the command left running
+    unled; during the grace period: no SIGKILL). So from then on the first signal is only
+    noted in ``requested`` for the supervision loop, and later ones are ignored. "Won" is
+    asked of the lease registry (``won``), not of ``elect()`` returning: the lease is held
+    a few steps before that.
     """
 
     def __init__(self) -> None:
-        self.begun = False
+        self.won: Callable[[], bool] = lambda: False
+        self.elected = False
+        self.requested: int | None = None
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.begun:
-            return
-        self.begun = True
-        raise SystemExit(128 + signum)
+        if not (self.elected or self.won()):
+            raise SystemExit(128 + signum)
+        self.elected = True  # for good: the lease leaves the registry when it is resigned
+        if self.requested is None:
+            self.requested = signum
 
 
 @contextlib.contextmanager
@@ -226,6 +236,17 @@ def _terminate_on(signals_: tuple[int, ...], stopping: _Stopping) -> Iterator[No
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+#: The signals that stop run_elected (see :class:`_Stopping`).
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _campaign_won(name: str, backend: str) -> Callable[[], bool]:
+    """Whether this thread holds the election's lease, asked of the lease registry: true from
+    the moment the campaign won, before ``elect()`` has returned (see :class:`_Stopping`)."""
+    key = holder_key(get_backend(backend), election_lease_name(name), None)
+    return lambda: held_by(key) is not None
 
 
 class Command(BaseCommand):
@@ -266,8 +287,10 @@ class Command(BaseCommand):
                 pause(f"--{option}", options[option], inclusive=inclusive)
         self.talk = options["verbosity"] > 0
         self.stopping = _Stopping()
-        with _terminate_on((signal.SIGTERM, signal.SIGINT, signal.SIGHUP), self.stopping):
+        with _terminate_on(SIGNALS, self.stopping):
             try:
+                # Before campaigning (and a bad --backend refused here, as by elect()).
+                self.stopping.won = _campaign_won(options["name"], options["backend"])
                 leadership = elect(
                     options["name"],
                     ttl=options["ttl"],
@@ -297,6 +320,8 @@ class Command(BaseCommand):
             "LEASES_LEADER_TOKEN": str(leadership.token),
             "LEASES_LEADER_BACKEND": leadership.backend,
         }
+        if self.stopping.requested is not None:  # asked to stop as the election was won
+            return 128 + self.stopping.requested
         try:
             child = subprocess.Popen(
                 command, env=env, start_new_session=True, preexec_fn=_die_with_parent
@@ -310,24 +335,26 @@ class Command(BaseCommand):
         except OSError as exc:  # a binary of another format, a path through a file, ...
             self.stderr.write(f"run_elected: {command[0]}: cannot execute: {exc.strerror}")
             return NOT_EXECUTABLE_EXIT_CODE
-        watchdog = start_watchdog(child.pid)
-        # Not "elected leader ...": elect() has logged that (leases.election, INFO), and an
-        # operator logging it to this stderr would read the election twice. This line says
-        # what the command adds: which process now runs under the leadership.
-        self.say(
-            f"leading {leadership.name!r} (token {leadership.token}): "
-            f"started pid {child.pid}: {shlex.join(command)}"
-        )
+        watchdog = None
         try:
+            watchdog = start_watchdog(child.pid)
+            # Not "elected leader ...": elect() has logged that (leases.election, INFO), and an
+            # operator logging it to this stderr would read the election twice. This line says
+            # what the command adds: which process now runs under the leadership.
+            self.say(
+                f"leading {leadership.name!r} (token {leadership.token}): "
+                f"started pid {child.pid}: {shlex.join(command)}"
+            )
             while child.poll() is None:
+                if self.stopping.requested is not None:
+                    return 128 + self.stopping.requested
                 if not leadership.is_leader:
                     self.say(f"leadership of {leadership.name!r} lost; stopping pid {child.pid}")
-                    stop_process_group(child, grace, self.stopping)
                     return LOST_EXIT_CODE
                 leadership.lost.wait(poll)
             return exit_status(child.returncode)
         finally:
-            if child.poll() is None:
-                stop_process_group(child, grace, self.stopping)
-            stop_stragglers(child.pid, grace)
-            _stop_watchdog(watchdog)
+            try:
+                stop_process_group(child, grace)
+            finally:
+                _stop_watchdog(watchdog)
