@@ -218,7 +218,7 @@ class _Stopping:
     def handler(self, signum: int, frame: FrameType | None) -> None:
         if not (self.elected or self.won()):
             raise SystemExit(128 + signum)
-        self.elected = True  # for good: the lease leaves the registry when it is resigned
+        self.elected = True
         if self.requested is None:
             self.requested = signum
 
@@ -301,6 +301,9 @@ class Command(BaseCommand):
                 raise CommandError(f"not elected: {exc}") from exc
             except LeaseError as exc:  # a bad --backend, a TTL under the drift allowance...
                 raise CommandError(str(exc)) from exc
+            # For good: the lease leaves the registry as the resignation begins, and a signal
+            # raised into the release would leave the grant to run out by its TTL.
+            self.stopping.elected = True
             with leadership:
                 code = self.supervise(leadership, command, options["grace"], options["poll"])
         if code:
