@@ -123,9 +123,7 @@ def problems() -> list[str]:
             # Celery decorators) names it, and each failed at its first use in production.
             found.append(
                 f'{SETTING_NAME}["BACKENDS"] has no "default" backend, which every call '
-                "without backend= uses (configured: "
-                + ", ".join(sorted(map(str, backends)))
-                + ")"
+                "without backend= uses (configured: " + ", ".join(sorted(map(str, backends))) + ")"
             )
         for alias, entry in backends.items():
             if not isinstance(alias, str) or len(alias) > MAX_ALIAS_LENGTH:

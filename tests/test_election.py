@@ -22,12 +22,23 @@ from leases.backends import Capability, get_backend
 from leases.election import Leadership, aelect, elect, election_lease_name, leader_of
 from leases.errors import InvalidLeaseName, InvalidLeaseOption, LeaseUnavailable
 from tests import checker
+from tests.lease_backends import SETUP
 
 BACKENDS: list[str] = sorted(cast("dict[str, Any]", settings.LEASES)["BACKENDS"])
 
 
 def unique(prefix: str = "election") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(autouse=True)
+def _store_ready(request: pytest.FixtureRequest) -> None:
+    """Start what a test's ``backend`` needs (etcd, ZooKeeper: started on first use, see
+    :mod:`tests.clusters`): run alone, this file's tests met a placeholder endpoint."""
+    callspec = getattr(request.node, "callspec", None)
+    setup = SETUP.get(callspec.params.get("backend", "")) if callspec is not None else None
+    if setup is not None:
+        setup(request)
 
 
 @pytest.fixture
