@@ -71,6 +71,15 @@ def test_redis_needs_one_of_cache_and_url() -> None:
         # One server listed twice counts twice toward the quorum: with 3 copies of one server
         # every try failed ("held by someone else") on a free name.
         {"NODES": ["redis://a:6379/0", "redis://a:6379/0", "redis://b:6379/0"]},
+        # One server under two spellings passed: the default port written out or not, the
+        # database left out, the host's case, another database of the same server.
+        {"NODES": ["redis://a:6379/0", "redis://a/0", "redis://b:6379/0"]},
+        {"NODES": ["redis://a:6379/0", "redis://a:6379", "redis://b:6379/0"]},
+        {"NODES": ["redis://a:6379/0", "redis://A:6379/0", "redis://b:6379/0"]},
+        {"NODES": ["redis://a:6379/0", "rediss://a:6379/1", "redis://b:6379/0"]},
+        # A node URL redis-py reads as database 0, or raises ValueError for, at first use.
+        {"NODES": ["redis://a:6379/db1", "redis://b:6379/0", "redis://c:6379/0"]},
+        {"NODES": ["redis://a:6379/0?socket_timeout=x", "redis://b:6379/0", "redis://c:6379/0"]},
         # Raised ModuleNotFoundError / TypeError at the first grant, check said nothing.
         {"NODES": ["redis://a:6379/0"], "TOKEN_SOURCE": "nowhere.next_token"},
         {"NODES": ["redis://a:6379/0"], "TOKEN_SOURCE": "os.sep"},
@@ -128,6 +137,24 @@ def test_addresses_and_paths_that_fail_at_first_use_fail_the_check(
     options: dict[str, Any],
 ) -> None:
     assert ids(leases_checks({"store": options})) == ["leases.E005"]
+
+
+@pytest.mark.parametrize(
+    ("url", "extra"),
+    [
+        ("redis://127.0.0.1:6379/db1", {}),
+        ("redis://127.0.0.1:6379/1/2", {}),
+        ("redis://127.0.0.1:6379/0?socket_timeout=abc", {}),
+        ("redis://127.0.0.1:6379/3", {"CLUSTER": True}),
+        ("redis://127.0.0.1:6379/0?db=3", {"CLUSTER": True}),
+    ],
+)
+def test_a_redis_url_redis_py_cannot_honour_is_an_error(url: str, extra: dict[str, Any]) -> None:
+    """Passed the check: redis-py reads ``/db1`` as database 0, silently (two apps meant to be
+    apart shared one keyspace), raised ``ValueError`` for ``socket_timeout=abc`` at the first
+    grant, and a Redis Cluster has no database 3."""
+    backend = {"ENGINE": "leases.backends.redis", "URL": url, **extra}
+    assert ids(leases_checks({"store": backend})) == ["leases.E005"]
 
 
 def test_a_redis_cluster_flag_must_be_a_bool() -> None:

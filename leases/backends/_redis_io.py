@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,6 +20,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
 
 from ..errors import LeasesImproperlyConfigured
@@ -50,11 +52,14 @@ __all__ = [
     "receive",
     "send",
     "send_labelled",
+    "server_of",
     "text",
     "url_problems",
 ]
 
 MAX_PREFIX_LENGTH = 64
+#: The port a Redis URL without one means.
+DEFAULT_PORT = 6379
 
 
 def ms(seconds: float) -> int:
@@ -142,20 +147,47 @@ def pool_problems(alias: str, option: str, cache: str) -> list[str]:
     ]
 
 
-def url_problems(alias: str, option: str, url: str) -> list[str]:
-    """Why ``url`` is not a Redis URL redis-py can connect to (``redis://``, ``rediss://`` with
-    a host, or ``unix://`` with a path)."""
+def url_problems(alias: str, option: str, url: str, *, cluster: bool = False) -> list[str]:
+    """Why ``url`` is not a Redis URL redis-py can connect to as written (``redis://``,
+    ``rediss://`` with a host, or ``unix://`` with a path), read without connecting.
+
+    Parsed by redis-py's own :func:`~redis.connection.parse_url` too, so a query argument it
+    cannot convert (``?socket_timeout=abc``) is reported here, not raised at the first grant.
+    redis-py reads a path that is not a number as database 0, silently (``/db1``: two apps
+    that meant separate databases would share one keyspace), so the path must be empty or a
+    database number; and Redis Cluster (``cluster``) has only database 0.
+    """
     where = f'LEASES["BACKENDS"][{alias!r}]["{option}"]: {url!r}'
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        kwargs = parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:
-        return [f"{where} is not a URL ({exc})"]
-    if parts.scheme in ("redis", "rediss") and parts.hostname:
-        return []
+        return [f"{where} is not a URL redis-py can use ({exc})"]
     if parts.scheme == "unix" and parts.path:
-        return []
-    return [f"{where} is not a redis://host:port/db, rediss://... or unix://path URL"]
+        path = ""
+    elif parts.scheme in ("redis", "rediss") and parts.hostname:
+        path = parts.path
+    else:
+        return [f"{where} is not a redis://host:port/db, rediss://... or unix://path URL"]
+    if not re.fullmatch(r"/?([0-9]+)?", path):
+        return [
+            f"{where}: the path {path!r} is not a database number; redis-py would silently "
+            "use database 0 (write redis://host:port/N)"
+        ]
+    if cluster and kwargs.get("db", 0) != 0:
+        return [f"{where}: Redis Cluster has only database 0 (CLUSTER is True)"]
+    return []
+
+
+def server_of(url: str) -> tuple[str, str | int]:
+    """The server a well-formed Redis URL (see :func:`url_problems`) names: its lowercased
+    host and port (6379 when left out), or its socket path. Not its database: two databases
+    of one server fail together, so as Redlock nodes they are one vote counted twice."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return ("unix", parts.path)
+    return (str(parts.hostname).lower(), parts.port or DEFAULT_PORT)
 
 
 def connect(

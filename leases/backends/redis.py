@@ -170,7 +170,8 @@ class Backend(LeaseBackend):
         elif cache is not None:
             problems += cache_problems(alias, "CACHE", cache)
         else:
-            problems += url_problems(alias, "URL", str(url))
+            cluster = options.get("CLUSTER", False) is True
+            problems += url_problems(alias, "URL", str(url), cluster=cluster)
         problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
         problems += seconds_problems(alias, "SOCKET_TIMEOUT", options.get("SOCKET_TIMEOUT", 5.0))
         if not isinstance(options.get("CLUSTER", False), bool):

@@ -74,6 +74,7 @@ from ._redis_io import (
     ms,
     pool_problems,
     prefix_problems,
+    server_of,
     text,
     url_problems,
 )
@@ -178,16 +179,22 @@ class Backend(LeaseBackend):
                 "or cache aliases (3 or 5 independent servers)"
             )
             nodes = []
+        servers: dict[object, list[str]] = {}
         for node in nodes:
             if isinstance(node, str) and "://" in node:
-                problems += url_problems(alias, "NODES", node)
+                found = url_problems(alias, "NODES", node)
+                problems += found
+                server: object = node if found else server_of(node)
             else:
                 problems += cache_problems(alias, "NODES", node)
-        repeated = sorted({str(node) for node in nodes if list(nodes).count(node) > 1})
+                server = str(node)
+            servers.setdefault(server, []).append(str(node))
+        repeated = [" and ".join(spelt) for spelt in servers.values() if len(spelt) > 1]
         if repeated:
             problems.append(
-                f'LEASES["BACKENDS"][{alias!r}]["NODES"] lists {", ".join(repeated)} more than '
-                "once: a quorum needs independent servers"
+                f'LEASES["BACKENDS"][{alias!r}]["NODES"] lists one server more than once '
+                f"({'; '.join(repeated)}): each listing is a vote, so a quorum needs "
+                "independent servers"
             )
         problems += seconds_problems(alias, "NODE_TIMEOUT", options.get("NODE_TIMEOUT", 0.05))
         problems += prefix_problems(alias, options.get("PREFIX", "leases:"))
