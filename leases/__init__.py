@@ -30,6 +30,7 @@ from .errors import (
     LeasesImproperlyConfigured,
     LeaseUnavailable,
     NotInTransaction,
+    RevocationIncomplete,
     StaleFencingToken,
 )
 
@@ -69,6 +70,7 @@ __all__ = [
     "LeaseUnavailable",
     "LeasesImproperlyConfigured",
     "NotInTransaction",
+    "RevocationIncomplete",
     "Slot",
     "StaleFencingToken",
     "aacquire",

@@ -34,6 +34,7 @@ __all__ = [
     "LeaseUnavailable",
     "LeasesImproperlyConfigured",
     "NotInTransaction",
+    "RevocationIncomplete",
     "StaleFencingToken",
 ]
 
@@ -298,6 +299,25 @@ class BackendUnavailable(LeaseError, ConnectionError):
         self.backend = backend
         msg = f"lease backend {backend!r} is unavailable"
         super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class RevocationIncomplete(BackendUnavailable):
+    """A force release advanced the name's token but could not take the grant away in enough
+    of the store: the evicted holder may still renew, and the name stays held, until its TTL
+    runs out or a revocation succeeds. Only the token moved (``token``, the name's new one).
+
+    Raised instead of reporting a revocation that did not happen; force-release the name again
+    with ``token``, which :meth:`~leases.backends.base.LeaseBackend.inspect` now shows.
+    """
+
+    def __init__(self, backend: str, name: str, token: int, detail: str) -> None:
+        self.name = name
+        self.token = token
+        super().__init__(
+            backend,
+            f"the revocation of {name!r} is incomplete ({detail}); its token is now {token}, "
+            "force-release that token again",
+        )
 
 
 class FencingUnavailable(LeaseError):

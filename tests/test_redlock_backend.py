@@ -14,11 +14,17 @@ import redis
 import redis.asyncio
 
 from devservers import RedisServer
+from devservers.proxy import FaultProxy
 from leases.backends._redis_io import SERVER_TICK
 from leases.backends.base import Grant
 from leases.backends.redis import LeaseKeys
 from leases.backends.redlock import Backend, node_value
-from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
+from leases.errors import (
+    BackendUnavailable,
+    LeaseLost,
+    LeasesImproperlyConfigured,
+    RevocationIncomplete,
+)
 from tests import checker
 from tests.lease_backends import wait_overshoots
 from tests.waiting import released_past_blocked_waits, stalled, stalled_handover, wait_until
@@ -731,3 +737,66 @@ def test_more_async_waiters_than_redis_py_pools_allow_leave_room_for_the_release
     assert holders([server], name) == [None]
     assert all(type(outcome) is bool for outcome in woken), woken
     assert any(woken)
+
+
+@pytest.fixture
+def proxied(redis_servers: Servers) -> Iterator[tuple[Backend, Backend, list[FaultProxy]]]:
+    """A holder's backend on three nodes, and an operator's on the same nodes through proxies
+    (which the test can silence for the operator alone)."""
+    servers = redis_servers(3)
+    proxies = [FaultProxy(server.port) for server in servers]
+    prefix = f"{unique()}:"
+    options = {"PREFIX": prefix, "NODE_TIMEOUT": 0.5}
+    holder = Backend("redlock-test", {"NODES": [s.url for s in servers], **options})
+    operator = Backend("redlock-test", {"NODES": [p.url() for p in proxies], **options})
+    try:
+        yield holder, operator, proxies
+    finally:
+        for proxy in proxies:
+            proxy.pass_through()
+        holder.close()
+        operator.close()
+        for proxy in proxies:
+            proxy.close()
+
+
+def test_force_release_that_cannot_tell_the_holder_revokes_nothing(
+    proxied: tuple[Backend, Backend, list[FaultProxy]],
+) -> None:
+    """With two of three nodes silent to the operator, the token was bumped, nothing deleted,
+    and the revocation reported done, while the holder went on renewing on its quorum."""
+    holder, operator, proxies = proxied
+    grant = holder.try_acquire(unique(), "worker", 30.0)
+    assert grant is not None
+    proxies[1].blackhole()
+    proxies[2].blackhole()
+    with pytest.raises(BackendUnavailable, match="nothing was revoked"):
+        operator.force_release(grant.name, grant.token)
+    assert holder.counter.current_lease(grant.name) == grant.token  # the token did not move
+    holder.renew(grant, 30.0)
+
+
+def test_force_release_whose_deletions_miss_a_quorum_says_it_is_incomplete(
+    proxied: tuple[Backend, Backend, list[FaultProxy]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes went silent between the operator's read and its deletions: the holder kept
+    its quorum and renewals, yet the revocation was reported done (its answers never read)."""
+    holder, operator, proxies = proxied
+    grant = holder.try_acquire(unique(), "worker", 30.0)
+    assert grant is not None
+    revoke_token = operator._revoke_token
+
+    def then_silence(name: str, token: int) -> tuple[int | None, int | None]:
+        moved = revoke_token(name, token)
+        proxies[1].blackhole()
+        proxies[2].blackhole()
+        return moved
+
+    monkeypatch.setattr(operator, "_revoke_token", then_silence)
+    with pytest.raises(RevocationIncomplete) as raised:
+        operator.force_release(grant.name, grant.token)
+    assert raised.value.token == holder.counter.current_lease(grant.name)
+    assert raised.value.token > grant.token
+    holder.force_release(grant.name, raised.value.token)  # again, with the new token
+    with pytest.raises(LeaseLost):
+        holder.renew(grant, 30.0)

@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -59,7 +60,7 @@ import redis
 from django.utils.module_loading import import_string
 
 from .. import conf
-from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld
+from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, RevocationIncomplete
 from ._counter import DurableCounter
 from ._options import seconds_problems
 from ._redis_conn import Script, pack
@@ -581,23 +582,54 @@ class Backend(LeaseBackend):
         return distinct(found)
 
     def force_release(self, name: str, token: int) -> LeaseInfo:
-        """Compare-and-revoke: the token source decides, then every node gives the grant up.
+        """Compare-and-revoke: the token source decides, then the nodes give the grant up.
 
         The nodes know no tokens (a grant takes its token after winning them), so the compare
         happens where the token lives: one conditional statement on the name's database row.
-        Only once that moved the token on is the quorum's value compare-and-deleted on every
-        node, so the evicted holder's renewals fail everywhere.
+        Only once that moved the token on is the value a quorum holds compare-and-deleted on
+        every node, so the evicted holder's renewals fail.
+
+        Nothing is revoked unless the nodes that answer tell who holds the name
+        (:meth:`_held_value`); and the revocation is reported done only once the value is gone
+        from so many nodes that the holder no longer has a quorum to renew on, else
+        :class:`~leases.errors.RevocationIncomplete` says the token moved but the grant stands
+        (reporting success there left the holder renewing, the name held, and nobody with the
+        new token).
         """
         keys = LeaseKeys.of(self.prefix, name)
-        values = [v for v in self._fan_out("GET", keys.lock) if v not in (None, FAILED)]
-        held = {text(v) for v in values if values.count(v) >= self.quorum}
+        held = self._held_value(name, self._fan_out("GET", keys.lock))
         new, current = self._revoke_token(name, token)
         if new is None:
             raise LeaseNotHeld(name, not_revoked(token, current))
-        if held:
-            revoke = [held.pop(), WAKE_TTL_MS]
-            self._run_everywhere(self._revoke_script, [keys.lock, keys.wake], revoke)
+        if held is not None:
+            revoke = [held, WAKE_TTL_MS]
+            answers = self._run_everywhere(self._revoke_script, [keys.lock, keys.wake], revoke)
+            gone = sum(answer is not FAILED for answer in answers)
+            if gone < len(self.nodes) - self.quorum + 1:
+                detail = f"{gone} of {len(self.nodes)} Redlock nodes confirmed the deletion"
+                raise RevocationIncomplete(self.alias, name, new, detail)
         return LeaseInfo(name, "", new, False, self.alias)
+
+    def _held_value(self, name: str, answers: list[Any]) -> str | None:
+        """The value a quorum of nodes holds for ``name`` (``None``: no grant holds one),
+        from the answers to a ``GET`` on every node.
+
+        ``BackendUnavailable`` when the answers cannot tell: fewer than a quorum answered, or
+        a value is on fewer than a quorum of the answers but would be on a quorum with the
+        nodes that did not answer (its holder may well have them)."""
+        found = [answer for answer in answers if answer is not FAILED]
+        missing = len(answers) - len(found)
+        counts = Counter(text(value) for value in found if value is not None)
+        held = [value for value, count in counts.items() if count >= self.quorum]
+        if len(found) < self.quorum or (
+            not held and any(count + missing >= self.quorum for count in counts.values())
+        ):
+            raise BackendUnavailable(
+                self.alias,
+                f"{len(found)} of {len(answers)} Redlock nodes answered: not enough to tell "
+                f"who holds {name!r}, nothing was revoked",
+            )
+        return held[0] if held else None
 
     def _revoke_token(self, name: str, token: int) -> tuple[int | None, int | None]:
         """Advance ``name``'s token if it is ``token``: atomically in the database row, or (with
