@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import os
 import tempfile
 import time
@@ -26,7 +27,7 @@ from leases.backends._pgconn import connect
 from leases.backends.base import FORGED, Grant
 from leases.backends.redis import LeaseKeys
 from leases.backends.redlock import Backend
-from leases.errors import FencingUnavailable, LeaseNotHeld
+from leases.errors import BackendNotSupported, FencingUnavailable, LeaseNotHeld
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -386,3 +387,35 @@ def test_a_forked_child_never_ends_the_parents_async_token_session(backend: Back
     code, before, after = asyncio.run(main())
     assert code == 0
     assert before == after
+
+
+_custom_tokens = itertools.count(1000)
+
+
+def custom_token(name: str) -> int:
+    """A custom ``TOKEN_SOURCE``: strictly increasing, kept to itself."""
+    return next(_custom_tokens)
+
+
+def test_a_custom_token_source_cannot_force_release_and_shows_no_token(
+    redis_servers: Servers,
+) -> None:
+    """``inspect`` and ``force_release`` read the database row a custom source never writes:
+    a held lease showed token 0 (or a stale one) and every revocation was refused as "never
+    granted". Now the token shows as unknown (0) and force release is refused up front."""
+    options = {
+        "NODES": [s.url for s in redis_servers(3)],
+        "TOKEN_SOURCE": f"{__name__}.custom_token",
+    }
+    backend = Backend("redlock-token-custom", options)
+    try:
+        grant = backend.try_acquire(f"custom-{uuid.uuid4().hex[:8]}", "worker", 30.0)
+        assert grant is not None and grant.token >= 1000
+        backend.counter.bump_lease(grant.name)  # a stale row, as after switching sources
+        info = backend.inspect(grant.name)
+        assert info is not None and info.held and info.token == 0
+        with pytest.raises(BackendNotSupported, match="custom TOKEN_SOURCE"):
+            backend.force_release(grant.name, grant.token)
+        backend.renew(grant, 30.0)  # nothing was taken away
+    finally:
+        backend.close()

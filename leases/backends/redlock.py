@@ -60,7 +60,13 @@ import redis
 from django.utils.module_loading import import_string
 
 from .. import conf
-from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, RevocationIncomplete
+from ..errors import (
+    BackendNotSupported,
+    BackendUnavailable,
+    LeaseLost,
+    LeaseNotHeld,
+    RevocationIncomplete,
+)
 from ._counter import DurableCounter
 from ._options import seconds_problems
 from ._redis_conn import Script, pack
@@ -215,7 +221,7 @@ class Backend(LeaseBackend):
 
     @classmethod
     def databases(cls, options: Mapping[str, Any]) -> frozenset[str]:
-        """The token source's database (also read by :meth:`inspect` with a custom source)."""
+        """The token source's database (read by :meth:`inspect` and :meth:`force_release`)."""
         return frozenset({str(options.get("TOKEN_DATABASE", "default"))})
 
     def __init__(self, alias: str, options: Mapping[str, Any]) -> None:
@@ -589,6 +595,11 @@ class Backend(LeaseBackend):
         Only once that moved the token on is the value a quorum holds compare-and-deleted on
         every node, so the evicted holder's renewals fail.
 
+        Not with a custom ``TOKEN_SOURCE``: it only hands tokens out, so nothing knows a name's
+        current token to compare (the database row it never writes refused every revocation
+        as "never granted"); :class:`~leases.errors.BackendNotSupported` says so. (The
+        capability is the class's, declared for the default source.)
+
         Nothing is revoked unless the nodes that answer tell who holds the name
         (:meth:`_held_value`); and the revocation is reported done only once the value is gone
         from so many nodes that the holder no longer has a quorum to renew on, else
@@ -596,6 +607,10 @@ class Backend(LeaseBackend):
         (reporting success there left the holder renewing, the name held, and nobody with the
         new token).
         """
+        if not self._source_is_database:
+            raise BackendNotSupported(
+                self.alias, f"{Capability.FORCE_RELEASE.value} with a custom TOKEN_SOURCE"
+            )
         keys = LeaseKeys.of(self.prefix, name)
         held = self._held_value(name, self._fan_out("GET", keys.lock))
         new, current = self._revoke_token(name, token)
@@ -632,15 +647,8 @@ class Backend(LeaseBackend):
         return held[0] if held else None
 
     def _revoke_token(self, name: str, token: int) -> tuple[int | None, int | None]:
-        """Advance ``name``'s token if it is ``token``: atomically in the database row, or (with
-        a custom ``TOKEN_SOURCE``, which only hands out tokens) against what :meth:`inspect`
-        reports, then with the source's next token."""
-        if self._source_is_database:
-            return self.counter.revoke_lease(name, token)
-        current = self.counter.current_lease(name)
-        if current != token:
-            return None, current
-        return self.next_token(name), None
+        """Advance ``name``'s token if it is ``token``, atomically in the database row."""
+        return self.counter.revoke_lease(name, token)
 
     def inspect(self, name: str) -> LeaseInfo | None:
         """What a quorum of nodes says; ``BackendUnavailable`` when fewer than a quorum
@@ -655,12 +663,20 @@ class Backend(LeaseBackend):
                 f"quorum of {self.quorum}",
             )
         values = [v for v in answers if v is not None]
-        token = self.counter.current_lease(name) or 0
+        token = self.current_token(name)
         held = [text(v) for v in values if values.count(v) >= self.quorum]
         if held:
             holder = held[0].split(":", 1)[1]
             return LeaseInfo(name, holder, token, True, self.alias)
         return LeaseInfo(name, "", token, False, self.alias) if values or token else None
+
+    def current_token(self, name: str) -> int:
+        """``name``'s latest token from the database row; 0 (unknown) with a custom
+        ``TOKEN_SOURCE``, which keeps its tokens to itself (the row, never written by it, could
+        only show a stale token from before the source changed)."""
+        if not self._source_is_database:
+            return 0
+        return self.counter.current_lease(name) or 0
 
     def inspect_all(self) -> list[LeaseInfo]:
         """Names with a lock key on any live node, by ``SCAN`` (never ``KEYS``)."""
