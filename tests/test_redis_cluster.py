@@ -14,15 +14,17 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from redis.cluster import RedisCluster
 
 from devservers import RedisServer, free_port
+from devservers.proxy import FaultProxy
 from leases.backends.base import Grant
 from leases.backends.redis import Backend, LeaseKeys
-from leases.errors import LeaseLost
+from leases.errors import BackendUnavailable, LeaseLost
 from tests import checker
 from tests.waiting import stalled, stalled_handover
 
@@ -178,4 +180,75 @@ def test_a_cold_async_cluster_client_whose_first_call_stalls_reads_the_reply_tha
         backend.release(grant)
     finally:
         serving.close()
+        backend.close()
+
+
+@pytest.fixture
+def proxied_cluster() -> Iterator[FaultProxy]:
+    """A one-node cluster that announces a fault proxy's port: every connection goes through
+    the proxy (no redis-cli needed)."""
+    server = RedisServer(extra_args=["--cluster-enabled", "yes"])
+    proxy = None
+    try:
+        server.dir.mkdir(exist_ok=True)
+        server.extra_args += ["--cluster-config-file", str(server.dir / "nodes.conf")]
+        server.start()
+        proxy = FaultProxy(server.port)
+        admin: Any = redis.Redis(port=server.port)
+        admin.execute_command("CONFIG", "SET", "cluster-announce-port", str(proxy.port))
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        for _ in range(100):
+            if b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"):
+                break
+            time.sleep(0.1)
+        yield proxy
+    finally:
+        if proxy is not None:
+            proxy.close()
+        server.destroy()
+
+
+def lost_reply_backend(proxy: FaultProxy) -> Backend:
+    prefix = f"cl-{uuid.uuid4().hex[:6]}:"
+    options = {"URL": proxy.url(), "CLUSTER": True, "SOCKET_TIMEOUT": 0.5, "PREFIX": prefix}
+    return Backend("redis-cluster-retry", options)
+
+
+def test_a_cluster_release_whose_reply_is_lost_is_not_reported_lost(
+    proxied_cluster: FaultProxy,
+) -> None:
+    """The cluster client retried on the timeout: the release was sent twice, the second found
+    its own delete done, and a release that landed raised ``LeaseLost``."""
+    backend = lost_reply_backend(proxied_cluster)
+    name = f"job-{uuid.uuid4().hex[:6]}"
+    try:
+        warm = backend.try_acquire(name, "worker", 30.0)  # loads the scripts on the node
+        assert warm is not None
+        backend.release(warm)
+        grant = backend.try_acquire(name, "worker", 30.0)
+        assert grant is not None
+        proxied_cluster.drop_next_reply()
+        with pytest.raises(BackendUnavailable):
+            backend.release(grant)
+        info = backend.inspect(name)
+        assert info is None or not info.held  # it did land
+    finally:
+        backend.close()
+
+
+def test_a_cluster_acquire_whose_reply_is_lost_is_not_retried_into_busy(
+    proxied_cluster: FaultProxy,
+) -> None:
+    """Retried after the timeout, the acquire found its own grant and answered "held by
+    someone else" (``None``), leaving a grant nobody knew it held for the whole TTL."""
+    backend = lost_reply_backend(proxied_cluster)
+    name = f"job-{uuid.uuid4().hex[:6]}"
+    try:
+        warm = backend.try_acquire(name, "worker", 30.0)  # epoch drawn, scripts loaded
+        assert warm is not None
+        backend.release(warm)
+        proxied_cluster.drop_next_reply()
+        with pytest.raises(BackendUnavailable):
+            backend.try_acquire(name, "worker", 30.0)
+    finally:
         backend.close()

@@ -202,8 +202,9 @@ def connect(
 ) -> Any:
     """A redis-py client for a django-redis cache alias or a URL (never both).
 
-    A URL client never retries: a retried acquire could leave a grant nobody knows it holds
-    until it expires, and a retried release would report a loss that did not happen.
+    A URL client never retries, a Redis Cluster one included: a retried acquire could leave a
+    grant nobody knows it holds until it expires, and a retried release would report a loss
+    that did not happen.
     ``cluster`` makes a Redis Cluster client from the URL of any of its nodes. Without
     ``handshake`` a new connection sends nothing before its first command (no ``CLIENT
     SETINFO``), so connecting to a hung server cannot block: the first read is bounded by the
@@ -224,8 +225,9 @@ def connect(
         from redis.cluster import RedisCluster
 
         # The cluster client asks a node for the slot map as it is made, outside any Edge.
+        # No retries: its command path would resend a script whose reply was lost.
         with Edge(alias, "connect"):
-            return RedisCluster.from_url(str(url), **timeouts)
+            return RedisCluster.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts)
     quiet: dict[str, Any] = {} if handshake else {"driver_info": None, "protocol": 2}
     if max_connections is not None:
         quiet["max_connections"] = max_connections
@@ -271,7 +273,7 @@ def aconnect(
     if cluster:
         from redis.asyncio.cluster import RedisCluster
 
-        return RedisCluster.from_url(str(url), **timeouts)
+        return RedisCluster.from_url(str(url), retry=AsyncRetry(NoBackoff(), 0), **timeouts)
     return redis.asyncio.Redis.from_url(
         str(url), retry=AsyncRetry(NoBackoff(), 0), max_connections=POOL, **timeouts
     )
