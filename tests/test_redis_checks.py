@@ -18,6 +18,7 @@ from redis.exceptions import MaxConnectionsError
 from devservers import RedisServer
 from leases import acquire
 from leases.backends import get_backend
+from leases.backends.redis import Backend
 from leases.checks import check_backend_stores
 from leases.errors import BackendUnavailable
 
@@ -103,3 +104,29 @@ def test_past_a_cache_pools_limit_acquires_and_releases_fail_as_the_check_warns(
         info = get_backend("redis").inspect(name)
         assert info is not None and info.held  # until its TTL: nobody else gets it
         pool.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_user_whose_acl_refuses_info_fails_the_deploy_check_and_the_probe() -> None:
+    """An ACL user without ``INFO`` (``+@all -@dangerous``) passed ``check --deploy`` and the
+    health probe, then every acquire failed (the acquire script reads ``INFO replication``);
+    the store check called the ACL's refusal of ``CONFIG`` "CONFIG is disabled"."""
+    server = RedisServer().start()
+    try:
+        admin = redis.Redis.from_url(server.url)
+        admin.acl_setuser(
+            "app", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@dangerous"]
+        )
+        url = f"redis://app:pw@127.0.0.1:{server.port}/0"
+        backend = Backend("redis-acl", {"URL": url, "PREFIX": f"acl-{uuid.uuid4().hex[:6]}:"})
+        try:
+            with pytest.raises(BackendUnavailable):
+                backend.try_acquire("job", "me", 5.0)
+            assert any("may not run INFO" in p for p in backend.deploy_checks())
+            with pytest.raises(BackendUnavailable, match="may not run INFO"):
+                backend.probe("job")
+            assert any("may not run CONFIG GET" in p for p in backend.store_checks())
+        finally:
+            backend.close()
+    finally:
+        server.destroy()

@@ -45,6 +45,7 @@ __all__ = [
     "ms",
     "name_back_due",
     "parsed",
+    "permission_problems",
     "pool_problems",
     "prefix_problems",
     "read_name_back",
@@ -494,12 +495,35 @@ class Edge(DriverEdge):
     errors = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
+def permission_problems(alias: str, client: Any) -> list[str]:
+    """Why ``client``'s user cannot run what the acquire script runs, if it cannot.
+
+    The script reads ``INFO replication`` (the server's replication id); an ACL without
+    ``INFO`` (``+@all -@dangerous``, a common least-privilege recipe) passed ``PING`` and every
+    check, and then refused every acquire. Asked the same way, so the ACL's answer is the
+    script's."""
+    with Edge(alias, "permission check"):
+        try:
+            client.info("replication")
+        except redis.exceptions.NoPermissionError as exc:
+            return [
+                f"the Redis user may not run INFO ({exc}), which every acquire runs: grant it "
+                "+info (see the Redis backend's ACL in the backends guide)"
+            ]
+    return []
+
+
 def eviction_problems(alias: str, client: Any) -> list[str]:
     """Why ``client``'s server could lose lease keys to eviction, if it can (store check)."""
     with Edge(alias, "store check"):
         client.ping()
         try:
             policy = text(client.config_get("maxmemory-policy").get("maxmemory-policy", ""))
+        except redis.exceptions.NoPermissionError:
+            return [
+                "cannot read maxmemory-policy (the Redis user may not run CONFIG GET); make "
+                "sure it is 'noeviction' so lease keys are never evicted"
+            ]
         except redis.ResponseError:
             return [
                 "cannot read maxmemory-policy (CONFIG is disabled); make sure it is "

@@ -49,7 +49,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import FencingUnavailable, LeaseNotHeld
+from ..errors import BackendUnavailable, FencingUnavailable, LeaseNotHeld
 from ._counter import DurableCounter
 from ._options import seconds_problems
 from ._redis_async import AsyncRedis
@@ -63,6 +63,7 @@ from ._redis_io import (
     connect,
     eviction_problems,
     expires,
+    permission_problems,
     pool_problems,
     prefix_problems,
     text,
@@ -401,6 +402,9 @@ class Backend(LeaseBackend):
         every name after Redis forgot its keys) is granted only after the database gives one,
         which :meth:`inspect` never asks it for."""
         self.inspect(name)
+        problems = permission_problems(self.alias, self.client)
+        if problems:
+            raise BackendUnavailable(self.alias, problems[0])
         self.epochs.ping()
 
     def inspect_all(self) -> list[LeaseInfo]:
@@ -441,9 +445,11 @@ class Backend(LeaseBackend):
         return eviction_problems(self.alias, self.client)
 
     def deploy_checks(self) -> list[str]:
+        """Reachable, and the user may run what every acquire runs (see
+        :func:`~._redis_io.permission_problems`)."""
         with Edge(self.alias, "deploy check"):
             self.client.ping()
-        return []
+        return permission_problems(self.alias, self.client)
 
     def close(self) -> None:
         with self._lock:
