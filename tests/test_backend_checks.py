@@ -71,12 +71,12 @@ def test_redis_needs_one_of_cache_and_url() -> None:
         # One server listed twice counts twice toward the quorum: with 3 copies of one server
         # every try failed ("held by someone else") on a free name.
         {"NODES": ["redis://a:6379/0", "redis://a:6379/0", "redis://b:6379/0"]},
-        # One server under two spellings passed: the default port written out or not, the
-        # database left out, the host's case, another database of the same server.
+        # One keyspace under two spellings passed: the default port written out or not, the
+        # database left out, the host's case.
         {"NODES": ["redis://a:6379/0", "redis://a/0", "redis://b:6379/0"]},
         {"NODES": ["redis://a:6379/0", "redis://a:6379", "redis://b:6379/0"]},
         {"NODES": ["redis://a:6379/0", "redis://A:6379/0", "redis://b:6379/0"]},
-        {"NODES": ["redis://a:6379/0", "rediss://a:6379/1", "redis://b:6379/0"]},
+        {"NODES": ["redis://a:6379/1", "rediss://a/1", "redis://b:6379/0"]},
         # A node URL redis-py reads as database 0, or raises ValueError for, at first use.
         {"NODES": ["redis://a:6379/db1", "redis://b:6379/0", "redis://c:6379/0"]},
         {"NODES": ["redis://a:6379/0?socket_timeout=x", "redis://b:6379/0", "redis://c:6379/0"]},
@@ -88,6 +88,13 @@ def test_redis_needs_one_of_cache_and_url() -> None:
 def test_malformed_redlock_nodes_are_an_error(options: dict[str, Any]) -> None:
     messages = leases_checks({"redlock": {"ENGINE": "leases.backends.redlock", **options}})
     assert ids(messages) == ["leases.E005"]
+
+
+def test_databases_of_one_server_are_independent_nodes() -> None:
+    """Independent keyspaces that fail together: a quorum with no fault tolerance, which a
+    development setup may want (the demo's three databases of its one Redis)."""
+    nodes = ["redis://a:6379/3", "redis://a:6379/4", "redis://a:6379/5"]
+    assert leases_checks({"redlock": {"ENGINE": "leases.backends.redlock", "NODES": nodes}}) == []
 
 
 REDIS_URL_ONLY = {"ENGINE": "leases.backends.redis", "URL": "redis://127.0.0.1:1/0"}

@@ -181,14 +181,17 @@ def url_problems(alias: str, option: str, url: str, *, cluster: bool = False) ->
     return []
 
 
-def server_of(url: str) -> tuple[str, str | int]:
-    """The server a well-formed Redis URL (see :func:`url_problems`) names: its lowercased
-    host and port (6379 when left out), or its socket path. Not its database: two databases
-    of one server fail together, so as Redlock nodes they are one vote counted twice."""
+def server_of(url: str) -> tuple[str, str | int, int]:
+    """The keyspace a well-formed Redis URL (see :func:`url_problems`) names: its lowercased
+    host and port (6379 when left out), or its socket path, and its database (0 when left
+    out), however the URL spells them. Two URLs of one keyspace are one Redlock vote counted
+    twice. Two databases of one server are independent keyspaces that fail together: a
+    quorum that tolerates no failure, which a development setup may want (the demo's)."""
     parts = urlsplit(url)
+    database = int(parse_url(url).get("db") or 0)
     if parts.scheme == "unix":
-        return ("unix", parts.path)
-    return (str(parts.hostname).lower(), parts.port or DEFAULT_PORT)
+        return ("unix", parts.path, database)
+    return (str(parts.hostname).lower(), parts.port or DEFAULT_PORT, database)
 
 
 def connect(
