@@ -188,7 +188,7 @@ def server_of(url: str) -> tuple[str, str | int, int]:
     twice. Two databases of one server are independent keyspaces that fail together: a
     quorum that tolerates no failure, which a development setup may want (the demo's)."""
     parts = urlsplit(url)
-    database = int(parse_url(url).get("db") or 0)
+    database = int(parse_url(url).get("db") or 0)  # type: ignore[no-untyped-call]
     if parts.scheme == "unix":
         return ("unix", parts.path, database)
     return (str(parts.hostname).lower(), parts.port or DEFAULT_PORT, database)
