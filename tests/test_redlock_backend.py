@@ -185,6 +185,23 @@ def test_every_node_dead_is_backend_unavailable(
         backend.try_acquire(unique(), "a", 5)
 
 
+def test_a_listing_that_too_few_nodes_answered_is_unavailable_not_empty(
+    five: list[RedisServer], make_backend: Callable[..., Backend]
+) -> None:
+    """A held name is on a quorum (3 of 5), so any 3 nodes show it; with 2 answering it may be
+    on none of them. ``inspect_all`` skipped nodes that failed and answered ``[]``: the admin
+    and ``leases list`` showed "nothing held" for a store nobody could reach."""
+    backend, name = make_backend(five), unique()
+    grant = backend.try_acquire(name, "a", 30)
+    assert grant is not None
+    five[0].stop("kill")
+    five[1].stop("kill")
+    assert [info.name for info in backend.inspect_all()] == [name]  # 3 answer: all is seen
+    five[2].stop("kill")
+    with pytest.raises(BackendUnavailable, match="2 of 5 nodes"):
+        backend.inspect_all()
+
+
 def test_node_restarted_empty_after_a_grant_cannot_let_a_stale_write_in(
     five: list[RedisServer], make_backend: Callable[..., Backend]
 ) -> None:

@@ -679,16 +679,29 @@ class Backend(LeaseBackend):
         return self.counter.current_lease(name) or 0
 
     def inspect_all(self) -> list[LeaseInfo]:
-        """Names with a lock key on any live node, by ``SCAN`` (never ``KEYS``)."""
+        """Names with a lock key on any live node, by ``SCAN`` (never ``KEYS``).
+
+        A held name is on a quorum of nodes, so the nodes that answer show every one of them
+        only if they are more than the rest (N - quorum + 1): fewer, and the listing could miss
+        any held name, so the store is unavailable, never an empty listing of it."""
         pattern = LeaseKeys.pattern(self.prefix, "lock")
         names: set[str] = set()
+        answered = 0
         for node in self.nodes:
             try:
                 found = list(node.client.scan_iter(match=pattern, count=1000))
             except redis.RedisError:
                 continue
+            answered += 1
             for key in found:
                 names.add(LeaseKeys.name_of(self.prefix, text(key), "lock"))
+        needed = len(self.nodes) - self.quorum + 1
+        if answered < needed:
+            raise BackendUnavailable(
+                self.alias,
+                f"inspect_all: {answered} of {len(self.nodes)} nodes answered, "
+                f"{needed} are needed to see every held name",
+            )
         infos = (self.inspect(name) for name in sorted(names))
         return [info for info in infos if info is not None]
 
