@@ -86,12 +86,14 @@ def measure(url: str) -> dict[str, float]:
     lock, fence, wake = "parts:{n}:lock", "parts:{n}:fence", "parts:{n}:wake"
     secret = "s" * 32
     first = client.register_script(ACQUIRE_LUA)
-    first(keys=[lock, fence], args=["h", 30000, 1, MAX_COUNTER, secret, ""])  # an epoch
+    base = ["h", 30000, "0", MAX_COUNTER, secret, "bench"]
+    nonce = first(keys=[lock, fence], args=base)[3].decode()  # a reservation, then an epoch
+    first(keys=[lock, fence], args=[*base[:2], f"1:{nonce}", *base[3:]])
     client.delete(lock)
 
     def acquire(text: str, trusted: bool) -> Callable[[], object]:
         script = client.register_script(text)
-        args = ["h", 30000, 0, MAX_COUNTER, secret, replid if trusted else ""]
+        args = [*base, replid if trusted else ""]
 
         def run() -> None:
             script(keys=[lock, fence], args=args)

@@ -344,12 +344,15 @@ def test_failover_to_a_lagging_replica_never_repeats_a_token(
 
 
 def test_acquire_script_asks_for_an_epoch_when_the_counter_is_missing() -> None:
+    """A refused grant writes no lock and no counter, only its reservation."""
     client = redis.Redis.from_url(os.environ["REDIS_URL"])
     keys = LeaseKeys.of(f"{unique('p')}:", "n")
     script = client.register_script(ACQUIRE_LUA)
-    code, stored, _ = script(keys=[keys.lock, keys.fence], args=["h", 1000, 0, 2**32 - 1])
+    args: list[str | int] = ["h", 1000, 0, 2**32 - 1, "secret", "source"]
+    code, stored, run, nonce = script(keys=[keys.lock, keys.fence], args=args)
     assert (Reply(code), stored) == (Reply.NEED_EPOCH, b"0")
-    assert client.exists(keys.lock, keys.fence) == 0  # a refused grant writes nothing
+    assert client.exists(keys.lock) == 0
+    assert client.hgetall(keys.fence) == {b"reserved": run + b":" + nonce}
 
 
 def test_one_round_trip_each_for_acquire_renew_release(make_backend: MakeBackend) -> None:

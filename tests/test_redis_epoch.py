@@ -1,6 +1,8 @@
-"""The Redis backend's epochs on the async path: drawn on the event loop's own database
-connection (no worker thread), bounded by its reply deadline, one increasing counter with the
-sync path; and a forked child's async counter, whatever a parent thread held at the fork."""
+"""The Redis backend's epochs: never below one installed before, though Redis forgets (an epoch
+drawn before another client's, another project's epochs on the same Redis); on the async path
+drawn on the event loop's own database connection (no worker thread), bounded by its reply
+deadline, one increasing counter with the sync path; and a forked child's async counter,
+whatever a parent thread held at the fork."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 
+from devservers import RedisServer
 from leases.backends._pgconn import connect
+from leases.backends.base import Grant
 from leases.backends.redis import COUNTER_BITS, Backend
 from leases.errors import FencingUnavailable
 from tests.test_redlock_token import NoWorkerThreads, locked_row, until
@@ -54,6 +59,72 @@ def locked_epoch_row(backend: Backend) -> contextlib.AbstractContextManager[Call
         " ON CONFLICT (resource) DO UPDATE SET token = leases_fence.token",
         backend.epoch_resource,
     )
+
+
+def test_an_epoch_drawn_before_another_clients_is_refused_after_redis_forgets(
+    redis_server: RedisServer,
+) -> None:
+    """X draws E1 for a new name and stalls; Y draws E2 > E1, is granted E2's first token and
+    releases; Redis forgets the counter (FLUSHDB, a restart without persistence). X's offer of
+    E1 used to find no counter and be taken, granting a token below Y's: now it is refused (its
+    reservation went with the counter) and X draws again."""
+    prefix = f"stale-{uuid.uuid4().hex[:8]}:"
+    x = Backend("redis-epoch-x", {"URL": redis_server.url, "PREFIX": prefix})
+    y = Backend("redis-epoch-y", {"URL": redis_server.url, "PREFIX": prefix})
+    drew, go_on = threading.Event(), threading.Event()
+    real_next_epoch = x.next_epoch
+
+    def stalling_next_epoch(stored: int) -> int:
+        epoch = real_next_epoch(stored)
+        drew.set()
+        assert go_on.wait(10)
+        return epoch
+
+    x.next_epoch = stalling_next_epoch  # type: ignore[method-assign]
+    got: dict[str, object] = {}
+    worker = threading.Thread(target=lambda: got.update(x=x.try_acquire("job", "x", 30.0)))
+    try:
+        worker.start()
+        assert drew.wait(10)
+        first = y.try_acquire("job", "y", 30.0)
+        assert first is not None
+        y.release(first)
+        redis.Redis.from_url(redis_server.url).flushdb()
+        go_on.set()
+        worker.join(10)
+        second = got["x"]
+        assert isinstance(second, Grant)
+        assert second.token > first.token
+    finally:
+        go_on.set()
+        worker.join(10)
+        x.close()
+        y.close()
+
+
+def test_a_counter_of_another_projects_epochs_is_not_continued(redis_server: RedisServer) -> None:
+    """Two projects on one Redis with the same ``PREFIX`` share each name's counter but draw
+    epochs from their own databases. After Redis forgot the counters, B's grant stamped B's
+    (lower) epoch and A's next grants continued it, below A's earlier tokens: now A takes a
+    new epoch of its own over a counter another database's epoch stamped."""
+    app_a = Backend("redis-epoch-a", {"URL": redis_server.url})
+    app_b = Backend("redis-epoch-b", {"URL": redis_server.url})
+    app_b.epoch_resource = "project-b-database:" + app_b.epoch_resource  # B's own database
+    try:
+        for _ in range(5):  # A has been running a while: its epochs are ahead of B's
+            app_a.epochs.bump_fence(app_a.epoch_resource)
+        a1 = app_a.try_acquire("nightly-report", "a", 30.0)
+        assert a1 is not None
+        app_a.release(a1)
+        redis.Redis.from_url(redis_server.url).flushall()
+        b1 = app_b.try_acquire("nightly-report", "b", 30.0)
+        assert b1 is not None and b1.token >> COUNTER_BITS < a1.token >> COUNTER_BITS
+        app_b.release(b1)
+        a2 = app_a.try_acquire("nightly-report", "a", 30.0)
+        assert a2 is not None and a2.token > a1.token
+    finally:
+        app_a.close()
+        app_b.close()
 
 
 def test_an_async_grant_draws_its_epoch_on_the_loops_own_connection(backend: Backend) -> None:

@@ -4,11 +4,12 @@ Every Lua constant of the Redis backends is scanned: a command that deletes, ove
 re-times a key must sit inside an ``if redis.call('GET', <that key>) == ARGV[n]`` block (or
 ``== owned``, the value built by hashing the secret presented, or one
 comparing the value's token prefix, ``string.sub(... or '', 1, #ARGV[n]) == ARGV[n]``), or be a
-``SET ... NX`` (which cannot overwrite). The only exception is the wake-up list (a key the script
-``RPUSH``es to), which holds no grant. The Python sources are scanned too: the only direct
-write is Redlock's ``SET NX``, a script is run only by its own text or SHA1 (a ``Script`` made
-from a scanned constant: a Redis Cluster client runs them so), and nothing lists keys by
-pattern (``KEYS``).
+``SET ... NX`` (which cannot overwrite). The only exceptions are the wake-up list (a key the
+script ``RPUSH``es to) and the name's counter (a key it reads ``'epoch'`` from), which hold no
+grant: a counter Redis forgets costs a new epoch from the database. The Python sources are
+scanned too: the only direct write is Redlock's ``SET NX``, a script is run only by its own text
+or SHA1 (a ``Script`` made from a scanned constant: a Redis Cluster client runs them so), and
+nothing lists keys by pattern (``KEYS``).
 
 The shared-lease scripts (:mod:`leases.backends._redis_shared`) check their grant differently: a
 readers' group is a lock value *ending* in a mark plus an entry in a hash, checked once at the top
@@ -122,7 +123,9 @@ def unguarded(script: str) -> list[str]:
     """Destructive commands in ``script`` not protected by a compare on the same key."""
     if "== owned" in script and not OWNED.search(script):
         return ["compares with `owned` without building it from the presented secret"]
-    wake_lists = {key for cmd, key, _ in CALL.findall(script) if cmd.upper() == "RPUSH"}
+    calls = CALL.findall(script)
+    wake_lists = {key for cmd, key, _ in calls if cmd.upper() == "RPUSH"}
+    counters = {key for cmd, key, rest in calls if cmd == "HMGET" and "'epoch'" in rest}
     guards: list[str | None] = []  # the key each open block compared, or None
     problems = []
     for line in script.splitlines():
@@ -134,7 +137,7 @@ def unguarded(script: str) -> list[str]:
             cmd = cmd.upper()
             if cmd in ("KEYS", "SCAN"):
                 problems.append(f"{cmd} lists keys by pattern: {stripped}")
-            if cmd not in DESTRUCTIVE or key in wake_lists:
+            if cmd not in DESTRUCTIVE or key in wake_lists | counters:
                 continue
             if cmd == "SET" and "'NX'" in rest.upper():
                 continue
@@ -164,6 +167,9 @@ def test_the_scan_catches_bare_deletes_and_expires() -> None:
     )
     assert unguarded("if x then\nend\nredis.call('DEL', KEYS[1])")
     assert unguarded("redis.call('KEYS', 'leases:*')")
+    counter = "redis.call('HMGET', KEYS[2], 'epoch')\nredis.call('PEXPIRE', KEYS[2], 5)"
+    assert not unguarded(counter)
+    assert unguarded(counter.replace("KEYS[2], 5", "KEYS[1], 5"))  # the counter's key only
     assert not unguarded(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then\n  redis.call('DEL', KEYS[1])\nend"
     )

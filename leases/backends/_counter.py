@@ -66,6 +66,12 @@ RETURNING token
 #: :mod:`~._pgprepared`). As plain text it cost the server more to plan than to run.
 PREPARED_BUMP_LEASE = Prepared("bump_lease", BUMP_LEASE_SQL)
 
+#: Which database the counters are in: its cluster's system identifier (made by ``initdb``, kept
+#: by physical standbys, so a failover keeps it) and the database's name. Any role may run it.
+SOURCE_SQL = (
+    "SELECT system_identifier::text || '/' || current_database() AS source FROM pg_control_system()"
+)
+
 #: Whether the counters' database answers, on the connection the bumps use: the health check
 #: (a bump would write).
 PING_SQL = "SELECT 1"
@@ -122,11 +128,18 @@ class DurableCounter:
 
     async def _aexecute(self, sql: str | Prepared, params: dict[str, object]) -> int | None:
         """:meth:`_execute` on the running loop's async connection."""
+        row = await self._afetch(sql, params)
+        return int(row[0]) if row is not None and row[0] is not None else None
+
+    async def _afetch(
+        self, sql: str | Prepared, params: dict[str, object]
+    ) -> tuple[Any, ...] | None:
+        """:meth:`_fetch` on the running loop's async connection."""
         try:
             rows = await self._aconnections.get().run(sql, params)
         except (psycopg.Error, BackendUnavailable) as exc:
             raise self._unavailable(exc) from exc
-        return int(rows[0][0]) if rows and rows[0][0] is not None else None
+        return rows[0] if rows else None
 
     def _unavailable(self, exc: Exception) -> FencingUnavailable:
         return FencingUnavailable(
@@ -168,6 +181,19 @@ class DurableCounter:
         assert row is not None
         new, current = row
         return (None if new is None else int(new)), (None if current is None else int(current))
+
+    def source(self) -> str:
+        """Which database the counters come from (:data:`SOURCE_SQL`): numbers of one source
+        only increase; two sources' numbers are unrelated."""
+        row = self._fetch(SOURCE_SQL, {})
+        assert row is not None
+        return str(row[0])
+
+    async def asource(self) -> str:
+        """:meth:`source`, awaited on the running loop's async connection."""
+        row = await self._afetch(SOURCE_SQL, {})
+        assert row is not None
+        return str(row[0])
 
     def ping(self) -> None:
         """Raise :class:`~leases.errors.FencingUnavailable` unless the database answers."""

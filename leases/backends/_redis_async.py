@@ -21,8 +21,10 @@ from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
 from ._redis_kept import Kept, bounded, fileno
 from ._redis_protocol import (
     TOKEN_SCRIPTS,
+    Reservation,
     acquire_args,
     acquired,
+    offer,
     release_call,
     released,
     renew_call,
@@ -120,18 +122,18 @@ class AsyncRedis:
     ) -> Grant | None:
         """The backend's ``_acquire`` on the event loop, a new epoch (a database statement: a
         name's first grant, or after a Redis restart or failover) included."""
-        offered, secret = 0, new_secret()
+        offered, secret, source = "0", new_secret(), await self.backend.asource()
         shared = {"shared": True} if script == "shared_acquire" else None
         for _ in range(3):
             sent_at = time.monotonic()
-            args = acquire_args(holder, ttl, offered, secret, extra)
+            args = acquire_args(holder, ttl, offered, secret, source, extra)
             reply = await self.run(script, keys, args)
             outcome = acquired(reply, name, holder, ttl, sent_at, secret, shared)
-            if not isinstance(outcome, int):
+            if not isinstance(outcome, Reservation):
                 if shared is None:
                     self.backend.readers_seen.note(name, reply)
                 return outcome
-            offered = await self.backend.anext_epoch(outcome)
+            offered = offer(await self.backend.anext_epoch(outcome.stored), outcome)
         raise FencingUnavailable(self.backend.alias, f"no stable epoch for {name!r} after 3 tries")
 
     async def renew(self, grant: Grant, ttl: float) -> Grant:

@@ -7,9 +7,10 @@ runs them on blocking connections, :mod:`leases.backends._redis_async` on ``redi
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import LeaseLost, LeaseNotHeld
 from ._redis_io import expires, ms, text
@@ -26,8 +27,11 @@ __all__ = [
     "MAX_EPOCH",
     "TOKEN_SCRIPTS",
     "ReadersSeen",
+    "Reservation",
     "acquire_args",
     "acquired",
+    "epoch_source",
+    "offer",
     "owner_args",
     "pack_token",
     "refusal",
@@ -47,9 +51,10 @@ COUNTER_BITS = 32
 MAX_COUNTER = 2**COUNTER_BITS - 1
 MAX_EPOCH = 2**31 - 1
 
-#: KEYS[1] lock, KEYS[2] fence. ARGV[1] holder, ARGV[2] ttl ms, ARGV[3] offered epoch (0: none
-#: yet), ARGV[4] counter limit (a counter there needs a new epoch), ARGV[5] the grant's secret,
-#: ARGV[6] the server's replication id as this connection last learned it ('' or absent: not
+#: KEYS[1] lock, KEYS[2] fence. ARGV[1] holder, ARGV[2] ttl ms, ARGV[3] the offer (``0``: none
+#: yet, else ``epoch:nonce``: see :func:`offer`), ARGV[4] counter limit (a counter there needs a
+#: new epoch), ARGV[5] the grant's secret, ARGV[6] the epoch source (:func:`epoch_source`),
+#: ARGV[7] the server's replication id as this connection last learned it ('' or absent: not
 #: known, read it now). The value is ``epoch:counter:sha1(secret):holder``: Redis never holds
 #: the secret itself.
 #:
@@ -58,10 +63,10 @@ MAX_EPOCH = 2**31 - 1
 #: module docstring for when a connection's knowledge is renewed). Every reply ends with the id
 #: the script used, for the caller to remember. The token step is the shared acquire's too
 #: (:data:`~leases.backends._redis_shared.NEXT_GRANT_LUA`).
-#: Returns {OK, value, run} | {BUSY, value, run} | {NEED_EPOCH, stored epoch, run}.
+#: Returns {OK, value, run} | {BUSY, value, run} | {NEED_EPOCH, stored epoch, run, nonce}.
 ACQUIRE_LUA = lua(
     """
-local known_run = ARGV[6] or ''
+local source, known_run = ARGV[6], ARGV[7] or ''
 local current = redis.call('GET', KEYS[1])
 if current then
   return {BUSY, current, known_run}
@@ -123,11 +128,34 @@ def refusal(grant: Grant, code: object, what: str) -> LeaseLost | LeaseNotHeld:
     return LeaseLost(grant.name, grant.token, f"expired or taken over before the {what}")
 
 
+class Reservation(NamedTuple):
+    """An acquire script's request for a new epoch: the stored one (0: none of ours), and the
+    reservation's nonce the new epoch is offered with (see
+    :data:`~leases.backends._redis_shared.NEXT_GRANT_LUA`)."""
+
+    stored: int
+    nonce: str
+
+
+def offer(epoch: int, reservation: Reservation) -> str:
+    """An acquire script's offer: a new ``epoch``, drawn after ``reservation`` was made."""
+    return f"{epoch}:{reservation.nonce}"
+
+
+def epoch_source(database: str, resource: str) -> str:
+    """Which counter epochs come from: the epoch database's identity
+    (:meth:`~._counter.DurableCounter.source`) and the row's name, hashed short, as the acquire
+    scripts stamp it into ``:fence``. Two projects that share a Redis and a ``PREFIX`` have
+    the same row name in different databases; only this tells their counters apart."""
+    text = f"{database}\x00{resource}"
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
+
+
 def acquire_args(
-    holder: str, ttl: float, offered: int, secret: str, extra: list[object]
+    holder: str, ttl: float, offered: str, secret: str, source: str, extra: list[object]
 ) -> list[object]:
     """An acquire script's arguments, but for the replication id (the caller's, last)."""
-    return [holder, ms(ttl), offered, MAX_COUNTER, secret, *extra]
+    return [holder, ms(ttl), offered, MAX_COUNTER, secret, source, *extra]
 
 
 def acquired(
@@ -138,17 +166,17 @@ def acquired(
     sent_at: float,
     secret: str,
     extra: Mapping[str, Any] | None = None,
-) -> Grant | int | None:
+) -> Grant | Reservation | None:
     """What an acquire script's reply means: the :class:`Grant` (with ``extra``: a shared
-    grant's mark), ``None`` (held by someone else), or the stored epoch (an ``int``) when the
-    script asks for a new one."""
+    grant's mark), ``None`` (held by someone else), or a :class:`Reservation` when the script
+    asks for a new epoch."""
     code, value = reply[0], reply[1]
     if code == Reply.OK:
         won = token_of(text(value))[0]
         return Grant(name, holder, won, ttl, sent_at, expires(ttl), extra or {}, secret=secret)
     if code == Reply.BUSY:
         return None
-    return int(value)
+    return Reservation(int(value), text(reply[3]))
 
 
 class ReadersSeen:

@@ -34,14 +34,27 @@ GROUP = "\u241fshared"
 WRITER_INTENT_MS = 1000
 
 #: The next token of a name, in ``epoch`` and ``counter``: ``KEYS[2]`` is the ``:fence`` hash,
-#: ARGV[3] an offered epoch (0: none yet), ARGV[4] the counter limit; the script sets the local
-#: ``known_run`` before (the server's replication id as the caller's connection knows it, ''
-#: if it does not). The id is read (``INFO``) only when it is not known or the counter carries
-#: another (see the Redis backend's docstring); ``run`` is the id used, for the reply. Returns
-#: early with ``{NEED_EPOCH, stored, run}`` when the counter is missing, from another server
-#: run, or exhausted.
+#: ARGV[2] the grant's TTL in ms, ARGV[3] the offer (``0``: none yet, else ``epoch:nonce``, a
+#: new epoch and the reservation it was drawn under), ARGV[4] the counter limit, ARGV[5] the
+#: grant's secret; the script sets the locals ``source`` (which epoch database the caller draws
+#: from) and ``known_run`` before (the server's replication id as the caller's connection knows
+#: it, '' if it does not). The id is read (``INFO``) only when it is not known or the counter
+#: carries another (see the Redis backend's docstring); ``run`` is the id used, for the reply.
+#:
+#: A counter is continued only if it is there, from this server run, from the caller's epoch
+#: source and not exhausted. Otherwise a new epoch is installed only under a *reservation*:
+#: the first refusal writes ``reserved`` (``run:nonce``, the nonce derived from the secret and
+#: the offer, so new for every call) and returns ``{NEED_EPOCH, stored, run, nonce}``; the
+#: caller draws an epoch from the database and offers it with the nonce. An install consumes
+#: the reservation, and a wipe or another server run loses it, so an offer is taken only if no
+#: epoch was installed since its reservation: every epoch installed was drawn after every
+#: earlier install of the name, and the database makes it higher. (Without it, an epoch drawn
+#: before another client's, offered after Redis forgot the counter, took the token back.)
+#: Concurrent callers share one reservation, so the first offer wins and the others continue
+#: its counter. A counter stamped by another source (another project on the same Redis and
+#: ``PREFIX``) counts as missing, and its epoch floors nothing: ours come from our database.
 NEXT_GRANT_LUA = """
-local state = redis.call('HMGET', KEYS[2], 'epoch', 'counter', 'run')
+local state = redis.call('HMGET', KEYS[2], 'epoch', 'counter', 'run', 'source')
 local run = known_run
 if run == '' or state[3] ~= run then
   if redis.replicate_commands then
@@ -50,13 +63,23 @@ if run == '' or state[3] ~= run then
   run = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
 end
 local epoch, counter = tonumber(state[1]), tonumber(state[2])
+if state[4] ~= source then
+  epoch = nil
+end
 if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV[4]) then
-  local offered = tonumber(ARGV[3])
-  if offered <= (epoch or 0) then
-    return {NEED_EPOCH, tostring(epoch or 0), run}
+  local stored = epoch or 0
+  local offered, echoed = string.match(ARGV[3], '^(%d+):(%x+)$')
+  local reserved = redis.call('HGET', KEYS[2], 'reserved')
+  if offered == nil or reserved ~= run .. ':' .. echoed or tonumber(offered) <= stored then
+    if not reserved or string.sub(reserved, 1, #run + 1) ~= run .. ':' then
+      reserved = run .. ':' .. redis.sha1hex(ARGV[5] .. ':' .. ARGV[3])
+      redis.call('HSET', KEYS[2], 'reserved', reserved)
+    end
+    return {NEED_EPOCH, tostring(stored), run, string.sub(reserved, #run + 2)}
   end
-  epoch, counter = offered, 1
-  redis.call('HSET', KEYS[2], 'epoch', epoch, 'counter', counter, 'run', run)
+  epoch, counter = tonumber(offered), 1
+  redis.call('HDEL', KEYS[2], 'reserved')
+  redis.call('HSET', KEYS[2], 'epoch', epoch, 'counter', counter, 'run', run, 'source', source)
 else
   counter = counter + 1
   redis.call('HSET', KEYS[2], 'counter', counter)
@@ -76,15 +99,15 @@ local function is_group(value, mark)
 end
 """
 
-#: KEYS: lock, fence, readers, writer. ARGV: holder, ttl ms, offered epoch, counter limit,
-#: secret, group mark (``::␟shared``), the replication id the connection knows ('' if none).
-#: Returns {OK, value, run} | {BUSY, value, run} | {NEED_EPOCH, epoch, run}.
+#: KEYS: lock, fence, readers, writer. ARGV: holder, ttl ms, offer, counter limit, secret,
+#: epoch source, group mark (``::␟shared``), the replication id the connection knows ('' if
+#: none). Returns {OK, value, run} | {BUSY, value, run} | {NEED_EPOCH, epoch, run, nonce}.
 SHARED_ACQUIRE_LUA = lua(
     _CLOCK_LUA
     + """
-local known_run = ARGV[7] or ''
+local source, known_run = ARGV[6], ARGV[8] or ''
 local current = redis.call('GET', KEYS[1])
-local group = is_group(current, ARGV[6])
+local group = is_group(current, ARGV[7])
 if (current and not group) or redis.call('EXISTS', KEYS[4]) == 1 then
   return {BUSY, current or '', known_run}
 end
@@ -101,7 +124,7 @@ local keep = ttl
 if group then
   keep = math.max(redis.call('PTTL', KEYS[1]), ttl)
 end
-local value = key .. ARGV[6]
+local value = key .. ARGV[7]
 redis.call('SET', KEYS[1], value, 'PX', keep)
 redis.call('PEXPIRE', KEYS[3], keep)
 return {OK, value, run}

@@ -28,9 +28,15 @@ replication id (``master_replid``) of the Redis server that wrote it; Redis give
 replication id when it starts and when a replica is promoted. Whenever the acquire script finds
 the counter missing, written by another server run, or exhausted, it refuses to grant and asks
 for a new epoch, which the database guarantees is higher than every epoch handed out before, so
-the next token is higher than every earlier one. This costs one extra database statement for the
-first grant of a name after such an event; if the database is unreachable then, the grant is
-refused with :class:`~leases.errors.FencingUnavailable` instead of risking a repeated token.
+the next token is higher than every earlier one. The new epoch is installed only under a
+reservation the refusal wrote in ``:fence``, which an install consumes and a wipe or restart
+loses, so an epoch drawn before another client's and offered after Redis forgot the counter
+is refused (see :data:`~._redis_shared.NEXT_GRANT_LUA`). The counter also names the epoch's
+source (:meth:`Backend.source`): another project's epochs on the same Redis and ``PREFIX`` are
+unrelated to ours, so its counter counts as missing. This costs one extra database statement
+for the first grant of a name after such an event (and one per process, for the source); if
+the database is unreachable then, the grant is refused with
+:class:`~leases.errors.FencingUnavailable` instead of risking a repeated token.
 
 Every acquire script reads the replication id (``INFO``, about 5 µs of server time, a few per
 cent of an acquire + release on loopback) unless ``TRUST_SERVER_ID`` (seconds) lets a
@@ -78,8 +84,11 @@ from ._redis_protocol import (
     MAX_EPOCH,
     TOKEN_SCRIPTS,
     ReadersSeen,
+    Reservation,
     acquire_args,
     acquired,
+    epoch_source,
+    offer,
     owner_args,
     pack_token,
     release_call,
@@ -201,6 +210,8 @@ class Backend(LeaseBackend):
         (epochs,) = self.databases(options)
         self.epochs = DurableCounter(alias, epochs)
         self.epoch_resource = f"leases.redis-epoch:{self.prefix}"
+        #: Which database and row the epochs come from (see :meth:`source`), once known.
+        self._source: str | None = None
         self.scripts = {name: Script(lua_text) for name, lua_text in SCRIPTS.items()}
         self._lock = threading.Lock()
         self._client: Any = None
@@ -284,18 +295,18 @@ class Backend(LeaseBackend):
         extra: list[object],
     ) -> Grant | None:
         """Run an acquire script, taking a new epoch from the database when it asks."""
-        offered, secret = 0, new_secret()
+        offered, secret, source = "0", new_secret(), self.source()
         shared = {"shared": True} if script == "shared_acquire" else None
         for _ in range(3):
             sent_at = time.monotonic()
-            args = acquire_args(holder, ttl, offered, secret, extra)
+            args = acquire_args(holder, ttl, offered, secret, source, extra)
             reply = self._run(script, keys, args)
             outcome = acquired(reply, name, holder, ttl, sent_at, secret, shared)
-            if not isinstance(outcome, int):
+            if not isinstance(outcome, Reservation):
                 if shared is None:
                     self.readers_seen.note(name, reply)
                 return outcome
-            offered = self.next_epoch(outcome)
+            offered = offer(self.next_epoch(outcome.stored), outcome)
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
 
     def stop_new_readers(self, name: str) -> bool:
@@ -307,6 +318,23 @@ class Backend(LeaseBackend):
             return False
         self._run("stop_readers", *stop_readers_call(self.prefix, name))
         return True
+
+    def source(self) -> str:
+        """Which epochs this backend's counters are stamped with (:func:`epoch_source`): read
+        from the epoch database once, by the first acquire (the first grant of a name takes an
+        epoch from there anyway)."""
+        source = self._source
+        if source is None:
+            source = self._source = epoch_source(self.epochs.source(), self.epoch_resource)
+        return source
+
+    async def asource(self) -> str:
+        """:meth:`source`, read on the event loop's own database connection."""
+        source = self._source
+        if source is None:
+            database = await self.epochs.asource()
+            source = self._source = epoch_source(database, self.epoch_resource)
+        return source
 
     def next_epoch(self, stored: int) -> int:
         """A new epoch above ``stored``, from the database (see the module's docstring)."""
