@@ -36,7 +36,7 @@ from leases.backends.redis import (
     Reply,
     owner_args,
 )
-from leases.errors import BackendUnavailable, LeaseLost, LeasesImproperlyConfigured
+from leases.errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from tests import checker
 from tests.extra_backends import added_backend
 from tests.lease_backends import wait_overshoots
@@ -228,6 +228,27 @@ def test_inspect_force_release_and_inspect_all(make_backend: MakeBackend) -> Non
     assert [i.name for i in backend.inspect_all()] == [name]
 
 
+def test_a_grant_held_longer_than_its_counter_is_kept_is_listed_and_revoked(
+    make_backend: MakeBackend,
+) -> None:
+    """Counters expire (a day after the latest grant) while a keepalive may hold a grant for
+    longer: such a grant is still listed, and force release still frees it by its lock, and
+    the next grant's token is above the revoked one."""
+    backend, name = make_backend(PREFIX=f"{unique('p')}:"), unique()
+    grant = backend.try_acquire(name, "a", 30)
+    assert grant is not None
+    backend.client.delete(LeaseKeys.of(backend.prefix, name).fence)  # as if it expired
+    assert [i.name for i in backend.inspect_all()] == [name]
+    with pytest.raises(LeaseNotHeld):
+        backend.force_release(name, grant.token + 1)  # not the token it holds
+    after = backend.force_release(name, grant.token)
+    assert not after.held and after.token == grant.token + 1
+    with pytest.raises(LeaseLost):
+        backend.renew(grant, 5)
+    successor = backend.try_acquire(name, "b", 5)
+    assert successor is not None and successor.token > after.token
+
+
 def test_bad_options_are_configuration_errors() -> None:
     with pytest.raises(LeasesImproperlyConfigured):
         Backend("x", {})
@@ -344,7 +365,7 @@ def test_failover_to_a_lagging_replica_never_repeats_a_token(
 
 
 def test_acquire_script_asks_for_an_epoch_when_the_counter_is_missing() -> None:
-    """A refused grant writes no lock and no counter, only its reservation."""
+    """A refused grant writes no lock and no counter, only its reservation, which expires."""
     client = redis.Redis.from_url(os.environ["REDIS_URL"])
     keys = LeaseKeys.of(f"{unique('p')}:", "n")
     script = client.register_script(ACQUIRE_LUA)
@@ -353,6 +374,25 @@ def test_acquire_script_asks_for_an_epoch_when_the_counter_is_missing() -> None:
     assert (Reply(code), stored) == (Reply.NEED_EPOCH, b"0")
     assert client.exists(keys.lock) == 0
     assert client.hgetall(keys.fence) == {b"reserved": run + b":" + nonce}
+    assert client.pttl(keys.fence) > 0
+
+
+def test_names_granted_and_released_leave_no_key_that_never_expires(
+    make_backend: MakeBackend, redis_server: RedisServer
+) -> None:
+    """Every name ever granted used to leave its ``:fence`` counter forever, so names made of
+    ever-changing things (``invoice:81723``) grew Redis without bound (under ``noeviction``,
+    until writes failed); now each grant keeps it a day, or ten TTLs, longer."""
+    backend = make_backend(redis_server.url)
+    for i in range(5):
+        grant = backend.try_acquire(f"invoice:{i}", "worker", 5)
+        assert grant is not None
+        backend.release(grant)
+    client = redis.Redis.from_url(redis_server.url)
+    keys = list(client.scan_iter(count=1000))
+    assert keys and all(client.pttl(key) > 0 for key in keys)
+    fence = LeaseKeys.of(backend.prefix, "invoice:0").fence
+    assert 86_400_000 - 60_000 < client.pttl(fence) <= 86_400_000
 
 
 def test_one_round_trip_each_for_acquire_renew_release(make_backend: MakeBackend) -> None:

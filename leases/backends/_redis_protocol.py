@@ -84,21 +84,30 @@ return {OK, value, run}
 #: value's prefix for that token (``epoch:counter:``).
 #: Compare-and-revoke: only while the stored token is still the one given, free the name (if
 #: that grant still holds it), advance the counter so the evicted holder's renewals fail, and
-#: wake one waiter. Returns {OK, epoch, new counter} | {LOST, stored epoch, stored counter}.
+#: wake one waiter. A grant held longer than its counter is kept (a keepalive through the day
+#: :data:`~._redis_shared.FENCE_KEEP_MS`) has only its lock to compare: it is freed and the
+#: counter left missing, so the next grant takes a new epoch, above the revoked token anyway.
+#: Returns {OK, epoch, new counter} | {LOST, stored epoch, stored counter}.
 FORCE_RELEASE_LUA = lua(
     """
 local state = redis.call('HMGET', KEYS[3], 'epoch', 'counter')
+local held = string.sub(redis.call('GET', KEYS[1]) or '', 1, #ARGV[4]) == ARGV[4]
 if tonumber(state[1]) ~= tonumber(ARGV[1]) or tonumber(state[2]) ~= tonumber(ARGV[2]) then
-  return {LOST, state[1], state[2]}
+  if state[1] or not held then
+    return {LOST, state[1], state[2]}
+  end
 end
 if string.sub(redis.call('GET', KEYS[1]) or '', 1, #ARGV[4]) == ARGV[4] then
   redis.call('DEL', KEYS[1])
 end
-local counter = redis.call('HINCRBY', KEYS[3], 'counter', 1)
+local counter = tonumber(ARGV[2]) + 1
+if state[1] then
+  counter = redis.call('HINCRBY', KEYS[3], 'counter', 1)
+end
 """
     + wake_lua("KEYS[2]", "ARGV[3]")
     + """
-return {OK, state[1], counter}
+return {OK, ARGV[1], counter}
 """
 )
 

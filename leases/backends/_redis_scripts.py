@@ -105,7 +105,8 @@ def wake_lua(key: str, ttl: str) -> str:
 
 
 #: KEYS: lock, wake. ARGV: token prefix, holder, secret, wake ttl ms.
-#: Compare-and-delete, then wake one waiter; the counter in ``fence`` is never deleted.
+#: Compare-and-delete, then wake one waiter; the counter in ``fence`` stays (it expires later:
+#: :data:`~._redis_shared.FENCE_KEEP_MS`).
 RELEASE_LUA = lua(
     _OWNER_LUA
     + """

@@ -18,6 +18,8 @@ from __future__ import annotations
 from ._redis_scripts import lua, wake_lua
 
 __all__ = [
+    "FENCE_KEEP_MS",
+    "FENCE_KEEP_TTLS",
     "GROUP",
     "NEXT_GRANT_LUA",
     "READER_CHECK_LUA",
@@ -32,6 +34,12 @@ __all__ = [
 GROUP = "\u241fshared"
 #: How long a waiting writer's ``:writer`` key stops new readers; it retries well within this.
 WRITER_INTENT_MS = 1000
+
+#: How long a name's ``:fence`` hash lives after its latest grant, at least: a day, or ten of the
+#: grant's TTLs if longer. A counter Redis forgets costs only a new epoch from the database, so
+#: nothing needs it forever, and a name never used again leaves no key behind.
+FENCE_KEEP_MS = 24 * 3600 * 1000
+FENCE_KEEP_TTLS = 10
 
 #: The next token of a name, in ``epoch`` and ``counter``: ``KEYS[2]`` is the ``:fence`` hash,
 #: ARGV[2] the grant's TTL in ms, ARGV[3] the offer (``0``: none yet, else ``epoch:nonce``, a
@@ -53,7 +61,7 @@ WRITER_INTENT_MS = 1000
 #: Concurrent callers share one reservation, so the first offer wins and the others continue
 #: its counter. A counter stamped by another source (another project on the same Redis and
 #: ``PREFIX``) counts as missing, and its epoch floors nothing: ours come from our database.
-NEXT_GRANT_LUA = """
+NEXT_GRANT_LUA = f"""
 local state = redis.call('HMGET', KEYS[2], 'epoch', 'counter', 'run', 'source')
 local run = known_run
 if run == '' or state[3] ~= run then
@@ -66,6 +74,7 @@ local epoch, counter = tonumber(state[1]), tonumber(state[2])
 if state[4] ~= source then
   epoch = nil
 end
+local fence_keep = math.max({FENCE_KEEP_MS}, {FENCE_KEEP_TTLS} * tonumber(ARGV[2]))
 if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV[4]) then
   local stored = epoch or 0
   local offered, echoed = string.match(ARGV[3], '^(%d+):(%x+)$')
@@ -74,8 +83,9 @@ if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV
     if not reserved or string.sub(reserved, 1, #run + 1) ~= run .. ':' then
       reserved = run .. ':' .. redis.sha1hex(ARGV[5] .. ':' .. ARGV[3])
       redis.call('HSET', KEYS[2], 'reserved', reserved)
+      redis.call('PEXPIRE', KEYS[2], fence_keep)
     end
-    return {NEED_EPOCH, tostring(stored), run, string.sub(reserved, #run + 2)}
+    return {{NEED_EPOCH, tostring(stored), run, string.sub(reserved, #run + 2)}}
   end
   epoch, counter = tonumber(offered), 1
   redis.call('HDEL', KEYS[2], 'reserved')
@@ -84,6 +94,7 @@ else
   counter = counter + 1
   redis.call('HSET', KEYS[2], 'counter', counter)
 end
+redis.call('PEXPIRE', KEYS[2], fence_keep)
 """
 
 #: Redis's clock in ms (writes after TIME need effects replication: Redis < 5 asks for it),

@@ -15,7 +15,8 @@ retries anything).
 
 Keys of one name share a Redis Cluster hash tag, ``<prefix>{<name>}``: ``:lock`` (the grant,
 value ``epoch:counter:sha1(secret):holder``, expiring by Redis's clock), ``:fence`` (the name's
-counter, no TTL) and ``:wake`` (a list where a release leaves one wake-up, so a waiter's
+counter, kept a day or ten TTLs after its latest grant: forgetting it costs a new epoch) and
+``:wake`` (a list where a release leaves one wake-up, so a waiter's
 ``BLPOP`` wakes without polling; see :func:`~._redis_scripts.wake_lua`).
 Renew and release compare the whole value before they touch the key, so a holder whose grant
 expired can never extend or delete its successor's.
@@ -101,7 +102,7 @@ from ._redis_protocol import (
     stop_readers_call,
     token_of,
 )
-from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, LeaseKeys, Reply, lua
+from ._redis_scripts import RELEASE_LUA, RENEW_LUA, WAKE_TTL_MS, KeyKind, LeaseKeys, Reply, lua
 from ._redis_shared import (
     SHARED_ACQUIRE_LUA,
     SHARED_RELEASE_LUA,
@@ -436,12 +437,15 @@ class Backend(LeaseBackend):
         self.epochs.ping()
 
     def inspect_all(self) -> list[LeaseInfo]:
-        """Every name with a counter, by ``SCAN`` (never ``KEYS``): operators' views only."""
+        """Every name with a counter or a grant, by ``SCAN`` (never ``KEYS``): operators' views
+        only. Grants too: one held longer than its counter is kept has only its lock."""
+        kinds: tuple[KeyKind, ...] = ("fence", "lock")
         with Edge(self.alias, "inspect_all"):
             found = {
-                LeaseKeys.name_of(self.prefix, text(key), "fence")
+                LeaseKeys.name_of(self.prefix, text(key), kind)
+                for kind in kinds
                 for key in self.client.scan_iter(
-                    match=LeaseKeys.pattern(self.prefix, "fence"), count=1000
+                    match=LeaseKeys.pattern(self.prefix, kind), count=1000
                 )
             }
         infos = (self.inspect(name) for name in sorted(found))
