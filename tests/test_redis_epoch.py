@@ -127,6 +127,26 @@ def test_a_counter_of_another_projects_epochs_is_not_continued(redis_server: Red
         app_b.close()
 
 
+def test_a_new_epoch_source_starts_above_the_epochs_redis_saw(redis_server: RedisServer) -> None:
+    """A counter of another epoch source is not continued, but its epoch still floors ours:
+    our database restored into a new cluster (a new source, its epoch row behind) must not
+    hand out epochs below those Redis saw."""
+    before = Backend("redis-epoch-old", {"URL": redis_server.url})
+    restored = Backend("redis-epoch-new", {"URL": redis_server.url})
+    restored.epoch_resource = f"restored-{uuid.uuid4().hex[:8]}:" + restored.epoch_resource
+    try:
+        for _ in range(5):
+            before.epochs.bump_fence(before.epoch_resource)
+        old = before.try_acquire("report", "a", 30.0)
+        assert old is not None
+        before.release(old)
+        new = restored.try_acquire("report", "a", 30.0)
+        assert new is not None and new.token >> COUNTER_BITS > old.token >> COUNTER_BITS
+    finally:
+        before.close()
+        restored.close()
+
+
 def test_an_async_grant_draws_its_epoch_on_the_loops_own_connection(backend: Backend) -> None:
     """A new name's first grant needs a new epoch: with no worker thread to be had (the loop's
     executor refuses work) it is drawn on the loop's async connection to the epoch database,

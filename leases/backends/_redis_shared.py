@@ -60,7 +60,9 @@ FENCE_KEEP_TTLS = 10
 #: before another client's, offered after Redis forgot the counter, took the token back.)
 #: Concurrent callers share one reservation, so the first offer wins and the others continue
 #: its counter. A counter stamped by another source (another project on the same Redis and
-#: ``PREFIX``) counts as missing, and its epoch floors nothing: ours come from our database.
+#: ``PREFIX``, or our database restored into a new cluster) is not continued, but its epoch
+#: still floors the new one: that costs our counter nothing but a jump, and keeps a restored
+#: database that is behind from handing out an epoch below the ones Redis saw.
 NEXT_GRANT_LUA = f"""
 local state = redis.call('HMGET', KEYS[2], 'epoch', 'counter', 'run', 'source')
 local run = known_run
@@ -71,11 +73,8 @@ if run == '' or state[3] ~= run then
   run = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
 end
 local epoch, counter = tonumber(state[1]), tonumber(state[2])
-if state[4] ~= source then
-  epoch = nil
-end
 local fence_keep = math.max({FENCE_KEEP_MS}, {FENCE_KEEP_TTLS} * tonumber(ARGV[2]))
-if epoch == nil or counter == nil or state[3] ~= run or counter >= tonumber(ARGV[4]) then
+if counter == nil or state[3] ~= run or state[4] ~= source or counter >= tonumber(ARGV[4]) then
   local stored = epoch or 0
   local offered, echoed = string.match(ARGV[3], '^(%d+):(%x+)$')
   local reserved = redis.call('HGET', KEYS[2], 'reserved')

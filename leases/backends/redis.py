@@ -34,9 +34,9 @@ reservation the refusal wrote in ``:fence``, which an install consumes and a wip
 loses, so an epoch drawn before another client's and offered after Redis forgot the counter
 is refused (see :data:`~._redis_shared.NEXT_GRANT_LUA`). The counter also names the epoch's
 source (:meth:`Backend.source`): another project's epochs on the same Redis and ``PREFIX`` are
-unrelated to ours, so its counter counts as missing. This costs one extra database statement
-for the first grant of a name after such an event (and one per process, for the source); if
-the database is unreachable then, the grant is refused with
+unrelated to ours, so its counter is not continued (its epoch still floors our new one). This
+costs one extra database statement for the first grant of a name after such an event (and one
+per process, for the source); if the database is unreachable then, the grant is refused with
 :class:`~leases.errors.FencingUnavailable` instead of risking a repeated token.
 
 Every acquire script reads the replication id (``INFO``, about 5 µs of server time, a few per
