@@ -45,8 +45,6 @@ __all__ = ["IdempotentTask", "idempotent_task"]
 
 logger = logging.getLogger(__name__)
 
-#: "No such attribute" (an override of None is a value of its own).
-
 
 class IdempotentTask(Task):  # type: ignore[type-arg]
     """A task whose database effects and result are recorded once per key; see the module doc.

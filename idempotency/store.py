@@ -432,9 +432,8 @@ def record_step(claim: Claim, step: str, result: str, *, commit: bool = False) -
 def release(claim: Claim) -> None:
     """Give up a key whose attempt failed (never another owner's): deleted, so the retry runs
     again, unless it holds recorded steps, which the retry resumes after if it comes within a
-    TTL from now. A claim made in the
-    transaction wrote nothing: its session gate is given back (a transaction's gate goes with
-    the transaction)."""
+    TTL from now. A claim made in the transaction wrote nothing: its session gate is given back
+    (a transaction's gate goes with the transaction)."""
     if claim.gate is not None:
         if claim.session_gate:
             with connections[claim.using].cursor() as cursor:

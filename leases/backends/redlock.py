@@ -228,6 +228,9 @@ class Backend(LeaseBackend):
         super().__init__(alias, options)
         self.locations = [str(node) for node in options["NODES"]]
         self.quorum = len(self.locations) // 2 + 1
+        #: How many nodes meet every quorum: a value gone from that many can no longer be
+        #: renewed on a quorum, and that many answering show every name a quorum holds.
+        self.overlap = len(self.locations) - self.quorum + 1
         self.prefix: str = options.get("PREFIX", "leases:")
         self.node_timeout = float(options.get("NODE_TIMEOUT", 0.05))
         (tokens,) = self.databases(options)
@@ -620,7 +623,7 @@ class Backend(LeaseBackend):
             revoke = [held, WAKE_TTL_MS]
             answers = self._run_everywhere(self._revoke_script, [keys.lock, keys.wake], revoke)
             gone = sum(answer is not FAILED for answer in answers)
-            if gone < len(self.nodes) - self.quorum + 1:
+            if gone < self.overlap:
                 detail = f"{gone} of {len(self.nodes)} Redlock nodes confirmed the deletion"
                 raise RevocationIncomplete(self.alias, name, new, detail)
         return LeaseInfo(name, "", new, False, self.alias)
@@ -695,12 +698,11 @@ class Backend(LeaseBackend):
             answered += 1
             for key in found:
                 names.add(LeaseKeys.name_of(self.prefix, text(key), "lock"))
-        needed = len(self.nodes) - self.quorum + 1
-        if answered < needed:
+        if answered < self.overlap:
             raise BackendUnavailable(
                 self.alias,
                 f"inspect_all: {answered} of {len(self.nodes)} nodes answered, "
-                f"{needed} are needed to see every held name",
+                f"{self.overlap} are needed to see every held name",
             )
         infos = (self.inspect(name) for name in sorted(names))
         return [info for info in infos if info is not None]
