@@ -167,6 +167,10 @@ class ForceRelease(models.Model):
 
     class Action(models.TextChoices):
         RELEASE = "release", "force release (token advanced)"
+        #: The store did not confirm taking the grant away (unreachable, or too few Redlock
+        #: nodes): the revocation was recorded and the token may have moved, but the holder
+        #: may still renew until its TTL runs out. Audited all the same, since it has effects.
+        INCOMPLETE = "incomplete", "force release, incomplete (the grant may stand)"
         TERMINATE = "terminate", "database session terminated"
 
     action = models.CharField(max_length=16, choices=Action.choices, default=Action.RELEASE)

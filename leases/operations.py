@@ -31,7 +31,13 @@ from .backends import LeaseBackend, get_backend
 from .backends._pg_shared import public_meta
 from .backends.base import LIST_BATCH, InternalLock, LeaseInfo, LeaseWaiter
 from .databases import migrated_databases
-from .errors import InvalidFencingToken, LeaseError, LeaseNotHeld
+from .errors import (
+    BackendUnavailable,
+    InvalidFencingToken,
+    LeaseError,
+    LeaseNotHeld,
+    RevocationIncomplete,
+)
 from .holders import Holder, parse_holder
 from .keys import split_key
 
@@ -439,6 +445,12 @@ def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -
     write fenced by the evicted lease is refused by the resource itself, on any backend), then
     the backend advances the token (the holder's renewals fail, waiters are woken), then the
     audit record is written. Returns the :class:`~leases.models.ForceRelease` record.
+
+    A backend that does not confirm the revocation (:class:`~leases.errors.BackendUnavailable`,
+    :class:`~leases.errors.RevocationIncomplete` where it moved the token but could not take
+    the grant away) has its error raised, but only after an ``incomplete`` audit record: the
+    revocation is recorded by then, and may have moved the token, so the action has effects
+    someone will need to explain.
     """
     _require(user, FORCE_RELEASE_PERMISSION)
     if isinstance(token, bool) or not isinstance(token, int) or token < 1:
@@ -455,17 +467,18 @@ def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -
             by=f"grant {token}",
         )
     revocation.record(backend, name, token)
-    after = store.force_release(name, token)
-    return _audit(
-        user,
-        via,
-        f"lease {name!r} force-released on {backend!r}",
-        action="release",
-        name=name,
-        backend=backend,
-        holder=before.holder,
-        token=token,
-        new_token=after.token,
+    audit = functools.partial(
+        _audit, user, via, name=name, backend=backend, holder=before.holder, token=token
+    )
+    try:
+        after = store.force_release(name, token)
+    except BackendUnavailable as exc:
+        moved = exc.token if isinstance(exc, RevocationIncomplete) else None
+        message = f"lease {name!r} force release on {backend!r} incomplete ({exc})"
+        audit(message, action="incomplete", new_token=moved)
+        raise
+    return audit(
+        f"lease {name!r} force-released on {backend!r}", action="release", new_token=after.token
     )
 
 
@@ -498,7 +511,11 @@ def terminate_session(pid: int, *, user: Any, via: str, using: str | None = None
     )
 
 
-_EVENTS = {"release": "lease_force_released", "terminate": "lock_session_terminated"}
+_EVENTS = {
+    "release": "lease_force_released",
+    "incomplete": "lease_force_release_incomplete",
+    "terminate": "lock_session_terminated",
+}
 
 
 def _audit(user: Any, via: str, message: str, **fields: Any) -> Any:

@@ -12,9 +12,12 @@ from typing import Any, cast
 import pytest
 import redis
 import redis.asyncio
+from django.contrib.auth.models import Permission
 
 from devservers import RedisServer
 from devservers.proxy import FaultProxy
+from leases import operations
+from leases.backends import get_backend
 from leases.backends._redis_io import SERVER_TICK
 from leases.backends.base import Grant
 from leases.backends.redis import LeaseKeys
@@ -25,7 +28,10 @@ from leases.errors import (
     LeasesImproperlyConfigured,
     RevocationIncomplete,
 )
+from leases.models import ForceRelease
 from tests import checker
+from tests.extra_backends import added_backend
+from tests.factories import UserFactory
 from tests.lease_backends import wait_overshoots
 from tests.waiting import released_past_blocked_waits, stalled, stalled_handover, wait_until
 
@@ -756,25 +762,47 @@ def test_more_async_waiters_than_redis_py_pools_allow_leave_room_for_the_release
     assert any(woken)
 
 
+#: The operator's alias in :func:`proxied`: configured, so the audited operator path
+#: (:func:`leases.operations.force_release`, the admin's and ``manage.py leases``') finds it.
+OPERATOR = "redlock-operator"
+
+
 @pytest.fixture
 def proxied(redis_servers: Servers) -> Iterator[tuple[Backend, Backend, list[FaultProxy]]]:
     """A holder's backend on three nodes, and an operator's on the same nodes through proxies
-    (which the test can silence for the operator alone)."""
+    (which the test can silence for the operator alone), configured as :data:`OPERATOR`."""
     servers = redis_servers(3)
     proxies = [FaultProxy(server.port) for server in servers]
     prefix = f"{unique()}:"
     options = {"PREFIX": prefix, "NODE_TIMEOUT": 0.5}
     holder = Backend("redlock-test", {"NODES": [s.url for s in servers], **options})
-    operator = Backend("redlock-test", {"NODES": [p.url() for p in proxies], **options})
+    nodes = [p.url() for p in proxies]
+    operator = {"ENGINE": "leases.backends.redlock", "NODES": nodes, **options}
     try:
-        yield holder, operator, proxies
+        with added_backend(OPERATOR, operator):
+            yield holder, cast(Backend, get_backend(OPERATOR)), proxies
     finally:
         for proxy in proxies:
             proxy.pass_through()
         holder.close()
-        operator.close()
         for proxy in proxies:
             proxy.close()
+
+
+def silence_once_the_token_moved(
+    operator: Backend, proxies: list[FaultProxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``proxies`` go silent between the operator's revocation of the token and its deletions
+    on the nodes (after its read of who holds the name)."""
+    revoke_token = operator._revoke_token
+
+    def then_silence(name: str, token: int) -> tuple[int | None, int | None]:
+        moved = revoke_token(name, token)
+        for proxy in proxies:
+            proxy.blackhole()
+        return moved
+
+    monkeypatch.setattr(operator, "_revoke_token", then_silence)
 
 
 def test_force_release_that_cannot_tell_the_holder_revokes_nothing(
@@ -801,15 +829,7 @@ def test_force_release_whose_deletions_miss_a_quorum_says_it_is_incomplete(
     holder, operator, proxies = proxied
     grant = holder.try_acquire(unique(), "worker", 30.0)
     assert grant is not None
-    revoke_token = operator._revoke_token
-
-    def then_silence(name: str, token: int) -> tuple[int | None, int | None]:
-        moved = revoke_token(name, token)
-        proxies[1].blackhole()
-        proxies[2].blackhole()
-        return moved
-
-    monkeypatch.setattr(operator, "_revoke_token", then_silence)
+    silence_once_the_token_moved(operator, proxies[1:], monkeypatch)
     with pytest.raises(RevocationIncomplete) as raised:
         operator.force_release(grant.name, grant.token)
     assert raised.value.token == holder.counter.current_lease(grant.name)
@@ -817,3 +837,39 @@ def test_force_release_whose_deletions_miss_a_quorum_says_it_is_incomplete(
     holder.force_release(grant.name, raised.value.token)  # again, with the new token
     with pytest.raises(LeaseLost):
         holder.renew(grant, 30.0)
+
+
+@pytest.mark.parametrize("silenced", [1, 2])
+def test_operator_force_release_is_audited_complete_or_not(
+    proxied: tuple[Backend, Backend, list[FaultProxy]],
+    monkeypatch: pytest.MonkeyPatch,
+    silenced: int,
+) -> None:
+    """One node of three silent for the deletions still takes the quorum away: audited as a
+    release. Two silent leave the holder its quorum (``RevocationIncomplete``): the token had
+    moved and the revocation was recorded, yet the audited operator path left no audit row,
+    so a partial revocation by an operator left no trace of who did it."""
+    holder, operator, proxies = proxied
+    grant = holder.try_acquire(unique(), "worker", 30.0)
+    assert grant is not None
+    user: Any = UserFactory(username=f"operator-{silenced}")
+    user.user_permissions.add(Permission.objects.get(codename="force_release_lease"))
+    silence_once_the_token_moved(operator, proxies[3 - silenced :], monkeypatch)
+
+    def revoke() -> None:
+        operations.force_release(
+            grant.name, backend=OPERATOR, token=grant.token, user=user, via="command"
+        )
+
+    if silenced == 1:
+        revoke()
+    else:
+        with pytest.raises(RevocationIncomplete):
+            revoke()
+    (record,) = ForceRelease.objects.filter(name=grant.name)  # one audit row either way
+    assert (record.backend, record.holder, record.by) == (OPERATOR, "worker", user)
+    complete = ForceRelease.Action.RELEASE if silenced == 1 else ForceRelease.Action.INCOMPLETE
+    assert record.action == complete
+    assert record.token == grant.token
+    assert record.new_token == holder.counter.current_lease(grant.name)
+    assert record.new_token is not None and record.new_token > grant.token
