@@ -821,6 +821,26 @@ def test_force_release_that_cannot_tell_the_holder_revokes_nothing(
     holder.renew(grant, 30.0)
 
 
+def test_inspect_that_cannot_tell_the_holder_says_unavailable_not_free(
+    proxied: tuple[Backend, Backend, list[FaultProxy]],
+) -> None:
+    """A node restarted empty, and another is silent to the operator: of the two answers one
+    shows the holder's value, which with the silent node is a quorum (the holder renews on
+    it). ``inspect`` called the name free (the listing and the admin too), where the force
+    release's own read refuses to tell."""
+    holder, operator, proxies = proxied
+    grant = holder.try_acquire(unique(), "worker", 30.0)
+    assert grant is not None
+    redis.Redis(port=proxies[0].target[1]).delete(LeaseKeys.of(holder.prefix, grant.name).lock)
+    proxies[1].blackhole()
+    with pytest.raises(BackendUnavailable, match="not enough to tell who holds"):
+        operator.inspect(grant.name)
+    holder.renew(grant, 30.0)  # it was held all along
+    proxies[1].pass_through()
+    info = operator.inspect(grant.name)
+    assert info is not None and info.held and info.holder == "worker"
+
+
 def test_force_release_whose_deletions_miss_a_quorum_says_it_is_incomplete(
     proxied: tuple[Backend, Backend, list[FaultProxy]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -615,7 +615,7 @@ class Backend(LeaseBackend):
                 self.alias, f"{Capability.FORCE_RELEASE.value} with a custom TOKEN_SOURCE"
             )
         keys = LeaseKeys.of(self.prefix, name)
-        held = self._held_value(name, self._fan_out("GET", keys.lock))
+        held = self._held_value(name, self._fan_out("GET", keys.lock), ", nothing was revoked")
         new, current = self._revoke_token(name, token)
         if new is None:
             raise LeaseNotHeld(name, not_revoked(token, current))
@@ -628,13 +628,16 @@ class Backend(LeaseBackend):
                 raise RevocationIncomplete(self.alias, name, new, detail)
         return LeaseInfo(name, "", new, False, self.alias)
 
-    def _held_value(self, name: str, answers: list[Any]) -> str | None:
+    def _held_value(self, name: str, answers: list[Any], consequence: str = "") -> str | None:
         """The value a quorum of nodes holds for ``name`` (``None``: no grant holds one),
         from the answers to a ``GET`` on every node.
 
-        ``BackendUnavailable`` when the answers cannot tell: fewer than a quorum answered, or
-        a value is on fewer than a quorum of the answers but would be on a quorum with the
-        nodes that did not answer (its holder may well have them)."""
+        ``BackendUnavailable`` (its message ending with ``consequence``) when the answers
+        cannot tell: fewer than a quorum answered, or a value is on fewer than a quorum of the
+        answers but would be on a quorum with the nodes that did not answer (its holder may
+        well have them). The one rule for :meth:`inspect` and :meth:`force_release`, so an
+        operator is never shown a name free, or held by someone, that a revocation would
+        refuse to judge."""
         found = [answer for answer in answers if answer is not FAILED]
         missing = len(answers) - len(found)
         counts = Counter(text(value) for value in found if value is not None)
@@ -645,7 +648,7 @@ class Backend(LeaseBackend):
             raise BackendUnavailable(
                 self.alias,
                 f"{len(found)} of {len(answers)} Redlock nodes answered: not enough to tell "
-                f"who holds {name!r}, nothing was revoked",
+                f"who holds {name!r}{consequence}",
             )
         return held[0] if held else None
 
@@ -654,24 +657,19 @@ class Backend(LeaseBackend):
         return self.counter.revoke_lease(name, token)
 
     def inspect(self, name: str) -> LeaseInfo | None:
-        """What a quorum of nodes says; ``BackendUnavailable`` when fewer than a quorum
-        answer (read as "not held", a Redlock with every node down looked healthy to the
-        health check while every acquire failed)."""
-        keys = LeaseKeys.of(self.prefix, name)
-        answers = [v for v in self._fan_out("GET", keys.lock) if v is not FAILED]
-        if len(answers) < self.quorum:
-            raise BackendUnavailable(
-                self.alias,
-                f"{len(answers)} of {len(self.nodes)} Redlock nodes answered, fewer than a "
-                f"quorum of {self.quorum}",
-            )
-        values = [v for v in answers if v is not None]
+        """What the nodes that answer can establish (:meth:`_held_value`): the holder whose
+        value a quorum holds, or a free name when no value could be on a quorum even with the
+        nodes that did not answer. Otherwise ``BackendUnavailable``: fewer than a quorum
+        answering, read as "not held", made a Redlock with every node down look healthy to
+        the health check while every acquire failed; and a value short of a quorum only for
+        want of answers, read as "free", hid a holder still renewing on its quorum."""
+        answers = self._fan_out("GET", LeaseKeys.of(self.prefix, name).lock)
+        held = self._held_value(name, answers)
         token = self.current_token(name)
-        held = [text(v) for v in values if values.count(v) >= self.quorum]
-        if held:
-            holder = held[0].split(":", 1)[1]
-            return LeaseInfo(name, holder, token, True, self.alias)
-        return LeaseInfo(name, "", token, False, self.alias) if values or token else None
+        if held is not None:
+            return LeaseInfo(name, held.split(":", 1)[1], token, True, self.alias)
+        seen = any(answer is not None and answer is not FAILED for answer in answers)
+        return LeaseInfo(name, "", token, False, self.alias) if seen or token else None
 
     def current_token(self, name: str) -> int:
         """``name``'s latest token from the database row; 0 (unknown) with a custom
@@ -686,7 +684,8 @@ class Backend(LeaseBackend):
 
         A held name is on a quorum of nodes, so the nodes that answer show every one of them
         only if they are more than the rest (N - quorum + 1): fewer, and the listing could miss
-        any held name, so the store is unavailable, never an empty listing of it."""
+        any held name, so the store is unavailable, never an empty listing of it. So is a name
+        :meth:`inspect` cannot judge with the nodes that answer."""
         pattern = LeaseKeys.pattern(self.prefix, "lock")
         names: set[str] = set()
         answered = 0
