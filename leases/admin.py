@@ -29,7 +29,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.timesince import timesince
 
 from . import conf, operations
-from .backends import Capability, backend_class, get_backend
+from .backends import Capability, capabilities, get_backend
 from .errors import LeaseError
 from .models import AdvisoryLock, BackendLease, ForceRelease, Lease
 from .paginator import EstimatedCountPaginator
@@ -39,20 +39,23 @@ VIEW_PERMISSION = "leases.view_lease"
 BACKEND_PAGE_LIMIT = 500
 
 
-def database_backend_alias() -> str:
-    """The alias whose backend keeps its leases as the ``leases_lease`` rows shown here.
-
-    Asked of each backend's class (:attr:`Capability.LEASE_ROWS`), not of its engine's name,
-    so a backend added later, or one named differently, is found the same way.
-    """
+def aliases_with(capability: Capability) -> list[str]:
+    """The configured aliases whose backend has ``capability`` with its options, asked of
+    each backend's class (:func:`~leases.backends.capabilities`), not of its engine's name,
+    so a backend added later, or one named differently, is found the same way."""
+    found = []
     for alias in conf.get().backends:
         try:
-            lease_rows = Capability.LEASE_ROWS in backend_class(alias).capabilities
+            if capability in capabilities(alias):
+                found.append(alias)
         except LeaseError:
             continue  # an engine that cannot be loaded is reported by manage.py check
-        if lease_rows:
-            return alias
-    return "default"
+    return found
+
+
+def database_backend_alias() -> str:
+    """The alias whose backend keeps its leases as the ``leases_lease`` rows shown here."""
+    return next(iter(aliases_with(Capability.LEASE_ROWS)), "default")
 
 
 def humanize_delta(delta: timedelta | None) -> str:
@@ -343,13 +346,16 @@ class BackendLeaseAdmin(_PageAdmin):
             raise PermissionDenied
         infos, errors, backend_waiters = operations.backend_overview(BACKEND_PAGE_LIMIT)
         now = timezone.now()
+        # Offered only where the backend, as configured, can revoke: elsewhere it could only fail.
+        revocable = set(aliases_with(Capability.FORCE_RELEASE))
         rows = []
         for info in infos:
             state = operations.lease_state(info)
             since = info.acquired_at if state == "held" else None
             held_for = timesince(since, now) if since is not None else "—"
             left = humanize_delta(operations.expires_in(info, now))
-            rows.append((info, state, holder_cell(info.holder), held_for, left))
+            releasable = info.held and info.backend in revocable
+            rows.append((info, state, holder_cell(info.holder), held_for, left, releasable))
         try:
             waiters = operations.lease_waiters()
         except PermissionDenied:  # no database has the leases tables: nobody waits in one

@@ -27,11 +27,12 @@ from django.utils import timezone
 from . import conf, revocation
 from ._asking import ANSWER_BOUND, ask_every_backend
 from ._paging import Pages
-from .backends import LeaseBackend, get_backend
+from .backends import Capability, LeaseBackend, get_backend
 from .backends._pg_shared import public_meta
 from .backends.base import LIST_BATCH, InternalLock, LeaseInfo, LeaseWaiter
 from .databases import migrated_databases
 from .errors import (
+    BackendNotSupported,
     BackendUnavailable,
     InvalidFencingToken,
     LeaseError,
@@ -439,7 +440,8 @@ def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -
     (the lease was released and someone else took it since the page was drawn), nothing is
     done and :class:`~leases.errors.LeaseNotHeld` says so, so a click can never evict a
     successor nobody looked at. Raises :class:`PermissionDenied` unless ``user`` has
-    ``leases.force_release_lease``.
+    ``leases.force_release_lease``, and :class:`~leases.errors.BackendNotSupported`, with
+    nothing recorded, unless the backend as configured can revoke.
 
     In order: the revocation is committed in the application database(s) (from then on every
     write fenced by the evicted lease is refused by the resource itself, on any backend), then
@@ -456,6 +458,8 @@ def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -
     if isinstance(token, bool) or not isinstance(token, int) or token < 1:
         raise InvalidFencingToken(token, "the token of the grant to release, as shown")
     store = get_backend(backend)
+    if Capability.FORCE_RELEASE not in store.capabilities:  # before a revocation is recorded
+        raise BackendNotSupported(backend, Capability.FORCE_RELEASE.value)
     before = store.inspect(name)
     if before is None or not before.held:
         raise LeaseNotHeld(name, "nothing to release", by=f"anyone on backend {backend!r}")

@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -20,14 +21,21 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+from django.contrib.auth.models import Permission
+from django.test import Client, override_settings
+from django.urls import reverse
 
 from devservers import RedisServer
+from leases import acquire, operations
+from leases.backends import Capability, get_backend
 from leases.backends._counter import PREPARED_BUMP_LEASE
 from leases.backends._pgconn import connect
 from leases.backends.base import FORGED, Grant
 from leases.backends.redis import LeaseKeys
 from leases.backends.redlock import Backend
 from leases.errors import BackendNotSupported, FencingUnavailable, LeaseNotHeld
+from leases.models import Revocation
+from tests.factories import StaffUserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -419,3 +427,44 @@ def test_a_custom_token_source_cannot_force_release_and_shows_no_token(
         backend.renew(grant, 30.0)  # nothing was taken away
     finally:
         backend.close()
+
+
+def test_a_custom_token_source_offers_no_force_release(
+    redis_servers: Servers, client: Client
+) -> None:
+    """The backend refuses force release with a custom ``TOKEN_SOURCE`` (above), yet declared
+    the capability (a class attribute, the same for every configuration): the every-backend
+    admin page offered "Force release…" on its held leases, and the operator path answered
+    the click with "its token is now 0" instead of saying the backend cannot do it."""
+    config = {
+        "ENGINE": "leases.backends.redlock",
+        "NODES": [s.url for s in redis_servers(3)],
+        "TOKEN_SOURCE": f"{__name__}.custom_token",
+    }
+    backends = {"default": {"ENGINE": "leases.backends.database"}, "custom": config}
+    with override_settings(LEASES={"BACKENDS": backends}):
+        store = get_backend("custom")
+        assert Capability.FORCE_RELEASE not in store.capabilities
+        assert Capability.FORCE_RELEASE in get_backend("default").capabilities
+        operator: Any = StaffUserFactory()
+        codenames = ["view_lease", "force_release_lease"]
+        operator.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+        client.force_login(operator)
+        custom = store.try_acquire(f"custom-{uuid.uuid4().hex[:8]}", "worker", 30.0)
+        assert custom is not None
+        database = acquire(f"custom-db-{uuid.uuid4().hex[:8]}", ttl=30, timeout=0)
+        try:
+            page = client.get(reverse("admin:leases_backendlease_changelist")).content.decode()
+            rows = dict(
+                re.findall(r'<tr class="lease-row" data-name="([^"]+)">(.*?)</tr>', page, re.S)
+            )
+            assert "force-release" not in rows[custom.name]
+            assert "force-release" in rows[database.name]
+            with pytest.raises(BackendNotSupported, match="force release"):
+                operations.force_release(
+                    custom.name, backend="custom", token=1, user=operator, via="command"
+                )
+            assert not Revocation.objects.filter(name=custom.name).exists()
+        finally:
+            store.release(custom)
+            database.release()

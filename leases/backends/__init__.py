@@ -15,6 +15,7 @@ __all__ = [
     "LeaseBackend",
     "LeaseInfo",
     "backend_class",
+    "capabilities",
     "first_try_until",
     "get_backend",
     "reset",
@@ -47,6 +48,12 @@ def backend_class(alias: str) -> type[LeaseBackend]:
             "implementing LeaseBackend"
         )
     return cls
+
+
+def capabilities(alias: str) -> frozenset[Capability]:
+    """What the backend configured as ``alias`` can do with its options, asked of its class
+    (:meth:`~.base.LeaseBackend.capabilities_of`): connects nowhere, as :func:`backend_class`."""
+    return backend_class(alias).capabilities_of(conf.get().backend(alias).options)
 
 
 def get_backend(alias: str = "default") -> LeaseBackend:

@@ -9,11 +9,11 @@ to grant (:class:`~leases.errors.FencingUnavailable`).
 Nothing outside ``leases/backends/`` knows which backend it talks to: :class:`~leases.lease.Lease`
 only sees :class:`Grant` values and the errors of :mod:`leases.errors`, and the system checks and
 the admin ask the backend *class* to describe itself (:attr:`LeaseBackend.known_options`,
-:meth:`LeaseBackend.check_options`, :meth:`LeaseBackend.databases`, its capabilities) without
-instantiating it, so ``manage.py check`` connects nowhere for them; only a store that can be set
-up to lose leases by itself is asked once, briefly (:meth:`LeaseBackend.store_checks`). A
-backend translates its
-driver's errors at this edge (``BackendUnavailable`` for an unreachable store, ``LeaseLost`` for a
+:meth:`LeaseBackend.check_options`, :meth:`LeaseBackend.databases`, its capabilities under the
+alias's options: :meth:`LeaseBackend.capabilities_of`) without instantiating it, so ``manage.py
+check`` connects nowhere for them; only a store that can be set up to lose leases by itself is
+asked once, briefly (:meth:`LeaseBackend.store_checks`). A backend translates its driver's
+errors at this edge (``BackendUnavailable`` for an unreachable store, ``LeaseLost`` for a
 renewal or release the store refused, ``LeaseNotHeld`` for one without the grant's secret).
 """
 
@@ -220,7 +220,11 @@ class LeaseBackend(abc.ABC):
     :func:`leases.backends.get_backend`) and must be safe to use from several threads.
     """
 
-    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    #: What the backend can do configured with its defaults, declared on the class. An
+    #: instance carries :meth:`capabilities_of` its options instead (set when it is made), so
+    #: what an option rules out is never offered: read the instance's, or ask
+    #: :meth:`capabilities_of` (what :func:`leases.backends.capabilities` does for an alias).
+    capabilities: frozenset[Capability] = frozenset()
     #: The shortest wait for a release between two tries of one acquire (never past its
     #: deadline). Zero: the backoff's jittered delays, short at first, as a poll needs. A
     #: store whose wait the release ends waits this long instead: each wait that runs out
@@ -244,6 +248,7 @@ class LeaseBackend(abc.ABC):
             raise LeasesImproperlyConfigured("; ".join(problems))
         self.alias = alias
         self.options = dict(options)
+        self.capabilities = self.capabilities_of(options)
 
     @classmethod
     def check_options(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
@@ -260,6 +265,15 @@ class LeaseBackend(abc.ABC):
             f'LEASES["BACKENDS"][{alias!r}] has unknown options {unknown} '
             f"(known: {', '.join(sorted(cls.known_options)) or 'none'})"
         ]
+
+    @classmethod
+    def capabilities_of(cls, options: Mapping[str, Any]) -> frozenset[Capability]:
+        """The capabilities this backend has configured with ``options``: :attr:`capabilities`,
+        less any an option rules out. Without I/O, so the admin can ask it of a backend it
+        never made; a backend whose options can take a capability away overrides it, and its
+        method then raises :class:`~leases.errors.BackendNotSupported` in that configuration.
+        An action offered for a capability the configuration lacks could only fail."""
+        return cls.capabilities
 
     @classmethod
     def check_limits(cls, alias: str, options: Mapping[str, Any]) -> list[str]:

@@ -209,6 +209,14 @@ class Backend(LeaseBackend):
         return problems
 
     @classmethod
+    def capabilities_of(cls, options: Mapping[str, Any]) -> frozenset[Capability]:
+        """No :attr:`~Capability.FORCE_RELEASE` with a custom ``TOKEN_SOURCE``: nothing knows a
+        name's current token to compare (see :meth:`force_release`)."""
+        if options.get("TOKEN_SOURCE", "database") == "database":
+            return cls.capabilities
+        return cls.capabilities - {Capability.FORCE_RELEASE}
+
+    @classmethod
     def check_limits(cls, alias: str, options: Mapping[str, Any]) -> list[str]:
         """A node given as a cache alias whose pool is too small for the sync traffic (see
         :func:`~._redis_io.pool_problems`); a URL node's pool is ours."""
@@ -600,8 +608,8 @@ class Backend(LeaseBackend):
 
         Not with a custom ``TOKEN_SOURCE``: it only hands tokens out, so nothing knows a name's
         current token to compare (the database row it never writes refused every revocation
-        as "never granted"); :class:`~leases.errors.BackendNotSupported` says so. (The
-        capability is the class's, declared for the default source.)
+        as "never granted"); :class:`~leases.errors.BackendNotSupported` says so, and the
+        backend does not declare the capability then (:meth:`capabilities_of`).
 
         Nothing is revoked unless the nodes that answer tell who holds the name
         (:meth:`_held_value`); and the revocation is reported done only once the value is gone
