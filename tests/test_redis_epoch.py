@@ -127,6 +127,33 @@ def test_a_counter_of_another_projects_epochs_is_not_continued(redis_server: Red
         app_b.close()
 
 
+def test_deploy_check_warns_of_another_projects_counters_under_the_prefix(
+    redis_server: RedisServer,
+) -> None:
+    """Two projects sharing a Redis and a ``PREFIX`` share every name's lock, and each grant
+    after the other's draws a new epoch; nothing said so before it happened in production.
+    ``check --deploy`` now reads the counters under the prefix for another epoch source."""
+    options = {"URL": redis_server.url, "PREFIX": f"shared-{uuid.uuid4().hex[:8]}:"}
+    app_a = Backend("redis-epoch-a", options)
+    app_b = Backend("redis-epoch-b", options)
+    app_b.epoch_resource = "project-b-database:" + app_b.epoch_resource  # B's own database
+    try:
+        assert app_a.deploy_checks() == []  # nothing under the prefix yet
+        for app, name in [(app_a, "a-report"), (app_a, "a-export")]:
+            grant = app.try_acquire(name, "a", 30.0)
+            assert grant is not None
+            app.release(grant)
+        assert app_a.deploy_checks() == []  # only A's own counters
+        grant = app_b.try_acquire("b-report", "b", 30.0)
+        assert grant is not None
+        app_b.release(grant)
+        (warning,) = app_a.deploy_checks()
+        assert "1 of 3 name counters" in warning and "its own PREFIX" in warning
+    finally:
+        app_a.close()
+        app_b.close()
+
+
 def test_a_new_epoch_source_starts_above_the_epochs_redis_saw(redis_server: RedisServer) -> None:
     """A counter of another epoch source is not continued, but its epoch still floors ours:
     our database restored into a new cluster (a new source, its epoch row behind) must not

@@ -51,6 +51,7 @@ server's id to a failed-over successor that still holds the counters it replicat
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Mapping
@@ -147,6 +148,11 @@ SCRIPTS = {
     "shared_release": SHARED_RELEASE_LUA,
     "stop_readers": STOP_READERS_LUA,
 }
+
+#: How many name counters under ``PREFIX`` ``check --deploy`` reads for another project's
+#: epochs (:meth:`Backend._foreign_counters`): another project sharing the prefix stamps the
+#: counter of every name it grants, so a sample shows it, at a bounded cost.
+SOURCE_SAMPLE = 100
 
 
 class Backend(LeaseBackend):
@@ -477,11 +483,38 @@ class Backend(LeaseBackend):
         return eviction_problems(self.alias, self.client)
 
     def deploy_checks(self) -> list[str]:
-        """Reachable, and the user may run what every acquire runs (see
-        :func:`~._redis_io.permission_problems`)."""
+        """Reachable, the user may run what every acquire runs (see
+        :func:`~._redis_io.permission_problems`), and no other project's counters under
+        ``PREFIX`` (:meth:`_foreign_counters`)."""
         with Edge(self.alias, "deploy check"):
             self.client.ping()
-        return permission_problems(self.alias, self.client)
+        return permission_problems(self.alias, self.client) + self._foreign_counters()
+
+    def _foreign_counters(self) -> list[str]:
+        """A warning when name counters under ``PREFIX`` carry epochs of another source
+        (:meth:`source`) than ours, from a sample of :data:`SOURCE_SAMPLE` found by ``SCAN``.
+
+        Another project on this Redis with the same ``PREFIX`` shares every name's lock with
+        this one, and each grant after one of its own draws a new epoch: it works, so nothing
+        else says so. The other cause, this database restored into a new cluster, fades as
+        names are granted again (their counters take the new source)."""
+        pattern = LeaseKeys.pattern(self.prefix, "fence")
+        with Edge(self.alias, "deploy check"):
+            keys = list(itertools.islice(self.client.scan_iter(match=pattern), SOURCE_SAMPLE))
+            stamps = [text(stamp) for key in keys if (stamp := self.client.hget(key, "source"))]
+        if not stamps:  # nothing to compare: the epoch database need not be asked
+            return []
+        ours = self.source()
+        foreign = sum(stamp != ours for stamp in stamps)
+        if not foreign:
+            return []
+        return [
+            f"{foreign} of {len(keys)} name counters read under PREFIX {self.prefix!r} carry "
+            "epochs of another database: another project using this Redis with the same "
+            "PREFIX shares every name's lock with this one, and each grant after one of its "
+            "own draws a new epoch. Give each project its own PREFIX. (After this database "
+            "was restored into a new cluster, this fades as names are granted again.)"
+        ]
 
     def close(self) -> None:
         with self._lock:
