@@ -13,6 +13,7 @@ saw, so a lease that changed hands meanwhile is left alone. Terminating a databa
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, TypeAlias
 
@@ -66,13 +67,14 @@ def humanize_delta(delta: timedelta | None) -> str:
     return f"{seconds:.1f}s" if seconds > 0 else f"expired {-seconds:.1f}s ago"
 
 
-def holder_cell(raw: str) -> str:
-    """A holder identity as two short lines: ``host · pid`` over ``thread · label``."""
+def holder_cell(raw: str, meta: Mapping[str, Any] | None = None) -> str:
+    """A holder identity as two short lines: ``host · pid`` over ``thread · label``; a group
+    of readers as how many they are (``meta`` lists them), another holder as it is."""
     if not raw:
         return "—"
     parts = operations.parse_holder(raw)
     if parts.pid is None:
-        return format_html("{}", raw)
+        return format_html("{}", operations.shown_holder(raw, meta))
     second = " · ".join(p for p in (f"thread {parts.thread}", parts.label) if p)
     return format_html("{} · pid {}<br><small>{}</small>", parts.host, parts.pid, second)
 
@@ -181,7 +183,7 @@ class LeaseAdmin(_ReadOnlyAdmin):
     @admin.display(description="holder", ordering="holder")
     def holder_parts(self, obj: Lease) -> str:
         """Host and pid on the first line, thread and label on a second (fits 1400 px)."""
-        return holder_cell(obj.holder)
+        return holder_cell(obj.holder, obj.meta)
 
     @admin.display(description="held for", ordering="acquired_at")
     def held_for(self, obj: Lease) -> str:
@@ -286,6 +288,7 @@ def confirm_release(
                 "now": now,
                 "changed": now is None or not now.held or now.token != token,
                 "holder": operations.parse_holder(now.holder) if now else None,
+                "shown": operations.shown_holder(now.holder, now.meta) if now else "",
                 "error": error,
             }
         )
@@ -355,7 +358,8 @@ class BackendLeaseAdmin(_PageAdmin):
             held_for = timesince(since, now) if since is not None else "—"
             left = humanize_delta(operations.expires_in(info, now))
             releasable = info.held and info.backend in revocable
-            rows.append((info, state, holder_cell(info.holder), held_for, left, releasable))
+            holder = holder_cell(info.holder, info.meta)
+            rows.append((info, state, holder, held_for, left, releasable))
         try:
             waiters = operations.lease_waiters()
         except PermissionDenied:  # no database has the leases tables: nobody waits in one

@@ -12,13 +12,28 @@ import random
 import re
 import socket
 import threading
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from . import conf
 from .errors import InvalidLeaseOption
 from .keys import MAX_NAME_LENGTH, SEPARATOR
 
-__all__ = ["Holder", "holder_identity", "parse_holder"]
+__all__ = [
+    "SHARED_HOLDER",
+    "Holder",
+    "holder_identity",
+    "live_readers",
+    "parse_holder",
+    "shown_holder",
+]
+
+#: The holder a backend stores for a group of readers (``lease(name, shared=True)``) in place
+#: of one: no holder anyone passes can equal it (:func:`holder_identity` refuses the separator).
+#: Each reader's own identity is kept beside it (the database backend: ``meta["readers"]``).
+SHARED_HOLDER = f"{SEPARATOR}shared"
 
 
 _this_process = ""
@@ -77,8 +92,8 @@ def holder_identity(holder: str | None) -> str:
     if not holder.isprintable():
         raise InvalidLeaseOption("holder", holder, "must be printable (no NUL, no control chars)")
     if SEPARATOR in holder:
-        # The package's own mark: a Redis writer whose holder ended in "::\u241fshared" was
-        # taken for a group of readers, and a reader was granted beside it.
+        # The package's own mark (SHARED_HOLDER): a Redis writer whose holder ended in
+        # "::\u241fshared" was taken for a group of readers, and a reader was granted beside it.
         raise InvalidLeaseOption("holder", holder, f"must not contain {SEPARATOR!r}")
     return holder
 
@@ -114,3 +129,42 @@ def parse_holder(holder: str) -> Holder:
         thread=match["thread"],
         label=match["label"] or "",
     )
+
+
+def shown_holder(holder: str, meta: Mapping[str, Any] | None = None, *, named: bool = False) -> str:
+    """``holder`` as an operator should read it: a group of readers (:data:`SHARED_HOLDER`, an
+    internal mark nobody's identity) as ``shared (2 readers)``, or ``shared (readers)`` where
+    the store keeps no list of them; with ``named``, their identities too (the audit record).
+    Any other holder as it is.
+
+    Readers are counted from ``meta["readers"]`` (token -> ``{"h": holder, "e": expiry}``),
+    those whose own expiry has not passed on this machine's clock (a hint, as the admin's
+    states are): a reader that stopped renewing stays listed until the next one joins or
+    leaves."""
+    if holder != SHARED_HOLDER:
+        return holder
+    readers = live_readers(holder, meta)
+    if not readers:
+        return "shared (readers)"
+    count = f"{len(readers)} reader{'s' if len(readers) != 1 else ''}"
+    if not named:
+        return f"shared ({count})"
+    return f"shared ({count}: {', '.join(readers.values())})"
+
+
+def live_readers(holder: str, meta: Mapping[str, Any] | None) -> dict[int, str]:
+    """The readers of a group (``holder`` is :data:`SHARED_HOLDER`) still within their own
+    expiry: token -> holder, by token. Empty for any other holder, or where the store keeps
+    no list of them."""
+    listed = (meta or {}).get("readers") if holder == SHARED_HOLDER else None
+    if not isinstance(listed, Mapping):
+        return {}
+    now = time.time()
+    live = {}
+    for token, entry in listed.items():
+        if not isinstance(entry, Mapping) or not str(token).isdigit():
+            continue
+        expiry = entry.get("e")
+        if isinstance(expiry, int | float) and expiry > now:
+            live[int(token)] = str(entry.get("h", ""))
+    return dict(sorted(live.items()))

@@ -39,7 +39,7 @@ from .errors import (
     LeaseNotHeld,
     RevocationIncomplete,
 )
-from .holders import Holder, parse_holder
+from .holders import Holder, parse_holder, shown_holder
 from .keys import split_key
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "remember_advisory_names",
     "row_state",
     "rows_in_state",
+    "shown_holder",
     "state_of",
     "terminate_session",
 ]
@@ -471,8 +472,9 @@ def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -
             by=f"grant {token}",
         )
     revocation.record(backend, name, token)
+    holder = shown_holder(before.holder, before.meta, named=True)
     audit = functools.partial(
-        _audit, user, via, name=name, backend=backend, holder=before.holder, token=token
+        _audit, user, via, name=name, backend=backend, holder=holder, token=token
     )
     try:
         after = store.force_release(name, token)

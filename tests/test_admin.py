@@ -483,3 +483,51 @@ def test_a_lease_expiring_past_the_year_9999_is_listed_and_clamped_by_migrating(
     assert stored[sane] == kept.expires_at
     info = store.inspect(far)
     assert info is not None and info.held and info.token == 7
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_shared_lease_is_shown_as_its_readers_not_the_groups_internal_holder(
+    client: Client,
+) -> None:
+    """A group of readers is stored under an internal holder (U+241F, ``shared``) that is
+    nobody's identity: every page showed it as the holder. They say how many readers hold the
+    name where the page reads them (the lease table's ``meta``), and the audit names them."""
+    import uuid
+
+    from leases import acquire
+
+    login(client, "view_lease", "force_release_lease")
+    name = f"admin-readers-{uuid.uuid4().hex[:8]}"
+    readers = [
+        acquire(name, ttl=30, holder=f"reader-{i}", shared=True, keepalive=False) for i in (1, 2)
+    ]
+    pages = {
+        "table": client.get(LEASES, {"q": name}).content.decode(),
+        "every backend": client.get(EVERY_BACKEND).content.decode(),
+        "confirmation": force_release_action(client, name).content.decode(),
+    }
+    for page, text in pages.items():
+        assert "\u241f" not in text and "&#9247;" not in text.lower(), page
+    assert "shared (2 readers)" in pages["table"]
+    assert "shared (readers)" in pages["every backend"]  # the listing reads no meta
+    assert "held by shared (2 readers)" in pages["confirmation"]
+    confirm_release(client, "default", name, readers[1].token)
+    record = ForceRelease.objects.get(name=name)
+    assert record.holder == "shared (2 readers: reader-1, reader-2)"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_confirmation_shows_a_holder_given_explicitly_as_it_is(client: Client) -> None:
+    """A holder that is not ``acquire()``'s identity had parts it does not have filled in:
+    ``held by nightly job (pid ?, no label)``."""
+    import uuid
+
+    from leases import acquire
+
+    login(client, "view_lease", "force_release_lease")
+    held = acquire(f"admin-custom-{uuid.uuid4().hex[:8]}", ttl=30, holder="nightly job")
+    try:
+        page = force_release_action(client, held.name).content.decode()
+        assert "held by nightly job\n" in page and "pid ?" not in page
+    finally:
+        held.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import time
@@ -317,3 +318,71 @@ def test_with_the_database_down_list_still_lists_the_other_backends_and_the_rest
     shown = manage(env, "leases", "show", "x")
     assert shown.returncode == 1 and "Traceback" not in shown.stderr, shown.stderr
     assert shown.stderr.strip().splitlines()[-1].startswith("CommandError: database unavailable")
+
+
+#: The backends with shared leases, alone: ``show`` and ``list`` need not wait for the clusters.
+SHARED_BACKENDS = {
+    "default": {"ENGINE": "leases.backends.database"},
+    "redis": {"ENGINE": "leases.backends.redis", "CACHE": "default"},
+}
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(LEASES={"BACKENDS": SHARED_BACKENDS})
+def test_a_shared_lease_shows_its_readers_not_the_groups_internal_holder() -> None:
+    """A group of readers is stored under an internal holder (U+241F, ``shared``) that is
+    nobody's identity: ``list`` and ``show`` printed it as the holder. They say it is shared;
+    ``show`` also how many readers hold it, and who, where the store keeps that (the database
+    backend; listings read no ``meta``, so they cannot count)."""
+    name = f"read-{uuid.uuid4().hex[:8]}"
+    readers = [
+        acquire(name, ttl=30, backend=alias, holder=f"reader-{i}", shared=True, keepalive=False)
+        for alias in ("default", "redis")
+        for i in (1, 2)
+    ]
+    try:
+        listing = run("list", "--limit", "0")
+        assert "\u241f" not in listing
+        rows = [line.split() for line in listing.splitlines() if name in line.split()]
+        assert sorted(row[1] for row in rows) == ["default", "redis"]
+        assert all(row[3:6] == ["held", "shared", "(readers)"] for row in rows), rows
+
+        shown = run("show", name)
+        assert "\u241f" not in shown and "host / pid / thread" not in shown
+        assert "holder: shared (2 readers)" in shown and "holder: shared (readers)" in shown
+        for reader in readers[:2]:
+            assert f"reader: {reader.holder} (token {reader.token})" in shown
+
+        listed = json.loads(run("list", "--json", "--limit", "0"))["leases"]
+        for row in (row for row in listed if row["name"] == name):
+            assert row["holder"] == "shared (readers)" and row["shared"] is True
+        held = acquire(f"{name}-alone", ttl=30, holder="alone", keepalive=False)
+        try:
+            listed = json.loads(run("list", "--json", "--limit", "0"))["leases"]
+            (alone,) = [row for row in listed if row["name"] == held.name]
+            assert alone["holder"] == "alone" and alone["shared"] is False
+        finally:
+            held.release()
+    finally:
+        for reader in readers:
+            reader.release()
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(LEASES={"BACKENDS": SHARED_BACKENDS})
+def test_show_prints_a_holder_given_explicitly_as_it_is() -> None:
+    """A holder that is not ``acquire()``'s ``[label@]host:pid:thread`` was printed split into
+    parts it does not have: ``host / pid / thread:  / None /``."""
+    held = acquire(f"custom-{uuid.uuid4().hex[:8]}", ttl=30, holder="nightly report job")
+    try:
+        shown = run("show", held.name)
+        assert "holder: nightly report job" in shown
+        assert "None" not in shown and "host / pid / thread" not in shown
+    finally:
+        held.release()
+    made = acquire(f"made-{uuid.uuid4().hex[:8]}", ttl=30)
+    try:
+        host = socket.gethostname()[:100]
+        assert f"host / pid / thread: {host} / {os.getpid()} / " in run("show", made.name)
+    finally:
+        made.release()

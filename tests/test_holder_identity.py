@@ -9,13 +9,14 @@ refused one.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from django.test import override_settings
 
 from leases.backends._redis_scripts import LeaseKeys
-from leases.errors import InvalidLeaseName
-from leases.holders import holder_identity, parse_holder
+from leases.errors import InvalidLeaseName, InvalidLeaseOption
+from leases.holders import SHARED_HOLDER, holder_identity, parse_holder, shown_holder
 from leases.keys import validate_lease_name
 
 
@@ -58,3 +59,22 @@ def test_redis_keys_of_a_refused_name_are_refused_every_time(name: object) -> No
         with pytest.raises(InvalidLeaseName):
             LeaseKeys.of("leases:", name)  # type: ignore[arg-type]
     assert LeaseKeys.of("leases:", "fine") is LeaseKeys.of("leases:", "fine")
+
+
+def test_a_group_of_readers_is_shown_as_its_live_readers_and_nobody_can_pass_for_one() -> None:
+    """The group's holder is an internal mark: operators read how many readers (those whose own
+    expiry has not passed), and no holder anyone passes can equal it."""
+    now = time.time()
+    meta = {
+        "readers": {
+            "7": {"h": "r1", "e": now + 30},
+            "9": {"h": "r2", "e": now + 30},
+            "3": {"h": "gone", "e": now - 1},  # stopped renewing: out of the group
+        }
+    }
+    assert shown_holder(SHARED_HOLDER, meta) == "shared (2 readers)"
+    assert shown_holder(SHARED_HOLDER, meta, named=True) == "shared (2 readers: r1, r2)"
+    assert shown_holder(SHARED_HOLDER, {}) == "shared (readers)"  # a store that lists none
+    assert shown_holder("worker:1:2", meta) == "worker:1:2" and shown_holder("", meta) == ""
+    with pytest.raises(InvalidLeaseOption):
+        holder_identity(SHARED_HOLDER)

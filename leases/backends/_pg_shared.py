@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..holders import SHARED_HOLDER
 from ._counter import TIMELINE_FLOOR_SQL
 from ._pruning import FLOOR_SQL
 from .base import Grant
@@ -39,8 +40,8 @@ __all__ = [
     "stop_readers_params",
 ]
 
-#: The ``holder`` of a row held by readers (U+241F cannot start a holder anyone passes).
-GROUP = "\u241fshared"
+#: The ``holder`` of a row held by readers (U+241F is in no holder anyone passes).
+GROUP = SHARED_HOLDER
 #: How long a waiting writer's stamp stops new readers; it retries well within this.
 WRITER_INTENT_SECONDS = 1.0
 

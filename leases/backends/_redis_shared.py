@@ -15,6 +15,7 @@ retries (:data:`STOP_READERS_LUA`); readers may not join, nor start a group, whi
 
 from __future__ import annotations
 
+from ..holders import SHARED_HOLDER
 from ._redis_scripts import lua, wake_lua
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 #: The holder part of a group's lock value (the value ends ``::`` + this).
-GROUP = "\u241fshared"
+GROUP = SHARED_HOLDER
 #: How long a waiting writer's ``:writer`` key stops new readers; it retries well within this.
 WRITER_INTENT_MS = 1000
 

@@ -40,6 +40,7 @@ from leases._asking import ask_every_backend
 from leases.backends import get_backend
 from leases.backends.base import PRUNE_BATCH, LeaseBackend, LeaseInfo
 from leases.errors import LeaseError
+from leases.holders import SHARED_HOLDER, live_readers
 from leases.management._options import (
     at_least,
     database,
@@ -70,7 +71,7 @@ def lease_row(info: LeaseInfo, now: datetime) -> tuple[str, ...]:
         info.backend,
         info.name,
         operations.lease_state(info),
-        info.holder or "-",
+        operations.shown_holder(info.holder, info.meta) or "-",
         str(info.token),
         "-" if left is None or not info.holder else f"{left:.1f}s",
         since.isoformat(timespec="seconds") if since else "-",
@@ -108,7 +109,9 @@ def _lease_json(info: LeaseInfo, now: datetime) -> dict[str, Any]:
         "backend": info.backend,
         "name": info.name,
         "state": operations.lease_state(info),
-        "holder": info.holder or None,
+        "holder": operations.shown_holder(info.holder, info.meta) or None,
+        # Held by a group of readers (``holder`` then says so, in words: it is no identity).
+        "shared": info.holder == SHARED_HOLDER,
         "token": info.token,
         "expires_in": None if left is None else left.total_seconds(),
         "acquired_at": _iso(info.acquired_at),
@@ -367,20 +370,8 @@ class Command(BaseCommand):
             if info is None:
                 continue
             found = True
-            holder = operations.parse_holder(info.holder)
-            for label, value in [
-                ("backend", alias),
-                ("state", lease_rows([info])[0][3]),
-                ("holder", info.holder or "-"),
-                ("host / pid / thread", f"{holder.host} / {holder.pid} / {holder.thread}"),
-                ("label", holder.label),
-                ("token", info.token),
-                ("acquired at", info.acquired_at),
-                ("renewed at", info.renewed_at),
-                ("expires at", info.expires_at),
-                ("meta", dict(info.meta)),
-            ]:
-                self.stdout.write(f"{label:>20}: {value}")
+            for label, value in _described(alias, info):
+                self.stdout.write(f"{label:>20}: {_cell('-' if value is None else value)}")
             self.stdout.write("")
         locks = [
             row
@@ -463,6 +454,31 @@ class Command(BaseCommand):
             if count and done >= count:
                 return
             time.sleep(interval)
+
+
+def _described(alias: str, info: LeaseInfo) -> list[tuple[str, object]]:
+    """``show``'s lines for one backend's answer. The parts of a holder identity only where it
+    is one ``acquire()`` made: a holder given explicitly is shown as it is (its parts were
+    ``host / pid / thread:  / None /``), a group of readers as how many, then who."""
+    holder = operations.parse_holder(info.holder)
+    lines: list[tuple[str, object]] = [
+        ("backend", alias),
+        ("state", operations.lease_state(info)),
+        ("holder", operations.shown_holder(info.holder, info.meta) or "-"),
+    ]
+    if holder.pid is not None:
+        lines.append(("host / pid / thread", f"{holder.host} / {holder.pid} / {holder.thread}"))
+        lines.append(("label", holder.label or "-"))
+    for token, reader in live_readers(info.holder, info.meta).items():
+        lines.append(("reader", f"{reader} (token {token})"))
+    return [
+        *lines,
+        ("token", info.token),
+        ("acquired at", info.acquired_at),
+        ("renewed at", info.renewed_at),
+        ("expires at", info.expires_at),
+        ("meta", dict(info.meta)),
+    ]
 
 
 @dataclass(frozen=True)
