@@ -31,10 +31,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from health_check.base import HealthCheck
-from health_check.exceptions import ServiceUnavailable
-
+from ._extras import extra_required
 from .backends import get_backend
+
+with extra_required(__name__, "health", "health_check"):
+    from health_check.base import HealthCheck
+    from health_check.exceptions import ServiceUnavailable
 
 __all__ = ["PROBE_NAME", "LeaseBackendHealth"]
 

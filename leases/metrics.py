@@ -24,12 +24,15 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.dispatch import Signal
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from idempotency import signals as idempotency_signals
 
 from . import signals
+from ._extras import extra_required
 from .errors import LeaseUnavailable
+
+with extra_required(__name__, "prometheus", "prometheus_client"):
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 __all__ = ["Metrics", "install", "uninstall"]
 

@@ -219,3 +219,55 @@ def test_a_sample_that_imports_imports_what_it_uses(where: str, code: str) -> No
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     missing = sorted((used & _exported_names()) - bound)
     assert not missing, f"{where} uses {missing} without importing them"
+
+
+#: The modules that need an optional dependency: (module, the library, its extra).
+OPTIONAL_MODULES = [
+    ("leases.celery", "celery", "celery"),
+    ("leases.celery.locked", "celery", "celery"),
+    ("leases.metrics", "prometheus_client", "prometheus"),
+    ("leases.health", "health_check", "health"),
+]
+#: Run in a child: ``MISSING`` (and its submodules) cannot be imported, as when not installed.
+WITHOUT_LIBRARY = """
+import importlib.abc, sys
+
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] == sys.argv[2]:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Missing())
+try:
+    importlib.import_module(sys.argv[1])
+except ModuleNotFoundError as exc:
+    print(exc.name)
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize(("module", "library", "extra"), OPTIONAL_MODULES)
+def test_a_module_whose_extra_is_missing_says_which_extra_to_install(
+    module: str, library: str, extra: str
+) -> None:
+    """Without its library, ``import leases.celery`` failed with Python's bare ``No module
+    named 'celery'``: it names the extra to install (one ``pyproject.toml`` declares)."""
+    import subprocess
+    import sys
+    import tomllib
+
+    project = tomllib.loads((GUIDE.parent.parent / "pyproject.toml").read_text())["project"]
+    assert extra in project["optional-dependencies"]
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_LIBRARY, module, library],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    name, message = done.stdout.splitlines()
+    assert name.partition(".")[0] == library  # still what ModuleNotFoundError.name says
+    top = module.rsplit(".", 1)[0] if module.count(".") > 1 else module
+    assert message.startswith(f'{top} needs the "{extra}" extra: ')
+    assert f'pip install "django-leases[{extra}]"' in message

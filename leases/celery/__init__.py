@@ -33,15 +33,18 @@ from collections.abc import Callable
 from typing import Any, Literal, overload
 
 from .._arguments import valid_timeout, valid_ttl_shape
+from .._extras import extra_required
 from ..errors import InvalidLeaseOption
 from ..handle import Lease
 from ..keys import validate_name
 from ..semaphore import valid_limit
-from ._base import SKIPPED, Key, format_key, task_decorator
-from .leader import LeaderOnlyTask, resign_leaderships
-from .locked import LockedTask, OnBusy
-from .partition import PartitionedTask, partition_for, partition_queues
-from .singleton import SingletonTask
+
+with extra_required(__name__, "celery", "celery"):
+    from ._base import SKIPPED, Key, format_key, task_decorator
+    from .leader import LeaderOnlyTask, resign_leaderships
+    from .locked import LockedTask, OnBusy
+    from .partition import PartitionedTask, partition_for, partition_queues
+    from .singleton import SingletonTask
 
 __all__ = [
     "SKIPPED",
