@@ -160,13 +160,67 @@ def test_the_changelog_page_is_the_repository_changelog() -> None:
     assert (GUIDE / "changelog.md").resolve() == GUIDE.parent.parent / "CHANGELOG.md"
 
 
-def test_the_readme_links_to_files_that_exist() -> None:
+#: Where the guide is published (``.readthedocs.yaml`` builds ``docs/mkdocs.yml`` there).
+GUIDE_URL = "https://django-leases.readthedocs.io/en/stable/"
+
+
+def _readme_links() -> list[str]:
+    """Every link target of the README: inline ``[text](target)``, ``<autolinks>``,
+    reference definitions and HTML ``href``/``src``."""
+    readme = (GUIDE.parent.parent / "README.md").read_text()
+    return [
+        *re.findall(r"\]\(\s*<?([^)\s>]+)", readme),
+        *re.findall(r"<(https?://[^>\s]+)>", readme),
+        *re.findall(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", readme, flags=re.MULTILINE),
+        *re.findall(r"""(?:href|src)\s*=\s*["']([^"']+)""", readme),
+    ]
+
+
+def test_the_readme_has_no_relative_links() -> None:
+    """The README is the package's long description on PyPI, where a link relative to the
+    repository (``docs/guide/api.md``, ``LICENSE``) leads nowhere."""
+    links = _readme_links()
+    assert links, "no links found in README.md"
+    relative = [link for link in links if not link.startswith("https://")]
+    assert not relative, f"README.md has links PyPI cannot follow: {relative}"
+
+
+def test_read_the_docs_builds_the_guide_with_its_dependency_group() -> None:
+    """The guide's URLs exist only if Read the Docs builds it: from ``docs/mkdocs.yml``, with
+    the ``docs`` group of ``pyproject.toml`` (mkdocstrings), failing on a warning as
+    ``scripts/test`` does."""
+    import tomllib
+
+    import yaml
+
     root = GUIDE.parent.parent
-    readme = (root / "README.md").read_text()
-    targets = re.findall(r"\]\(((?!https?:)[^)#\s]+)", readme)
-    assert targets, "no relative links found in README.md"
-    missing = [target for target in targets if not (root / target).exists()]
-    assert not missing, f"README.md links to missing files: {missing}"
+    config = yaml.safe_load((root / ".readthedocs.yaml").read_text())
+    assert config["version"] == 2
+    assert config["mkdocs"] == {"configuration": "docs/mkdocs.yml", "fail_on_warning": True}
+    assert (root / config["mkdocs"]["configuration"]).is_file()
+    groups = tomllib.loads((root / "pyproject.toml").read_text())["dependency-groups"]
+    assert any(str(need).startswith("mkdocstrings") for need in groups["docs"])
+    assert "python -m pip install --group docs" in config["build"]["jobs"]["post_install"]
+
+
+def test_the_readme_and_project_urls_point_at_pages_of_the_guide() -> None:
+    """Each link into the published guide is a page mkdocs builds (``use_directory_urls:
+    false``: ``api.md`` becomes ``api.html``) and an anchor one of its headings makes."""
+    import tomllib
+
+    from markdown.extensions.toc import slugify
+
+    project = tomllib.loads((GUIDE.parent.parent / "pyproject.toml").read_text())["project"]
+    urls = [*_readme_links(), *project["urls"].values()]
+    into_guide = [url for url in urls if url.startswith(GUIDE_URL)]
+    assert len(into_guide) >= 10, into_guide
+    for url in into_guide:
+        path, _, anchor = url.removeprefix(GUIDE_URL).partition("#")
+        source = GUIDE / ((path or "index.html").removesuffix(".html") + ".md")
+        assert source.is_file(), f"{url}: no page {source.name} in the guide"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", source.read_text(), flags=re.MULTILINE)
+            assert anchor in {slugify(heading, "-") for heading in headings}, url
 
 
 def _python_samples() -> list[tuple[str, str]]:
