@@ -38,6 +38,11 @@ from .paginator import EstimatedCountPaginator
 VIEW_PERMISSION = "leases.view_lease"
 #: Leases shown on the every-backend page, held first: stores keep a row per name ever used.
 BACKEND_PAGE_LIMIT = 500
+#: The most leases one force release takes (the action, a confirmed POST): each is an
+#: ``inspect`` on the confirmation page, then a revocation, a release and an audit row, all in
+#: one request. "Select all" over a table of every name ever used would run past any timeout
+#: half-way; more than this, the operator filters the list first (by state, by name).
+FORCE_RELEASE_LIMIT = BACKEND_PAGE_LIMIT
 
 
 def aliases_with(capability: Capability) -> list[str]:
@@ -208,10 +213,14 @@ class LeaseAdmin(_ReadOnlyAdmin):
         description="Force release (revoke: advance the fencing token)",
         permissions=["force_release"],
     )
-    def force_release(self, request: HttpRequest, queryset: QuerySet[Lease]) -> HttpResponse:
-        """Show the confirmation page for the selected rows, with the tokens shown now."""
+    def force_release(self, request: HttpRequest, queryset: QuerySet[Lease]) -> HttpResponse | None:
+        """Show the confirmation page for the selected rows, with the tokens shown now; none
+        for more than :data:`FORCE_RELEASE_LIMIT` of them (only that many are read)."""
         alias = database_backend_alias()
-        targets: list[Target] = [(alias, obj.name, obj.token) for obj in queryset]
+        chosen = queryset.values_list("name", "token")[: FORCE_RELEASE_LIMIT + 1]
+        targets: list[Target] = [(alias, name, token) for name, token in chosen]
+        if too_many(self, request, targets):
+            return None
         changelist = reverse("admin:leases_lease_changelist")
         return confirm_release(self, request, targets, changelist)
 
@@ -266,6 +275,25 @@ def _checked_target(item: Any) -> Target:
     if not isinstance(name, str) or isinstance(token, bool) or not isinstance(token, int):
         raise SuspiciousOperation("malformed force-release target")
     return (alias, name, token)
+
+
+def too_many(
+    model_admin: admin.ModelAdmin,  # type: ignore[type-arg]
+    request: HttpRequest,
+    targets: list[Target],
+) -> bool:
+    """More than :data:`FORCE_RELEASE_LIMIT` leases to release: refused whole, and said so
+    (releasing the first ones only would leave the operator guessing which)."""
+    if len(targets) <= FORCE_RELEASE_LIMIT:
+        return False
+    model_admin.message_user(
+        request,
+        f"Nothing was released: force-release at most {FORCE_RELEASE_LIMIT} leases at a time "
+        "(each is several round trips, all in one request). Filter the list first, by state "
+        "or by name, or use manage.py leases release for a script.",
+        messages.ERROR,
+    )
+    return True
 
 
 def confirm_release(
@@ -389,7 +417,9 @@ class BackendLeaseAdmin(_PageAdmin):
         if not back or not url_has_allowed_host_and_scheme(back, allowed_hosts=None):
             back = reverse("admin:leases_backendlease_changelist")
         if request.method == "POST" and request.POST.get("confirm") == "yes":
-            release_and_report(self, request, posted_targets(request))
+            targets = posted_targets(request)
+            if not too_many(self, request, targets):
+                release_and_report(self, request, targets)
             return HttpResponseRedirect(back)
         query = request.GET
         try:

@@ -531,3 +531,32 @@ def test_the_confirmation_shows_a_holder_given_explicitly_as_it_is(client: Clien
         assert "held by nightly job\n" in page and "pid ?" not in page
     finally:
         held.release()
+
+
+def test_a_force_release_of_more_leases_than_the_limit_is_refused_whole(
+    client: Client, lock_scene: LockScene, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Select all" over a table of every name ever used asked for a confirmation page (an
+    ``inspect`` per lease) and then a release of each (several round trips each) in one
+    request, however many: thousands timed out half-way. Past ``FORCE_RELEASE_LIMIT`` leases
+    the action and a confirmed POST say so and release nothing."""
+    from leases import admin as leases_admin
+
+    monkeypatch.setattr(leases_admin, "FORCE_RELEASE_LIMIT", 3)
+    store = get_backend()
+    names = [f"{lock_scene.held}-many-{i}" for i in range(4)]
+    grants = [store.try_acquire(name, "many-holder", 300) for name in names]
+    assert all(grants)
+    login(client, "view_lease", "force_release_lease")
+    every = {"action": "force_release", "_selected_action": names[:1], "select_across": "1"}
+    for data in (every, {"action": "force_release", "_selected_action": names}):
+        page = client.post(LEASES, data, follow=True).content.decode()
+        assert '"release-target"' not in page
+        assert "at most 3 leases at a time" in page, page
+    targets = json.dumps([["default", g.name, g.token] for g in grants if g is not None])
+    done = client.post(RELEASE, {"confirm": "yes", "targets": targets, "next": LEASES}, follow=True)
+    assert "at most 3 leases at a time" in done.content.decode()
+    assert all(info is not None and info.held for info in map(store.inspect, names))
+    assert not ForceRelease.objects.exists()
+    three = {"action": "force_release", "_selected_action": names[:3]}
+    assert client.post(LEASES, three).content.decode().count('"release-target"') == 3
