@@ -511,9 +511,9 @@ def terminate_session(pid: int, *, user: Any, via: str, using: str | None = None
         via,
         f"database session {pid} holding {described} terminated",
         action="terminate",
-        name=described[:255],
+        name=described,
         backend=f"postgres:{using}",
-        holder=f"pid {pid} {rows[0].application} {rows[0].client}".strip()[:255],
+        holder=f"pid {pid} {rows[0].application} {rows[0].client}".strip(),
     )
 
 
@@ -524,17 +524,23 @@ _EVENTS = {
 }
 
 
+def _fitted(model: Any, field: str, value: Any) -> Any:
+    """``value``, cut to ``model.field``'s ``max_length`` if it is text longer than that."""
+    limit = getattr(model._meta.get_field(field), "max_length", None)
+    return value[:limit] if isinstance(value, str) and limit else value
+
+
 def _audit(user: Any, via: str, message: str, **fields: Any) -> Any:
     """Record an operator's action in ``ForceRelease`` and log it with structured fields."""
     from .models import ForceRelease
 
+    texts = {"by_username": user.get_username(), "via": via, **fields}
     record = ForceRelease.objects.create(
         by=user if getattr(user, "pk", None) else None,
-        # An e-mail address as USERNAME_FIELD may be longer than the column: cut it rather
-        # than fail the audit of a release already done.
-        by_username=user.get_username()[: ForceRelease._meta.get_field("by_username").max_length],
-        via=via,
-        **fields,
+        # Text longer than its column is cut rather than fail the audit of an action already
+        # done: an e-mail address as USERNAME_FIELD, a database alias (Django bounds none; the
+        # column's 100 is a lease backend alias's bound), a long list of locks or readers.
+        **{key: _fitted(ForceRelease, key, value) for key, value in texts.items()},
     )
     details = {key: value for key, value in fields.items() if key not in ("action", "name")}
     logger.warning(

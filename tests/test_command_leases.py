@@ -386,3 +386,52 @@ def test_show_prints_a_holder_given_explicitly_as_it_is() -> None:
         assert f"host / pid / thread: {host} / {os.getpid()} / " in run("show", made.name)
     finally:
         made.release()
+
+
+#: A child running ``leases terminate`` with one more alias of the test database, as long as
+#: Django allows (it bounds none); an explicit search_path makes it count as a database of its
+#: own (see leases.databases.where).
+TERMINATE_ON_A_LONG_ALIAS = """
+import sys
+import django
+from django.conf import settings
+
+default = settings.DATABASES["default"]
+options = {**default.get("OPTIONS", {}), "options": "-c search_path=public"}
+settings.DATABASES[sys.argv[1]] = {**default, "OPTIONS": options}
+django.setup()
+from django.core.management import call_command
+
+call_command("leases", "terminate", sys.argv[2], "--user", sys.argv[3], "--yes",
+             "--database", sys.argv[1])
+"""
+
+
+def test_terminating_a_session_of_a_long_database_alias_is_audited(
+    lock_scene: LockScene, child_env: dict[str, str]
+) -> None:
+    """The audit row's backend is ``postgres:<alias>``, and Django bounds no database alias:
+    past 91 characters the insert overflowed the column (100, a lease backend alias's bound),
+    so the session was terminated, unaudited, and the command (or the admin) failed."""
+    import subprocess
+    import sys
+
+    from django.contrib.auth.models import Permission
+
+    alias = "reporting_" + "x" * 110
+    operator: Any = UserFactory(username="long-alias-dba")
+    operator.user_permissions.add(Permission.objects.get(codename="terminate_lock_session"))
+    args = [alias, str(lock_scene.holder_pid), operator.username]
+    done = subprocess.run(
+        [sys.executable, "-c", TERMINATE_ON_A_LONG_ALIAS, *args],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"terminated session {lock_scene.holder_pid}" in done.stdout
+    record = ForceRelease.objects.get(action="terminate")
+    column = ForceRelease._meta.get_field("backend").max_length
+    assert record.backend == f"postgres:{alias}"[:column] and record.by == operator
+    assert lock_scene.advisory in record.name
