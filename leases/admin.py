@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeAlias
 
 from django.contrib import admin, messages
@@ -464,8 +464,11 @@ class AdvisoryLockAdmin(_PageAdmin):
             str(request.POST.get("database") or request.GET.get("database") or "") or None
         )
         if request.method == "POST" and request.POST.get("confirm") == "yes":
+            started = _posted_start(request)
             try:
-                operations.terminate_session(pid, user=request.user, via="admin", using=using)
+                operations.terminate_session(
+                    pid, started=started, user=request.user, via="admin", using=using
+                )
             except LeaseError as exc:
                 self.message_user(request, str(exc), messages.WARNING)
             else:
@@ -476,10 +479,24 @@ class AdvisoryLockAdmin(_PageAdmin):
             request,
             rows=rows,
             pid=pid,
+            # The session this page shows: the confirmation terminates it, not a later one
+            # the server gave the same pid.
+            started=rows[0].started.isoformat() if rows and rows[0].started else "",
             database=using,
             title=f"Terminate database session {pid} on {using!r}?",
         )
         return TemplateResponse(request, "admin/leases/confirm_terminate.html", context)
+
+
+def _posted_start(request: HttpRequest) -> datetime:
+    """The start of the session the confirmation page showed (its ``started`` field)."""
+    try:
+        started = datetime.fromisoformat(str(request.POST["started"]))
+    except (KeyError, ValueError) as exc:
+        raise SuspiciousOperation("a terminate names the session's start, as shown") from exc
+    if started.tzinfo is None:
+        raise SuspiciousOperation("a terminate names the session's start, as shown")
+    return started
 
 
 @admin.register(ForceRelease)

@@ -79,7 +79,7 @@ SELECT l.pid, l.mode, l.granted, l.objsubid, l.classid::bigint, l.objid::bigint,
        n.name, a.application_name, host(a.client_addr), a.usename, a.state,
        COALESCE(l.waitstart, a.xact_start, a.state_change, a.backend_start) AS since,
        a.query, a.wait_event_type,
-       CASE WHEN l.granted THEN '{}'::int[] ELSE pg_blocking_pids(l.pid) END
+       CASE WHEN l.granted THEN '{}'::int[] ELSE pg_blocking_pids(l.pid) END, a.backend_start
 FROM pg_locks l
 JOIN pg_stat_activity a ON a.pid = l.pid
 LEFT JOIN leases_advisory_name n
@@ -90,11 +90,15 @@ ORDER BY l.granted DESC, since, l.pid
 """
 
 #: ``pg_terminate_backend`` only for a session that holds or awaits an advisory lock now, so
-#: the admin cannot be used to kill arbitrary sessions of the database.
+#: the admin cannot be used to kill arbitrary sessions of the database; and only for the
+#: session the operator saw, by its start as well as its pid, checked in the same statement:
+#: a session that ended may have handed its pid to a new one meanwhile.
 TERMINATE_SQL = """
 SELECT pg_terminate_backend(l.pid)
 FROM pg_locks l
-WHERE l.locktype = 'advisory' AND l.pid = %s AND l.pid <> pg_backend_pid()
+JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.pid = %s AND a.backend_start = %s
+  AND l.pid <> pg_backend_pid()
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 LIMIT 1
 """
@@ -127,6 +131,9 @@ class AdvisoryLockRow:
     #: A lease backend took it for its own purposes (a room, a tenure, or one a backend
     #: knows as its own without knowing the lease any more: a grant's that has ended).
     internal: bool = False
+    #: When the session began (``pg_stat_activity.backend_start``): with the pid, which the
+    #: server reuses once a session ends, it names one session.
+    started: datetime | None = None
 
     @property
     def status(self) -> str:
@@ -233,7 +240,7 @@ def _longest_waiting_first(found: Iterable[list[LeaseWaiter]]) -> list[LeaseWait
 
 def _advisory_row(row: tuple[Any, ...], rooms: dict[int, InternalLock]) -> AdvisoryLockRow:
     (pid, mode, granted, objsubid, classid, objid, name, application, client, user) = row[:10]
-    state, since, query, wait_event_type, blocked_by = row[10:]
+    state, since, query, wait_event_type, blocked_by, started = row[10:]
     key64 = _signed64(classid, objid) if objsubid == 1 else None
     internal = rooms.get(key64) if key64 is not None else None
     return AdvisoryLockRow(
@@ -254,6 +261,7 @@ def _advisory_row(row: tuple[Any, ...], rooms: dict[int, InternalLock]) -> Advis
         tenure_of=internal.lease if internal and internal.purpose == "tenure" else "",
         key64=key64,
         internal=internal is not None,
+        started=started,
     )
 
 
@@ -488,20 +496,31 @@ def force_release(name: str, *, backend: str, token: int, user: Any, via: str) -
     )
 
 
-def terminate_session(pid: int, *, user: Any, via: str, using: str | None = None) -> Any:
-    """End the database session ``pid`` so the session locks it holds are freed.
+def terminate_session(
+    pid: int, *, started: datetime | None, user: Any, via: str, using: str | None = None
+) -> Any:
+    """End the database session ``pid`` that began at ``started`` (its ``backend_start``, as
+    :func:`advisory_locks` shows it) so the session locks it holds are freed.
 
-    Only for a session that holds or awaits an advisory lock now. Whatever that session was
-    doing is rolled back; its lock is not fenced, so this is the blunt tool of last resort and
-    needs its own permission (``leases.terminate_lock_session``). Returns the audit record.
+    Only for a session that holds or awaits an advisory lock now, and only the one the operator
+    saw: a pid names a session only while it lasts (the server hands it to a new one after),
+    so the start is checked too, in the termination's own statement. Whatever that session
+    was doing is rolled back; its lock is not fenced, so this is the blunt tool of last resort
+    and needs its own permission (``leases.terminate_lock_session``). Returns the audit record.
     """
     _require(user, TERMINATE_PERMISSION)
     using = advisory_database(using)
     rows = [row for row in advisory_locks(using) if row.pid == pid]
     if not rows:
         raise LeaseNotHeld(f"pid {pid}", "that session holds or awaits no advisory lock now")
+    if started is None or rows[0].started != started:
+        raise LeaseNotHeld(
+            f"pid {pid}",
+            f"that pid is now a session started at {rows[0].started}, not the one you saw "
+            f"(started at {started}): not terminated",
+        )
     with connections[using].cursor() as cursor:
-        cursor.execute(TERMINATE_SQL, [pid])
+        cursor.execute(TERMINATE_SQL, [pid, started])
         done = cursor.fetchone()
     if not done or not done[0]:
         raise LeaseNotHeld(f"pid {pid}", "the session could not be terminated (already gone?)")

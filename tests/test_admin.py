@@ -199,7 +199,7 @@ def test_terminate_needs_its_own_permission_and_a_confirmation(
     confirmation = client.get(terminate).content.decode()
     assert f"Yes, terminate session {lock_scene.holder_pid}" in confirmation
     assert any(row.pid == lock_scene.holder_pid for row in advisory_locks())  # not yet
-    client.post(terminate, {"confirm": "yes"})
+    client.post(terminate, {"confirm": "yes", "started": shown_start(confirmation)})
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         rows = advisory_locks()
@@ -560,3 +560,33 @@ def test_a_force_release_of_more_leases_than_the_limit_is_refused_whole(
     assert not ForceRelease.objects.exists()
     three = {"action": "force_release", "_selected_action": names[:3]}
     assert client.post(LEASES, three).content.decode().count('"release-target"') == 3
+
+
+def shown_start(confirmation: str) -> str:
+    """The start of the session a terminate confirmation page shows (its form sends it)."""
+    shown = re.search(r'name="started" value="([^"]+)"', confirmation)
+    assert shown is not None, confirmation
+    return html.unescape(shown[1])
+
+
+def test_a_confirmed_terminate_ends_only_the_session_the_page_showed(
+    client: Client, lock_scene: LockScene
+) -> None:
+    """The confirmation named the session by pid alone: if it ended and the server gave its pid
+    to a new session holding an advisory lock before the operator clicked, the new one was
+    terminated. The page names the session's start too, and the termination checks both in
+    its one statement; a session that started at another moment is left alone."""
+    from datetime import datetime, timedelta
+
+    login(client, "view_lease", "terminate_lock_session")
+    pid = lock_scene.holder_pid
+    terminate = reverse("admin:leases_advisorylock_terminate", args=[pid])
+    started = datetime.fromisoformat(shown_start(client.get(terminate).content.decode()))
+    other = (started - timedelta(microseconds=1)).isoformat()  # the pid's previous session
+    done = client.post(terminate, {"confirm": "yes", "started": other}, follow=True)
+    assert "not terminated" in done.content.decode()
+    assert any(row.pid == pid for row in advisory_locks())
+    assert not ForceRelease.objects.exists()
+    assert client.post(terminate, {"confirm": "yes"}).status_code == 400  # no start: no guess
+    client.post(terminate, {"confirm": "yes", "started": started.isoformat()})
+    assert ForceRelease.objects.filter(action="terminate").count() == 1

@@ -438,7 +438,9 @@ class Command(BaseCommand):
         if not confirmed:
             raise CommandError(f"not terminated: add --yes to end session {pid}")
         try:
-            operations.terminate_session(pid, user=user, via="command", using=using)
+            operations.terminate_session(
+                pid, started=locks[0].started, user=user, via="command", using=using
+            )
         except (PermissionDenied, LeaseError) as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(f"terminated session {pid}")
