@@ -112,7 +112,8 @@ class IdempotencyKeyMultiple(IdempotencyError, ValueError):
 
 
 class IdempotencyKeyMismatch(IdempotencyError, ValueError):
-    """The key was already used for a different request (method, path or body differ)."""
+    """The key was already used for a different request (method, path, media type or body
+    differ)."""
 
     http_status = 422
     slug = "idempotency-key-mismatch"

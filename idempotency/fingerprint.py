@@ -1,6 +1,9 @@
 """Request fingerprints: what makes two requests under one key "the same request".
 
-A fingerprint is the method, the path with its query string, and the body. The body is hashed as
+A fingerprint is the method, the path with its query string, the media type (``Content-Type``)
+and the body. The media type says what the bytes mean (``{"amount": 42}`` is a charge as JSON,
+a form field with no value as ``application/x-www-form-urlencoded``), so it counts, by its
+meaning rather than its spelling (:func:`_media_type_part`). The body is hashed as
 it streams, never held whole in memory past ``FILE_UPLOAD_MAX_MEMORY_SIZE``, and read the way
 Django itself reads it, so a keyed request meets exactly the limits an unkeyed one does
 (``DATA_UPLOAD_MAX_MEMORY_SIZE`` and its siblings apply where Django applies them, and nowhere
@@ -18,6 +21,13 @@ else):
 
 Django keeps a request's stream in private attributes (``_stream``, ``_read_started``,
 ``_body``); this module is the one place that touches them.
+
+Versions up to 0.1.0 fingerprinted the method, the path and the body alone: the **legacy**
+fingerprint. It is the first part of today's (one body pass gives both), and the key store
+matches a request's legacy fingerprint too (:func:`idempotency.store.begin`), so a key stored
+before the upgrade still replays to its retry, and a crashed attempt's steps resume with the
+derived keys they were given. Today's fingerprints never equal a legacy one (another number of
+parts, under SHA-256), so a key stored since is bound to its media type.
 """
 
 from __future__ import annotations
@@ -27,15 +37,17 @@ import io
 import itertools
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from tempfile import SpooledTemporaryFile
 from typing import IO, Any, BinaryIO, cast
 
 from django.conf import settings
 from django.http import HttpRequest
+from django.utils.http import parse_header_parameters
 
 from . import drf
 
-__all__ = ["default_fingerprint", "digest"]
+__all__ = ["Fingerprints", "default_fingerprint", "digest", "fingerprints"]
 
 CHUNK_SIZE = 64 * 1024
 
@@ -149,15 +161,54 @@ def _add_body(hasher: _Digest, request: HttpRequest) -> None:
     body.seek(start)
 
 
-def default_fingerprint(request: Any) -> str:
-    """Method, path with query string and body: what makes two requests "the same".
+#: Media type parameters that frame the body rather than say what it means: a multipart
+#: boundary is picked anew for each attempt (and is in the body's bytes where they count).
+_FRAMING_PARAMETERS = frozenset({"boundary"})
+#: Parameters whose values are case-insensitive (RFC 9110 section 8.3.2); others are kept as sent.
+_CASELESS_PARAMETERS = frozenset({"charset"})
+
+
+def _media_type_part(request: HttpRequest) -> bytes:
+    """The media type as it counts: type and subtype lowercased, parameters by name (names
+    lowercased, quoted values unquoted, whitespace dropped: Django's parse of the header,
+    made when the request was), the charset's value lowercased, the multipart boundary left
+    out. ``application/json;charset="UTF-8"`` is ``application/json; charset=utf-8``."""
+    media_type, params = request.content_type, request.content_params
+    if media_type is None or params is None:  # a bare HttpRequest, not made from a WSGI/ASGI one
+        media_type, params = parse_header_parameters(request.META.get("CONTENT_TYPE", ""))
+    kept = sorted(
+        (name, value.lower() if name in _CASELESS_PARAMETERS else value)
+        for name, value in params.items()
+        if name not in _FRAMING_PARAMETERS
+    )
+    return json.dumps([media_type, kept]).encode()
+
+
+@dataclass(frozen=True)
+class Fingerprints:
+    """A request's fingerprint, and the one versions up to 0.1.0 gave it (see the module)."""
+
+    current: str
+    legacy: str
+
+
+def fingerprints(request: Any) -> Fingerprints:
+    """The request's fingerprint and its legacy one, from one pass over the body.
 
     Takes Django's request or DRF's (whose underlying request is hashed, so both decorator
-    positions agree). Equal to ``digest([method, path, body])`` for a plain body.
+    positions agree). The legacy one is ``digest([method, path, body])`` for a plain body;
+    the fingerprint is ``digest([media type, legacy])``.
     """
     request = drf.http_request(request)
     hasher = _Digest()
     hasher.part((request.method or "").encode())
     hasher.part(request.get_full_path().encode())
     _add_body(hasher, request)
-    return hasher.hexdigest()
+    legacy = hasher.hexdigest()
+    return Fingerprints(current=digest([_media_type_part(request), legacy.encode()]), legacy=legacy)
+
+
+def default_fingerprint(request: Any) -> str:
+    """Method, path with query string, media type and body: what makes two requests "the
+    same" (:func:`fingerprints`)."""
+    return fingerprints(request).current

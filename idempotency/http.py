@@ -23,7 +23,7 @@ from .errors import (
     IdempotencyKeyMultiple,
     ResponseNotStorable,
 )
-from .fingerprint import default_fingerprint, digest
+from .fingerprint import default_fingerprint, digest, fingerprints
 from .store import Outcome
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "capture",
     "default_fingerprint",
     "digest",
+    "fingerprints",
     "parse_key",
     "problem",
     "problem_type",

@@ -138,12 +138,18 @@ ASYNC_CLAIM_SQL = "set_config('synchronous_commit', 'off', true)"
 # recorded when the request is the same) or whose TTL passed. ``xmax = 0`` on the returned row
 # tells a fresh insert from a take-over. A key committed between the statement's snapshot and
 # its conflict check shows up in neither half; the caller runs it again.
+#
+# "The same request" is the request's fingerprint or its ``legacy`` one (the fingerprint of
+# versions up to 0.1.0, see :mod:`idempotency.fingerprint`; the fingerprint itself where there
+# is none). A take-over that keeps a crashed attempt's steps keeps its fingerprint too, which
+# the steps' derived keys were made from, and returns it as the claim's.
 BEGIN = Statement(
-    "idempotency_begin_v3",
+    "idempotency_begin_v4",
     (
         ("scope", "text"),
         ("key", "text"),
         ("fingerprint", "text"),
+        ("legacy", "text"),
         ("owner", "uuid"),
         ("lock", "float8"),
         ("ttl", "float8"),
@@ -165,22 +171,28 @@ WITH found AS (
         SELECT 1 FROM found f
         WHERE NOT ((f.state = 'completed' AND f.expires_at < clock_timestamp())
             OR (f.state = 'started' AND f.locked_until < clock_timestamp()
-                AND (f.fingerprint = %(fingerprint)s OR f.expires_at < clock_timestamp())))
+                AND (f.fingerprint IN (%(fingerprint)s, %(legacy)s)
+                     OR f.expires_at < clock_timestamp())))
     )
     ON CONFLICT (scope, key) DO UPDATE SET
-        fingerprint = EXCLUDED.fingerprint, state = 'started', owner = EXCLUDED.owner,
+        fingerprint = CASE WHEN k.state = 'started' AND k.expires_at >= clock_timestamp()
+                                AND k.fingerprint IN (EXCLUDED.fingerprint, %(legacy)s::text)
+                           THEN k.fingerprint ELSE EXCLUDED.fingerprint END,
+        state = 'started', owner = EXCLUDED.owner,
         locked_until = EXCLUDED.locked_until, response_status = NULL,
         response_headers = '[]'::jsonb, response_body = NULL,
-        steps = CASE WHEN k.state = 'started' AND k.fingerprint = EXCLUDED.fingerprint
-                          AND k.expires_at >= clock_timestamp()
+        steps = CASE WHEN k.state = 'started' AND k.expires_at >= clock_timestamp()
+                          AND k.fingerprint IN (EXCLUDED.fingerprint, %(legacy)s::text)
                      THEN k.steps ELSE '{}'::jsonb END,
         created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
     WHERE (k.state = 'completed' AND k.expires_at < clock_timestamp())
        OR (k.state = 'started' AND k.locked_until < clock_timestamp()
-           AND (k.fingerprint = EXCLUDED.fingerprint OR k.expires_at < clock_timestamp()))
-    RETURNING k.id, CASE WHEN k.xmax = 0 THEN 'new' ELSE 'taken_over' END AS kind, k.steps
+           AND (k.fingerprint IN (EXCLUDED.fingerprint, %(legacy)s::text)
+                OR k.expires_at < clock_timestamp()))
+    RETURNING k.id, CASE WHEN k.xmax = 0 THEN 'new' ELSE 'taken_over' END AS kind, k.steps,
+              k.fingerprint
 )
-SELECT id, kind, NULL, NULL, NULL, NULL, NULL, 0.0, steps,
+SELECT id, kind, NULL, fingerprint, NULL, NULL, NULL, 0.0, steps,
        CASE WHEN %(async)s THEN {ASYNC_CLAIM_SQL} END
 FROM claimed
 UNION ALL
@@ -303,13 +315,16 @@ UNLOCK_SQL = "SELECT pg_advisory_unlock(%(gate)s::bigint)"
 # or may be taken over, and the gate was ours), ``busy`` (free, but another attempt holds the
 # gate: it runs in a transaction not yet committed) or ``existing`` (a row that may not be
 # taken, reported as BEGIN reports it). A session gate taken for a key that turned out not to
-# be free is given back here (``session``), so a replay holds nothing.
+# be free is given back here (``session``), so a replay holds nothing. The steps of a crashed
+# attempt of the same request come back (else NULL), and the claim keeps that row's fingerprint,
+# as BEGIN does.
 PROBE = Statement(
-    "idempotency_probe_v1",
+    "idempotency_probe_v2",
     (
         ("scope", "text"),
         ("key", "text"),
         ("fingerprint", "text"),
+        ("legacy", "text"),
         ("gate", "bigint"),
         ("session", "boolean"),
     ),
@@ -319,7 +334,8 @@ WITH found AS (
            locked_until, expires_at, steps,
            (state = 'completed' AND expires_at < clock_timestamp())
            OR (state = 'started' AND locked_until < clock_timestamp()
-               AND (fingerprint = %(fingerprint)s OR expires_at < clock_timestamp())) AS free
+               AND (fingerprint IN (%(fingerprint)s, %(legacy)s)
+                    OR expires_at < clock_timestamp())) AS free
     FROM idempotency_key WHERE scope = %(scope)s AND key = %(key)s
 ), look AS (
     SELECT f.*, coalesce(f.free, true) AS claimable,
@@ -329,7 +345,7 @@ WITH found AS (
 SELECT CASE WHEN NOT claimable THEN 'existing' WHEN gated THEN 'claimed' ELSE 'busy' END,
        id, state, fingerprint, response_status, response_headers, response_body,
        extract(epoch FROM locked_until - clock_timestamp())::float8,
-       CASE WHEN claimable AND state = 'started' AND fingerprint = %(fingerprint)s
+       CASE WHEN claimable AND state = 'started' AND fingerprint IN (%(fingerprint)s, %(legacy)s)
                  AND expires_at >= clock_timestamp() THEN steps END,
        CASE WHEN NOT claimable AND gated AND %(session)s
             THEN pg_advisory_unlock(%(gate)s) END

@@ -232,7 +232,8 @@ def _begin_in_transaction_once(params: dict[str, Any], using: str) -> Begun:
             params["owner"],
             using,
             taken_over=row_id is not None,
-            fingerprint=params["fingerprint"],
+            # A crashed attempt's steps are resumed under the fingerprint they were made with.
+            fingerprint=params["fingerprint"] if steps is None else fingerprint,
             lock_timeout=params["lock"],
             ttl=params["ttl"],
             steps=_json(steps) or {},
@@ -254,8 +255,9 @@ def _existing(
     body: Any,
     remaining: float | None,
 ) -> Begun:
-    """What a row that may not be claimed means for this request."""
-    if fingerprint != params["fingerprint"]:
+    """What a row that may not be claimed means for this request (the same request when it
+    holds the request's fingerprint or, stored before the upgrade, its legacy one)."""
+    if fingerprint != params["fingerprint"] and fingerprint != params["legacy"]:
         return Begun(Status.MISMATCH)
     if state == "completed":
         return Begun(Status.COMPLETED, outcome=_outcome(status, headers, body))
@@ -287,7 +289,7 @@ def _begin_once(
             params["owner"],
             using,
             taken_over=kind == "taken_over",
-            fingerprint=params["fingerprint"],
+            fingerprint=fingerprint,  # as stored: a resumed attempt's may be its legacy one
             lock_timeout=params["lock"],
             ttl=params["ttl"],
             steps=_json(steps) or {},
@@ -306,9 +308,13 @@ def begin(
     wait: float = 0.0,
     using: str = "default",
     in_transaction: bool = False,
+    legacy_fingerprint: str | None = None,
 ) -> Begun:
     """Claim ``(scope, key)`` or report what holds it; one round trip in autocommit unless
     waiting.
+
+    ``legacy_fingerprint`` is the request's fingerprint as versions up to 0.1.0 made it
+    (:mod:`idempotency.fingerprint`): a key stored under it is the same request's too.
 
     ``in_transaction`` claims for an atomic attempt by an advisory lock instead of a committed
     row (see :data:`~idempotency.statements.PROBE`): nothing is written until the outcome is
@@ -323,6 +329,7 @@ def begin(
         "scope": scope,
         "key": key,
         "fingerprint": fingerprint,
+        "legacy": legacy_fingerprint or fingerprint,
         "owner": uuid.uuid4(),
         "lock": lock_timeout,
         "ttl": max(ttl, lock_timeout),

@@ -100,6 +100,8 @@ class _Plan:
     scope: str
     key: str
     fingerprint: str
+    #: The default fingerprint as versions up to 0.1.0 made it, which keys they stored hold.
+    legacy_fingerprint: str
 
 
 class _Guard:
@@ -130,10 +132,12 @@ class _Guard:
         # The scope first: a client it refuses (no identity) must not make the server read,
         # and spool to disk, a body of any size only to be refused.
         scope = scope_fn(scope_request)
-        fingerprint = (opts.fingerprint or http.default_fingerprint)(request)
         if opts.fingerprint is not None:
-            fingerprint = http.digest([fingerprint.encode()])
-        return _Plan(scope=scope, key=key, fingerprint=fingerprint)
+            fingerprint = legacy = http.digest([opts.fingerprint(request).encode()])
+        else:
+            both = http.fingerprints(request)
+            fingerprint, legacy = both.current, both.legacy
+        return _Plan(scope=scope, key=key, fingerprint=fingerprint, legacy_fingerprint=legacy)
 
     def open(
         self, request: HttpRequest, scope_source: Callable[[], Any] | None = None
@@ -165,6 +169,7 @@ class _Guard:
                 wait=wait if conflict == "wait" else 0.0,
                 using=defaults.database,
                 in_transaction=in_transaction,
+                legacy_fingerprint=plan.legacy_fingerprint,
             )
             begun.raise_for_conflict(plan.scope, plan.key)
         except IdempotencyError as exc:

@@ -21,9 +21,9 @@ from idempotency import (
     scopes,
 )
 from idempotency.checks import check_settings
-from idempotency.http import PROBLEM_TYPE_BASE, default_fingerprint
+from idempotency.http import PROBLEM_TYPE_BASE, default_fingerprint, digest
 from idempotency.models import IdempotencyKey
-from idempotency.store import begin
+from idempotency.store import Outcome, begin, finish
 from tests.factories import UserFactory
 from tests.testapp import views_idempotency
 from tests.testapp.models_idempotency import Charge
@@ -61,7 +61,8 @@ def scope_of(client: Client | AsyncClient) -> str:
 def post(client: Client, url: str, key: str | None, body: str = BODY, **extra: Any) -> Any:
     if key is not None:
         extra["HTTP_IDEMPOTENCY_KEY"] = key
-    return client.post(url, body, content_type="application/json", **extra)
+    extra.setdefault("content_type", "application/json")
+    return client.post(url, body, **extra)
 
 
 def problem_type(response: Any) -> str:
@@ -155,6 +156,56 @@ def test_same_key_for_a_different_request_is_422(client: Client) -> None:
         assert response.status_code == 422
         assert problem_type(response) == "idempotency-key-mismatch"
     assert Charge.objects.count() == 1 and IdempotencyKey.objects.count() == 1
+
+
+@pytest.mark.parametrize("media_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_the_same_body_sent_as_another_media_type_is_422(client: Client, media_type: str) -> None:
+    """The media type says what the bytes mean (``{"amount": 42}`` as JSON is a charge of 42,
+    as a form it is one field with no value): the same key and the same bytes under another
+    ``Content-Type`` replayed the first response instead of refusing the other request."""
+    post(client, "/idem/charge/", "k-media")
+    other = client.post("/idem/charge/", BODY, media_type, HTTP_IDEMPOTENCY_KEY="k-media")
+    assert other.status_code == 422 and problem_type(other) == "idempotency-key-mismatch"
+    assert Charge.objects.count() == 1
+
+
+def test_the_media_type_counts_by_its_meaning_not_its_spelling(client: Client) -> None:
+    """Type, subtype, parameter names and the charset's value are case-insensitive (RFC 9110
+    section 8.3.1), a quoted value equals the bare one, whitespace and the order of parameters
+    do not count; another charset is another request."""
+    first = post(client, "/idem/charge/", "k-spelling", content_type="application/json; a=1")
+    assert first.status_code == 201
+    for spelling in ('Application/JSON;A="1"', "application/json ; a=1 "):
+        again = post(client, "/idem/charge/", "k-spelling", content_type=spelling)
+        assert again["Idempotent-Replayed"] == "true", spelling
+    first = post(client, "/idem/charge/", "k-charset", content_type="text/plain; charset=utf-8")
+    assert first.status_code == 201
+    for spelling in ('TEXT/Plain; Charset="UTF-8"', "text/plain;charset=Utf-8"):
+        again = post(client, "/idem/charge/", "k-charset", content_type=spelling)
+        assert again["Idempotent-Replayed"] == "true", spelling
+    for other in ("text/plain; charset=latin-1", "text/plain", "text/plain; charset=utf-8; x=1"):
+        assert post(client, "/idem/charge/", "k-charset", content_type=other).status_code == 422
+    assert Charge.objects.count() == 2
+
+
+def test_a_key_stored_before_media_types_counted_still_replays_to_its_retry(
+    client: Client,
+) -> None:
+    """A key completed by a version whose fingerprint was the method, the path and the body
+    alone (``digest([method, path, body])``) still replays to its retry, under any media type
+    as then; a key stored since is bound to its media type."""
+    scope = scope_of(client)
+    legacy = digest([b"POST", b"/idem/charge/", BODY.encode()])
+    stored = begin(scope, "k-old", legacy, ttl=60, lock_timeout=60)
+    assert stored.claim is not None
+    finish(stored.claim, Outcome(201, [("Content-Type", "text/plain")], b"stored"), ttl=60)
+    for media_type in ("application/json", "text/plain"):
+        retry = post(client, "/idem/charge/", "k-old", content_type=media_type)
+        assert retry["Idempotent-Replayed"] == "true" and retry.content == b"stored"
+    other = post(client, "/idem/charge/", "k-old", body=json.dumps({"amount": 43}))
+    assert other.status_code == 422
+    assert Charge.objects.count() == 0
+    assert IdempotencyKey.objects.get(key="k-old").fingerprint == legacy
 
 
 def test_same_key_while_the_first_runs_is_409_with_retry_after(client: Client) -> None:

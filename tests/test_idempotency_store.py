@@ -90,6 +90,52 @@ def test_an_expired_completed_key_is_claimed_again_with_any_fingerprint() -> Non
     assert again.status is Status.NEW and again.claim and again.claim.taken_over
 
 
+LEGACY_FP = "1" * 64
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("in_transaction", [False, True], ids=["row_claim", "gated_claim"])
+def test_a_crashed_attempt_fingerprinted_before_the_upgrade_resumes_with_its_steps(
+    in_transaction: bool,
+) -> None:
+    """Fingerprints gained the media type: a started row an earlier version wrote holds the
+    fingerprint without it (the request's ``legacy_fingerprint``). Its retry after the
+    upgrade takes it over and resumes after its recorded steps, keeping the fingerprint the
+    steps' derived keys were made from, so a provider sees the same key as before the crash
+    and answers it once. Another request meets it as a mismatch."""
+    sql(
+        "INSERT INTO idempotency_key (scope, key, fingerprint, state, owner, locked_until, "
+        "response_headers, steps, created_at, expires_at) VALUES ('s', 'k', %s, 'started', "
+        "gen_random_uuid(), clock_timestamp() - interval '1 second', '[]', '{\"charge\": 7}', "
+        "clock_timestamp(), clock_timestamp() + interval '1 hour')",
+        [LEGACY_FP],
+    )
+
+    def claim(fingerprint: str, legacy: str) -> Any:
+        return begin(
+            "s",
+            "k",
+            fingerprint,
+            legacy_fingerprint=legacy,
+            ttl=60,
+            lock_timeout=60,
+            in_transaction=in_transaction,
+        )
+
+    assert claim(OTHER_FP, "2" * 64).status is Status.MISMATCH
+    assert claim(FP, FP).status is Status.MISMATCH  # the new fingerprint alone is another
+    resumed = claim(FP, LEGACY_FP)
+    assert resumed.status is Status.NEW and resumed.claim is not None
+    assert resumed.claim.steps == {"charge": 7} and resumed.claim.fingerprint == LEGACY_FP
+    if in_transaction:
+        attempt = Attempt(resumed.claim, atomic=True, ttl=60)
+        attempt.start()
+        attempt.commit(OUTCOME)
+    else:
+        finish(resumed.claim, OUTCOME, ttl=60)
+    assert claim(FP, LEGACY_FP).status is Status.COMPLETED
+
+
 def test_scopes_are_separate_key_spaces() -> None:
     assert begin("alice", "k", FP, ttl=60, lock_timeout=60).status is Status.NEW
     assert begin("bob", "k", OTHER_FP, ttl=60, lock_timeout=60).status is Status.NEW
