@@ -113,7 +113,7 @@ class IdempotencyKeyMultiple(IdempotencyError, ValueError):
 
 class IdempotencyKeyMismatch(IdempotencyError, ValueError):
     """The key was already used for a different request (method, path, media type or body
-    differ)."""
+    differ), completed or still running."""
 
     http_status = 422
     slug = "idempotency-key-mismatch"

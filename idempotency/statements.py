@@ -302,20 +302,38 @@ WHERE id = %(id)s AND owner = %(owner)s AND steps = '{{}}'::jsonb
 # the transaction: a driver binding on the server sends the two as queries of their own).
 # Outside a transaction the lock is the session's (released after the COMMIT that stores the
 # row, in the same query); inside one it is the transaction's, released with it.
-GATE_SESSION_SQL = (
-    "SELECT set_config('idempotency.gate', pg_try_advisory_lock(%(gate)s::bigint)::text, false)"
+#
+# A duplicate that finds the gate held must tell a retry of the running request (409) from
+# another request under the same key (422, running or not: the draft's 409 is for a request
+# whose key *and* fingerprint were seen). No row says what the holder runs, so the holder shows
+# its fingerprint by a second lock, the request's (``request_gate``, on the hash of the key and
+# the fingerprint), which every claim takes *before* the gate and holds as long. Then: the
+# request's lock held elsewhere is an attempt of this request (``busy``); the request's lock
+# ours but the gate held is an attempt of another request (``other``), since a holder of this
+# fingerprint would hold its lock; both ours is the claim (``held``). Taken in the other order,
+# a holder of this fingerprint could be seen between its two locks and the retry answered 422.
+# A session's request lock is given back at once when the gate was not had; a transaction's
+# stays until it ends (another retry of this request meanwhile is told 409, never 422). CASE
+# evaluates its conditions in order, and only as far as needed.
+GATE_SESSION_SQL = """SELECT set_config('idempotency.gate', CASE
+    WHEN NOT pg_try_advisory_lock(%(request_gate)s::bigint) THEN 'busy'
+    WHEN pg_try_advisory_lock(%(gate)s::bigint) THEN 'held'
+    WHEN pg_advisory_unlock(%(request_gate)s::bigint) THEN 'other'
+    ELSE 'other' END, false)"""
+GATE_XACT_SQL = """SELECT set_config('idempotency.gate', CASE
+    WHEN NOT pg_try_advisory_xact_lock(%(request_gate)s::bigint) THEN 'busy'
+    WHEN pg_try_advisory_xact_lock(%(gate)s::bigint) THEN 'held'
+    ELSE 'other' END, false)"""
+UNLOCK_SQL = (
+    "SELECT pg_advisory_unlock(%(gate)s::bigint), pg_advisory_unlock(%(request_gate)s::bigint)"
 )
-GATE_XACT_SQL = (
-    "SELECT set_config('idempotency.gate', "
-    "pg_try_advisory_xact_lock(%(gate)s::bigint)::text, false)"
-)
-UNLOCK_SQL = "SELECT pg_advisory_unlock(%(gate)s::bigint)"
 
 # The look after the gate: one row whatever is there. ``kind`` is ``claimed`` (the key is free
-# or may be taken over, and the gate was ours), ``busy`` (free, but another attempt holds the
-# gate: it runs in a transaction not yet committed) or ``existing`` (a row that may not be
-# taken, reported as BEGIN reports it). A session gate taken for a key that turned out not to
-# be free is given back here (``session``), so a replay holds nothing. The steps of a crashed
+# or may be taken over, and the gate was ours), ``busy`` (free, but an attempt of this request
+# holds the gate: it runs in a transaction not yet committed), ``other`` (free, but an attempt
+# of another request holds it) or ``existing`` (a row that may not be taken, reported as BEGIN
+# reports it). A session's locks taken for a key that turned out not to be free are given back
+# here (``session``), so a replay holds nothing. The steps of a crashed
 # attempt of the same request come back (else NULL), and the claim keeps that row's fingerprint,
 # as BEGIN does.
 PROBE = Statement(
@@ -326,6 +344,7 @@ PROBE = Statement(
         ("fingerprint", "text"),
         ("legacy", "text"),
         ("gate", "bigint"),
+        ("request_gate", "bigint"),
         ("session", "boolean"),
     ),
     """
@@ -339,16 +358,18 @@ WITH found AS (
     FROM idempotency_key WHERE scope = %(scope)s AND key = %(key)s
 ), look AS (
     SELECT f.*, coalesce(f.free, true) AS claimable,
-           coalesce(current_setting('idempotency.gate', true), '') = 'true' AS gated
+           coalesce(current_setting('idempotency.gate', true), '') AS gate
     FROM (SELECT 1) AS one LEFT JOIN found AS f ON true
 )
-SELECT CASE WHEN NOT claimable THEN 'existing' WHEN gated THEN 'claimed' ELSE 'busy' END,
+SELECT CASE WHEN NOT claimable THEN 'existing' WHEN gate = 'held' THEN 'claimed'
+            WHEN gate = 'other' THEN 'other' ELSE 'busy' END,
        id, state, fingerprint, response_status, response_headers, response_body,
        extract(epoch FROM locked_until - clock_timestamp())::float8,
        CASE WHEN claimable AND state = 'started' AND fingerprint IN (%(fingerprint)s, %(legacy)s)
                  AND expires_at >= clock_timestamp() THEN steps END,
-       CASE WHEN NOT claimable AND gated AND %(session)s
-            THEN pg_advisory_unlock(%(gate)s) END
+       CASE WHEN NOT claimable AND gate = 'held' AND %(session)s
+            THEN pg_advisory_unlock(%(gate)s)::int + pg_advisory_unlock(%(request_gate)s)::int
+       END
 FROM look
 """,
 )

@@ -127,6 +127,10 @@ class Claim:
     #: Whether that lock is the session's (taken outside a transaction, released after the
     #: commit) rather than the transaction's.
     session_gate: bool = False
+    #: The lock held with it on the key and the request's fingerprint, by which a duplicate
+    #: tells a retry of this request from another request (:data:`~idempotency.statements.
+    #: GATE_SESSION_SQL`).
+    request_gate: int | None = None
 
 
 @dataclass(frozen=True)
@@ -196,11 +200,14 @@ def claims_in_transaction(atomic: bool, option: bool | None, setting: bool, usin
     return setting or connections[using].in_atomic_block
 
 
-def gate_key(scope: str, key: str) -> int:
-    """The advisory lock key of ``(scope, key)``: a 64-bit hash, so two keys share a lock only
-    by a collision (about 2**-64 a pair), which would answer one of them 409 while the other
-    runs, never run anything twice."""
-    digest = hashlib.blake2b(f"idempotency\0{scope}\0{key}".encode(), digest_size=8).digest()
+def gate_key(scope: str, key: str, fingerprint: str | None = None) -> int:
+    """The advisory lock key of ``(scope, key)``, or with ``fingerprint`` of one request under
+    it: a 64-bit hash, so two share a lock only by a collision (about 2**-64 a pair), which
+    would answer one of them 409 or 422 while the other runs, never run anything twice."""
+    name = f"idempotency\0{scope}\0{key}"
+    if fingerprint is not None:
+        name += f"\0{fingerprint}"
+    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 
@@ -239,10 +246,13 @@ def _begin_in_transaction_once(params: dict[str, Any], using: str) -> Begun:
             steps=_json(steps) or {},
             gate=params["gate"],
             session_gate=params["session"],
+            request_gate=params["request_gate"],
         )
         return Begun(Status.NEW, claim=claim)
     if kind == "busy":
         return Begun(Status.IN_PROGRESS, retry_after=1.0)
+    if kind == "other":
+        return Begun(Status.MISMATCH)
     return _existing(params, state, fingerprint, status, headers, body, remaining)
 
 
@@ -334,8 +344,9 @@ def begin(
         "lock": lock_timeout,
         "ttl": max(ttl, lock_timeout),
     }
-    if in_transaction:
-        params["gate"] = gate_key(scope, key)  # only the claim in the transaction has one
+    if in_transaction:  # only the claim in the transaction has locks
+        params["gate"] = gate_key(scope, key)
+        params["request_gate"] = gate_key(scope, key, fingerprint)
     deadline = time.monotonic() + wait
     backoff: Backoff | None = None
     misses = 0
@@ -405,6 +416,7 @@ def finish(claim: Claim, outcome: Outcome, *, ttl: float, commit: bool = False) 
             "body": outcome.body,
             "ttl": ttl,
             "gate": claim.gate,
+            "request_gate": claim.request_gate,
         }
         after = UNLOCK_SQL if claim.session_gate else ""
         committed = _owned_write(claim, STORE, stored, commit=commit, after_commit=after)
@@ -444,7 +456,7 @@ def release(claim: Claim) -> None:
     if claim.gate is not None:
         if claim.session_gate:
             with connections[claim.using].cursor() as cursor:
-                cursor.execute(UNLOCK_SQL, {"gate": claim.gate})
+                cursor.execute(UNLOCK_SQL, {"gate": claim.gate, "request_gate": claim.request_gate})
         return
     params = {"id": claim.id, "owner": claim.owner, "ttl": claim.ttl}
     statements.fetch_one(claim.using, RELEASE, params)

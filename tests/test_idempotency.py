@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from typing import Any, TypeVar
 
 import pytest
@@ -16,6 +17,7 @@ from django.test.client import FakePayload
 from idempotency import (
     IdempotencyImproperlyConfigured,
     ResponseNotStorable,
+    conf,
     idempotency_key,
     idempotent,
     scopes,
@@ -23,7 +25,7 @@ from idempotency import (
 from idempotency.checks import check_settings
 from idempotency.http import PROBLEM_TYPE_BASE, default_fingerprint, digest
 from idempotency.models import IdempotencyKey
-from idempotency.store import Outcome, begin, finish
+from idempotency.store import Outcome, begin, finish, release
 from tests.factories import UserFactory
 from tests.testapp import views_idempotency
 from tests.testapp.models_idempotency import Charge
@@ -220,6 +222,40 @@ def test_same_key_while_the_first_runs_is_409_with_retry_after(client: Client) -
     assert problem_type(response) == "idempotency-key-in-progress"
     # the first request's claim lapses in about 60 s: that, not a fixed 1, is when to retry
     assert 50 <= int(response["Retry-After"]) <= 60
+    assert Charge.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_another_request_under_a_key_in_flight_is_422(client: Client) -> None:
+    """A retry of the running request is 409; another request under its key is 422 as it is
+    once the first completed, however the key was claimed (``test_idempotency_claim`` runs
+    this with ``CLAIM_IN_TRANSACTION``, where the duplicate was told 409)."""
+    request = RequestFactory().post("/idem/charge/", BODY, content_type="application/json")
+    running = begin(
+        scope_of(client),
+        "k-4",
+        default_fingerprint(request),
+        ttl=60,
+        lock_timeout=60,
+        in_transaction=conf.get().claim_in_transaction,
+    )
+    assert running.claim is not None
+    answers: dict[str, Any] = {}
+
+    def duplicates() -> None:  # another connection: the gated claim's locks are the session's
+        try:
+            answers["other"] = post(client, "/idem/charge/", "k-4", body='{"amount": 43}')
+            answers["same"] = post(client, "/idem/charge/", "k-4")
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=duplicates)
+    thread.start()
+    thread.join(60)
+    release(running.claim)
+    assert answers["other"].status_code == 422
+    assert problem_type(answers["other"]) == "idempotency-key-mismatch"
+    assert answers["same"].status_code == 409
     assert Charge.objects.count() == 0
 
 

@@ -8,6 +8,7 @@ written before the outcome, and a crashed attempt leaves nothing its retry has t
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -67,7 +68,9 @@ def test_a_claim_writes_nothing_and_a_duplicate_is_answered_at_once() -> None:
     first = claim()
     assert first.status is Status.NEW and first.claim is not None
     assert first.claim.gate is not None and first.claim.session_gate
-    assert IdempotencyKey.objects.count() == 0 and advisory_locks_held() == 1
+    assert (
+        IdempotencyKey.objects.count() == 0 and advisory_locks_held() == 2
+    )  # the gate and the request's lock
     duplicate = elsewhere(claim)
     assert duplicate.status is Status.IN_PROGRESS and duplicate.retry_after == 1.0
     release(first.claim)
@@ -329,6 +332,55 @@ def test_inside_an_open_transaction_a_duplicate_is_answered_without_waiting() ->
     assert Charge.objects.count() == 1
 
 
+@pytest.mark.parametrize(
+    ("in_transaction", "inside"),
+    [
+        pytest.param(False, False, id="row_claim"),
+        pytest.param(True, False, id="gated_claim"),
+        pytest.param(True, True, id="gated_claim_in_atomic"),
+        pytest.param(
+            False,
+            True,
+            id="row_claim_in_atomic",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a row claim inside an open transaction meets the running attempt's "
+                "uncommitted row, whose fingerprint it cannot read: 409 (known, documented)",
+            ),
+        ),
+    ],
+)
+def test_a_key_in_flight_reused_for_another_request_is_a_mismatch_in_either_claim(
+    in_transaction: bool, inside: bool
+) -> None:
+    """The draft's 409 is for a retry of the same request that arrives while it runs (key and
+    fingerprint seen); the same key with another payload is 422 whenever it comes, and a 409
+    would tell the client to retry unchanged. The row claim read the running attempt's
+    fingerprint and answered 422; the gated claim, which writes no row, answered 409."""
+
+    def claim_k(fingerprint: str) -> Begun:
+        return begin("s", "k", fingerprint, ttl=60, lock_timeout=60, in_transaction=in_transaction)
+
+    def duplicate(fingerprint: str) -> Begun:
+        def run() -> Begun:
+            with transaction.atomic() if inside else contextlib.nullcontext():
+                return claim_k(fingerprint)
+
+        begun: Begun = elsewhere(run)
+        return begun
+
+    with transaction.atomic() if inside else contextlib.nullcontext():
+        first = claim_k(FP)
+        assert first.claim is not None
+        assert duplicate(OTHER_FP).status is Status.MISMATCH
+        assert duplicate(FP).status is Status.IN_PROGRESS
+        assert duplicate(OTHER_FP).status is Status.MISMATCH  # nothing kept by the refusals
+        if not inside:
+            release(first.claim)
+    assert advisory_locks_held() == 0
+    assert duplicate(OTHER_FP).status is Status.NEW  # the key was never stored
+
+
 @pytest.fixture(autouse=True)
 def _claim_in_transaction(settings: Any) -> None:
     settings.IDEMPOTENCY = {"CLAIM_IN_TRANSACTION": True}
@@ -354,6 +406,9 @@ test_same_key_for_a_different_request_is_422 = (
 )
 test_same_key_while_the_first_runs_is_409_with_retry_after = (
     views_tests.test_same_key_while_the_first_runs_is_409_with_retry_after
+)
+test_another_request_under_a_key_in_flight_is_422 = (
+    views_tests.test_another_request_under_a_key_in_flight_is_422
 )
 test_a_5xx_keeps_neither_response_nor_effect_and_the_retry_runs = (
     views_tests.test_a_5xx_keeps_neither_response_nor_effect_and_the_retry_runs
