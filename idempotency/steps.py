@@ -36,7 +36,7 @@ import json
 import re
 from collections.abc import Callable
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.core.serializers.json import DjangoJSONEncoder
@@ -122,6 +122,17 @@ def _as_stored(text: str) -> Any:
     return json.loads(text, parse_float=_jsonb_number, object_pairs_hook=_jsonb_object)
 
 
+def _refuse_awaitable(name: str, result: object) -> NoReturn:
+    """``step`` cannot await: a coroutine is closed unrun (no "never awaited" warning) and
+    refused before anything is recorded."""
+    if inspect.iscoroutine(result):
+        result.close()
+    raise TypeError(
+        f"step {name!r} returned a {type(result).__name__}, which step() cannot await: "
+        "from async code use await astep(...)"
+    )
+
+
 def _record(attempt: store.Attempt, name: str, text: str, outermost: bool) -> Any:
     """Record the step in its open transaction (committing it in the same round trip when the
     step's block is the outermost one); the result as a resumed run would see it."""
@@ -151,6 +162,8 @@ def step_in(attempt: store.Attempt, name: str, fn: Callable[[str], T]) -> Any:
     outermost = not connections[using].in_atomic_block
     with transaction.atomic(using=using):
         result = fn(derived_key(attempt.claim, name))
+        if inspect.isawaitable(result):
+            _refuse_awaitable(name, result)
         recorded = _record(attempt, name, _encode(name, result), outermost)
     attempt.recorded[name] = recorded
     return recorded
@@ -159,7 +172,8 @@ def step_in(attempt: store.Attempt, name: str, fn: Callable[[str], T]) -> Any:
 async def astep(name: str, fn: Callable[[str], Any]) -> Any:
     """:func:`step` for async code: ``fn`` may be a coroutine function (an ``httpx`` call); a
     plain function runs in the thread where the step's transaction is open, so its ORM writes
-    join it."""
+    join it, and what it returns is awaited if it is awaitable (``lambda key:
+    client.post(...)`` on an ``httpx.AsyncClient``), still inside the step."""
     return await astep_in(_attempt(name), name, fn)
 
 
@@ -179,8 +193,13 @@ async def astep_in(attempt: store.Attempt, name: str, fn: Callable[[str], Any]) 
     outermost = await sync_to_async(enter)()
     try:
         key = derived_key(attempt.claim, name)
-        result = fn(key) if inspect.iscoroutinefunction(fn) else sync_to_async(fn)(key)
-        text = _encode(name, await result)
+        if inspect.iscoroutinefunction(fn):
+            result = await fn(key)
+        else:
+            result = await sync_to_async(fn)(key)
+            if inspect.isawaitable(result):
+                result = await result
+        text = _encode(name, result)
         recorded = await sync_to_async(_record)(attempt, name, text, outermost)
     except BaseException as exc:
         await sync_to_async(block.__exit__)(type(exc), exc, exc.__traceback__)

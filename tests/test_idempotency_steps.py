@@ -11,6 +11,7 @@ key, and the order row must exist once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -264,6 +266,49 @@ def test_steps_in_async_code() -> None:
 
     result = async_to_sync(run)()
     assert result["local"] == Charge.objects.get().pk and result["remote"].startswith("remote:")
+
+
+def test_an_async_step_awaits_what_a_plain_function_returns() -> None:
+    """``lambda key: client.post(...)`` on an ``httpx.AsyncClient`` (the guide's "an
+    ``httpx.AsyncClient`` call") is a plain function returning a coroutine: it ran in the sync
+    thread, its coroutine was never awaited (the call never happened), and the step failed
+    with "not JSON" about a coroutine object. The awaitable is awaited, in the step."""
+    from asgiref.sync import async_to_sync
+
+    sent: list[str] = []
+
+    async def send(key: str) -> dict[str, str]:
+        await asyncio.sleep(0)
+        sent.append(key)
+        return {"sent": key[:8]}
+
+    async def run() -> Any:
+        async with idempotency_key("op-lambda", scope="steps", atomic=False) as op:
+            first = await op.astep("send", lambda key: send(key))
+            again = await op.astep("send", lambda key: send(key))
+            op.result = [first, again]
+        return op.result
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "coroutine ... was never awaited"
+        result = async_to_sync(run)()
+    assert len(sent) == 1 and result == [{"sent": sent[0][:8]}] * 2
+
+
+def test_a_sync_step_refuses_a_coroutine_before_recording_anything() -> None:
+    """``step`` cannot await: a function returning a coroutine is refused by name, pointing
+    to ``astep``, and the coroutine is closed (never run), so nothing is recorded."""
+
+    async def send(key: str) -> str:
+        return key
+
+    with idempotency_key("op-sync-coroutine", scope="steps", atomic=False) as op:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with pytest.raises(TypeError, match=r"step 'send' .*coroutine.*astep"):
+                op.step("send", lambda key: send(key))
+        assert IdempotencyKey.objects.get(key="op-sync-coroutine").steps == {}
+        assert op.step("send", lambda key: "sync") == "sync"  # not recorded: runs now
 
 
 def test_a_view_made_of_steps_runs_them_once_and_replays(
