@@ -21,6 +21,7 @@ from .errors import (
     IdempotencyKeyMismatch,
     IdempotencyKeyMissing,
     IdempotencyKeyMultiple,
+    IdempotencyResultNotRecorded,
     ResponseNotStorable,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "IdempotencyKeyMismatch",
     "IdempotencyKeyMissing",
     "IdempotencyKeyMultiple",
+    "IdempotencyResultNotRecorded",
     "IdempotentMixin",
     "ResponseNotStorable",
     "astep",

@@ -23,6 +23,7 @@ __all__ = [
     "IdempotencyKeyMismatch",
     "IdempotencyKeyMissing",
     "IdempotencyKeyMultiple",
+    "IdempotencyResultNotRecorded",
     "ResponseNotStorable",
 ]
 
@@ -176,3 +177,26 @@ class ResponseNotStorable(IdempotencyError, TypeError):
         super().__init__(
             f"an idempotent view returned a response that cannot be stored for replay: {reason}"
         )
+
+
+class IdempotencyResultNotRecorded(IdempotencyError, TypeError):
+    """An operation or a step ran, and its result could not be recorded (it is not JSON).
+
+    In atomic mode the attempt's effects roll back with the error and the key is freed, so the
+    retry runs again. Outside it the effects have happened: the key (for the operation's
+    result) or the step is recorded as run without a result, and every retry under the key
+    raises this error instead of running the work again, which a retry of an effect that
+    cannot be undone must never do silently. ``step`` is None for the operation's own result.
+    """
+
+    http_status = 500
+    slug = "idempotency-result-not-recorded"
+    title = "Result cannot be recorded for replay"
+
+    def __init__(self, scope: str, key: str, step: str | None, reason: str) -> None:
+        self.scope = scope
+        self.key = key
+        self.step = step
+        self.reason = reason
+        what = "the result" if step is None else f"step {step!r}"
+        super().__init__(f"{what} of scope {scope!r} key {key!r} {reason}")

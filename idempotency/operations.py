@@ -17,7 +17,11 @@ Results are stored as JSON (``DjangoJSONEncoder``) and every run returns that JS
 a first run too, ``op.result`` (and the decorator's return value) is the recorded value read
 back, as a replay returns it: tuples become lists, ``Decimal`` and ``datetime`` strings, dict
 keys strings. (It used to be the value as the block left it on a first run, so code that worked
-on the first run broke on a retry.)
+on the first run broke on a retry.) A result that is not JSON raises
+:class:`~idempotency.errors.IdempotencyResultNotRecorded` (a ``TypeError``): in atomic mode the
+block's effects roll back and the key is freed; outside it they have happened, so the key is
+recorded as run without a result, and every retry gets the same error instead of running the
+block again (freed, the key let each retry repeat the effects and fail the same way).
 
 The key and the scope are 1 to 255 characters of text without NUL (the ``Idempotency-Key``
 header's bound, and the key table's), checked with the other options before any round trip.
@@ -40,19 +44,24 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 from asgiref.sync import sync_to_async
 from django.core.serializers.json import DjangoJSONEncoder
 
 from . import conf, http, steps, store
 from ._claiming import open_cancellably
-from .errors import IdempotencyImproperlyConfigured
+from .errors import IdempotencyImproperlyConfigured, IdempotencyResultNotRecorded
 
 __all__ = ["Operation", "idempotency_key"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 KeySource = str | Callable[..., str]
+
+#: Stored in an outcome's headers (which an operation's outcome has no other use for) in place
+#: of a result that could not be recorded: the block ran outside atomic mode, so its key is
+#: done, and a retry is refused rather than replayed or run (see the module).
+_NOT_RECORDED = ("idempotency-result", "not-recorded")
 
 #: The blocks open in this context, each with its operation, innermost last: how ``__exit__``
 #: finds its block's operation when the instance (which holds only options) is shared.
@@ -144,6 +153,14 @@ class idempotency_key:
         )
         begun.raise_for_conflict(self.scope, key)
         if begun.outcome is not None:
+            if _NOT_RECORDED in begun.outcome.headers:
+                raise IdempotencyResultNotRecorded(
+                    self.scope,
+                    key,
+                    None,
+                    "was not JSON when the block ran once, so it could not be recorded: the "
+                    "block is not run again under this key",
+                )
             return Operation(self.scope, key, replayed=True, result=json.loads(begun.outcome.body))
         assert begun.claim is not None
         attempt = store.Attempt(begun.claim, atomic=atomic, ttl=ttl)
@@ -272,17 +289,31 @@ def _finish(operation: Operation, failed: bool) -> None:
     try:
         body = json.dumps(operation.result, cls=DjangoJSONEncoder).encode()
     except (TypeError, ValueError) as exc:
-        # Before the commit: the attempt ends as a failed one (its transaction closed, its
-        # key freed), or its block would stay open on the connection, under every later
-        # write of the thread.
-        attempt.abort()
-        raise TypeError(
-            f"idempotency_key: the result of scope {operation.scope!r} key {operation.key!r} "
-            f"is not JSON, so it could not be replayed: {exc}"
-        ) from exc
+        _refuse_result(operation, attempt, exc)
     attempt.commit(store.Outcome(status=None, headers=[], body=body))
     # What a replay will return, so the first run returns it too (see the module docstring).
     operation.result = json.loads(body)
+
+
+def _refuse_result(operation: Operation, attempt: store.Attempt, exc: Exception) -> NoReturn:
+    """End a first run whose result is not JSON, and say so. Atomic, it ends as a failed one
+    (effects rolled back, key freed); its transaction must be closed either way, or it would
+    stay open on the connection under every later write of the thread. Outside atomic mode
+    the effects have happened and cannot be rolled back: the key is stored as run without a
+    result, so a retry is refused instead of running the block again."""
+    scope, key = operation.scope, operation.key
+    if attempt.atomic:
+        attempt.abort()
+        outcome = "its effects were rolled back and the key freed"
+    else:
+        attempt.commit(store.Outcome(status=None, headers=[_NOT_RECORDED], body=b"null"))
+        outcome = (
+            "the block ran (its effects are kept) and is recorded as run without a result: "
+            "it is not run again under this key"
+        )
+    raise IdempotencyResultNotRecorded(
+        scope, key, None, f"is not JSON, so it could not be recorded ({exc}); {outcome}"
+    ) from exc
 
 
 def _check_text(name: str, value: object) -> None:

@@ -26,6 +26,13 @@ So they are kept in the attempt's memory, not written to the key row (see
 :attr:`~idempotency.store.Attempt.steps_in_memory`): ``LOCK_TIMEOUT`` bounds the whole attempt.
 A step with an outside effect that takes no key (an SMTP server) happens again if the crash
 falls between it and its record: at least once, as everywhere outside the database.
+
+A step whose result cannot be recorded (not JSON) has run all the same. In an atomic attempt
+it rolls back like any failure. Outside one its effects may not be undone, and leaving it
+unrecorded made every retry resume at it and run it again: so it is recorded as run without a
+result (its database effects commit with that record), the caller gets
+:class:`~idempotency.errors.IdempotencyResultNotRecorded`, and so does every retry under the
+key, instead of running it again.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connections, transaction
 
 from . import store
-from .errors import IdempotencyImproperlyConfigured
+from .errors import IdempotencyImproperlyConfigured, IdempotencyResultNotRecorded
 
 __all__ = ["astep", "astep_in", "derived_key", "step", "step_in"]
 
@@ -75,19 +82,19 @@ def _attempt(name: str) -> store.Attempt:
     return attempt
 
 
-def _encode(name: str, result: Any) -> str:
-    """The result as JSON that PostgreSQL's ``jsonb`` takes, or a ``TypeError`` before any
-    write: besides what ``json.dumps`` refuses, NaN and infinities (not JSON, though Python
-    writes them), a NUL character and an unpaired surrogate (which ``jsonb`` refuses: the
-    write failed, was reported as the key lost, and the step's call ran again on every
-    retry)."""
+def _encode(result: Any) -> str:
+    """The result as JSON that PostgreSQL's ``jsonb`` takes, or a ``TypeError`` (saying why)
+    before any write: besides what ``json.dumps`` refuses, NaN and infinities (not JSON,
+    though Python writes them), a NUL character and an unpaired surrogate (which ``jsonb``
+    refuses: the write failed, was reported as the key lost, and the step's call ran again on
+    every retry)."""
     try:
         text = json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False, ensure_ascii=False)
         text.encode("utf-8")
     except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
-        raise TypeError(f"step {name!r} returned a result that is not JSON: {exc}") from exc
+        raise TypeError(str(exc)) from exc
     if _NUL.search(text):
-        raise TypeError(f"step {name!r} returned a result with a NUL character (jsonb refuses it)")
+        raise TypeError("it holds a NUL character, which jsonb refuses")
     return text
 
 
@@ -120,6 +127,57 @@ def _as_stored(text: str) -> Any:
     what the first run gets too: read as Python wrote it, a float of 1e16 or more was a float
     on the first run and an int on every resumed one."""
     return json.loads(text, parse_float=_jsonb_number, object_pairs_hook=_jsonb_object)
+
+
+#: The name (no step may have it) under which the steps that ran without a recordable result
+#: are listed, name -> why: a retry is refused at them (see the module).
+_UNRECORDED = ""
+_UNRECORDABLE = "its result was not JSON"
+
+
+def _refuse_if_unrecorded(attempt: store.Attempt, name: str) -> None:
+    """Refuse to run again a step an earlier attempt ran without recording its result."""
+    why = attempt.recorded.get(_UNRECORDED, {}).get(name)
+    if why is not None:
+        claim = attempt.claim
+        raise IdempotencyResultNotRecorded(
+            claim.scope,
+            claim.key,
+            name,
+            f"ran once, in an earlier attempt, but {why}, so it could not be recorded: it is "
+            "not run again under this key",
+        )
+
+
+def _settle(
+    attempt: store.Attempt, name: str, result: Any, outermost: bool
+) -> tuple[Any, IdempotencyResultNotRecorded | None]:
+    """Record the step in its open transaction: the result as recorded, or, for one that
+    cannot be recorded outside atomic mode, the error to raise once the transaction has
+    committed the record that the step ran (in atomic mode the error is raised here, and the
+    step rolls back)."""
+    claim = attempt.claim
+    try:
+        text = _encode(result)
+    except TypeError as exc:
+        detail = f"returned a result that is not JSON ({exc})"
+        if attempt.steps_in_memory:
+            raise IdempotencyResultNotRecorded(
+                claim.scope, claim.key, name, f"{detail}: it rolls back with this error"
+            ) from exc
+        unrecorded = {**attempt.recorded.get(_UNRECORDED, {}), name: _UNRECORDABLE}
+        _record(attempt, _UNRECORDED, json.dumps(unrecorded), outermost)
+        attempt.recorded[_UNRECORDED] = unrecorded
+        error = IdempotencyResultNotRecorded(
+            claim.scope,
+            claim.key,
+            name,
+            f"{detail}: it ran, and is recorded as run without a result, so it is not run "
+            "again under this key (a retry is refused here)",
+        )
+        error.__cause__ = exc
+        return None, error
+    return _record(attempt, name, text, outermost), None
 
 
 def _refuse_awaitable(name: str, result: object) -> NoReturn:
@@ -158,13 +216,16 @@ def step_in(attempt: store.Attempt, name: str, fn: Callable[[str], T]) -> Any:
     _check_name(name)
     if name in attempt.recorded:
         return attempt.recorded[name]
+    _refuse_if_unrecorded(attempt, name)
     using = attempt.claim.using
     outermost = not connections[using].in_atomic_block
     with transaction.atomic(using=using):
         result = fn(derived_key(attempt.claim, name))
         if inspect.isawaitable(result):
             _refuse_awaitable(name, result)
-        recorded = _record(attempt, name, _encode(name, result), outermost)
+        recorded, error = _settle(attempt, name, result, outermost)
+    if error is not None:
+        raise error
     attempt.recorded[name] = recorded
     return recorded
 
@@ -182,6 +243,7 @@ async def astep_in(attempt: store.Attempt, name: str, fn: Callable[[str], Any]) 
     _check_name(name)
     if name in attempt.recorded:
         return attempt.recorded[name]
+    _refuse_if_unrecorded(attempt, name)
     using = attempt.claim.using
     block = transaction.atomic(using=using)
 
@@ -199,11 +261,12 @@ async def astep_in(attempt: store.Attempt, name: str, fn: Callable[[str], Any]) 
             result = await sync_to_async(fn)(key)
             if inspect.isawaitable(result):
                 result = await result
-        text = _encode(name, result)
-        recorded = await sync_to_async(_record)(attempt, name, text, outermost)
+        recorded, error = await sync_to_async(_settle)(attempt, name, result, outermost)
     except BaseException as exc:
         await sync_to_async(block.__exit__)(type(exc), exc, exc.__traceback__)
         raise
     await sync_to_async(block.__exit__)(None, None, None)
+    if error is not None:
+        raise error
     attempt.recorded[name] = recorded
     return recorded

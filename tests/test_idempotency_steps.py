@@ -32,7 +32,13 @@ from django.db import connection, transaction
 from django.test import Client
 
 from devservers.provider import Provider
-from idempotency import IdempotencyImproperlyConfigured, IdempotencyKeyLost, idempotency_key, step
+from idempotency import (
+    IdempotencyImproperlyConfigured,
+    IdempotencyKeyLost,
+    IdempotencyResultNotRecorded,
+    idempotency_key,
+    step,
+)
 from idempotency.models import IdempotencyKey
 from idempotency.steps import derived_key
 from idempotency.store import begin
@@ -162,7 +168,7 @@ def test_a_step_result_reads_as_jsonb_gives_it_back() -> None:
 
     with connection.cursor() as cursor:
         for sample in JSONB_SAMPLES:
-            text = _encode("sample", sample)
+            text = _encode(sample)
             cursor.execute("SELECT %s::jsonb::text", [text])
             assert repr(_as_stored(text)) == repr(json.loads(cursor.fetchone()[0])), sample
 
@@ -309,6 +315,57 @@ def test_a_sync_step_refuses_a_coroutine_before_recording_anything() -> None:
                 op.step("send", lambda key: send(key))
         assert IdempotencyKey.objects.get(key="op-sync-coroutine").steps == {}
         assert op.step("send", lambda key: "sync") == "sync"  # not recorded: runs now
+
+
+def test_a_step_that_ran_but_whose_result_is_not_json_never_runs_again() -> None:
+    """Outside atomic mode a step's effects stay done when its result cannot be recorded (a
+    set): the step was left unrecorded and the key given up, so every retry resumed at it and
+    ran the effect again. It is recorded as run without a result, its database effects
+    committed with that record, and a retry is refused at it instead of running it."""
+    calls: list[str] = []
+
+    def receipt(key: str) -> Any:
+        calls.append("receipt")
+        Charge.objects.create(key="receipt:u", amount=1)
+        return {"sent", key}
+
+    def run() -> Any:
+        with idempotency_key("op-unrecorded", scope="steps", atomic=False) as op:
+            if op.replayed:
+                return op.result
+            op.step("order", lambda key: _local(calls, "order:u"))
+            op.result = op.step("receipt", receipt)
+        return op.result
+
+    with pytest.raises(IdempotencyResultNotRecorded, match=r"step 'receipt'.*'op-unrecorded'"):
+        run()
+    for _ in range(2):
+        with pytest.raises(IdempotencyResultNotRecorded, match=r"step 'receipt'.*not run again"):
+            run()
+    assert calls == ["local", "receipt"], "a step ran again"
+    assert Charge.objects.filter(key="receipt:u").count() == 1 and _orders() == 1
+    assert IdempotencyKey.objects.get(key="op-unrecorded").state == "started"
+
+
+def test_a_step_whose_result_is_not_json_rolls_back_with_an_atomic_attempt() -> None:
+    """In atomic mode nothing of the attempt stays: the step's effects roll back with it, the
+    key is freed, and the retry runs the step again (outside calls get the same derived key)."""
+    keys: list[str] = []
+
+    def run(result: Any) -> Any:
+        def effect(key: str) -> Any:
+            keys.append(key)
+            Charge.objects.create(key="order:atomic", amount=1)
+            return result
+
+        with idempotency_key("op-unrecorded-atomic", scope="steps") as op:
+            op.result = op.step("s", effect)
+        return op.result
+
+    with pytest.raises(TypeError, match="step 's'"):
+        run({1})
+    assert IdempotencyKey.objects.count() == 0 and _orders() == 0
+    assert run([1]) == [1] and keys[0] == keys[1] and _orders() == 1
 
 
 def test_a_view_made_of_steps_runs_them_once_and_replays(

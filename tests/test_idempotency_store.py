@@ -22,6 +22,7 @@ from idempotency import (
     IdempotencyKeyInProgress,
     IdempotencyKeyLost,
     IdempotencyKeyMismatch,
+    IdempotencyResultNotRecorded,
     idempotency_key,
     scopes,
 )
@@ -161,26 +162,59 @@ def test_a_failed_operation_keeps_nothing_and_runs_again() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "not_atomic"])
-def test_a_result_that_is_not_json_is_refused_and_keeps_nothing(atomic: bool) -> None:
+def test_a_result_that_is_not_json_is_refused_and_keeps_nothing() -> None:
     """The result is stored as JSON: one that is not (a set) raises a ``TypeError`` naming the
-    operation, and the attempt ends as a failed one (effects rolled back in atomic mode, key
-    freed). It used to raise before the commit and outside the abort: the attempt's
-    transaction stayed open on the connection, swallowing every later write of the thread."""
+    operation, and the attempt ends as a failed one (effects rolled back, key freed). It used
+    to raise before the commit and outside the abort: the attempt's transaction stayed open
+    on the connection, swallowing every later write of the thread."""
     with (
         pytest.raises(TypeError, match=r"'cmd' key 'import-set' is not JSON"),
-        idempotency_key("import-set", scope="cmd", atomic=atomic) as op,
+        idempotency_key("import-set", scope="cmd") as op,
     ):
         Charge.objects.create(amount=1)
         op.result = {"ids": {1, 2}}
     assert not connection.in_atomic_block
-    assert IdempotencyKey.objects.count() == 0
-    assert Charge.objects.count() == (0 if atomic else 1)
-    with idempotency_key("import-set", scope="cmd", atomic=atomic) as again:
+    assert IdempotencyKey.objects.count() == 0 and Charge.objects.count() == 0
+    with idempotency_key("import-set", scope="cmd") as again:
         assert not again.replayed
         again.result = {"ids": [1, 2]}
-    with idempotency_key("import-set", scope="cmd", atomic=atomic) as replay:
+    with idempotency_key("import-set", scope="cmd") as replay:
         assert replay.replayed and replay.result == {"ids": [1, 2]}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_non_atomic_operation_whose_result_is_not_json_never_runs_again() -> None:
+    """Outside atomic mode the block's effects have committed by the time its result turns
+    out not to be JSON: the key was freed all the same, so every retry ran the effect again
+    (and failed the same way). The key is recorded as run without a result: the first run
+    and every retry get ``IdempotencyResultNotRecorded`` (a ``TypeError``), and the block
+    never runs again under the key."""
+    runs: list[int] = []
+
+    @idempotency_key(lambda n: f"import-set-{n}", scope="cmd", atomic=False)
+    def run(n: int) -> Any:
+        runs.append(n)
+        Charge.objects.create(amount=n)
+        return {"ids": {1, 2}}
+
+    with pytest.raises(IdempotencyResultNotRecorded, match=r"'cmd' key 'import-set-1' is not JSON"):
+        run(1)
+    assert not connection.in_atomic_block
+    for _ in range(2):
+        with pytest.raises(IdempotencyResultNotRecorded, match=r"ran once.*not run again"):
+            run(1)
+    assert runs == [1] and Charge.objects.count() == 1
+    assert IdempotencyKey.objects.get().state == "completed"
+    with (
+        pytest.raises(IdempotencyResultNotRecorded, match="'import-set-2' is not JSON"),
+        idempotency_key("import-set-2", scope="cmd", atomic=False) as op,
+    ):
+        op.result = {"ids": {1, 2}}
+    with (
+        pytest.raises(IdempotencyResultNotRecorded, match="not run again"),
+        idempotency_key("import-set-2", scope="cmd", atomic=False),
+    ):
+        pytest.fail("the block ran again")
 
 
 def test_the_decorator_form_skips_the_call_on_a_repeat() -> None:
