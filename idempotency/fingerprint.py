@@ -3,7 +3,7 @@
 A fingerprint is the method, the path with its query string, the media type (``Content-Type``)
 and the body. The media type says what the bytes mean (``{"amount": 42}`` is a charge as JSON,
 a form field with no value as ``application/x-www-form-urlencoded``), so it counts, by its
-meaning rather than its spelling (:func:`_media_type_part`). The body is hashed as
+meaning rather than its spelling (:func:`_media_type_parts`). The body is hashed as
 it streams, never held whole in memory past ``FILE_UPLOAD_MAX_MEMORY_SIZE``, and read the way
 Django itself reads it, so a keyed request meets exactly the limits an unkeyed one does
 (``DATA_UPLOAD_MAX_MEMORY_SIZE`` and its siblings apply where Django applies them, and nowhere
@@ -37,9 +37,8 @@ import io
 import itertools
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
 from tempfile import SpooledTemporaryFile
-from typing import IO, Any, BinaryIO, cast
+from typing import IO, Any, BinaryIO, NamedTuple, cast
 
 from django.conf import settings
 from django.http import HttpRequest
@@ -168,24 +167,26 @@ _FRAMING_PARAMETERS = frozenset({"boundary"})
 _CASELESS_PARAMETERS = frozenset({"charset"})
 
 
-def _media_type_part(request: HttpRequest) -> bytes:
-    """The media type as it counts: type and subtype lowercased, parameters by name (names
-    lowercased, quoted values unquoted, whitespace dropped: Django's parse of the header,
-    made when the request was), the charset's value lowercased, the multipart boundary left
-    out. ``application/json;charset="UTF-8"`` is ``application/json; charset=utf-8``."""
+def _media_type_parts(request: HttpRequest) -> list[bytes]:
+    """The media type as it counts: type and subtype lowercased, then each parameter's name
+    and value, by name (names lowercased, quoted values unquoted, whitespace dropped: Django's
+    parse of the header, made with the request), the charset's value lowercased and the
+    multipart boundary left out. ``application/json;charset="UTF-8"`` is
+    ``application/json; charset=utf-8``."""
     media_type, params = request.content_type, request.content_params
     if media_type is None or params is None:  # a bare HttpRequest, not made from a WSGI/ASGI one
         media_type, params = parse_header_parameters(request.META.get("CONTENT_TYPE", ""))
-    kept = sorted(
-        (name, value.lower() if name in _CASELESS_PARAMETERS else value)
-        for name, value in params.items()
-        if name not in _FRAMING_PARAMETERS
-    )
-    return json.dumps([media_type, kept]).encode()
+    parts = [media_type.encode()]
+    for name, value in sorted(params.items()):
+        if name not in _FRAMING_PARAMETERS:
+            parts += (
+                name.encode(),
+                (value.lower() if name in _CASELESS_PARAMETERS else value).encode(),
+            )
+    return parts
 
 
-@dataclass(frozen=True)
-class Fingerprints:
+class Fingerprints(NamedTuple):
     """A request's fingerprint, and the one versions up to 0.1.0 gave it (see the module)."""
 
     current: str
@@ -197,7 +198,7 @@ def fingerprints(request: Any) -> Fingerprints:
 
     Takes Django's request or DRF's (whose underlying request is hashed, so both decorator
     positions agree). The legacy one is ``digest([method, path, body])`` for a plain body;
-    the fingerprint is ``digest([media type, legacy])``.
+    the fingerprint is ``digest([legacy, media type, parameter name, value, ...])``.
     """
     request = drf.http_request(request)
     hasher = _Digest()
@@ -205,7 +206,7 @@ def fingerprints(request: Any) -> Fingerprints:
     hasher.part(request.get_full_path().encode())
     _add_body(hasher, request)
     legacy = hasher.hexdigest()
-    return Fingerprints(current=digest([_media_type_part(request), legacy.encode()]), legacy=legacy)
+    return Fingerprints(digest([legacy.encode(), *_media_type_parts(request)]), legacy)
 
 
 def default_fingerprint(request: Any) -> str:
