@@ -32,6 +32,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from leases.celery._base import (
     backoff,
     format_key,
+    retries_spent,
     retry_on_own_budget,
     task_decorator,
     task_signature,
@@ -41,9 +42,12 @@ from . import conf
 from .errors import IdempotencyImproperlyConfigured, IdempotencyKeyInProgress
 from .operations import idempotency_key
 
-__all__ = ["IdempotentTask", "idempotent_task"]
+__all__ = ["IN_FLIGHT_RETRIES_HEADER", "IdempotentTask", "idempotent_task"]
 
 logger = logging.getLogger(__name__)
+
+#: Message header counting a run's in-flight retries, apart from ``request.retries`` (the body's).
+IN_FLIGHT_RETRIES_HEADER = "idempotency_in_flight_retries"
 
 
 class IdempotentTask(Task):  # type: ignore[type-arg]
@@ -55,7 +59,8 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
     copy may take over; longer than the task runs, default ``IDEMPOTENCY["LOCK_TIMEOUT"]``),
     ``idempotency_wait`` (seconds a copy waits in the worker for an in-flight one before
     ``on_in_flight``), ``on_in_flight`` (``"retry"`` or ``"raise"``) and
-    ``in_flight_backoff`` / ``in_flight_max_retries``.
+    ``in_flight_backoff`` / ``in_flight_max_retries`` (counted in the header
+    :data:`IN_FLIGHT_RETRIES_HEADER`, never in the body's ``request.retries``).
     """
 
     idempotency_key: ClassVar[str | Callable[..., str] | None] = None
@@ -105,7 +110,8 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
         """Hook: another copy holds the key; retry (never later than its claim lapses) or raise."""
         if self.on_in_flight == "raise":
             raise exc
-        delay = backoff(self.request.retries, self.in_flight_backoff, 30.0)
+        spent = retries_spent(self, IN_FLIGHT_RETRIES_HEADER)
+        delay = backoff(spent, self.in_flight_backoff, 30.0)
         countdown = min(exc.retry_after, delay) if exc.retry_after > 0 else delay
         logger.info(
             "task %s[%s]: key %r is in flight elsewhere; retry in %.2fs",
@@ -114,7 +120,9 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
             key,
             countdown,
         )
-        retry_on_own_budget(self, self.in_flight_max_retries, countdown=countdown, exc=exc)
+        retry_on_own_budget(
+            self, IN_FLIGHT_RETRIES_HEADER, self.in_flight_max_retries, countdown=countdown, exc=exc
+        )
 
     # -- machinery ---------------------------------------------------------------------------
 

@@ -223,6 +223,36 @@ def limited_write(self: Any, register: str, hold: float, lease: Lease) -> bool:
     return _fenced_run(f"{register}/{lease.slot}", lease, self.request.id, hold)  # type: ignore[attr-defined]
 
 
+def _failing_body(self: Any, label: str) -> None:
+    """Records the ``request.retries`` its run sees, then fails.
+
+    In the session Redis (``retries_seen``), not the database: an idempotent task's body runs in
+    the key's transaction, which its failure rolls back.
+    """
+    import redis
+
+    redis.Redis.from_url(settings.CELERY_BROKER_URL).rpush(f"retries-seen:{label}",
+                                                           int(self.request.retries))  # fmt: skip
+    raise ConnectionError("the provider is down")
+
+
+def retries_seen(label: str) -> list[int]:
+    """The ``request.retries`` each body run of ``label`` saw, in order (see ``_failing_body``)."""
+    import redis
+
+    return [int(n) for n in redis.Redis.from_url(settings.CELERY_BROKER_URL).lrange(
+        f"retries-seen:{label}", 0, -1)]  # fmt: skip
+
+
+#: Its body always fails and is retried by ``autoretry_for`` at most 3 times; busy retries, on a
+#: budget of their own, must leave those 3 (and the ``request.retries`` the body sees) alone.
+locked_failing = locked_task(key="celery-test:{label}", ttl=_LEASE_TTL, bind=True,
+                             autoretry_for=(ConnectionError,), max_retries=3,
+                             retry_kwargs={"countdown": 0}, busy_backoff=0.05,
+                             busy_backoff_max=0.2,
+                             name="tests.locked_failing")(_failing_body)  # fmt: skip
+
+
 # -- idempotent --------------------------------------------------------------------------------
 
 
@@ -242,6 +272,14 @@ def place_order_once(order: str, amount: int) -> Any:
     from tests.steps_workflow import place_order
 
     return place_order(order, amount)
+
+
+#: ``locked_failing``'s twin for in-flight retries: its key held elsewhere, it retries on the
+#: in-flight budget, never on the body's.
+idempotent_failing = idempotent_task(key="{label}", bind=True, autoretry_for=(ConnectionError,),
+                                     max_retries=3, retry_kwargs={"countdown": 0},
+                                     in_flight_backoff=0.05,
+                                     name="tests.idempotent_failing")(_failing_body)  # fmt: skip
 
 
 # -- singleton, leader, partitioned -------------------------------------------------------------

@@ -24,7 +24,10 @@ from celery.result import AsyncResult
 from django.conf import settings
 
 from devservers import RedisServer
+from idempotency.http import digest
 from idempotency.models import IdempotencyKey
+from idempotency.store import begin
+from leases import acquire
 from leases.backends import get_backend
 from leases.celery import SKIPPED, partition_for, partition_queues, resign_leaderships
 from leases.celery.leader import LEADER_HEADER
@@ -37,13 +40,16 @@ from tests.celery_app import (
     SingletonFailed,
     add_once,
     app,
+    idempotent_failing,
     leader_tick,
     limited_write,
+    locked_failing,
     locked_retrying,
     locked_skip,
     locked_slow,
     locked_until_lost,
     partitioned_touch,
+    retries_seen,
     singleton_failing,
     singleton_hold,
     singleton_late,
@@ -202,6 +208,47 @@ def test_lost_lease_mid_task_fails_the_task_and_its_later_fenced_write(
     assert get_backend().inspect("celery-test:" + register).token > min(  # type: ignore[union-attr]
         r.token or 0 for r in TaskRun.objects.filter(label=register)
     )
+
+
+# -- retry budgets: waiting for a busy lease or key never spends the body's own ---------------
+
+
+def test_busy_retries_leave_the_bodys_retries_and_budget_alone(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    """Busy retries spent ``request.retries``: a task with ``max_retries=3`` that found its lease
+    busy twice saw ``retries == 2`` on its first body run and got one body retry, not three."""
+    queue, label = new_queue(), new_register("busy-budget")
+    celery_workers([queue]).wait_ready()
+    holder = acquire(f"celery-test:{label}", ttl=30)
+    result = locked_failing.apply_async((label,), queue=queue)
+    try:
+        wait_until(lambda: len(deliveries(result.id)) >= 3, 30, "two busy retries")
+    finally:
+        holder.release()
+    assert wait_states([result]) == ["FAILURE"]
+    assert isinstance(result.result, ConnectionError), result.result
+    assert retries_seen(label) == [0, 1, 2, 3]  # the first run and max_retries=3 retries
+
+
+def test_in_flight_retries_leave_the_bodys_retries_and_budget_alone(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    """The same for an idempotent task whose key another copy holds: its in-flight retries
+    spent the retry budget its body's ``autoretry_for`` counts on."""
+    queue, label = new_queue(), new_register("in-flight-budget")
+    celery_workers([queue]).wait_ready()
+    scope = idempotent_failing.idempotency_scope()
+    fingerprint = digest([idempotent_failing.fingerprint((label,), {}).encode()])
+    begin(scope, label, fingerprint, ttl=60, lock_timeout=60)  # another copy runs this key
+    result = idempotent_failing.apply_async((label,), queue=queue)
+    try:
+        wait_until(lambda: len(deliveries(result.id)) >= 3, 30, "two in-flight retries")
+    finally:
+        IdempotencyKey.objects.filter(scope=scope, key=label).delete()  # that copy gives up
+    assert wait_states([result]) == ["FAILURE"]
+    assert isinstance(result.result, ConnectionError), result.result
+    assert retries_seen(label) == [0, 1, 2, 3]
 
 
 # -- redelivery: a killed worker, a visibility timeout shorter than the task -------------------

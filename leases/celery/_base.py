@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from celery import Task, shared_task
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject, Retry
 
 from ..errors import InvalidLeaseOption
 from ..handle import Lease
@@ -30,6 +30,7 @@ __all__ = [
     "check_key",
     "current_call",
     "format_key",
+    "retries_spent",
     "retry_on_own_budget",
     "skip",
     "task_decorator",
@@ -132,26 +133,50 @@ def backoff(retries: int, base: float, cap: float) -> float:
     return delay
 
 
-_UNSET = object()
+def retries_spent(task: Task[..., Any], counter: str) -> int:
+    """How many retries counted in the message header ``counter`` the current run has behind it.
 
-
-def retry_on_own_budget(task: Task[..., Any], max_retries: int, **options: Any) -> NoReturn:
-    """``raise task.retry(max_retries=max_retries, ...)`` for a busy lease or key, leaving the
-    task's own retry budget as it was.
-
-    Celery keeps ``max_retries`` passed to :meth:`~celery.Task.retry` on the task object
-    (``override_max_retries``), which every later run in the process shares; its
-    ``autoretry_for`` then takes that budget (say 100 busy retries) for the body's own
-    failures, and a flaky body with ``max_retries=3`` ran 101 times. Put back what was there.
+    Celery puts a message's own headers on the request as attributes (a worker), or in
+    ``request.headers`` (``apply()``); anything but a count is no count (0).
     """
-    before = task.__dict__.get("override_max_retries", _UNSET)
-    try:
-        raise task.retry(max_retries=max_retries, **options)
-    finally:
-        if before is _UNSET:
-            task.__dict__.pop("override_max_retries", None)
-        else:
-            task.__dict__["override_max_retries"] = before
+    request = task.request
+    raw = (request.headers or {}).get(counter)
+    if raw is None:
+        raw = getattr(request, counter, None)
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        return 0
+    return max(raw, 0)
+
+
+def retry_on_own_budget(
+    task: Task[..., Any], counter: str, max_retries: int, *, countdown: float, exc: Exception
+) -> NoReturn:
+    """Retry the run in ``countdown`` seconds for a busy lease or key, on a budget of its own.
+
+    :meth:`celery.Task.retry` counts every retry in ``request.retries``, the one count the
+    body's own retries (``max_retries``, ``autoretry_for``) are measured against and that the
+    body reads: a task with ``max_retries=3`` that found its lease busy twice started its body
+    seeing ``retries == 2`` and got one retry of its own instead of three. These retries are
+    counted in the message header ``counter`` instead, and the new message keeps
+    ``request.retries`` as it was; after ``max_retries`` of them ``exc`` is raised, as Celery
+    raises it past its budget. Otherwise this is Celery's ``retry()``: the same message again
+    (same task id, arguments and options), :class:`~celery.exceptions.Retry` raised for the
+    worker, a message that cannot be sent rejected. Under ``apply()`` (eager), Celery itself
+    counts the retry in ``request.retries`` of the next run, as it does every eager retry.
+    """
+    request = task.request
+    spent = retries_spent(task, counter)
+    if request.called_directly or spent >= max_retries:
+        raise exc
+    again = task.signature_from_request(request, countdown=countdown)
+    again.options["headers"] = {**(again.options.get("headers") or {}), counter: spent + 1}
+    if not request.is_eager:
+        try:
+            again.apply_async()
+        except Exception as error:
+            raise Reject(error, requeue=False) from error
+    when: Any = countdown  # a float; the stubs ask for numbers.Real, which mypy cannot check
+    raise Retry(exc=exc, when=when, is_eager=request.is_eager, sig=again)
 
 
 def skip(task: Task[..., Any], reason: str, **meta: Any) -> NoReturn:

@@ -15,13 +15,25 @@ from ..errors import BackendUnavailable, LeaseLost, LeaseUnavailable
 from ..handle import Lease
 from ..keys import validate_name
 from ..semaphore import acquire_slot
-from ._base import Call, Key, backoff, current_call, format_key, retry_on_own_budget, skip
+from ._base import (
+    Call,
+    Key,
+    backoff,
+    current_call,
+    format_key,
+    retries_spent,
+    retry_on_own_budget,
+    skip,
+)
 
-__all__ = ["LockedTask", "OnBusy"]
+__all__ = ["BUSY_RETRIES_HEADER", "LockedTask", "OnBusy"]
 
 logger = logging.getLogger(__name__)
 
 OnBusy = Literal["retry", "skip", "raise"]
+
+#: Message header counting a run's busy retries, apart from ``request.retries`` (the body's).
+BUSY_RETRIES_HEADER = "leases_busy_retries"
 
 
 class LockedTask(Task):  # type: ignore[type-arg]
@@ -43,7 +55,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
     once), ``on_busy`` (``"retry"`` with backoff, ``"skip"`` to end in state ``SKIPPED``,
     ``"raise"`` to fail with :class:`~leases.errors.LeaseUnavailable`), ``busy_backoff`` /
     ``busy_backoff_max`` / ``busy_max_retries`` (for ``"retry"``; default 0.5 s doubling up to 30 s,
-    100 times, then :class:`~leases.errors.LeaseUnavailable`) and ``on_lease_lost``.
+    100 times, then :class:`~leases.errors.LeaseUnavailable`; counted in the header
+    :data:`BUSY_RETRIES_HEADER`, never in the body's ``request.retries``) and ``on_lease_lost``.
 
     With ``lease_limit = N`` the key names a semaphore instead
     (:func:`~leases.semaphore.semaphore`): up to N bodies of one key run at once, each holding
@@ -87,9 +100,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
             raise exc
         if self.on_busy == "skip":
             skip(self, f"lease {name!r} is busy", lease=name)
-        countdown = backoff(self.request.retries, self.busy_backoff, self.busy_backoff_max)
+        spent = retries_spent(self, BUSY_RETRIES_HEADER)
+        countdown = backoff(spent, self.busy_backoff, self.busy_backoff_max)
         logger.debug("task %s[%s]: %s; retry in %.2fs", self.name, self.request.id, exc, countdown)
-        retry_on_own_budget(self, self.busy_max_retries, countdown=countdown, exc=exc)
+        retry_on_own_budget(
+            self, BUSY_RETRIES_HEADER, self.busy_max_retries, countdown=countdown, exc=exc
+        )
 
     def lease_lost(self, lease: Lease) -> None:
         """Hook, run on the keepalive thread when the run's lease is lost mid-run."""
