@@ -337,7 +337,7 @@ def singleton_failing(name: str) -> None:
     raise SingletonFailed(name)
 
 
-@leader_only(name="celery-test-beat", ttl=_LEASE_TTL, bind=True)
+@leader_only(key="celery-test-beat", ttl=_LEASE_TTL, bind=True)
 def leader_tick(self: Any, label: str) -> None:
     sender = getattr(self.request, _SENDER, None) or (self.request.headers or {}).get(_SENDER)
     _run(label, self.request.id, self.sent_by, 0, sender=sender or "")

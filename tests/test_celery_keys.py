@@ -167,8 +167,8 @@ def test_bad_options_are_refused_when_decorating(decorator: Any, options: dict[s
         (locked_task, {"key": 123, "name": "keys.int_key.locked"}, InvalidLeaseOption),
         (singleton_task, {"key": 123, "name": "keys.int_key.singleton"}, InvalidLeaseOption),
         (idempotent_task, {"key": 123, "name": "keys.int_key.idempotent"}, InvalidLeaseOption),
-        (leader_only, {"name": 123}, InvalidLeaseName),
-        (leader_only, {"name": "x" * 300}, InvalidLeaseName),
+        (leader_only, {"key": 123}, InvalidLeaseName),
+        (leader_only, {"key": "x" * 300}, InvalidLeaseName),
     ],
     ids=["locked", "singleton", "idempotent", "leader-int", "leader-too-long"],
 )
@@ -238,6 +238,27 @@ def test_bases_combine_lease_outside_idempotency() -> None:
         return n
 
     assert isinstance(plain, IdempotentTask) and not isinstance(plain, LockedTask)
+
+
+def test_leader_only_names_its_election_with_key_and_leaves_name_to_celery() -> None:
+    """``leader_only(name=...)`` named the election, so Celery's own ``name=`` could not be
+    given, and one who meant it got an election of that name and a task named otherwise."""
+
+    @leader_only(key="nightly", name="keys.nightly_task", app=app)
+    def nightly() -> None: ...
+
+    assert nightly.name == "keys.nightly_task" and nightly.election() == "nightly"
+
+    @leader_only(app=app)
+    def default() -> None: ...
+
+    assert default.election() == default.name  # the election of the task's own name
+
+    # Alone, name= may be an election (as it was) or a task name (as elsewhere): refused.
+    with pytest.raises(TypeError, match=r"leader_only\(name=...\) is ambiguous.*key="):
+        leader_only(name="nightly")
+    with pytest.raises(InvalidLeaseOption, match="not a template"):
+        leader_only(key="nightly:{region}")
 
 
 def test_partitions_are_stable_documented_and_spread() -> None:

@@ -51,7 +51,7 @@ def rebuild_report(customer: str) -> int:
     return Invoice.objects.filter(customer=customer).count()
 
 
-@leader_only(name="demo:nightly-summary", ttl=30, queue=QUEUE)
+@leader_only(key="demo:nightly-summary", ttl=30, queue=QUEUE)
 def nightly_summary() -> dict[str, Any]:
     """Run from several beat processes for availability; only the elected one sends it."""
     return {"invoices": Invoice.objects.count()}

@@ -169,7 +169,7 @@ def leader_only(
     fun: None = None,
     /,
     *,
-    name: str | None = None,
+    key: str | None = None,
     ttl: float | None = None,
     backend: str = "default",
     **options: Any,
@@ -178,20 +178,36 @@ def leader_only(
     fun: Callable[..., Any] | None = None,
     /,
     *,
-    name: str | None = None,
+    key: str | None = None,
     ttl: float | None = None,
     backend: str = "default",
     **options: Any,
 ) -> Any:
-    """A periodic task sent and run only by the leader of ``name``; see :class:`LeaderOnlyTask`.
+    """A periodic task sent and run only by the leader of the election ``key`` (default: the
+    task's name); see :class:`LeaderOnlyTask`.
 
-    ``name`` is checked here (:func:`~leases.keys.validate_name`): a bad one would make every
-    send fail in beat and every run fail in the worker.
+    ``key`` names the election, as the other decorators' ``key`` names their lease, and
+    ``name`` is Celery's task name, as everywhere else. The election was named ``name=``
+    before: alone, it is refused (:class:`TypeError`) rather than silently taken for the other
+    one, which would move the task to a new name that beat's schedule does not list. ``key``
+    is checked here (:func:`~leases.keys.validate_name`; a bad one would make every send fail
+    in beat and every run fail in the worker), and it is one name, not a template: the
+    election is the task's, whatever its arguments.
     """
+    if "name" in options and key is None:
+        raise TypeError(
+            "leader_only(name=...) is ambiguous: the election is now named by key= (name= "
+            "named it in earlier versions), and name= is Celery's task name, as in every other "
+            "decorator. Write key=<election> (the name you passed), and add name= only to "
+            "register the task under a name of its own"
+        )
     _check_times(ttl)
-    if name is not None:
-        validate_name(name)
-    attrs = {"leader_name": name, "leader_ttl": ttl, "leader_backend": backend}
+    if key is not None:
+        validate_name(key)
+        if "{" in key or "}" in key:
+            reason = "names one election for the task, not a template of its arguments"
+            raise InvalidLeaseOption("key", key, reason)
+    attrs = {"leader_name": key, "leader_ttl": ttl, "leader_backend": backend}
     return task_decorator(LeaderOnlyTask, fun, attrs, options)
 
 
