@@ -212,4 +212,6 @@ def idempotent_task(
         "idempotency_atomic": atomic,
         "idempotency_claim_in_transaction": claim_in_transaction,
     }
-    return task_decorator(IdempotentTask, fun, attrs, options, key="idempotency_key")
+    return task_decorator(
+        idempotent_task, IdempotentTask, fun, attrs, options, key="idempotency_key"
+    )

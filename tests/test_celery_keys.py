@@ -240,6 +240,69 @@ def test_bases_combine_lease_outside_idempotency() -> None:
     assert isinstance(plain, IdempotentTask) and not isinstance(plain, LockedTask)
 
 
+@pytest.mark.parametrize(
+    ("decorator", "typo", "suggestion"),
+    [
+        (locked_task, "bussy_max_retries", "busy_max_retries"),
+        (locked_task, "acks_lat", "acks_late"),
+        (idempotent_task, "tll", "ttl"),
+        (idempotent_task, "in_flight_max_retry", "in_flight_max_retries"),
+        (singleton_task, "on_duplicat", "on_duplicate"),
+        (leader_only, "backnd", "backend"),
+        (lambda **o: partitioned(partitions=2, **o), "queue_prefx", "queue_prefix"),
+    ],
+    ids=["locked", "celery", "idempotent", "idempotent-attr", "singleton", "leader", "part"],
+)
+def test_an_option_nothing_reads_is_refused_when_decorating(
+    decorator: Any, typo: str, suggestion: str
+) -> None:
+    """Celery made every unknown option a task attribute: a typo ran the task on defaults."""
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{typo}'.*'{suggestion}'"):
+        decorator(**{typo: 3}, app=app)
+
+
+def test_celery_options_and_attributes_of_the_bases_pass() -> None:
+    @locked_task(
+        key="opts:{n}",
+        app=app,
+        name="keys.opts",
+        expires=60,
+        store_eager_result=True,  # set from the settings when bound, unless given
+        autoretry_for=(ConnectionError,),
+        retry_backoff=True,
+        retry_jitter=False,
+        max_retries=2,
+        acks_late=True,
+        busy_max_retries=5,
+        idempotency_lock=30,  # an attribute of the base mixed in
+        base=IdempotentTask,
+    )
+    def opts(n: int) -> None: ...
+
+    assert isinstance(opts, IdempotentTask)
+    assert opts.busy_max_retries == 5 and opts.idempotency_lock == 30 and opts.expires == 60
+
+
+def test_an_attribute_the_decorator_sets_is_refused_as_an_option() -> None:
+    with pytest.raises(TypeError, match=r"sets the task attribute 'lease_ttl'.*ttl"):
+        locked_task(lease_ttl=5, app=app)
+    with pytest.raises(TypeError, match=r"must be a celery\.Task subclass"):
+        locked_task(base=object, app=app)
+
+
+def test_a_task_is_refused_where_a_function_is_expected() -> None:
+    """Stacked, the outer task's body called the inner task directly: outside any worker's
+    request, a busy lease raised instead of retrying, and the outer decorator named nothing."""
+
+    @locked_task(key="stack:{n}", app=app, name="keys.stack_inner")
+    def inner(n: int) -> None: ...
+
+    with pytest.raises(TypeError, match=r"decorates a function, not a task.*base="):
+        idempotent_task(app=app, name="keys.stack_outer")(inner)
+    with pytest.raises(TypeError, match="decorates a function, not a task"):
+        locked_task(inner)
+
+
 def test_leader_only_names_its_election_with_key_and_leaves_name_to_celery() -> None:
     """``leader_only(name=...)`` named the election, so Celery's own ``name=`` could not be
     given, and one who meant it got an election of that name and a task named otherwise."""

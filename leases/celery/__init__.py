@@ -22,9 +22,11 @@ decorator                base class                          what it guarantees
 :func:`partitioned`      :class:`PartitionedTask`            one key, one queue, one consumer
 =======================  ==================================  ==================================
 
-Every decorator takes Celery's ``task()`` options too (``bind``, ``acks_late``, ``app``, and
-``base`` to mix in another base such as :class:`idempotency.celery.IdempotentTask`). This
-package is the only part of ``leases`` that imports Celery.
+Every decorator takes Celery's ``task()`` options too (``bind``, ``acks_late``, ``app``,
+``name``, and ``base`` to mix in another base such as
+:class:`idempotency.celery.IdempotentTask`); one that neither Celery nor the task class
+knows (a typo) is refused with :class:`TypeError` when the task is defined. This package is
+the only part of ``leases`` that imports Celery.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def locked_task(
         "on_lease_lost": on_lost,
         "lease_limit": limit,
     }
-    return task_decorator(LockedTask, fun, attrs, options, key="lease_key")
+    return task_decorator(locked_task, LockedTask, fun, attrs, options, key="lease_key")
 
 
 @overload
@@ -159,7 +161,7 @@ def singleton_task(
         "on_duplicate": on_duplicate,
         "singleton_backend": backend,
     }
-    return task_decorator(SingletonTask, fun, attrs, options, key="singleton_key")
+    return task_decorator(singleton_task, SingletonTask, fun, attrs, options, key="singleton_key")
 
 
 @overload
@@ -208,7 +210,7 @@ def leader_only(
             reason = "names one election for the task, not a template of its arguments"
             raise InvalidLeaseOption("key", key, reason)
     attrs = {"leader_name": key, "leader_ttl": ttl, "leader_backend": backend}
-    return task_decorator(LeaderOnlyTask, fun, attrs, options)
+    return task_decorator(leader_only, LeaderOnlyTask, fun, attrs, options)
 
 
 def partitioned(
@@ -222,5 +224,7 @@ def partitioned(
     partition_for("x", partitions)  # validates partitions now, not at the first delay()
     attrs = {"partition_key": key, "partitions": partitions, "partition_queue_prefix": queue_prefix}
     decorate: Callable[[Callable[..., Any]], PartitionedTask]
-    decorate = task_decorator(PartitionedTask, None, attrs, options, key="partition_key")
+    decorate = task_decorator(
+        partitioned, PartitionedTask, None, attrs, options, key="partition_key"
+    )
     return decorate

@@ -7,16 +7,18 @@ a task instance is shared by every run in its process and by every thread of a t
 from __future__ import annotations
 
 import contextvars
+import difflib
 import functools
 import inspect
 import logging
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from celery import Task, shared_task
 from celery.exceptions import Ignore, Reject, Retry
+from celery.local import Proxy
 
 from ..errors import InvalidLeaseOption
 from ..handle import Lease
@@ -24,10 +26,12 @@ from ..keys import validate_name
 from ..retry import Backoff
 
 __all__ = [
+    "CELERY_TASK_OPTIONS",
     "SKIPPED",
     "Key",
     "backoff",
     "check_key",
+    "check_options",
     "current_call",
     "format_key",
     "retries_spent",
@@ -213,7 +217,65 @@ def _inject_lease(fun: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+#: What Celery's ``task()`` takes besides attributes of the task class: the decorator's own
+#: options (``app.task``'s and ``Celery._task_from_fun``'s), ``autoretry_for`` and its company
+#: (read when the task is made), the execution and routing options ``apply_async`` reads off
+#: the task (``celery.app.task.extract_exec_options``), and the attributes a task takes from
+#: the settings when it is bound to an app (``Task.from_config``).
+CELERY_TASK_OPTIONS = frozenset(
+    {
+        *("app", "base", "bind", "name", "shared", "lazy", "filter"),
+        *("pydantic", "pydantic_strict", "pydantic_context", "pydantic_dump_kwargs"),
+        *("autoretry_for", "dont_autoretry_for", "retry_kwargs"),
+        *("retry_backoff", "retry_backoff_max", "retry_jitter"),
+        *("queue", "routing_key", "exchange", "exchange_type", "priority", "expires"),
+        *("serializer", "delivery_mode", "compression", "time_limit", "soft_time_limit"),
+        *("immediate", "mandatory"),
+        *(attribute for attribute, _ in Task.from_config),
+    }
+)
+
+
+def check_options(
+    decorator: Callable[..., Any],
+    base: type[Task],  # type: ignore[type-arg]
+    attrs: Mapping[str, Any],
+    options: Mapping[str, Any],
+) -> None:
+    """Refuse, when the task is defined, a ``task()`` option that nothing reads.
+
+    Celery sets every option it does not know as an attribute of the task class, so a typo
+    (``busy_max_retriess=3``, ``tll=60``) was accepted and silently ignored: the task ran on
+    the defaults. An option must be one of Celery's own (:data:`CELERY_TASK_OPTIONS`) or an
+    attribute of the task class ``base`` (Celery's ``Task``, the decorator's base and any
+    ``base=`` mixed in: declare an attribute of your own on a base class to pass it). One
+    that the decorator sets from its own parameters (``attrs``) is refused too, naming the
+    parameter to use.
+    """
+    own = {
+        name
+        for name, parameter in inspect.signature(decorator).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    for option in options:
+        if option in attrs:
+            raise TypeError(
+                f"{decorator.__name__}() sets the task attribute {option!r} from its own "
+                f"parameters ({', '.join(sorted(own))}): pass the parameter instead"
+            )
+        if option in CELERY_TASK_OPTIONS or hasattr(base, option):
+            continue
+        known = own | CELERY_TASK_OPTIONS | {n for n in dir(base) if not n.startswith("_")}
+        close = difflib.get_close_matches(option, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(
+            f"{decorator.__name__}() got an unexpected keyword argument {option!r}: neither one "
+            f"of its own nor a Celery task option, nor an attribute of {base.__name__}{hint}"
+        )
+
+
 def task_decorator(
+    decorator: Callable[..., Any],
     base: type[Task],  # type: ignore[type-arg]
     fun: Callable[..., Any] | None,
     attrs: dict[str, Any],
@@ -223,24 +285,37 @@ def task_decorator(
     """Sugar shared by every decorator: a Celery task with ``base`` and ``attrs`` set.
 
     Celery copies extra ``task()`` options onto the generated class, which is how ``attrs``
-    configure the base's hooks. A ``base=`` in ``options`` is mixed in after ``base``
-    (``locked_task(base=IdempotentTask)`` holds the lease around the idempotent run), and
-    ``app=`` picks the app (default: ``shared_task``). Bare (``@deco``) and called forms work.
-    When the base says ``inject_lease`` (a locked task does), a ``lease`` parameter of the
-    function gets the run's lease. ``key`` names the attribute holding the task's key template,
-    checked against the task's parameters here (:func:`check_key`).
+    configure the base's hooks; the rest of ``options`` are checked (:func:`check_options`,
+    ``decorator`` being the public decorator, for its name and parameters) and passed on. A
+    ``base=`` in ``options`` is mixed in after ``base`` (``locked_task(base=IdempotentTask)``
+    holds the lease around the idempotent run), and ``app=`` picks the app (default:
+    ``shared_task``). Bare (``@deco``) and called forms work, on a function: a task already
+    made by a decorator is refused (its own ``__call__`` would run outside any worker's
+    request); combine with ``base=``. When the base says ``inject_lease`` (a locked task
+    does), a ``lease`` parameter of the function gets the run's lease. ``key`` names the
+    attribute holding the task's key template, checked against the task's parameters here
+    (:func:`check_key`).
     """
     app = options.pop("app", None)
     extra = options.pop("base", None)
+    if extra is not None and not (isinstance(extra, type) and issubclass(extra, Task)):
+        raise TypeError(f"{decorator.__name__}(base=...) must be a celery.Task subclass: {extra!r}")
     if extra is not None and issubclass(extra, base):
         base = extra
     elif extra is not None:
         base = type(f"{base.__name__}{extra.__name__}", (base, extra), {})
+    check_options(decorator, base, attrs, options)
 
     # A function stored on a class would bind as a method: keep callables (keys, on_lost) plain.
     attrs = {k: staticmethod(v) if inspect.isfunction(v) else v for k, v in attrs.items()}
 
     def decorate(f: Callable[..., Any]) -> Any:
+        if issubclass(type(f), Task | Proxy):  # type(): a proxy's __class__ would evaluate it
+            raise TypeError(
+                f"{decorator.__name__}() decorates a function, not a task ({f!r}); to combine "
+                "two decorators' behaviour, pass the other's base class as base= (see the "
+                "guide's Celery page, Combining)"
+            )
         make = app.task if app is not None else shared_task
         run = _inject_lease(f) if getattr(base, "inject_lease", False) else f
         if key is not None:
