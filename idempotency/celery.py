@@ -37,6 +37,8 @@ from leases.celery._base import (
     task_decorator,
     task_signature,
 )
+from leases.celery.locked import LockedTask
+from leases.keys import MAX_NAME_LENGTH, validate_name
 
 from . import conf
 from .errors import IdempotencyImproperlyConfigured, IdempotencyKeyInProgress
@@ -156,6 +158,35 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
         return operation.result
 
 
+class _LockedIdempotentTask(LockedTask, IdempotentTask):
+    """``idempotent_task(base=LockedTask)``: a lease around each run, one per idempotency key.
+
+    The lease is held outside the key's claim (the idempotency record is taken and committed
+    under it), as with ``locked_task(base=IdempotentTask)``. Its name is the key's, in the
+    key's scope (``<scope>:<key>``, the key's SHA-256 when that is too long for a lease name):
+    named after the task, as a locked task's lease is by default, it put every key of the
+    task behind one lease, one run at a time. A ``lease_key`` given, or a subclass's own
+    :meth:`lease_name`, names it instead.
+    """
+
+    def lease_name(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        if self.lease_key is not None or (self.idempotency_key is None and not self.request.id):
+            return super().lease_name(args, kwargs)  # a lease_key, or no key (called directly)
+        scope, key = self.idempotency_scope(), self.idempotency_key_for(args, kwargs)
+        name = f"{scope}:{key}"
+        if len(name) > MAX_NAME_LENGTH:
+            name = f"{scope}:sha256:{hashlib.sha256(key.encode()).hexdigest()}"
+        return validate_name(name)
+
+
+def _locked_per_key(extra: type[LockedTask]) -> type[_LockedIdempotentTask]:
+    """The task class of ``idempotent_task(base=extra)``, ``extra`` a locked task's base: its
+    own hooks first, then the per-key lease (see :class:`_LockedIdempotentTask`)."""
+    if extra is LockedTask:
+        return _LockedIdempotentTask
+    return type(f"{extra.__name__}{IdempotentTask.__name__}", (extra, _LockedIdempotentTask), {})
+
+
 @overload
 def idempotent_task(fun: Callable[..., Any], /) -> IdempotentTask: ...
 @overload
@@ -188,7 +219,9 @@ def idempotent_task(
     """A task whose effects and result are recorded once per ``key``; see :class:`IdempotentTask`.
 
     ``options`` go to Celery's ``task()`` (``bind``, ``acks_late``, ``app``, ``base``, ...);
-    ``base=LockedTask`` adds a lease around it. ``atomic=False`` for a body made of steps
+    ``base=LockedTask`` (or a subclass) holds a lease around each run, one per key (see
+    :class:`_LockedIdempotentTask`; the lease's options are its attributes: ``lease_ttl=``,
+    ``on_busy=``, ``lease_backend=``, ...). ``atomic=False`` for a body made of steps
     (:func:`idempotency.step`): each commits as it completes, and a redelivery after a crash
     resumes after the last one instead of running the body in one transaction again.
     ``claim_in_transaction=True`` claims the key in the body's transaction (see the guide's
@@ -212,6 +245,9 @@ def idempotent_task(
         "idempotency_atomic": atomic,
         "idempotency_claim_in_transaction": claim_in_transaction,
     }
+    extra = options.get("base")
+    if isinstance(extra, type) and issubclass(extra, LockedTask):
+        options["base"] = extra if issubclass(extra, IdempotentTask) else _locked_per_key(extra)
     return task_decorator(
         idempotent_task, IdempotentTask, fun, attrs, options, key="idempotency_key"
     )

@@ -30,7 +30,13 @@ from django.db import connection  # noqa: E402
 from django.db.models import F  # noqa: E402
 
 from idempotency.celery import idempotent_task  # noqa: E402
-from leases.celery import leader_only, locked_task, partitioned, singleton_task  # noqa: E402
+from leases.celery import (  # noqa: E402
+    LockedTask,
+    leader_only,
+    locked_task,
+    partitioned,
+    singleton_task,
+)
 from leases.lease import Lease  # noqa: E402
 
 app = Celery("tests")
@@ -280,6 +286,15 @@ idempotent_failing = idempotent_task(key="{label}", bind=True, autoretry_for=(Co
                                      max_retries=3, retry_kwargs={"countdown": 0},
                                      in_flight_backoff=0.05,
                                      name="tests.idempotent_failing")(_failing_body)  # fmt: skip
+
+
+@idempotent_task(key="{label}:{n}", base=LockedTask, bind=True, lease_ttl=_LEASE_TTL,
+                 busy_backoff=0.05, busy_backoff_max=0.3, busy_max_retries=400,
+                 name="tests.keyed_locked_once")  # fmt: skip
+def keyed_locked_once(self: Any, label: str, n: int, hold: float, lease: Lease) -> str:
+    """Once per key, under a lease of that key: records its run and the lease's name."""
+    _run(label, self.request.id, lease.token, hold, sender=lease.name)
+    return lease.name
 
 
 # -- singleton, leader, partitioned -------------------------------------------------------------

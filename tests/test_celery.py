@@ -41,6 +41,7 @@ from tests.celery_app import (
     add_once,
     app,
     idempotent_failing,
+    keyed_locked_once,
     leader_tick,
     limited_write,
     locked_failing,
@@ -249,6 +250,30 @@ def test_in_flight_retries_leave_the_bodys_retries_and_budget_alone(
     assert wait_states([result]) == ["FAILURE"]
     assert isinstance(result.result, ConnectionError), result.result
     assert retries_seen(label) == [0, 1, 2, 3]
+
+
+def test_an_idempotent_task_with_a_lease_locks_each_key_apart(
+    celery_workers: Callable[..., Worker],
+) -> None:
+    """``idempotent_task(base=LockedTask)`` took one lease named after the task: two keys never
+    ran at once. Now two keys run side by side, each under its own lease, and a second call
+    of a key (another task id) returns the first's result without running."""
+    queue, label = new_queue(), new_register("keyed")
+    celery_workers([queue], concurrency=3).wait_ready()
+    first = keyed_locked_once.apply_async((label, 1, 2.0), queue=queue)
+    other = keyed_locked_once.apply_async((label, 2, 2.0), queue=queue)
+    again = keyed_locked_once.apply_async((label, 1, 2.0), queue=queue)
+    scope = keyed_locked_once.idempotency_scope()
+    assert [r.get(timeout=60) for r in (first, other, again)] == [
+        f"{scope}:{label}:1",
+        f"{scope}:{label}:2",
+        f"{scope}:{label}:1",
+    ]
+    runs = list(TaskRun.objects.filter(label=label).order_by("sender"))
+    assert [r.task_id for r in runs] == [first.id, other.id]
+    one, two = runs
+    assert one.ended_at is not None and two.ended_at is not None
+    assert one.started_at < two.ended_at and two.started_at < one.ended_at, "the keys ran apart"
 
 
 # -- redelivery: a killed worker, a visibility timeout shorter than the task -------------------

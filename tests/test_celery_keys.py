@@ -240,6 +240,59 @@ def test_bases_combine_lease_outside_idempotency() -> None:
     assert isinstance(plain, IdempotentTask) and not isinstance(plain, LockedTask)
 
 
+def test_an_idempotent_task_with_a_lease_holds_one_lease_per_key_around_its_claim() -> None:
+    """``idempotent_task(base=LockedTask)`` named its lease after the task: every key of the
+    task waited behind one lease, and the lease was taken inside the claim."""
+
+    @idempotent_task(key="charge:{order}", base=LockedTask, app=app, name="keys.charge")
+    def charge(order: int, lease: Any) -> None: ...
+
+    assert isinstance(charge, LockedTask) and isinstance(charge, IdempotentTask)
+    order = type(charge).__mro__
+    assert order.index(LockedTask) < order.index(IdempotentTask)  # the lease around the claim
+    assert charge.lease_name((7,), {}) == "celery:keys.charge:charge:7"
+    assert charge.lease_name((8,), {}) == "celery:keys.charge:charge:8"
+
+    @idempotent_task(key="c:{order}", base=LockedTask, lease_key="all-charges", app=app,
+                     name="keys.charge_one_lease")  # fmt: skip
+    def named(order: int) -> None: ...
+
+    assert isinstance(named, LockedTask)
+    assert named.lease_name((7,), {}) == "all-charges"
+
+    @idempotent_task(key=lambda text: text, base=LockedTask, app=app, name="keys.long_key")
+    def long_key(text: str) -> None: ...
+
+    assert isinstance(long_key, LockedTask)
+    key = "k" * 255
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    assert long_key.lease_name((key,), {}) == f"celery:keys.long_key:sha256:{digest}"
+
+    @idempotent_task(base=LockedTask, app=app, name="keys.task_id_key")
+    def by_task_id() -> None: ...
+
+    assert isinstance(by_task_id, LockedTask)
+    assert by_task_id.lease_name((), {}) == "keys.task_id_key"  # called directly: no task id
+    by_task_id.push_request(id="the-task-id")
+    try:
+        assert by_task_id.lease_name((), {}) == "celery:keys.task_id_key:the-task-id"
+    finally:
+        by_task_id.pop_request()
+
+
+class _RegionLockedTask(LockedTask):
+    def lease_name(self, args: tuple[Any, ...], kwargs: Any) -> str:
+        return f"region:{args[1]}"
+
+
+def test_a_locked_base_of_ones_own_keeps_its_lease_name_hook() -> None:
+    @idempotent_task(key="{order}", base=_RegionLockedTask, app=app, name="keys.own_base")
+    def own(order: int, region: str) -> None: ...
+
+    assert isinstance(own, _RegionLockedTask) and isinstance(own, IdempotentTask)
+    assert own.lease_name((7, "eu"), {}) == "region:eu"
+
+
 @pytest.mark.parametrize(
     ("decorator", "typo", "suggestion"),
     [
