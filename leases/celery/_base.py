@@ -140,8 +140,8 @@ def backoff(retries: int, base: float, cap: float) -> float:
 def retries_spent(task: Task[..., Any], counter: str) -> int:
     """How many retries counted in the message header ``counter`` the current run has behind it.
 
-    Celery puts a message's own headers on the request as attributes (a worker), or in
-    ``request.headers`` (``apply()``); anything but a count is no count (0).
+    Celery hands a message's own headers to the run in ``request.headers`` (a worker also sets
+    each as an attribute of the request); anything but a count is no count (0).
     """
     request = task.request
     raw = (request.headers or {}).get(counter)
