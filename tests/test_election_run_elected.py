@@ -8,15 +8,18 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from leases import LeaseLost
 from leases.backends import get_backend
-from leases.election import elect, election_lease_name, leader_of
+from leases.election import Leadership, elect, election_lease_name, leader_of
 from leases.management.commands.run_elected import Command
 from tests.harness import manage
 from tests.waiting import wait_until
@@ -443,3 +446,72 @@ def test_a_sigterm_as_the_command_starts_stops_it_before_resigning(
     else:
         assert Path(f"{out}.term").exists(), "the command was never sent SIGTERM"
         assert not alive(seen["pid"])
+
+
+#: A command that notes its pid in ``argv[1]``, then exits 0 when sent SIGUSR1 (blocked first,
+#: so a SIGUSR1 sent before the wait is held for it, never lost or fatal).
+ON_CUE = """
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+signal.sigwait({signal.SIGUSR1})
+"""
+
+
+class _Cue(threading.Event):
+    """A leadership's ``lost`` whose first ``wait`` runs ``cue`` first: the supervision loop's
+    first look away from its command, where the test sets up what the loop finds next."""
+
+    def __init__(self, cue: Callable[[], None]) -> None:
+        super().__init__()
+        self.cue: Callable[[], None] | None = cue
+
+    def wait(self, timeout: float | None = None) -> bool:
+        cue, self.cue = self.cue, None
+        if cue is not None:
+            cue()
+        return super().wait(timeout)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("deposed", [True, False])
+def test_a_command_exiting_0_as_leadership_is_lost_exits_75(
+    monkeypatch: pytest.MonkeyPatch, python: str, tmp_path: Path, deposed: bool
+) -> None:
+    """The command exited 0 after the loss was found but before the loop reaped it: the loop
+    reaped first and exited 0, so a supervisor that restarts only on failure never campaigned
+    again. The order is set, not raced: while the loop looks away, the loss is found (an
+    operator deposes the leader; its renewal is refused), then the command exits (its exit
+    seen, not reaped: ``WNOWAIT``). A loss found first is 75; without a loss, the command's 0."""
+    from leases.management.commands import run_elected as module
+
+    name, out = f"run-elected-{uuid.uuid4().hex[:8]}", tmp_path / "pid"
+
+    def elect_with_cue(*args: Any, **kwargs: Any) -> Leadership:
+        leadership = elect(*args, **kwargs)
+
+        def cue() -> None:
+            wait_until(out.exists, 30, "the command to start")
+            pid = int(out.read_text())
+            if deposed:
+                get_backend().force_release(election_lease_name(name), leadership.token)
+                with pytest.raises(LeaseLost):
+                    leadership.lease.renew()  # found lost, as by keepalive's next renewal
+                assert not leadership.is_leader
+            os.kill(pid, signal.SIGUSR1)
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, left to the loop to reap
+
+        leadership._ended = _Cue(cue)
+        return leadership
+
+    monkeypatch.setattr(module, "elect", elect_with_cue)
+    argv = ["manage.py", "run_elected", name, "--ttl", "30", "-v", "0", "--"]
+    with contextlib.ExitStack() as stack:
+        if deposed:
+            exited = stack.enter_context(pytest.raises(SystemExit))
+        Command().run_from_argv([*argv, python, "-c", ON_CUE, str(out)])
+    if deposed:
+        assert exited.value.code == 75
+    assert leader_of(name) is None

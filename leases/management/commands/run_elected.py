@@ -7,8 +7,9 @@ itself paused, so the child gets the leadership's fencing token in ``LEASES_LEAD
 fence its writes with: that is what makes a late write of a deposed leader harmless.
 
 Exit status: the command's own when it ends while leading (128 + N when a signal N killed it,
-as a shell reports it); 75 (EX_TEMPFAIL) when leadership
-was lost and the command had to be stopped, so a supervisor restarts the campaign; 127 when the
+as a shell reports it); 75 (EX_TEMPFAIL) when leadership was lost while it ran (it is stopped;
+one that exited by itself as the loss was found counts as lost too, see
+:meth:`Command.outcome`), so a supervisor restarts the campaign; 127 when the
 program does not exist and 126 when it cannot be executed (the shell's convention, so a
 supervisor tells a typo from a job that failed); 1 with one ``CommandError`` line on bad input.
 ``-v 0`` silences the progress lines.
@@ -348,16 +349,35 @@ class Command(BaseCommand):
                 f"leading {leadership.name!r} (token {leadership.token}): "
                 f"started pid {child.pid}: {shlex.join(command)}"
             )
-            while child.poll() is None:
-                if self.stopping.requested is not None:
-                    return 128 + self.stopping.requested
-                if not leadership.is_leader:
-                    self.say(f"leadership of {leadership.name!r} lost; stopping pid {child.pid}")
-                    return LOST_EXIT_CODE
-                leadership.lost.wait(poll)
-            return exit_status(child.returncode)
+            return self.outcome(leadership, child, poll)
         finally:
             try:
                 stop_process_group(child, grace)
             finally:
                 _stop_watchdog(watchdog)
+
+    def outcome(self, leadership: Leadership, child: subprocess.Popen[bytes], poll: float) -> int:
+        """Wait for the command to end, for the leadership to be lost or for a stop signal;
+        the exit status that says which.
+
+        When the command's exit and the loss come together, which came first decides: a loss
+        this process knew of when the exit was reaped is 75, though the command exited by
+        itself (maybe 0), since it may have run its end unled and a supervisor must campaign
+        again; the command's status only if it was reaped while still leading. Looked at in
+        that order (reap, then ``is_leader``), so a loss found in the instant between the two
+        counts as first: the safe side, a restart rather than a success that was not one."""
+        while True:
+            returncode = child.poll()
+            if returncode is None and self.stopping.requested is not None:
+                return 128 + self.stopping.requested
+            if not leadership.is_leader:
+                self.say(
+                    f"leadership of {leadership.name!r} lost; stopping pid {child.pid}"
+                    if returncode is None
+                    else f"leadership of {leadership.name!r} lost as pid {child.pid} ended "
+                    f"(status {exit_status(returncode)})"
+                )
+                return LOST_EXIT_CODE
+            if returncode is not None:
+                return exit_status(returncode)
+            leadership.lost.wait(poll)
