@@ -26,6 +26,7 @@ from .acquiring import acquire
 from .backends import get_backend
 from .errors import BackendUnavailable, InvalidLeaseName, LeaseLost, LeaseNotHeld
 from .holders import parse_holder
+from .keepalive import call_on_lost
 from .keys import MAX_NAME_LENGTH, validate_name
 
 if TYPE_CHECKING:
@@ -211,10 +212,9 @@ class Leadership:
         )
         signals.send(signals.leader_lost, self.backend, leadership=self, reason=reason)
         if self._on_lost is not None and reason != "resigned":
-            try:
-                self._on_lost(self)
-            except Exception:
-                logger.exception("on_lost callback of election %r raised", self.name)
+            stop = call_on_lost(self._on_lost, self, f"election {self.name!r}")
+            if stop is not None:  # sys.exit() in on_lost, on the thread that found the loss
+                raise stop
 
     def __enter__(self) -> Leadership:
         return self

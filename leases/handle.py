@@ -288,7 +288,7 @@ class Lease:
             except Exception:  # a thread's last resort: _report_lost guards its callbacks
                 logger.exception("leases: reporting the loss of %r failed", self.name)
 
-        threading.Thread(target=report, name="leases-loss-report", daemon=True).start()
+        keepalive.PackageThread(target=report, name="leases-loss-report", daemon=True).start()
 
     def _renewal_failed(self, exc: Exception) -> None:
         """Any error but a refusal gives no verdict (the store is unreachable): still held for
@@ -478,12 +478,12 @@ class Lease:
                 "cause": cause,
             },
         )
+        stop = None
         if self._on_lost is not None:
-            try:
-                self._on_lost(self)
-            except (Exception, SystemExit):  # sys.exit() there ended the keepalive thread
-                logger.exception("leases: on_lost callback for %r raised", self.name)
+            stop = keepalive.call_on_lost(self._on_lost, self, f"lease {self.name!r}")
         signals.send(signals.lease_lost, self.backend, lease=self, reason=reason, cause=cause)
+        if stop is not None:  # sys.exit() in on_lost, on the caller's own thread
+            raise stop
 
 
 def _refusal(how: str, exc: Exception, revoked: int | None) -> str:

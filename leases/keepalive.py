@@ -36,15 +36,61 @@ import itertools
 import logging
 import os
 import threading
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from .backends import Grant
 from .errors import LeaseLost
 from .retry import SYSTEM_CLOCK, Backoff, Clock
 
-__all__ = ["Job", "Kept", "Scheduler", "keep_alive", "watch"]
+__all__ = ["Job", "Kept", "PackageThread", "Scheduler", "call_on_lost", "keep_alive", "watch"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class PackageThread(threading.Thread):
+    """A thread of the package's own (the watchdog, a renewer, a loss's report): no caller of
+    the user's is on its stack, so what a callback raises there has nobody to reach."""
+
+
+def call_on_lost(callback: Callable[[T], object], subject: T, what: str) -> BaseException | None:
+    """Run a user's ``on_lost(subject)`` (``what`` names whose, for the log); what it raises
+    is logged, never lost.
+
+    ``sys.exit()`` (or a ``KeyboardInterrupt``) there asks to stop the process. On the thread
+    whose own call found the loss (``ensure_held()``, ``renew()``, ``release()``) it is
+    returned, for the caller to raise once the loss is reported (``lost`` set, signals sent),
+    as it would be raised by any code of theirs. On a :class:`PackageThread` it can stop
+    nothing (a ``SystemExit`` ends only the thread it is raised on, and this one must go on
+    watching every other lease): it is logged as an error that says so, never taken for a
+    mere bug of the callback's."""
+    try:
+        callback(subject)
+    except Exception:
+        logger.exception("leases: on_lost callback of %s raised", what)
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: a request to stop
+        thread = threading.current_thread()
+        if not isinstance(thread, PackageThread):
+            return exc
+        logger.error(
+            "leases: on_lost callback of %s raised %s on the package's %s thread, where it "
+            "cannot stop the process: the process goes on. To stop it when a lease is lost, "
+            "wait for `lost` on the main thread, or signal the process from on_lost "
+            "(os.kill(os.getpid(), signal.SIGTERM))",
+            what,
+            _stop_request(exc),
+            thread.name,
+            exc_info=exc,
+        )
+    return None
+
+
+def _stop_request(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}) (sys.exit())"
+    return type(exc).__name__
 
 
 class Kept(Protocol):
@@ -113,7 +159,7 @@ class Scheduler:
                 heapq.heapify(self._heap)
                 self._prune_at = max(_MIN_PRUNE, 2 * len(self._heap))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread = PackageThread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
             if wake:
                 self._cond.notify()

@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -145,6 +146,62 @@ def test_revoked_leader_learns_it_lost_and_signals_fire(
         signals.leader_elected.disconnect(on_elected)
         signals.leader_lost.disconnect(on_lost)
     assert events == [("elected", leadership.token), ("lost", "lost")]
+
+
+def exits(_: object) -> None:
+    """An ``on_lost`` that asks to stop the process."""
+    sys.exit(3)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_on_lost_exiting_on_keepalives_thread_is_logged_as_unable_to_stop_the_process(
+    resign_all: list[Leadership], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``sys.exit()`` in ``on_lost`` ran on a thread of keepalive's: it ended nothing and the
+    only trace was a traceback under the election's lease name, as for any bug of the
+    callback's. It is logged as a request to stop the process that could not be honoured,
+    naming the election and saying what to do, and keepalive goes on watching."""
+    name = unique()
+    with caplog.at_level(logging.WARNING, logger="leases"):
+        leadership = elect(name, ttl=0.9, timeout=5, on_lost=exits)
+        resign_all.append(leadership)
+        get_backend().force_release(election_lease_name(name), leadership.token)
+        assert leadership.lost.wait(5), "keepalive never noticed the revoked leadership"
+    (record,) = [r for r in caplog.records if "on_lost callback" in r.getMessage()]
+    message = record.getMessage()
+    assert record.levelno == logging.ERROR and record.exc_info is not None
+    assert f"election {name!r}" in message and "SystemExit(3)" in message, message
+    assert "cannot stop the process" in message and "the process goes on" in message
+    assert (record.threadName or "").startswith("leases-"), record.threadName
+    after = elect(unique(), ttl=0.9, timeout=5)  # keepalive still renews
+    resign_all.append(after)
+    assert not after.lost.wait(2) and after.is_leader
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_on_lost_exiting_on_the_thread_that_found_the_loss_exits_there(
+    resign_all: list[Leadership],
+) -> None:
+    """The loss found by this thread's own call (a ``resign()`` whose release is refused):
+    ``on_lost`` runs here, and its ``sys.exit()`` was swallowed all the same, so the process
+    went on. It is raised from that call, once the loss is reported."""
+    name = unique()
+    ended: list[str] = []
+
+    def on_leader_lost(sender: str, leadership: Leadership, reason: str, **kw: Any) -> None:
+        ended.append(reason)
+
+    leadership = elect(name, ttl=30, timeout=5, on_lost=exits)
+    resign_all.append(leadership)
+    get_backend().force_release(election_lease_name(name), leadership.token)
+    signals.leader_lost.connect(on_leader_lost)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            leadership.resign()  # keepalive's next renewal is 10 s away: this finds the loss
+    finally:
+        signals.leader_lost.disconnect(on_leader_lost)
+    assert stopped.value.code == 3
+    assert leadership.lost.is_set() and not leadership.is_leader and ended == ["lost"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -245,3 +245,32 @@ def test_an_on_lost_that_exits_leaves_the_watchdog_watching(
     assert first.lost.wait(10)
     second = acquire(f"{lease_name}-2", ttl=0.5, backend=lease_backend, keepalive=False)
     assert second.lost.wait(10), "the watchdog no longer watched"
+
+
+def test_an_on_lost_exiting_on_the_thread_that_found_the_loss_exits_there(
+    lease_backend: str, lease_name: str
+) -> None:
+    """A renewal refused on the caller's own thread runs ``on_lost`` there: its ``sys.exit()``
+    was swallowed (logged as a failed callback) and the process went on. It is raised from
+    the call, once the loss is reported (``lost`` set, ``lease_lost`` sent)."""
+    store = get_backend(lease_backend)
+    if Capability.FORCE_RELEASE not in store.capabilities:
+        pytest.skip(f"backend {lease_backend!r} does not declare force release")
+    reported: list[str] = []
+
+    def on_lease_lost(sender: str, lease: Any, reason: str, **kwargs: Any) -> None:
+        reported.append(reason)
+
+    def exits(_: Any) -> None:
+        sys.exit(3)
+
+    held = acquire(lease_name, ttl=30, backend=lease_backend, keepalive=False, on_lost=exits)
+    store.force_release(lease_name, held.token)
+    signals.lease_lost.connect(on_lease_lost)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            held.renew()
+    finally:
+        signals.lease_lost.disconnect(on_lease_lost)
+    assert stopped.value.code == 3
+    assert held.lost.is_set() and len(reported) == 1
