@@ -21,14 +21,14 @@ from .aio import AsyncFunc, P, R, _AsyncLeaseBlock, _try, _wait, task_key
 from .backends import Grant
 from .handle import OnLost
 from .retry import SYSTEM_CLOCK, Backoff
-from .semaphore import Slot, all_held, pass_bound, prepare_slots, slot_options, slot_tries
+from .semaphore import Slot, SlotTries, all_held, pass_bound, prepare_slots, slot_options
 
 __all__ = ["aacquire_slot", "asemaphore"]
 
 
 async def _agrant(ask: Request, limit: int, timing: Timing) -> Grant:
     """Try the slots from a random one, until one is won or the deadline has passed (the
-    sync loop's passes: :func:`~leases.semaphore.slot_tries`, each bounded by
+    sync loop's passes: :class:`~leases.semaphore.SlotTries`, each bounded by
     :func:`~leases.semaphore.pass_bound`); then wait a slice on one held slot (a release of
     another slot does not wake it, hence the backoff's slices, as long as the store's waits
     at least: see :mod:`leases.semaphore`); until the deadline. The time spent waiting goes
@@ -38,14 +38,15 @@ async def _agrant(ask: Request, limit: int, timing: Timing) -> Grant:
     waiting_since: float | None = None
     try:
         while True:
+            tries = SlotTries(ask, limit, deadline)
             with pass_bound(deadline, first=waiting_since is None):
-                for slot in slot_tries(ask, limit, deadline):
+                for slot in tries:
                     grant = await _try(ask.store, slot, ask.holder, ask.ttl, deadline)
                     if grant is not None:
                         return grant
             delay = None if ask.timeout == 0 else backoff.next_delay()
             if delay is None:
-                raise all_held(ask, limit)
+                raise all_held(ask, limit, tries.tried)
             if waiting_since is None:
                 waiting_since = SYSTEM_CLOCK.monotonic()
             await _wait(ask.store, slot, delay)

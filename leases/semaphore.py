@@ -11,7 +11,7 @@ Why slots rather than a native counting primitive per store: one design is then 
 database, Redis, Redlock, etcd and ZooKeeper alike (a native semaphore would be five new
 protocols to prove, and tokens per holder would need a counter shared by the slots anyway). The
 price is round trips while the semaphore is full: one try per slot, so a pass looks at the
-deadline before each try (:func:`slot_tries`), not only at its end. Tries start at a random slot
+deadline before each try (:class:`SlotTries`), not only at its end. Tries start at a random slot
 (so contenders spread over the free ones instead of all racing for slot 0) and a full pass is
 followed by a wait on the store's wake-up for one held slot, cut into slices because a
 release of another slot does not wake it; hence :data:`MAX_LIMIT`. The slices are the
@@ -45,6 +45,7 @@ from .retry import SYSTEM_CLOCK, Backoff
 __all__ = [
     "MAX_LIMIT",
     "Slot",
+    "SlotTries",
     "acquire_slot",
     "all_held",
     "pass_bound",
@@ -53,7 +54,6 @@ __all__ = [
     "slot_name",
     "slot_options",
     "slot_order",
-    "slot_tries",
     "valid_limit",
 ]
 
@@ -129,23 +129,49 @@ def slot_order(name: str, limit: int) -> list[str]:
     return [slot_name(name, (start + offset) % limit) for offset in range(limit)]
 
 
-def all_held(ask: Request, limit: int) -> LeaseUnavailable:
-    """What a wait for a slot that ran out of time raises."""
-    return LeaseUnavailable(ask.name, ask.timeout, f"all {limit} slots are held")
+def all_held(ask: Request, limit: int, tried: int) -> LeaseUnavailable:
+    """What a wait for a slot that ran out of time raises, ``tried`` slots tried in its last
+    pass: "all held" only when the pass tried them all (see :class:`SlotTries`)."""
+    if tried >= limit:
+        return LeaseUnavailable(ask.name, ask.timeout, f"all {limit} slots are held")
+    return LeaseUnavailable(
+        ask.name,
+        ask.timeout,
+        f"the timeout ran out after {tried} of its {limit} slots were tried in the last pass "
+        f"(each held); the other {limit - tried} were not tried",
+    )
 
 
-def slot_tries(ask: Request, limit: int, deadline: float | None) -> Iterator[str]:
-    """The slots of one pass (:func:`slot_order`), cut short once the deadline has passed.
+class SlotTries:
+    """The slots of one pass (:func:`slot_order`), cut short once the deadline has passed;
+    ``tried`` counts the slots handed out, so the failure says how many were looked at.
 
     Each try is a round trip, so a pass that looked at the deadline only at its end made a
     failing ``timeout=T`` last at least ``limit`` tries: seconds over ``T`` on a slow store.
     A pass's first slot is always tried, as ``acquire()`` always tries after its wait (so a
     deadline is overrun by one try at most, as there); ``timeout=0`` tries every slot once,
     as documented: it asks "is any slot free now?", which only a whole pass answers."""
-    for tried, slot in enumerate(slot_order(ask.name, limit)):
-        if tried and ask.timeout and deadline is not None and SYSTEM_CLOCK.monotonic() >= deadline:
-            return
-        yield slot
+
+    __slots__ = ("ask", "deadline", "limit", "tried")
+
+    def __init__(self, ask: Request, limit: int, deadline: float | None) -> None:
+        self.ask = ask
+        self.limit = limit
+        self.deadline = deadline
+        self.tried = 0
+
+    def __iter__(self) -> Iterator[str]:
+        timeout, deadline = self.ask.timeout, self.deadline
+        for slot in slot_order(self.ask.name, self.limit):
+            if (
+                self.tried
+                and timeout
+                and deadline is not None
+                and SYSTEM_CLOCK.monotonic() >= deadline
+            ):
+                return
+            self.tried += 1
+            yield slot
 
 
 def pass_bound(deadline: float | None, first: bool) -> contextlib.AbstractContextManager[None]:
@@ -159,20 +185,21 @@ def pass_bound(deadline: float | None, first: bool) -> contextlib.AbstractContex
 
 def _grant(ask: Request, limit: int, timing: Timing) -> Grant:
     """Try the slots from a random one, until one is won or the deadline has passed
-    (:func:`slot_tries`); then wait a slice on one held slot; until the deadline."""
+    (:class:`SlotTries`); then wait a slice on one held slot; until the deadline."""
     deadline = None if ask.timeout is None else timing.started + ask.timeout
     backoff = Backoff(deadline=deadline, floor=ask.store.wait_at_least)
     waiting_since: float | None = None
     try:
         while True:
+            tries = SlotTries(ask, limit, deadline)
             with pass_bound(deadline, first=waiting_since is None):
-                for slot in slot_tries(ask, limit, deadline):
+                for slot in tries:
                     grant = attempt(ask.store, slot, ask.holder, ask.ttl, deadline)
                     if grant is not None:
                         return grant
             delay = None if ask.timeout == 0 else backoff.next_delay()
             if delay is None:
-                raise all_held(ask, limit)
+                raise all_held(ask, limit, tries.tried)
             if waiting_since is None:
                 waiting_since = SYSTEM_CLOCK.monotonic()
             _wait(ask.store, slot, delay)

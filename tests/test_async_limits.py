@@ -41,6 +41,7 @@ from tests.test_lease_async import Ticker, arun
 from tests.test_semaphore import (
     SLOW_LIMIT,
     SLOW_TIMEOUT,
+    assert_says_how_many_were_tried,
     check_slot_histories,
     slow_full_semaphore,
 )
@@ -178,15 +179,16 @@ def test_a_full_semaphore_gives_up_by_its_timeout_whatever_its_limit(
     """As ``acquire_slot()`` (``test_semaphore``): the deadline is looked at before each
     slot's try, not after a pass over all of them (32 slowed tries, 1.6 s)."""
 
-    async def main() -> float:
+    async def main() -> tuple[float, str]:
         started = time.monotonic()
-        with pytest.raises(LeaseUnavailable):
+        with pytest.raises(LeaseUnavailable) as failed:
             await aacquire_slot(lease_name, limit=SLOW_LIMIT, timeout=SLOW_TIMEOUT)
-        return time.monotonic() - started
+        return time.monotonic() - started, str(failed.value)
 
-    with slow_full_semaphore(lease_name):
-        took = arun("default", main)
+    with slow_full_semaphore(lease_name) as tried:
+        took, message = arun("default", main)
     assert SLOW_TIMEOUT <= took < SLOW_TIMEOUT + 1.0, f"gave up after {took:.2f}s"
+    assert_says_how_many_were_tried(message, len(tried))
 
 
 def test_a_slot_wait_announces_what_it_cost_like_acquire_slot(
