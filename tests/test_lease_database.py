@@ -205,12 +205,50 @@ def test_failed_tries_no_wait_follows_are_not_kept_forever(lease_name: str) -> N
         with mock.patch("leases.backends._pgconn._RECENT_RELEASES", 5):
             with pytest.raises(LeaseUnavailable):
                 acquire_slot(lease_name, limit=8, ttl=5, timeout=0)
-            kept = len(backend._failed_at())  # type: ignore[attr-defined]
+            kept = len(backend._failed)  # type: ignore[attr-defined]
     finally:
         for grant in held:
             assert grant is not None
             backend.release(grant)
     assert kept <= 5, kept
+
+
+def test_failed_tries_are_bounded_per_process_not_per_thread(lease_name: str) -> None:
+    """The bound was each thread's: 16 live threads that each failed a pass over a full
+    semaphore of 8 slots kept 8 entries each, 128 in all (at the real bound, 4096 entries of
+    about 200 bytes a thread: 0.8 MB a thread, 80 MB for a 100-thread server). Past the
+    bound (5 here) the oldest are forgotten, whichever thread noted them."""
+    backend = get_backend("default")
+    held = [backend.try_acquire(slot_name(lease_name, k), "holder", 30) for k in range(8)]
+    threads, all_failed = 16, threading.Barrier(16 + 1)
+    errors: list[BaseException] = []
+
+    def fail_a_pass() -> None:
+        try:
+            with pytest.raises(LeaseUnavailable):
+                acquire_slot(lease_name, limit=8, ttl=5, timeout=0)
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+        finally:
+            all_failed.wait(30)  # and stay alive until counted
+            all_failed.wait(30)
+
+    try:
+        with mock.patch("leases.backends._pgconn._RECENT_RELEASES", 5):
+            pool = [threading.Thread(target=fail_a_pass) for _ in range(threads)]
+            for thread in pool:
+                thread.start()
+            all_failed.wait(30)
+            kept = len(backend._failed)  # type: ignore[attr-defined]
+            all_failed.wait(30)
+            for thread in pool:
+                thread.join(30)
+    finally:
+        for grant in held:
+            assert grant is not None
+            backend.release(grant)
+    assert not errors, errors
+    assert kept == 5, kept
 
 
 def test_sql_never_deletes_rows() -> None:

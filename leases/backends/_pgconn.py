@@ -16,6 +16,7 @@ closing them) and Django opening a no-database connection (to create or drop a d
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -45,6 +46,7 @@ __all__ = [
     "Connecting",
     "Listener",
     "PrivateConnection",
+    "ThreadNotes",
     "cannot_connect",
     "close_quietly",
     "connect",
@@ -80,6 +82,55 @@ def remember(recent: OrderedDict[KeyT, float], key: KeyT, at: float) -> None:
     recent.move_to_end(key)
     while len(recent) > _RECENT_RELEASES:
         recent.popitem(last=False)
+
+
+class _ThreadNumber(threading.local):
+    """A number per thread, never given twice (``threading.get_ident()`` is reused once a
+    thread ends: a new thread would take a dead one's notes for its own)."""
+
+    def __init__(self) -> None:
+        self.number = next(_thread_numbers)
+
+
+_thread_numbers = itertools.count(1)
+_this_thread = _ThreadNumber()
+
+
+class ThreadNotes:
+    """When each thread last noted each name, for the whole process (:func:`remember`'s
+    bound, one for all threads).
+
+    What a thread notes for itself (its failed try, for the wait after it; its release that
+    saw waiters queued, for its next try) is its own, but kept per thread (a
+    ``threading.local``), the bound held for each thread alive: a process of 200 threads could
+    keep 200 times as much (about 200 bytes an entry, 0.8 MB a thread at the bound). So one
+    dictionary under a lock holds them all, keyed by thread; a thread's entries outlive it
+    only until newer ones push them out.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at: OrderedDict[tuple[int, str], float] = OrderedDict()
+
+    def note(self, name: str, at: float) -> None:
+        """This thread noted ``name`` at ``at`` (monotonic)."""
+        key = (_this_thread.number, name)
+        with self._lock:
+            remember(self._at, key, at)
+
+    def take(self, name: str, default: float) -> float:
+        """When this thread last noted ``name`` (``default`` if it did not), forgotten now.
+
+        Nothing noted is the common case (every try asks): answered without the lock, which
+        is safe since only this thread adds this thread's entries."""
+        if not self._at:
+            return default
+        key = (_this_thread.number, name)
+        with self._lock:
+            return self._at.pop(key, default)
+
+    def __len__(self) -> int:
+        return len(self._at)
 
 
 #: How the package's own sessions name themselves to the server (unless the database's

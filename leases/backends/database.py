@@ -40,7 +40,6 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import replace
@@ -70,9 +69,9 @@ from ._pgconn import (
     CHANNEL,
     Listener,
     PrivateConnection,
+    ThreadNotes,
     driver_failure,
     inherit,
-    remember,
     track,
 )
 from ._pgdeadline import REQUEST_TIMEOUT
@@ -479,7 +478,11 @@ class Backend(LeaseBackend):
             self.db_alias, self.request_timeout, prepared=prepared, alias=self.alias
         )
         self._listener: Listener | None = None
-        self._local = threading.local()
+        #: Per thread, for the whole process: when its last failed try of a name was sent
+        #: (for the wait that may follow), and when its release of a name saw waiters queued
+        #: (a try of its own just after would be refused).
+        self._failed = ThreadNotes()
+        self._queued = ThreadNotes()
         enabled = bool(self.options.get("WAITING_ROOM", True))
         #: Room connections in use at once (waiters inside rooms): for the process's threads,
         #: and for each event loop's tasks.
@@ -545,9 +548,9 @@ class Backend(LeaseBackend):
         """One try: inside the name's waiting room on the room's connection (a grant leaves
         the room in the same trip), else on the backend's own connection."""
         sent_at = time.monotonic()
-        if sent_at - self._queued().pop(name, -math.inf) < ROOM_GRACE.total_seconds():
+        if sent_at - self._queued.take(name, -math.inf) < ROOM_GRACE.total_seconds():
             # This thread's release just saw waiters queued: a try now would be refused.
-            remember(self._failed_at(), name, sent_at)
+            self._failed.note(name, sent_at)
             return None
         secret = new_secret()
         params = _asking(name, holder, ttl, secret)
@@ -555,7 +558,7 @@ class Backend(LeaseBackend):
         if rows is None and not self._room.behind(name):
             return self._try_own(params, sent_at)
         if not rows:
-            remember(self._failed_at(), name, sent_at)
+            self._failed.note(name, sent_at)
             return None
         token, expires_at = rows[0][:2]
         if len(rows[0]) == 2:
@@ -580,7 +583,7 @@ class Backend(LeaseBackend):
         if not self._room.probed:
             self._probe_pooler()  # the database answered just now: once per process
         if not rows:
-            remember(self._failed_at(), name, sent_at)
+            self._failed.note(name, sent_at)
             return None
         token, expires_at, took = rows[0]
         if took:
@@ -644,7 +647,7 @@ class Backend(LeaseBackend):
             _refused(grant, self._run(RELEASE_REFUSED_SQL, _owner(grant)))
             return  # released by its own earlier try
         if rows[0][1]:
-            self._queued()[grant.name] = time.monotonic()
+            self._queued.note(grant.name, time.monotonic())
 
     def _release_pinned(self, grant: Grant, params: dict[str, Any]) -> list[tuple[Any, ...]] | None:
         """Release on the connection the grant kept, unlocking its tenure lock there; ``None``
@@ -681,7 +684,7 @@ class Backend(LeaseBackend):
         sent_at, secret = time.monotonic(), new_secret()
         rows = self._run(SHARED_ACQUIRE_SQL, shared_acquire_params(name, holder, ttl, secret))
         if not rows:
-            remember(self._failed_at(), name, sent_at)
+            self._failed.note(name, sent_at)
             return None
         return _reader(name, holder, ttl, sent_at, secret, rows[0])
 
@@ -696,7 +699,7 @@ class Backend(LeaseBackend):
         return True
 
     def wait_for_release(self, name: str, timeout: float) -> bool:
-        since = self._failed_at().pop(name, time.monotonic())
+        since = self._failed.take(name, time.monotonic())
         woken = self._room.wait(name, timeout)
         if woken is not None:
             return woken
@@ -884,30 +887,13 @@ class Backend(LeaseBackend):
 
     # -- internals ------------------------------------------------------------------------
 
-    def _queued(self) -> dict[str, float]:
-        """Per thread: when this thread released each name while others queued for it."""
-        queued: dict[str, float] | None = getattr(self._local, "queued", None)
-        if queued is None:
-            queued = self._local.queued = {}
-        return queued
-
-    def _failed_at(self) -> OrderedDict[str, float]:
-        """Per thread: when this thread's last failed try of each name was sent, for the wait
-        that may follow. Only the latest are kept (:func:`~._pgconn.remember`), as the async
-        side does: only a wait for ``name`` takes its entry back, and most failed tries have
-        none after them (``timeout=0``, the other slots of a full semaphore), so a plain dict
-        kept one entry per name the thread ever found held, for the thread's whole life."""
-        failed: OrderedDict[str, float] | None = getattr(self._local, "failed", None)
-        if failed is None:
-            failed = self._local.failed = OrderedDict()
-        return failed
-
     def forget_after_fork(self) -> None:
         """In a forked child: drop (never close) the parent's listener; its thread is gone.
 
         The backend's own connection and room connections are dropped by their own owners.
         """
         self._lock = threading.Lock()
+        self._failed, self._queued = ThreadNotes(), ThreadNotes()  # a parent thread had their lock?
         listener, self._listener = self._listener, None
         inherit(listener.conn if listener else None)
         self._tenures.forget_after_fork()
