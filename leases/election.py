@@ -17,13 +17,14 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 from . import signals
 from ._arguments import valid_on_lost
 from ._event_loop import refuse_blocking
 from .acquiring import acquire
 from .backends import get_backend
+from .backends.base import not_serialisable
 from .errors import BackendUnavailable, InvalidLeaseName, LeaseLost, LeaseNotHeld
 from .holders import parse_holder
 from .keepalive import call_on_lost
@@ -227,6 +228,10 @@ class Leadership:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aresign()
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        """Never pickled nor copied, as its lease is not (a grant's secret inside)."""
+        raise not_serialisable("a Leadership", "pickle or copy")
 
     def __repr__(self) -> str:
         state = "leading" if self.is_leader else "not leading"

@@ -19,12 +19,13 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any, NoReturn, Self, SupportsIndex
 
 from . import _process, conf, keepalive, signals, tracing
 from ._arguments import valid_ttl
 from ._finishing import finish
 from .backends import Grant, LeaseBackend
+from .backends.base import not_serialisable
 from .errors import LeaseLost, LeaseNotHeld
 from .retry import SYSTEM_CLOCK, Clock
 
@@ -139,6 +140,11 @@ class Lease:
 
     def __int__(self) -> int:
         return self.token
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        """Never pickled (its grant's secret, see :func:`~leases.backends.base.not_serialisable`)
+        nor copied: a second handle of one grant, released, would leave this one renewing."""
+        raise not_serialisable(f"a {type(self).__name__}", "pickle or copy")
 
     @property
     def expires_at(self) -> Any:

@@ -4,6 +4,8 @@ grant was still valid, and the objects that carry it (an outside security review
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 import traceback
 from typing import Any
@@ -16,6 +18,8 @@ from leases import BackendUnavailable, acquire
 from leases.backends import get_backend
 from leases.backends._zookeeper_line import Queued
 from leases.backends.base import Grant, Secret, new_secret
+from leases.election import elect
+from leases.semaphore import acquire_slot
 from tests.clusters import etcd_ready
 from tests.lease_backends import lease_name
 
@@ -77,3 +81,34 @@ def test_an_etcd_grants_lease_id_is_not_shown(lease_name: str) -> None:
         assert lease_id not in repr(held.grant) and lease_id not in repr(held)
     finally:
         held.release()
+
+
+def test_a_grant_refuses_to_be_pickled_but_copies_in_the_process() -> None:
+    """``pickle.dumps(grant)`` carried the secret: a grant put in a cache, a session or a task's
+    result handed whoever read it the credential that releases the lease."""
+    secret = new_secret()
+    grant = Grant("n", "h", 1, 5.0, 0.0, extra={"epoch": [1]}, secret=str(secret))
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        with pytest.raises(TypeError, match="cannot pickle a Grant: it carries the lease's secret"):
+            pickle.dumps(grant, protocol)
+    assert copy.copy(grant) is grant
+    deep = copy.deepcopy(grant)
+    assert deep == grant and deep.extra is not grant.extra and isinstance(deep.secret, Secret)
+
+
+def test_the_handles_that_hold_a_grant_refuse_to_be_pickled_in_its_words(lease_name: str) -> None:
+    """A lease, a semaphore's slot and a leadership were refused only by accident, in words
+    that said nothing of why ("cannot pickle '_thread.lock' object"); a copy of a lease was
+    a second handle of its grant (released, it left the first renewing a grant given back)."""
+    held = acquire(lease_name, ttl=30, keepalive=False)
+    slot = acquire_slot(f"{lease_name}-slots", limit=2, ttl=30, keepalive=False)
+    leadership = elect(f"{lease_name}-election", ttl=30)
+    try:
+        for handle, kind in ((held, "Lease"), (slot, "Slot"), (leadership, "Leadership")):
+            for refused in (pickle.dumps, copy.copy, copy.deepcopy):
+                with pytest.raises(TypeError, match=f"cannot pickle or copy a {kind}: it carries"):
+                    refused(handle)
+    finally:
+        held.release()
+        slot.release()
+        leadership.resign()

@@ -23,14 +23,15 @@ import abc
 import asyncio
 import contextlib
 import contextvars
+import copy
 import enum
 import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn, SupportsIndex
 
 from django.db import connections
 
@@ -51,6 +52,7 @@ __all__ = [
     "first_try_until",
     "new_secret",
     "not_revoked",
+    "not_serialisable",
     "tries_until",
     "try_deadline",
 ]
@@ -162,6 +164,16 @@ class Grant:
     def __post_init__(self) -> None:
         if type(self.secret) is not Secret:  # rebuilt from data (a task's headers, a test)
             object.__setattr__(self, "secret", Secret(self.secret))
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        """Never pickled: see :func:`not_serialisable`."""
+        raise not_serialisable("a Grant")
+
+    def __copy__(self) -> Grant:
+        return self  # frozen: a copy in this process is the same value
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Grant:
+        return replace(self, extra=copy.deepcopy(self.extra, memo))
 
     def valid_until(self, drift_factor: float, drift_min: float) -> float:
         """Monotonic deadline after which the holder must assume the lease is gone."""
@@ -552,6 +564,22 @@ FORGED = (
     "holder and token match the current grant, but not its secret: only the process that "
     "acquired it can renew or release it (nothing was changed)"
 )
+
+
+def not_serialisable(what: str, action: str = "pickle") -> TypeError:
+    """Why ``what`` (a grant, or a handle holding one) refuses to be pickled (``action``).
+
+    It carries the grant's secret, the credential that renews and releases the lease (holder
+    and token are public). A pickle is how Python objects reach a cache, a session, a Celery
+    result or a multiprocessing queue, and whoever reads those could then release the lease
+    under its holder. Nothing in the package pickles a grant: a Celery guard's travels in its
+    message's headers, on purpose and documented."""
+    return TypeError(
+        f"cannot {action} {what}: it carries the lease's secret, the credential that renews and "
+        "releases it, which must not leave this process (a cache, a session, a task's result "
+        "or a queue would hand it to whoever reads them). Pass the lease's name and token "
+        "instead: the token fences writes wherever it goes"
+    )
 
 
 def new_secret() -> str:
