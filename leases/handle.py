@@ -14,7 +14,6 @@ watched, kept alive); the registry of held leases is what makes leases non-reent
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import threading
@@ -522,22 +521,9 @@ def held_by(key: tuple[str, str, str]) -> Lease | None:
     return _held.get(key)
 
 
-class _ThreadNumber(threading.local):
-    """A number per thread, never given twice: ``threading.get_ident()`` is reused by a later
-    thread once one ends, and a lease taken in a thread that ended (handed to another to
-    release) would then be "already held" by an unrelated thread."""
-
-    def __init__(self) -> None:
-        self.key = f"thread:{next(_next_thread_number)}"
-
-
-_next_thread_number = itertools.count(1)
-_thread_number = _ThreadNumber()
-
-
 def holder_key(store: LeaseBackend, name: str, holder: str | None) -> tuple[str, str, str]:
     """Who "already holds" a name: an explicit holder identity, else the calling thread."""
-    return (store.alias, name, holder if holder is not None else _thread_number.key)
+    return (store.alias, name, holder if holder is not None else _process.thread.key)
 
 
 def _unregister(lease: Lease) -> None:

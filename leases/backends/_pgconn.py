@@ -16,7 +16,6 @@ closing them) and Django opening a no-database connection (to create or drop a d
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import threading
@@ -33,6 +32,7 @@ from django.db.backends.signals import connection_created
 from django.utils.connection import ConnectionDoesNotExist
 from psycopg import sql
 
+from .. import _process
 from ..errors import BackendUnavailable, LeasesImproperlyConfigured
 from ._fdwait import readable
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
@@ -84,18 +84,6 @@ def remember(recent: OrderedDict[KeyT, float], key: KeyT, at: float) -> None:
         recent.popitem(last=False)
 
 
-class _ThreadNumber(threading.local):
-    """A number per thread, never given twice (``threading.get_ident()`` is reused once a
-    thread ends: a new thread would take a dead one's notes for its own)."""
-
-    def __init__(self) -> None:
-        self.number = next(_thread_numbers)
-
-
-_thread_numbers = itertools.count(1)
-_this_thread = _ThreadNumber()
-
-
 class ThreadNotes:
     """When each thread last noted each name, for the whole process (:func:`remember`'s
     bound, one for all threads).
@@ -104,8 +92,8 @@ class ThreadNotes:
     saw waiters queued, for its next try) is its own, but kept per thread (a
     ``threading.local``), the bound held for each thread alive: a process of 200 threads could
     keep 200 times as much (about 200 bytes an entry, 0.8 MB a thread at the bound). So one
-    dictionary under a lock holds them all, keyed by thread; a thread's entries outlive it
-    only until newer ones push them out.
+    dictionary under a lock holds them all, keyed by thread (its number, never reused); a
+    thread's entries outlive it only until newer ones push them out.
     """
 
     def __init__(self) -> None:
@@ -114,7 +102,7 @@ class ThreadNotes:
 
     def note(self, name: str, at: float) -> None:
         """This thread noted ``name`` at ``at`` (monotonic)."""
-        key = (_this_thread.number, name)
+        key = (_process.thread.number, name)
         with self._lock:
             remember(self._at, key, at)
 
@@ -125,7 +113,7 @@ class ThreadNotes:
         is safe since only this thread adds this thread's entries."""
         if not self._at:
             return default
-        key = (_this_thread.number, name)
+        key = (_process.thread.number, name)
         with self._lock:
             return self._at.pop(key, default)
 

@@ -893,7 +893,7 @@ class Backend(LeaseBackend):
         The backend's own connection and room connections are dropped by their own owners.
         """
         self._lock = threading.Lock()
-        self._failed, self._queued = ThreadNotes(), ThreadNotes()  # a parent thread had their lock?
+        self._failed, self._queued = ThreadNotes(), ThreadNotes()  # their locks may be held
         listener, self._listener = self._listener, None
         inherit(listener.conn if listener else None)
         self._tenures.forget_after_fork()
