@@ -331,6 +331,19 @@ def test_the_scale_benchmark_runs_end_to_end_at_10000_rows() -> None:
     assert int(prune[2].replace(",", "")) >= 20  # the rows with a holder stay
 
 
+@pytest.mark.parametrize(("rows", "every"), [(10_000, 1_000), (300, 3), (301, 3), (1_001, 1_000)])
+def test_the_scale_benchmark_acquires_only_seeded_released_names(rows: int, every: int) -> None:
+    """Every pick of the benchmark's acquire is a seeded name (``1..rows``) that was seeded
+    released (``g % every`` neither 0 nor 1). A pick of the last held name moved past the
+    table, so the acquire inserted a row and the listing above counted 10,001 lines."""
+    from benchmarks.bench_scale import released_name
+
+    for pick in range(1, rows + 1):
+        name = released_name(pick, rows, every)
+        assert 1 <= name <= rows, (pick, name)
+        assert name % every not in (0, 1), (pick, name)
+
+
 def test_an_unknown_benchmark_topic_is_refused_before_any_server_starts() -> None:
     """``./scripts/bench lesae`` (a typo) ran nothing and exited 0 after starting throwaway
     servers: the caller read an empty run as a finished one. It now exits with argparse's
