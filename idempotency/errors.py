@@ -165,7 +165,9 @@ class ResponseNotStorable(IdempotencyError, TypeError):
     """The view answered with something that cannot be replayed byte for byte.
 
     Streaming responses and bodies over ``MAX_RESPONSE_BYTES`` are refused rather than stored in
-    part; in atomic mode the view's effects are rolled back with the key.
+    part; in atomic mode the view's effects are rolled back with the key. Outside it they have
+    committed: the key is stored as run, holding this error's problem, which every retry is
+    answered instead of running the view again.
     """
 
     http_status = 500

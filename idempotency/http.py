@@ -37,6 +37,7 @@ __all__ = [
     "fingerprints",
     "parse_key",
     "problem",
+    "problem_outcome",
     "problem_type",
     "replay",
 ]
@@ -198,3 +199,14 @@ def problem(error: IdempotencyError) -> HttpResponse:
         # When the first request's claim lapses at the latest (whole seconds, at least 1).
         response["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
     return response
+
+
+def problem_outcome(error: IdempotencyError) -> Outcome:
+    """The problem response for ``error`` as an outcome to store, so that every retry under the
+    key is answered it (replayed, and marked so) instead of running the view again. Built
+    whole, not through :func:`capture`: its few hundred bytes stand in for an answer that
+    ``MAX_RESPONSE_BYTES`` may have refused, and must not be refused in turn."""
+    response = problem(error)
+    return Outcome(
+        status=response.status_code, headers=list(response.items()), body=response.content
+    )

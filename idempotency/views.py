@@ -18,7 +18,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar, cast, overload
+from typing import Any, NoReturn, TypeVar, cast, overload
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.http import HttpRequest, HttpResponseBase
@@ -30,6 +30,7 @@ from .errors import (
     IdempotencyImproperlyConfigured,
     IdempotencyKeyLost,
     IdempotencyKeyMissing,
+    ResponseNotStorable,
 )
 
 __all__ = ["IdempotentMixin", "idempotent"]
@@ -185,7 +186,9 @@ class _Guard:
         self, attempt: store.Attempt, response: HttpResponseBase, request: Any
     ) -> HttpResponseBase:
         """Store the response with the effects, or undo both: for a 5xx, a failure, and a
-        refusal of a request that never ran (``NOT_STORED_STATUSES``), so the retry runs."""
+        refusal of a request that never ran (``NOT_STORED_STATUSES``), so the retry runs. A
+        response that cannot be stored raises :class:`ResponseNotStorable` (see
+        :func:`_refuse_unstorable`, which outside atomic mode records the key as run)."""
         settings = self._settings()
         if not settings.stores(response.status_code):
             attempt.abort()
@@ -193,6 +196,8 @@ class _Guard:
         try:
             response = drf.finalize(request, response)
             response, outcome = http.capture(response, settings.max_response_bytes)
+        except ResponseNotStorable as exc:
+            _refuse_unstorable(attempt, exc)
         except BaseException:
             attempt.abort()
             raise
@@ -259,6 +264,36 @@ class _Guard:
             await sync_to_async(opened.abort)()
             raise
         return await sync_to_async(self.close)(opened, response, request)
+
+
+def _refuse_unstorable(attempt: store.Attempt, exc: ResponseNotStorable) -> NoReturn:
+    """End an attempt whose response cannot be stored, and say so (a 500: the view, not the
+    request, has to change).
+
+    Atomic, it ends as a failed one: the view's effects roll back, the key is freed and the
+    retry runs again. Outside atomic mode the view's writes have committed and cannot be
+    undone, and a freed key let every retry run the view and write again, failing the same way
+    each time. So the key is stored as run without a response: its outcome is this error's
+    problem, which every retry is answered with (replayed, as Stripe replays a 500) instead of
+    running the view, as a non-atomic operation whose result is not JSON is refused
+    (:class:`~idempotency.errors.IdempotencyResultNotRecorded`). Inside a transaction the
+    caller opened, the record goes with that transaction, as the view's writes do.
+    """
+    if attempt.atomic:
+        attempt.abort()
+        raise exc
+    refusal = ResponseNotStorable(
+        f"{exc.reason}. The view ran under this key outside atomic mode, so it is recorded as "
+        "run without a response, and it is not run again under this key: a retry with it gets "
+        "this answer (use a new key once the server is fixed)"
+    )
+    try:
+        attempt.commit(http.problem_outcome(refusal))
+    except IdempotencyKeyLost as lost:
+        # A retry took the key over (this attempt's lock lapsed) and runs the view itself:
+        # nothing is recorded, and the refusal is only this attempt's.
+        raise exc from lost
+    raise refusal from exc
 
 
 def _attempt_in(opened: HttpResponseBase | store.Attempt | None) -> store.Attempt | None:

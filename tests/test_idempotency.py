@@ -349,6 +349,33 @@ def test_a_streaming_response_is_refused_and_rolled_back(client: Client) -> None
     assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0
 
 
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [("/idem/stream-not-atomic/", "streamed"), ("/idem/big-not-atomic/?size=101", "over")],
+    ids=["streamed", "oversized"],
+)
+@override_settings(IDEMPOTENCY={"MAX_RESPONSE_BYTES": 100})
+def test_a_not_atomic_view_whose_response_cannot_be_stored_never_runs_again(
+    client: Client, url: str, reason: str
+) -> None:
+    """With ``atomic=False`` the view's writes have committed by the time its response turns
+    out not to be storable. The key was freed all the same, so every retry ran the view and
+    wrote again (and failed the same way). The key is recorded as run without a stored
+    response: the first request fails as before, and every retry is answered the 500 problem
+    (as Stripe replays a 500) instead of running the view; another request is still a 422."""
+    with pytest.raises(ResponseNotStorable, match=rf"{reason}.*not run again"):
+        post(client, url, "k-8-na")
+    for _ in range(2):
+        retry = post(client, url, "k-8-na")
+        assert retry.status_code == 500, retry.content
+        assert problem_type(retry) == "idempotency-response-not-storable"
+        assert "not run again" in json.loads(retry.content)["detail"]
+        assert retry["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1, "the view ran again under its key"
+    assert post(client, url, "k-8-na", body='{"amount": 1}').status_code == 422
+    assert IdempotencyKey.objects.get().state == "completed"
+
+
 def test_an_expired_key_can_be_reused(client: Client) -> None:
     first = post(client, "/idem/charge/", "k-9")
     with connection.cursor() as cursor:

@@ -11,6 +11,7 @@ import pytest
 from django.db import connection, transaction
 from django.test import Client, override_settings
 
+from idempotency import ResponseNotStorable
 from idempotency.models import IdempotencyKey
 from idempotency.store import Status, begin
 from tests.factories import UserFactory
@@ -210,3 +211,18 @@ def test_a_non_atomic_attempt_in_a_request_rolled_back_answers_and_leaves_the_ke
     retry = post(client, "/idem/flaky-not-atomic/", "k-invalid-na")
     assert retry.status_code == 201 and "Idempotent-Replayed" not in retry
     assert Charge.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("atomic_requests")
+def test_a_non_atomic_view_whose_response_cannot_be_stored_goes_with_the_request() -> None:
+    """Outside ``ATOMIC_REQUESTS`` such a view is recorded as run and never runs again
+    (``test_idempotency``); under it the record is written in the request's transaction, which
+    the error rolls back with the view's writes: nothing kept, so the retry runs and fails the
+    same way, writing nothing either."""
+    client = Client()
+    client.force_login(UserFactory())
+    for _ in range(2):
+        with pytest.raises(ResponseNotStorable, match="streamed"):
+            post(client, "/idem/stream-not-atomic/", "k-stream-na")
+        assert Charge.objects.count() == 0 and IdempotencyKey.objects.count() == 0

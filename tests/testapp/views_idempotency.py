@@ -185,6 +185,11 @@ def charge_stream(request: HttpRequest) -> HttpResponse:
     return StreamingHttpResponse(iter([b"a", b"b"]))  # type: ignore[return-value]
 
 
+# The same two without the guard's transaction: their writes commit as they are made.
+charge_big_not_atomic = csrf_exempt(idempotent(atomic=False)(inspect.unwrap(charge_big)))
+charge_stream_not_atomic = csrf_exempt(idempotent(atomic=False)(inspect.unwrap(charge_stream)))
+
+
 async def _charge_async(request: HttpRequest) -> HttpResponse:
     data = json.loads(request.body or b"{}")
     made = await Charge.objects.acreate(key="async", amount=int(data.get("amount", 0)))
@@ -468,6 +473,8 @@ urlpatterns = [
     path("wait-tx/", charge_wait_tx),
     path("big/", charge_big),
     path("stream/", charge_stream),
+    path("big-not-atomic/", charge_big_not_atomic),
+    path("stream-not-atomic/", charge_stream_not_atomic),
     path("async/", charge_async),
     path("cbv/", csrf_exempt(ChargeView.as_view())),
     path("async-cbv/", csrf_exempt(AsyncChargeView.as_view())),
