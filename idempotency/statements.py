@@ -314,7 +314,10 @@ WHERE id = %(id)s AND owner = %(owner)s AND steps = '{{}}'::jsonb
 # a holder of this fingerprint could be seen between its two locks and the retry answered 422.
 # A session's request lock is given back at once when the gate was not had; a transaction's
 # stays until it ends (another retry of this request meanwhile is told 409, never 422). CASE
-# evaluates its conditions in order, and only as far as needed.
+# evaluates its conditions in order, and only as far as needed. A row claim inside an open
+# transaction takes the transaction's two locks too, in a savepoint it rolls back (giving them
+# back) unless it claims the row: its row stays uncommitted, so they are all a duplicate can
+# read (see :func:`idempotency.store._claim_in_transaction`).
 GATE_SESSION_SQL = """SELECT set_config('idempotency.gate', CASE
     WHEN NOT pg_try_advisory_lock(%(request_gate)s::bigint) THEN 'busy'
     WHEN pg_try_advisory_lock(%(gate)s::bigint) THEN 'held'

@@ -16,10 +16,13 @@ open (:func:`claims_in_transaction`), where a row claim could not be committed f
 A row claim inside a transaction that is already open (``ATOMIC_REQUESTS``, or a caller's
 ``atomic`` block; ``claim_in_transaction=False``) cannot commit the started row first: it stays
 uncommitted while the view runs, and a duplicate's insert would queue behind it for as long as
-the first request runs, however long that is. There the claim runs in a savepoint under a
-``lock_timeout`` of the time the caller may wait (a millisecond for ``on_conflict="409"``); when
-it fires the savepoint is rolled back, the transaction stays usable, and the duplicate is told
-"in progress".
+the first request runs, however long that is, without reading its fingerprint. There the claim
+runs in a savepoint and takes the gated claim's two transaction locks before it looks
+(:func:`_claim_in_transaction`): a duplicate is answered from them, "in progress" for the same
+request and a mismatch for another, without touching the row; the insert waits under a
+``lock_timeout`` of the time the caller may wait (a millisecond for ``on_conflict="409"``) only
+on rows claimed without those locks; when it fires the savepoint is rolled back, the transaction
+stays usable, and the duplicate is told "in progress".
 
 ``finish`` is conditional on the attempt's ``owner``: an attempt whose lock lapsed and was taken
 over stores nothing, and in atomic mode its effects roll back with it (only one attempt commits).
@@ -164,35 +167,62 @@ def _outcome(status: int | None, headers: Any, body: Any) -> Outcome:
     return Outcome(status=status, headers=pairs, body=bytes(body or b""))
 
 
-class _Busy(enum.Enum):
-    """The claim timed out waiting on a key row another open transaction inserted or changed."""
+def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> Begun | None:
+    """A row claim inside a transaction that is already open, in a savepoint.
 
-    BUSY = "busy"
-
-
-def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> Any:
-    """BEGIN_SQL's row, in a savepoint that waits at most ``wait`` seconds on a locked row."""
-    timeout_ms = min(max(math.ceil(wait * 1000), 1), _MAX_LOCK_TIMEOUT_MS)
+    Such a claim's started row stays uncommitted as long as the caller's transaction runs, so a
+    duplicate cannot read its fingerprint: it would queue behind the row, and, bounded by a
+    ``lock_timeout``, could only answer 409, to another request as to a retry (the draft has
+    422 for another request), and two transactions claiming each other's keys while waiting
+    deadlocked. So the row claim takes the gated claim's two locks first, as transaction locks
+    (:data:`~idempotency.statements.GATE_XACT_SQL`, the same lock keys, so the two claims see
+    each other) and looks at the committed key (:data:`~idempotency.statements.PROBE`): a key
+    held by another transaction is answered from its locks, 409 or 422, without touching its
+    row; only a key free of both locks is claimed by inserting the row, which waits on a locked
+    row at most ``wait`` seconds (a row finished or claimed without the locks, committing at
+    once). The locks are kept with a claim, until the transaction ends; otherwise they are
+    given back with the savepoint, so a replay or a refusal holds nothing.
+    """
+    params.setdefault("gate", gate_key(params["scope"], params["key"]))
+    params.setdefault(
+        "request_gate", gate_key(params["scope"], params["key"], params["fingerprint"])
+    )
+    params["session"] = False
     try:
-        with transaction.atomic(using=using), connections[using].cursor() as cursor:
-            cursor.execute(BOUND_LOCK_WAIT_SQL, {"timeout": f"{timeout_ms}ms"})
-            previous = cursor.fetchone()[0]
-            statements.execute(cursor, BEGIN, {**params, "async": False})
-            row = cursor.fetchone()
-            cursor.execute(RESTORE_LOCK_TIMEOUT_SQL, {"previous": previous})
+        with transaction.atomic(using=using):
+            probed = _claim_gated(params, using)
+            begun = _claim_row(params, using, wait) if probed[0] == "claimed" else None
+            if begun is None or begun.claim is None:
+                transaction.set_rollback(True, using=using)
     except OperationalError as exc:
         if getattr(exc.__cause__, "sqlstate", None) != LOCK_NOT_AVAILABLE:
             raise
-        return _Busy.BUSY
-    return row
+        return Begun(Status.IN_PROGRESS, retry_after=1.0)
+    if probed[0] == "claimed":
+        return begun
+    return _probed(params, probed)
+
+
+def _claim_row(params: dict[str, Any], using: str, wait: float) -> Begun | None:
+    """BEGIN's answer inside an open transaction, waiting at most ``wait`` seconds on a locked
+    row (a ``lock_timeout``, which rolls back the caller's savepoint when it fires)."""
+    timeout_ms = min(max(math.ceil(wait * 1000), 1), _MAX_LOCK_TIMEOUT_MS)
+    with connections[using].cursor() as cursor:
+        cursor.execute(BOUND_LOCK_WAIT_SQL, {"timeout": f"{timeout_ms}ms"})
+        previous = cursor.fetchone()[0]
+        statements.execute(cursor, BEGIN, {**params, "async": False})
+        row = cursor.fetchone()
+        cursor.execute(RESTORE_LOCK_TIMEOUT_SQL, {"previous": previous})
+    return _begun_from_row(params, using, row)
 
 
 def claims_in_transaction(atomic: bool, option: bool | None, setting: bool, using: str) -> bool:
     """Whether an attempt claims its key in its transaction: only an atomic one; as its option
     says, else as the setting says, else whenever a transaction is already open (under
     ``ATOMIC_REQUESTS``), where a row claim could not be committed first either and the key
-    already comes and goes with the caller's transaction: there the lock only replaces the row
-    claim's bounded wait (a savepoint and two ``lock_timeout`` settings) with one statement."""
+    already comes and goes with the caller's transaction: there the gated claim is the row
+    claim's first statement alone (the same locks and look, without the savepoint, the insert
+    and its bounded wait)."""
     if not atomic:
         return False
     if option is not None:
@@ -229,7 +259,7 @@ def _claim_gated(params: dict[str, Any], using: str) -> Any:
 
 def _begin_in_transaction_once(params: dict[str, Any], using: str) -> Begun:
     row = _claim_gated(params, using)
-    kind, row_id, state, fingerprint, status, headers, body, remaining, steps, _ = row
+    kind, row_id, _, fingerprint, _, _, _, _, steps, _ = row
     scope, key = params["scope"], params["key"]
     if kind == "claimed":
         claim = Claim(
@@ -249,6 +279,13 @@ def _begin_in_transaction_once(params: dict[str, Any], using: str) -> Begun:
             request_gate=params["request_gate"],
         )
         return Begun(Status.NEW, claim=claim)
+    return _probed(params, row)
+
+
+def _probed(params: dict[str, Any], row: Any) -> Begun:
+    """What a PROBE row that is not a claim means: an attempt of this request holds the key
+    (``busy``), one of another request does (``other``), or a row that may not be claimed."""
+    kind, _, state, fingerprint, status, headers, body, remaining, _, _ = row
     if kind == "busy":
         return Begun(Status.IN_PROGRESS, retry_after=1.0)
     if kind == "other":
@@ -281,21 +318,22 @@ def _begin_once(
         params["session"] = not connections[using].in_atomic_block
         return _begin_in_transaction_once(params, using)
     if connections[using].in_atomic_block:
-        row = _claim_in_transaction(params, using, wait)
-        if row is _Busy.BUSY:
-            return Begun(Status.IN_PROGRESS, retry_after=1.0)
-    else:
-        # The started row's commit need not wait for the disk (ASYNC_CLAIM_SQL says why).
-        row = statements.fetch_one(using, BEGIN, {**params, "async": True})
+        return _claim_in_transaction(params, using, wait)
+    # The started row's commit need not wait for the disk (ASYNC_CLAIM_SQL says why).
+    row = statements.fetch_one(using, BEGIN, {**params, "async": True})
+    return _begun_from_row(params, using, row)
+
+
+def _begun_from_row(params: dict[str, Any], using: str, row: Any) -> Begun | None:
+    """What BEGIN's row means (None: no row, the claim has to run again)."""
     if row is None:
         return None
     row_id, kind, state, fingerprint, status, headers, body, remaining, steps, _ = row
-    scope, key = params["scope"], params["key"]
     if kind in ("new", "taken_over"):
         claim = Claim(
             row_id,
-            scope,
-            key,
+            params["scope"],
+            params["key"],
             params["owner"],
             using,
             taken_over=kind == "taken_over",
@@ -332,8 +370,9 @@ def begin(
 
     With ``wait`` > 0 an in-progress key is polled (backing off, on the database clock for the
     lock) until it completes, is taken over, or ``wait`` seconds pass. Inside an open
-    transaction a row another transaction has not committed is waited on for at most the time
-    left, then reported in progress (see the module's docstring).
+    transaction a key another open transaction holds is answered from its locks, and a row
+    claimed without them is waited on for at most the time left, then reported in progress
+    (see the module's docstring).
     """
     params = {
         "scope": scope,

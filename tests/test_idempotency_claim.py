@@ -338,16 +338,7 @@ def test_inside_an_open_transaction_a_duplicate_is_answered_without_waiting() ->
         pytest.param(False, False, id="row_claim"),
         pytest.param(True, False, id="gated_claim"),
         pytest.param(True, True, id="gated_claim_in_atomic"),
-        pytest.param(
-            False,
-            True,
-            id="row_claim_in_atomic",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a row claim inside an open transaction meets the running attempt's "
-                "uncommitted row, whose fingerprint it cannot read: 409 (known, documented)",
-            ),
-        ),
+        pytest.param(False, True, id="row_claim_in_atomic"),
     ],
 )
 def test_a_key_in_flight_reused_for_another_request_is_a_mismatch_in_either_claim(
@@ -356,7 +347,8 @@ def test_a_key_in_flight_reused_for_another_request_is_a_mismatch_in_either_clai
     """The draft's 409 is for a retry of the same request that arrives while it runs (key and
     fingerprint seen); the same key with another payload is 422 whenever it comes, and a 409
     would tell the client to retry unchanged. The row claim read the running attempt's
-    fingerprint and answered 422; the gated claim, which writes no row, answered 409."""
+    fingerprint and answered 422; the gated claim, which writes no row, answered 409, and so did
+    a row claim inside an open transaction, which meets the running attempt's row uncommitted."""
 
     def claim_k(fingerprint: str) -> Begun:
         return begin("s", "k", fingerprint, ttl=60, lock_timeout=60, in_transaction=in_transaction)
@@ -375,10 +367,54 @@ def test_a_key_in_flight_reused_for_another_request_is_a_mismatch_in_either_clai
         assert duplicate(OTHER_FP).status is Status.MISMATCH
         assert duplicate(FP).status is Status.IN_PROGRESS
         assert duplicate(OTHER_FP).status is Status.MISMATCH  # nothing kept by the refusals
-        if not inside:
-            release(first.claim)
+        release(first.claim)  # a transaction's gate goes with the transaction
     assert advisory_locks_held() == 0
     assert duplicate(OTHER_FP).status is Status.NEW  # the key was never stored
+
+
+@pytest.mark.parametrize("in_transaction", [False, True], ids=["row_claim", "gated_claim"])
+def test_transactions_claiming_each_others_keys_never_deadlock(in_transaction: bool) -> None:
+    """Two open transactions, each holding a key, claim each other's while waiting for it to
+    complete (``on_conflict="wait"``): both are told the key is in progress once their wait
+    is over. The row claims used to queue on each other's uncommitted row, a deadlock that
+    PostgreSQL broke by failing one of them with an error (a 500)."""
+    barrier = threading.Barrier(2, timeout=30)
+    results: dict[str, Any] = {}
+
+    def hold_then_claim(mine: str, theirs: str) -> None:
+        try:
+            with transaction.atomic():
+                held = begin("s", mine, FP, ttl=60, lock_timeout=60, in_transaction=in_transaction)
+                assert held.claim is not None
+                barrier.wait()
+                results[mine] = begin(
+                    "s",
+                    theirs,
+                    FP,
+                    ttl=60,
+                    lock_timeout=60,
+                    wait=2.5,
+                    in_transaction=in_transaction,
+                )
+                barrier.wait()  # both answered while both keys are still held
+                transaction.set_rollback(True)  # a row claim's started row goes with it
+        except Exception as exc:  # handed to the test, which asserts on it
+            results.setdefault(mine, exc)
+            barrier.abort()
+        finally:
+            connection.close()
+
+    threads = [
+        threading.Thread(target=hold_then_claim, args=keys) for keys in (("k1", "k2"), ("k2", "k1"))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    statuses = {key: getattr(begun, "status", begun) for key, begun in results.items()}
+    assert statuses == {"k1": Status.IN_PROGRESS, "k2": Status.IN_PROGRESS}
+    assert IdempotencyKey.objects.count() == 0 and advisory_locks_held() == 0
 
 
 @pytest.fixture(autouse=True)

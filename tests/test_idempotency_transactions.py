@@ -66,6 +66,15 @@ def held() -> Iterator[Callable[[Callable[[], Any]], Held]]:
         holder.thread.join(60)
 
 
+def _clients_of_one_user() -> tuple[Client, Client]:
+    """Two clients logged in as one user: one key space, two connections' worth of requests."""
+    user = UserFactory()
+    clients = Client(), Client()
+    for client in clients:
+        client.force_login(user)
+    return clients
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.usefixtures("atomic_requests")
 @pytest.mark.parametrize("url", ["/idem/held/", "/idem/held-wait/"])
@@ -74,16 +83,37 @@ def test_under_atomic_requests_a_duplicate_gets_409_instead_of_queueing(
 ) -> None:
     """The first request's key row is uncommitted while it runs (its transaction is the
     request's); a duplicate must not wait on that row unboundedly, tying up a worker."""
-    user = UserFactory()
-    first_client, second_client = Client(), Client()
-    first_client.force_login(user)
-    second_client.force_login(user)
+    first_client, second_client = _clients_of_one_user()
     first = held(lambda: post(first_client, url, "k-held"))
     assert ENTERED.wait(60)
     duplicate = post(second_client, url, "k-held")
     assert first.thread.is_alive(), "the duplicate must be answered while the first still runs"
     assert duplicate.status_code == 409 and problem_type(duplicate) == "idempotency-key-in-progress"
     assert first.release().status_code == 201
+    retry = post(second_client, url, "k-held")
+    assert retry["Idempotent-Replayed"] == "true" and retry.content == first.result.content
+    assert Charge.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("atomic_requests")
+@pytest.mark.parametrize("url", ["/idem/held/", "/idem/held-row/"], ids=["gated", "row"])
+def test_under_atomic_requests_another_request_under_a_key_in_flight_is_422(
+    url: str, held: Callable[[Callable[[], Any]], Held]
+) -> None:
+    """A retry of the running request is 409, another request under its key 422, whichever
+    way the key is claimed in the request's transaction. A row claim there met the first
+    request's row uncommitted, could not read its fingerprint, and answered 409 to both."""
+    first_client, second_client = _clients_of_one_user()
+    first = held(lambda: post(first_client, url, "k-held"))
+    assert ENTERED.wait(60)
+    other = post(second_client, url, "k-held", body='{"amount": 43}')
+    same = post(second_client, url, "k-held")
+    assert first.thread.is_alive(), "the duplicates must be answered while the first still runs"
+    assert other.status_code == 422 and problem_type(other) == "idempotency-key-mismatch"
+    assert same.status_code == 409 and problem_type(same) == "idempotency-key-in-progress"
+    assert first.release().status_code == 201
+    assert post(second_client, url, "k-held", body='{"amount": 43}').status_code == 422
     retry = post(second_client, url, "k-held")
     assert retry["Idempotent-Replayed"] == "true" and retry.content == first.result.content
     assert Charge.objects.count() == 1

@@ -429,6 +429,8 @@ async def async_steps(request: HttpRequest) -> HttpResponse:
 
 charge_held = csrf_exempt(idempotent(_held))
 charge_held_wait = csrf_exempt(idempotent(on_conflict="wait", wait_timeout=0.5)(_held))
+# Under ATOMIC_REQUESTS: a started row inserted in the request's transaction, not the gate.
+charge_held_row = csrf_exempt(idempotent(claim_in_transaction=False)(_held))
 
 
 # Undecorated views for the middleware (IDEMPOTENCY["MIDDLEWARE_PATHS"] names "^/idem/mw/").
@@ -488,6 +490,7 @@ urlpatterns = [
     path("alost-at-a-step/", alost_at_a_step),
     path("async-steps/", async_steps),
     path("held-wait/", charge_held_wait),
+    path("held-row/", charge_held_row),
     path("upload/", upload),
     path("upload-exempt/", csrf_exempt(upload)),
     path("upload-stream/", upload_stream),
