@@ -303,9 +303,24 @@ def _lock(name: LockKey, shared: bool, using: str) -> AdvisoryLock:
     """
     if shared is not False and shared is not True:  # "false" is truthy: it would share
         valid_flag("shared", shared)
-    if type(name) is str and type(using) is str:
+    _valid_database(using)
+    if type(name) is str:
         return _cached_lock(name, shared, using)
     return AdvisoryLock(name=name, key=advisory_key(name), shared=shared, using=using)
+
+
+def _valid_database(using: object) -> None:
+    """Refuse an alias ``settings.DATABASES`` does not have, where the lock is written.
+
+    Unchecked, a misspelt ``using=`` surfaced only when the lock was entered (a decorator's
+    at its first call), as Django's ``ConnectionDoesNotExist`` from inside a query. Checked on
+    every call, not cached with the lock: an alias's absence is a fact about the settings.
+    """
+    if type(using) is not str or using not in connections.settings:
+        known = ", ".join(sorted(connections.settings)) or "none"
+        raise InvalidLeaseOption(
+            "using", using, f"must be a database alias in settings.DATABASES (it has: {known})"
+        )
 
 
 @functools.lru_cache(maxsize=1024)

@@ -289,6 +289,20 @@ def test_a_shared_flag_that_is_not_a_bool_is_rejected_before_any_sql(bad: Any, h
         getattr(advisory, helper)("t", shared=bad)
 
 
+@pytest.mark.parametrize("bad", ["nope", "", None, 5])
+@pytest.mark.parametrize("helper", ["xact_lock", "try_xact_lock", "session_lock"])
+def test_an_unknown_database_alias_is_rejected_before_any_sql(bad: Any, helper: str) -> None:
+    """A misspelt ``using=`` used to surface only when the lock was entered, as Django's
+    ``ConnectionDoesNotExist`` from deep inside a query (and a decorator only at its first
+    call): the typed error of every other bad argument, where it is written."""
+
+    def no_sql(*args: Any) -> None:
+        raise AssertionError("SQL was sent for a bad alias")
+
+    with connection.execute_wrapper(no_sql), pytest.raises(InvalidLeaseOption, match="using"):
+        getattr(advisory, helper)("t", using=bad)
+
+
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "1", True, 10**9])
 def test_bad_timeouts_are_rejected_at_construction(bad: Any) -> None:
     """Like lease()'s: InvalidLeaseOption (a ValueError), before any SQL."""
