@@ -32,7 +32,15 @@ from django.core.signals import request_finished, request_started
 from django.db import close_old_connections, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-__all__ = ["end_session", "install", "mark_start", "release_leaked", "track", "untrack"]
+__all__ = [
+    "end_session",
+    "holds",
+    "install",
+    "mark_start",
+    "release_leaked",
+    "track",
+    "untrack",
+]
 
 logger = logging.getLogger("leases.advisory")
 
@@ -105,6 +113,11 @@ def _end_on_close(connection: BaseDatabaseWrapper) -> None:
         close(wrapper)
 
     connection.close = close_ending_locked_sessions  # type: ignore[method-assign]
+
+
+def holds(connection: BaseDatabaseWrapper, unlock_sql: str) -> bool:
+    """Whether a session lock this package took on ``connection`` with ``unlock_sql`` is held."""
+    return any(sql == unlock_sql for _, sql in _held.get(connection, ()))
 
 
 def untrack(connection: BaseDatabaseWrapper, unlock_sql: str) -> None:

@@ -15,6 +15,10 @@ Behaviour pinned by the tests (``tests/test_advisory.py``):
   (``55P03``) raises :class:`LeaseUnavailable` and leaves the caller's transaction usable, and the
   caller's own ``lock_timeout`` is restored afterwards. Without a timeout no savepoint is taken:
   one statement, one round trip.
+* An exception raised by a signal handler while a lock call waits (Ctrl-C, Celery's soft time
+  limit) leaves no lock held that the caller cannot know of, and the connection usable: the
+  wait is cancelled and a session lock granted meanwhile is unlocked before the exception goes
+  on (:func:`_settle_interrupted`).
 * A session whose connection is killed (``pg_terminate_backend``, a server restart) loses its
   session locks at once; the holder learns it at its next :meth:`AdvisoryLock.ensure_held` or at
   the block's exit, both of which raise :class:`LeaseLost`.
@@ -54,6 +58,7 @@ from psycopg.pq import TransactionStatus
 
 from . import _advisory_names, _session_leaks, conf
 from ._arguments import valid_flag, valid_timeout
+from .backends._pgcancel import cancel_running
 from .backends._pgdeadline import Deadline, armed
 from .backends._pgpooler import BACKEND_PID_SQL, behind_pooler
 from .errors import (
@@ -106,6 +111,14 @@ HELD_SQL = (
     " AND objsubid = {objsubid} AND mode = '{mode}')"
 )
 
+# After a lock call was interrupted: unlock once if this session holds the lock, else do
+# nothing (a bare unlock of a lock not held puts a WARNING in the server's log).
+UNLOCK_IF_HELD_SQL = (
+    "SELECT {function}({key}) WHERE EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
+    " AND granted AND pid = pg_backend_pid() AND classid = {classid} AND objid = {objid}"
+    " AND objsubid = {objsubid} AND mode = '{mode}')"
+)
+
 #: Seconds :meth:`AdvisoryLock.ensure_held` and a session lock's unlock wait for the server's
 #: answer before they give the session up (see the module's docstring): the bound the
 #: package's own connections get from ``tcp_user_timeout``.
@@ -148,16 +161,7 @@ class AdvisoryLock:
         does one that gives no answer within ``timeout`` seconds (default
         :data:`CHECK_TIMEOUT`), which is shut down so that the session ends.
         """
-        if isinstance(self.key, tuple):
-            classid, objid, objsubid = self.key[0] & 0xFFFFFFFF, self.key[1] & 0xFFFFFFFF, 2
-        else:
-            (classid, objid), objsubid = split_key(self.key), 1
-        sql = HELD_SQL.format(
-            classid=classid,
-            objid=objid,
-            objsubid=objsubid,
-            mode="ShareLock" if self.shared else "ExclusiveLock",
-        )
+        sql = HELD_SQL.format(**self.in_pg_locks())
         try:
             bound = CHECK_TIMEOUT if timeout is None else timeout
             return bool(_execute(_database(self.using), sql, bound=bound))
@@ -165,6 +169,16 @@ class AdvisoryLock:
             return False
         except _DRIVER_ERRORS as exc:
             raise _translate(exc, self, None) from exc
+
+    def in_pg_locks(self) -> dict[str, int | str]:
+        """How ``pg_locks`` shows this lock: its ``classid``, ``objid``, ``objsubid`` and
+        ``mode``."""
+        if isinstance(self.key, tuple):
+            classid, objid, objsubid = self.key[0] & 0xFFFFFFFF, self.key[1] & 0xFFFFFFFF, 2
+        else:
+            (classid, objid), objsubid = split_key(self.key), 1
+        mode = "ShareLock" if self.shared else "ExclusiveLock"
+        return {"classid": classid, "objid": objid, "objsubid": objsubid, "mode": mode}
 
     def ensure_held(self, timeout: float | None = None) -> None:
         """Raise :class:`LeaseLost` unless this session still holds the lock.
@@ -279,6 +293,11 @@ def _call(
         if in_transaction:
             _recover(connection, savepoint=milliseconds is not None)
         raise error from exc
+    except BaseException:  # a signal handler's, raised while the call waited: Ctrl-C and more
+        _settle_interrupted(
+            connection, lock, session=not needs_transaction, savepoint=milliseconds is not None
+        )
+        raise
 
 
 def _recover(connection: BaseDatabaseWrapper, *, savepoint: bool) -> None:
@@ -292,6 +311,53 @@ def _recover(connection: BaseDatabaseWrapper, *, savepoint: bool) -> None:
             return
     if connection.in_atomic_block:
         transaction.set_rollback(True, using=connection.alias)
+
+
+def _settle_interrupted(
+    connection: BaseDatabaseWrapper, lock: AdvisoryLock, *, session: bool, savepoint: bool
+) -> None:
+    """After an exception interrupted a lock call, leave no lock behind that the caller cannot
+    know of, and a connection it can use.
+
+    The block never runs, so nobody will unlock what the call may have taken: a session lock
+    granted just before the interruption (its reply dropped), or after it (the driver cancels
+    the statement on ``KeyboardInterrupt`` only; see :mod:`leases.backends._pgcancel`) stayed
+    held until the session ended, for the next request or task on the connection and against
+    every other process. So the statement is cancelled, the caller's transaction made usable
+    as after a failed call (:func:`_recover`), and a session lock this session holds
+    unlocked. If the session's state cannot be known (the cancellation got no answer, the
+    savepoint is gone, or the lock was already held by an outer block, so ``pg_locks``
+    cannot tell whether this call added a hold), the session is ended: the release that
+    cannot fail. An xact lock needs no more: it ends with the transaction the exception is
+    unwinding (with the savepoint, for a timed call).
+    """
+    raw = connection.connection
+    if raw is None or raw.closed:
+        return  # the driver ended the session (interrupted twice): the lock went with it
+    try:
+        cancel_running(raw, CHECK_TIMEOUT)
+        if raw.info.transaction_status == TransactionStatus.INERROR:
+            if not savepoint:
+                _recover(connection, savepoint=False)  # the one statement failed: nothing held
+                return
+            _execute(connection, UNDO_TIMED_CALL_SQL)
+        unlock = _session_unlock_sql(lock)
+        if not session:
+            return
+        if _session_leaks.holds(connection, unlock):
+            raise LeaseNotHeld(lock.label, "a re-entrant hold cannot be told from the outer one")
+        sql = UNLOCK_IF_HELD_SQL.format(
+            function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key), **lock.in_pg_locks()
+        )
+        _execute(connection, sql, bound=CHECK_TIMEOUT)
+    except Exception as exc:  # whatever failed, the session's state is unknown: end it
+        logger.warning(
+            "advisory lock %r: the call was interrupted and the session's state could not be "
+            "settled (%s); its connection was closed to release whatever it held",
+            lock.label,
+            exc,
+        )
+        _session_leaks.end_session(connection)
 
 
 def _lock(name: LockKey, shared: bool, using: str) -> AdvisoryLock:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -61,3 +64,29 @@ def free_elsewhere(alias: str, name: str, wait: float = 10) -> bool:
     thread.start()
     thread.join(wait)
     return bool(box and box[0])
+
+
+@contextmanager
+def interrupted_while_waiting(name: str, handler: Callable[[], None]) -> Iterator[None]:
+    """Run ``handler`` as a signal handler of this (the main) thread once a session waits for
+    the lock on ``name``, as Ctrl-C or Celery's soft time limit would: whatever it raises is
+    raised where the main thread is blocked, inside the driver's wait for the lock."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        handler()
+
+    def signal_once_waiting() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not holders(watcher, name, granted=False):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    with other_session() as watcher:  # the test's own session may be busy in the handler
+        thread = threading.Thread(target=signal_once_waiting)
+        thread.start()
+        try:
+            yield
+        finally:
+            thread.join(15)
+            signal.signal(signal.SIGUSR1, previous)

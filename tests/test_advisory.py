@@ -9,15 +9,15 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import psycopg
 import pytest
-from django.db import DataError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, DataError, connection, connections, transaction
 
-from leases import advisory
+from leases import _session_leaks, advisory
 from leases.errors import (
     InvalidLeaseName,
     InvalidLeaseOption,
@@ -26,7 +26,7 @@ from leases.errors import (
     NotInTransaction,
 )
 from leases.keys import advisory_key
-from tests.advisory_support import holders, other_session
+from tests.advisory_support import holders, interrupted_while_waiting, other_session
 from tests.factories import UserFactory
 from tests.waiting import wait_until
 
@@ -127,6 +127,87 @@ def test_blocking_lock_waits_for_the_holder(other: psycopg.Connection[Any]) -> N
             assert lock.held()
     finally:
         releaser.join(timeout=15)
+
+
+class Interruption(Exception):
+    """What a signal handler raises mid-wait, like Celery's ``SoftTimeLimitExceeded``."""
+
+
+@contextmanager
+def _in_atomic(lock: AbstractContextManager[object]) -> Iterator[object]:
+    with transaction.atomic(), lock as held:
+        yield held
+
+
+WAITS: dict[str, Callable[[str], AbstractContextManager[object]]] = {
+    "session": lambda name: advisory.session_lock(name),
+    "session-timed": lambda name: advisory.session_lock(name, timeout=60),
+    "session-in-atomic": lambda name: _in_atomic(advisory.session_lock(name)),
+    "session-timed-in-atomic": lambda name: _in_atomic(advisory.session_lock(name, timeout=60)),
+    "xact": lambda name: _in_atomic(advisory.xact_lock(name)),
+    "xact-timed": lambda name: _in_atomic(advisory.xact_lock(name, timeout=60)),
+}
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, Interruption])
+@pytest.mark.parametrize("granted", [False, True], ids=["while-waiting", "once-granted"])
+@pytest.mark.parametrize("wait", sorted(WAITS))
+def test_an_interrupted_wait_leaves_no_lock_behind(
+    other: psycopg.Connection[Any], wait: str, granted: bool, raised: type[BaseException]
+) -> None:
+    """An exception raised by a signal handler (Ctrl-C, a soft time limit) while the session
+    waits: the block never ran, so the session must not hold the lock afterwards, whether the
+    holder let go just before (the grant raced the interruption) or after it. The driver
+    cancels the wait on ``KeyboardInterrupt`` only; any other exception left the statement
+    running, to be granted later on a session that nothing would ever unlock; and a grant
+    that beat the cancellation was dropped with its reply."""
+    name = f"interrupted-{wait}-{granted}-{raised.__name__}"
+    key = advisory_key(name)
+    other.execute("SELECT pg_advisory_lock(%s)", [key])
+    session = backend_pid()
+
+    def handler() -> None:
+        if granted:
+            other.execute("SELECT pg_advisory_unlock(%s)", [key])
+            wait_until(lambda: holders(other, name) == 1, 10, "the waiter to be granted")
+        raise raised()
+
+    try:
+        with pytest.raises(raised), interrupted_while_waiting(name, handler), WAITS[wait](name):
+            pytest.fail("the block ran")
+        if not granted:
+            other.execute("SELECT pg_advisory_unlock(%s)", [key])
+        wait_until(lambda: not holders(other, name, granted=False), 10, "nobody waiting")
+        assert holders(other, name) == 0
+        assert not _session_leaks._held.get(connections[DEFAULT_DB_ALIAS])
+        assert backend_pid() == session  # usable, and not by ending the session
+    finally:
+        connection.close()  # whatever state a failure left it in, the next test starts afresh
+
+
+def test_an_interrupted_reentrant_call_ends_the_session_rather_than_guess(
+    other: psycopg.Connection[Any],
+) -> None:
+    """Under a hold of the same lock, ``pg_locks`` cannot tell whether the interrupted call
+    added a hold (one unlock too few leaks it, one too many frees the outer block's), so the
+    session is ended, and the outer block learns at its exit that it no longer holds it."""
+
+    def interrupted_after(execute: Any, sql: str, *args: Any) -> Any:
+        execute(sql, *args)
+        raise Interruption()
+
+    with pytest.raises(LeaseNotHeld), advisory.session_lock("reentrant") as outer:
+        with connection.execute_wrapper(interrupted_after), pytest.raises(Interruption):
+            advisory.session_lock("reentrant").__enter__()
+        assert not outer.held()
+    assert holders(other, "reentrant") == 0
+    assert not _session_leaks._held.get(connections[DEFAULT_DB_ALIAS])
+
+
+def backend_pid() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return int(cursor.fetchone()[0])
 
 
 def test_timeout_raises_and_leaves_the_outer_transaction_usable(
