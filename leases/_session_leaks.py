@@ -18,7 +18,8 @@ the request took and left on that connection, and logs an error naming each lock
 Releasing, not raising: the response is already sent, and the one thing that must not happen
 is the next request inheriting the lock. It runs *before* Django's own ``close_old_connections``
 (which would hand a pooled connection back with the lock still on it); see :func:`install`.
-Locks taken with raw SQL (``SELECT pg_advisory_lock(...)``) are not tracked.
+Locks taken with raw SQL (``SELECT pg_advisory_lock(...)``) are not tracked. A Celery task is
+swept the same way (:mod:`leases.celery._sessions`).
 """
 
 from __future__ import annotations
@@ -141,9 +142,9 @@ def mark_start(**kwargs: Any) -> None:
         _before.setdefault(connection, []).append(len(_held.get(connection, ())))
 
 
-def release_leaked(**kwargs: Any) -> None:
-    """At the end of a request: unlock every session lock the request took and left held,
-    and say so."""
+def release_leaked(*, unit: str = "request", **kwargs: Any) -> None:
+    """At the end of a request (or a Celery task, the ``unit`` the log line names): unlock
+    every session lock it took and left held, and say so."""
     for connection in connections.all(initialized_only=True):
         starts = _before.get(connection)
         kept = starts.pop() if starts else 0
@@ -156,9 +157,10 @@ def release_leaked(**kwargs: Any) -> None:
         outcome = "gone" if connection.connection is None else _unlock(connection, held)
         released = outcome in ("released", "closed")  # closed: the lock went with the session
         logger.error(
-            "leases: session_lock(%s) still held on database %r when the request ended; %s",
+            "leases: session_lock(%s) still held on database %r when the %s ended; %s",
             ", ".join(repr(label) for label in labels),
             connection.alias,
+            unit,
             _OUTCOMES[outcome],
             extra={
                 "event": "advisory_lock_leaked",
@@ -170,7 +172,7 @@ def release_leaked(**kwargs: Any) -> None:
 
 
 _OUTCOMES = {
-    "released": "released it so the next request on this connection does not inherit it",
+    "released": "released it so whatever runs next on this connection does not inherit it",
     "closed": "could not unlock it, so its connection was closed, and the lock went with it",
     "not held": "but its session no longer held it (lost with a reconnect, or unlocked by raw SQL)",
     "gone": "its connection is gone, and with it the lock",

@@ -1,3 +1,5 @@
+import importlib.util
+
 from django.apps import AppConfig
 from django.db.models.signals import pre_migrate
 
@@ -12,6 +14,10 @@ class LeasesConfig(AppConfig):
         from ._migrating import refuse_unsupported_database
 
         _session_leaks.install()
+        if importlib.util.find_spec("celery") is not None:
+            from .celery._sessions import install as sweep_around_tasks
+
+            sweep_around_tasks()
         pre_migrate.connect(
             refuse_unsupported_database, sender=self, dispatch_uid="leases.refuse_database"
         )

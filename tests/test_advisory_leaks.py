@@ -220,6 +220,34 @@ def test_a_lock_taken_before_nested_requests_is_not_released_by_the_outer_one(
     assert not [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_session_lock_left_by_a_celery_task_is_released_when_the_task_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker keeps its connections between tasks (``CONN_MAX_AGE``, a pool), as a web
+    process does between requests, but only requests were swept: a task that leaked a session
+    lock left it held for every later task on the worker, and against every other process.
+    The task's end now releases what the task took, and only that."""
+    from celery import Celery
+
+    app = Celery("leaks", set_as_current=False)
+
+    @app.task(shared=False)
+    def leaky() -> None:
+        advisory.session_lock("leaked-by-a-task").__enter__()
+
+    with (
+        caplog.at_level(logging.ERROR, logger="leases.advisory"),
+        other_session() as other,
+        advisory.session_lock("held-around-the-task") as around,
+    ):
+        leaky.apply().get()  # in this thread, on this connection: prerun and postrun fire
+        assert holders(other, "leaked-by-a-task") == 0
+        around.ensure_held()  # taken before the task: not the task's to release
+    leaks = [r for r in caplog.records if getattr(r, "event", "") == "advisory_lock_leaked"]
+    assert [cast(Any, r).locks for r in leaks] == [["leaked-by-a-task"]]
+
+
 @pytest.mark.parametrize("reused_alias", ["pool"], indirect=True)
 def test_closing_a_pooled_connection_mid_block_ends_the_session_with_its_lock(
     reused_alias: str,
