@@ -506,6 +506,11 @@ def test_a_shared_lease_is_shown_as_its_readers_not_the_groups_internal_holder(
         "every backend": client.get(EVERY_BACKEND).content.decode(),
         "confirmation": force_release_action(client, name).content.decode(),
     }
+    # The every-backend page lists other tests' leases too (semaphore slots' names contain
+    # U+241F): only this name's rows count there.
+    pages["every backend"] = "".join(
+        row for row in pages["every backend"].split("<tr") if name in row
+    )
     for page, text in pages.items():
         assert "\u241f" not in text and "&#9247;" not in text.lower(), page
     assert "shared (2 readers)" in pages["table"]
