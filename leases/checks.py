@@ -156,7 +156,8 @@ def check_backend_stores(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
         if cls.check_options(alias, conf.get().backend(alias).options):
             continue  # leases.E005 says why
         try:
-            problems = get_backend(alias).deploy_checks()
+            backend = get_backend(alias)
+            problems = backend.deploy_checks() + backend.deploy_advice()
         except Exception as exc:  # a driver's error, a cache that is not what it claims...
             detail = str(exc) if isinstance(exc, LeaseError) else f"{type(exc).__name__}: {exc}"
             found.append(Error(_about(alias, detail), id="leases.E003"))

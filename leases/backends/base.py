@@ -551,8 +551,16 @@ class LeaseBackend(abc.ABC):
     def deploy_checks(self) -> list[str]:
         """Problems found by talking to the store (reachability, durability settings).
 
-        Run only by ``manage.py check --deploy``, never at import or start-up.
+        Run only by ``manage.py check --deploy`` and the full health check, never at import or
+        start-up.
         """
+        return []
+
+    def deploy_advice(self) -> list[str]:
+        """What costs but breaks nothing, found by talking to the store (another project's
+        traffic under the same keys). Run by ``manage.py check --deploy`` only: not by the
+        health check, which a balancer or a monitor polls (such a look may read many keys,
+        and a store that keeps every lease safe is healthy)."""
         return []
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends need nothing

@@ -483,12 +483,15 @@ class Backend(LeaseBackend):
         return eviction_problems(self.alias, self.client)
 
     def deploy_checks(self) -> list[str]:
-        """Reachable, the user may run what every acquire runs (see
-        :func:`~._redis_io.permission_problems`), and no other project's counters under
-        ``PREFIX`` (:meth:`_foreign_counters`)."""
+        """Reachable, and the user may run what every acquire runs (see
+        :func:`~._redis_io.permission_problems`)."""
         with Edge(self.alias, "deploy check"):
             self.client.ping()
-        return permission_problems(self.alias, self.client) + self._foreign_counters()
+        return permission_problems(self.alias, self.client)
+
+    def deploy_advice(self) -> list[str]:
+        """No other project's counters under ``PREFIX`` (:meth:`_foreign_counters`)."""
+        return self._foreign_counters()
 
     def _foreign_counters(self) -> list[str]:
         """A warning when name counters under ``PREFIX`` carry epochs of another source
