@@ -492,26 +492,38 @@ def stop_signs_sent(client: redis.Redis) -> int:
 def test_a_writer_waiting_behind_a_writer_sends_no_stop_sign_for_readers(
     redis_server: RedisServer,
 ) -> None:
-    """A waiting writer stops new readers only while readers hold the name: behind another
-    writer its tries are all it sends, however long it waits; behind readers it stops them at
-    once (test_shared_leases checks that they are stopped)."""
+    """A waiting writer sends a stop sign of its own only while readers hold the name: behind
+    another writer its tries are all it sends, however long it waits, and on a name readers
+    never used they write nothing either; behind readers it stops them at once. Behind a
+    writer on a name readers use, its refused tries stamp ``:writer`` themselves, so readers
+    that come after it cannot start a group when that writer leaves (test_shared_leases)."""
     client = redis.Redis.from_url(redis_server.url)
     client.config_set("slowlog-log-slower-than", 0)
     client.config_set("slowlog-max-len", 100_000)
     config = {"ENGINE": "leases.backends.redis", "URL": redis_server.url, "SOCKET_TIMEOUT": 2.0}
     name = unique()
+    writer_key = LeaseKeys.of("leases:", name).writer
     with added_backend("redis-stop-signs", config) as alias:
         held = acquire(name, ttl=10, backend=alias, holder="w1", keepalive=False)
         client.slowlog_reset()
         with pytest.raises(LeaseUnavailable):  # waits past two STOP_READERS_EVERY periods
             acquire(name, ttl=10, backend=alias, timeout=3 * STOP_READERS_EVERY, holder="w2")
         assert stop_signs_sent(client) == 0
+        assert client.exists(writer_key) == 0  # a stamp lasts a second: none was written
         held.release()
         reader = acquire(name, ttl=10, backend=alias, holder="r1", shared=True, keepalive=False)
         with pytest.raises(LeaseUnavailable):
             acquire(name, ttl=10, backend=alias, timeout=STOP_READERS_EVERY / 2, holder="w2")
         assert stop_signs_sent(client) >= 1
         reader.release()
+        held = acquire(name, ttl=10, backend=alias, holder="w1", keepalive=False)
+        client.delete(writer_key)
+        client.slowlog_reset()
+        with pytest.raises(LeaseUnavailable):
+            acquire(name, ttl=10, backend=alias, timeout=3 * STOP_READERS_EVERY, holder="w2")
+        assert stop_signs_sent(client) == 0
+        assert client.pttl(writer_key) > 0  # stamped by its refused tries, a name readers use
+        held.release()
 
 
 def test_an_async_round_trip_on_a_stalled_event_loop_reads_the_reply_that_came_in_time(

@@ -119,6 +119,20 @@ def test_the_shared_scan_catches_a_write_before_the_check() -> None:
 OWNED = re.compile(r"local owned = ARGV\[\d+\] \.\. redis\.sha1hex\(ARGV\[\d+\]\) \.\. ")
 
 
+def _stop_signs(calls: list[tuple[str, str, str]]) -> set[str]:
+    """Keys a script only ever sets to ``'1'`` with an expiry: a waiting writer's stop sign for
+    new readers, which holds no grant (a script that reads one as a grant is not let off)."""
+    stamped = {key for cmd, key, rest in calls if cmd == "SET" and _SIGN.match(rest)}
+    return {
+        key
+        for key in stamped
+        if all(k != key or (cmd == "SET" and _SIGN.match(rest)) for cmd, k, rest in calls)
+    }
+
+
+_SIGN = re.compile(r"\s*,\s*'1'\s*,\s*'PX'\s*,\s*\w+(?:\[\d+\])?\s*$")
+
+
 def unguarded(script: str) -> list[str]:
     """Destructive commands in ``script`` not protected by a compare on the same key."""
     if "== owned" in script and not OWNED.search(script):
@@ -126,6 +140,7 @@ def unguarded(script: str) -> list[str]:
     calls = CALL.findall(script)
     wake_lists = {key for cmd, key, _ in calls if cmd.upper() == "RPUSH"}
     counters = {key for cmd, key, rest in calls if cmd == "HMGET" and "'epoch'" in rest}
+    signs = _stop_signs(calls)
     guards: list[str | None] = []  # the key each open block compared, or None
     problems = []
     for line in script.splitlines():
@@ -137,7 +152,7 @@ def unguarded(script: str) -> list[str]:
             cmd = cmd.upper()
             if cmd in ("KEYS", "SCAN"):
                 problems.append(f"{cmd} lists keys by pattern: {stripped}")
-            if cmd not in DESTRUCTIVE or key in wake_lists | counters:
+            if cmd not in DESTRUCTIVE or key in wake_lists | counters | signs:
                 continue
             if cmd == "SET" and "'NX'" in rest.upper():
                 continue
@@ -162,6 +177,10 @@ def test_the_scan_catches_bare_deletes_and_expires() -> None:
     assert unguarded("redis.call('DEL', KEYS[1])")
     assert unguarded("redis.call('PEXPIRE', KEYS[1], ARGV[2])")
     assert unguarded("redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])")
+    sign = "redis.call('SET', KEYS[3], '1', 'PX', ARGV[7])"
+    assert not unguarded(sign)  # a stop sign: it holds no grant and expires
+    assert unguarded(sign + "\nredis.call('GET', KEYS[3])")  # read as something else too
+    assert unguarded("redis.call('SET', KEYS[3], '1')")  # never expires
     assert unguarded(
         "if redis.call('GET', KEYS[2]) == ARGV[1] then\n  redis.call('DEL', KEYS[1])\nend"
     )
@@ -204,7 +223,18 @@ def python_writes(source: str) -> list[str]:
     ``fan_out("SET", key, value)`` without ``"NX"``).
     """
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    context_vars = {  # ``ContextVar.set`` is no Redis command
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.AnnAssign | ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id == "ContextVar"
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
+    for node in ast.walk(tree):
         raw: list[ast.expr] = []
         if isinstance(node, ast.Call):
             raw = node.args
@@ -215,7 +245,10 @@ def python_writes(source: str) -> list[str]:
                     isinstance(keywords.get("nx"), ast.Constant)
                     and cast(ast.Constant, keywords["nx"]).value is True
                 )
-                forbidden = attr in PY_FORBIDDEN or (attr == "set" and not nx)
+                on_var = (
+                    isinstance(node.func.value, ast.Name) and node.func.value.id in context_vars
+                )
+                forbidden = attr in PY_FORBIDDEN or (attr == "set" and not nx and not on_var)
                 if forbidden and not _runs_a_script_constant(attr, node.args):
                     found.append(f"line {node.lineno}: .{attr}(...)")
         elif isinstance(node, ast.Tuple):
@@ -239,6 +272,8 @@ def test_the_python_scan_catches_bare_commands() -> None:
     assert python_writes("def f(c):\n    c.set('k', 'v', nx=True, px=5)\n") == []
     assert python_writes("c = ('DEL', 'k')\n") and python_writes("f('PEXPIRE', 'k', 5)\n")
     assert python_writes("f('SET', 'k', 'v', 'PX', 5)\n")
+    assert python_writes("v: ContextVar[str] = ContextVar('v')\nv.set('k')\n") == []
+    assert python_writes("v = ContextVar('v')\nc.set('k', 'v')\n")
     assert python_writes("f('SET', 'k', 'v', 'NX', 'PX', 5)\n") == []
     # Lua written inline is not a scanned constant; a Script's text or SHA1 is.
     assert python_writes("c.eval(\"return redis.call('DEL', KEYS[1])\", 1, 'k')\n")

@@ -8,6 +8,7 @@ tokens are one sequence per name, so a resource the writer fenced refuses a read
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -23,10 +24,11 @@ from leases import (
     LeaseLost,
     LeaseNotHeld,
     LeaseUnavailable,
+    aacquire,
     acquire,
     lease,
 )
-from leases.backends import Capability, get_backend
+from leases.backends import Capability, LeaseBackend, get_backend
 from leases.lease import Lease
 from tests.checker import STALE, check_history, history, new_register, record_write
 from tests.extra_backends import added_backend
@@ -108,6 +110,98 @@ def test_a_waiting_writer_stops_new_readers(lease_backend: str, lease_name: str)
     waiting.join(timeout=20)
     assert got and got[0].token > reader.token
     got[0].release()
+
+
+class LoopHolder:
+    """An exclusive holder whose grant was won on an event loop (a thread of its own), released
+    when the test says. On the database such a grant keeps no tenure lock, so a writer waiting
+    behind it waits in the name's room for the release's ``NOTIFY`` rather than on the server:
+    a reader's try can then come between the release and the writer's next try."""
+
+    def __init__(self, name: str, alias: str) -> None:
+        self.name, self.alias = name, alias
+        self.held: list[Lease] = []
+        self._got, self._go = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._hold()))
+        self._thread.start()
+        assert self._got.wait(20) and self.held, "the holder never got the name"
+        self.token = self.held[0].token
+
+    async def _hold(self) -> None:
+        held = await aacquire(self.name, ttl=10, backend=self.alias, holder="x", keepalive=False)
+        self.held.append(held)
+        self._got.set()
+        await asyncio.to_thread(self._go.wait, 30)
+        await held.arelease()
+
+    def release(self) -> None:
+        self._go.set()
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "the holder never released"
+
+
+class HeldWait:
+    """Holds a real store's ``wait_for_release`` at its start until the test lets it go: the
+    caller is then waiting (its try since it began to wait was refused), and the test orders
+    what happens next (the race, not a fake of it)."""
+
+    def __init__(self, store: LeaseBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.waiting, self.go = threading.Event(), threading.Event()
+        wait = store.wait_for_release
+
+        def held(name: str, timeout: float) -> bool:
+            self.waiting.set()
+            assert self.go.wait(20), "the test never let the wait go"
+            return wait(name, timeout)
+
+        monkeypatch.setattr(store, "wait_for_release", held)
+
+
+def test_a_writer_queued_behind_an_exclusive_holder_goes_before_later_readers(
+    lease_backend: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer waits behind an exclusive holder of a name readers use; a reader comes; the
+    holder leaves, and the reader's try comes before the writer's next one: it may not start a
+    group ahead of the writer, which is granted next."""
+    store = require(lease_backend, Capability.SHARED_LEASES)
+    shared(lease_name, lease_backend, "r0").release()  # a name readers use
+    holder = LoopHolder(lease_name, lease_backend)
+    waits = HeldWait(store, monkeypatch)
+    got: list[Lease] = []
+    writer = threading.Thread(
+        target=lambda: got.append(
+            acquire(lease_name, ttl=10, backend=lease_backend, timeout=20, holder="w")
+        )
+    )
+    writer.start()
+    try:
+        assert waits.waiting.wait(10), "the writer never waited"
+        holder.release()
+        with pytest.raises(LeaseUnavailable):
+            shared(lease_name, lease_backend, "r", timeout=0).release()
+    finally:
+        waits.go.set()
+        writer.join(timeout=30)
+    assert got and got[0].token > holder.token
+    got[0].release()
+
+
+def test_a_writer_that_gave_up_stops_readers_no_longer_than_its_stamp(
+    lease_backend: str, lease_name: str
+) -> None:
+    """A writer refused behind an exclusive holder of a name readers use gives up; once the
+    holder leaves, a reader is granted once the writer left the name's room (the database) or
+    its stamp ran out (Redis: it is never refreshed again)."""
+    require(lease_backend, Capability.SHARED_LEASES)
+    shared(lease_name, lease_backend, "r0").release()  # a name readers use
+    holder = acquire(lease_name, ttl=10, backend=lease_backend, holder="x")
+    with pytest.raises(LeaseUnavailable):
+        acquire(lease_name, ttl=10, backend=lease_backend, timeout=0.5, holder="w")
+    holder.release()
+    started = time.monotonic()
+    reader = shared(lease_name, lease_backend, "r", timeout=20)
+    assert time.monotonic() - started < 10  # the stamp lasts a second; slack for a slow host
+    reader.release()
 
 
 def test_a_forged_or_expired_reader_cannot_renew_or_release(

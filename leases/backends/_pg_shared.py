@@ -11,7 +11,12 @@ fenced refuses a write from any reader of the earlier group.
 
 A waiting writer stops new readers: :data:`STOP_READERS_SQL` stamps ``meta->'writer_until'`` a
 moment ahead (refreshed on each of the writer's retries, so a writer that gave up blocks nobody
-for long), and a reader may not join, nor start a group, while it lies ahead.
+for long), and a reader may not join, nor start a group, while it lies ahead. The writer stamps
+only a live group: behind an exclusive holder, it is the waiting room that keeps the name for
+it. A reader starting a group obeys the room as an exclusive caller outside it does (see
+``ACQUIRE_SQL`` in the backend): a free name goes to the exclusive waiters in or queued for
+its room first, so a reader that came after a writer cannot start a group the moment the
+holder ahead of both leaves. That costs the exclusive path nothing: the room is there anyway.
 
 Expiry is judged by ``clock_timestamp()`` per reader: a reader that stopped renewing is out of
 the group when its own expiry passes, even while others keep the row alive.
@@ -20,6 +25,7 @@ the group when its own expiry passes, even while others keep the row alive.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 from ..holders import SHARED_HOLDER
@@ -77,7 +83,11 @@ _NEXT = f"GREATEST(l.token + 1, {TIMELINE_FLOOR_SQL})"
 #: Join the live group of ``name``, or start one on a free or expired row, unless a writer
 #: waits; the reader's token is the row's next (:data:`_FIRST`, :data:`_NEXT`). Like the
 #: exclusive acquire, a held row (or a waiting writer) makes the probe false and nothing is
-#: locked or written.
+#: locked or written. Joining a live group is governed by the writer's stamp alone; starting
+#: a group, like an exclusive try from outside the name's waiting room, takes the name only if
+#: nobody is in or queued for the room (``%(room)s``: the shared try-lock fails while an
+#: exclusive waiter is) or if it has been free for longer than ``%(grace)s`` (the waiter
+#: inside is paused or gone: it must not keep readers out for good).
 SHARED_ACQUIRE_SQL = f"""
 INSERT INTO leases_lease AS l
     (name, holder, token, acquired_at, expires_at, renewed_at, meta, secret_hash)
@@ -90,6 +100,12 @@ WHERE NOT EXISTS (
         (l.holder <> '' AND l.expires_at > clock_timestamp() AND NOT {_LIVE_GROUP})
         OR {_WRITER_WAITS})
 )
+AND (EXISTS (SELECT 1 FROM leases_lease AS l WHERE l.name = %(name)s::text AND {_LIVE_GROUP})
+    OR pg_try_advisory_xact_lock_shared(%(room)s::bigint)
+    OR NOT EXISTS (
+        SELECT 1 FROM leases_lease
+        WHERE name = %(name)s::text AND expires_at > clock_timestamp() - %(grace)s::interval
+))
 ON CONFLICT (name) DO UPDATE
 SET holder = EXCLUDED.holder, token = {_NEXT}, renewed_at = NULL, secret_hash = NULL,
     acquired_at = CASE WHEN {_LIVE_GROUP} THEN l.acquired_at ELSE clock_timestamp() END,
@@ -168,9 +184,14 @@ def shared_params(grant: Grant, **more: Any) -> dict[str, Any]:
 _ACQUIRE_CONSTANTS = {"group": GROUP, "key": ""}
 
 
-def shared_acquire_params(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
-    """What :data:`SHARED_ACQUIRE_SQL` is given (no reader's ``key`` is left out: ``""``)."""
-    return {"name": name, "holder": holder, "ttl": ttl, "secret": secret} | _ACQUIRE_CONSTANTS
+def shared_acquire_params(
+    name: str, holder: str, ttl: float, secret: str, room: int, grace: timedelta
+) -> dict[str, Any]:
+    """What :data:`SHARED_ACQUIRE_SQL` is given (no reader's ``key`` is left out: ``""``):
+    the name's waiting room key and how long its waiters have a freed name to themselves,
+    as the exclusive acquire from outside the room is given them."""
+    asked = {"name": name, "holder": holder, "ttl": ttl, "secret": secret}
+    return asked | {"room": room, "grace": grace} | _ACQUIRE_CONSTANTS
 
 
 def stop_readers_params(name: str) -> dict[str, Any]:

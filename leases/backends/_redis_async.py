@@ -23,6 +23,7 @@ from ._redis_protocol import (
     TOKEN_SCRIPTS,
     Reservation,
     acquire_args,
+    acquire_call,
     acquired,
     offer,
     release_call,
@@ -114,8 +115,8 @@ class AsyncRedis:
         return reply
 
     async def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
-        keys = LeaseKeys.of(self.backend.prefix, name)
-        return await self.acquire("acquire", name, holder, ttl, [keys.lock, keys.fence], [])
+        keys, extra = acquire_call(self.backend.prefix, name)
+        return await self.acquire("acquire", name, holder, ttl, keys, extra)
 
     async def acquire(
         self, script: str, name: str, holder: str, ttl: float, keys: list[str], extra: list[object]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -29,6 +30,7 @@ __all__ = [
     "ReadersSeen",
     "Reservation",
     "acquire_args",
+    "acquire_call",
     "acquired",
     "epoch_source",
     "offer",
@@ -42,6 +44,7 @@ __all__ = [
     "shared_acquire_keys",
     "shared_release_call",
     "shared_renew_call",
+    "stamp_next_try",
     "stop_readers_call",
     "token_of",
 ]
@@ -51,12 +54,17 @@ COUNTER_BITS = 32
 MAX_COUNTER = 2**COUNTER_BITS - 1
 MAX_EPOCH = 2**31 - 1
 
-#: KEYS[1] lock, KEYS[2] fence. ARGV[1] holder, ARGV[2] ttl ms, ARGV[3] the offer (``0``: none
-#: yet, else ``epoch:nonce``: see :func:`offer`), ARGV[4] counter limit (a counter there needs a
-#: new epoch), ARGV[5] the grant's secret, ARGV[6] the epoch source (:func:`epoch_source`),
-#: ARGV[7] the server's replication id as this connection last learned it ('' or absent: not
-#: known, read it now). The value is ``epoch:counter:sha1(secret):holder``: Redis never holds
-#: the secret itself.
+#: KEYS[1] lock, KEYS[2] fence, KEYS[3] writer. ARGV[1] holder, ARGV[2] ttl ms, ARGV[3] the
+#: offer (``0``: none yet, else ``epoch:nonce``: see :func:`offer`), ARGV[4] counter limit (a
+#: counter there needs a new epoch), ARGV[5] the grant's secret, ARGV[6] the epoch source
+#: (:func:`epoch_source`), ARGV[7] how long a refusal stamps ``:writer`` (ms; ``0`` or absent:
+#: no stamp, see :func:`acquire_call`), ARGV[8] the server's replication id as this connection
+#: last learned it ('' or absent: not known, read it now). The value is
+#: ``epoch:counter:sha1(secret):holder``: Redis never holds the secret itself.
+#:
+#: A refused waiting writer's stamp stops new readers (:mod:`._redis_shared`) only where readers
+#: ever started a group (the ``shared`` field of ``:fence``, which they set): a name readers
+#: never use costs its waiters one ``HEXISTS`` per stamp asked for, and no write.
 #:
 #: The replication id is read (``INFO``) only when the caller does not know it or the counter
 #: was stamped with another one; otherwise the caller's is trusted (see the Redis backend's
@@ -66,9 +74,13 @@ MAX_EPOCH = 2**31 - 1
 #: Returns {OK, value, run} | {BUSY, value, run} | {NEED_EPOCH, stored epoch, run, nonce}.
 ACQUIRE_LUA = lua(
     """
-local source, known_run = ARGV[6], ARGV[7] or ''
+local source, known_run = ARGV[6], ARGV[8] or ''
 local current = redis.call('GET', KEYS[1])
 if current then
+  local stamp = tonumber(ARGV[7] or '0')
+  if stamp > 0 and redis.call('HEXISTS', KEYS[2], 'shared') == 1 then
+    redis.call('SET', KEYS[3], '1', 'PX', stamp)
+  end
   return {BUSY, current, known_run}
 end
 """
@@ -160,6 +172,33 @@ def epoch_source(database: str, resource: str) -> str:
     return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
 
 
+#: The ``:writer`` key a waiting writer of this thread or task asked its next exclusive try to
+#: stamp if refused ('' none): see :func:`acquire_call`.
+_STAMP: ContextVar[str] = ContextVar("leases_redis_stamp", default="")
+
+
+def stamp_next_try(prefix: str, name: str) -> None:
+    """Have this thread's (or task's) next exclusive try of ``name`` stop new readers if it is
+    refused (:func:`acquire_call`)."""
+    _STAMP.set(LeaseKeys.of(prefix, name).writer)
+
+
+def acquire_call(prefix: str, name: str) -> tuple[list[str], list[object]]:
+    """The exclusive acquire's keys and extra argument: how long a refusal stamps ``:writer``.
+
+    A waiting writer must stop new readers behind an exclusive holder too, or readers that came
+    after it start a group the moment that holder leaves. A round trip of its own for that
+    would be paid by every contended exclusive acquire: instead, when the writer's last try
+    found an exclusive holder, its stop sign rides on its next try (:func:`stamp_next_try`),
+    which stamps only if refused, and only on a name readers use (:data:`ACQUIRE_LUA`)."""
+    keys = LeaseKeys.of(prefix, name)
+    stamp = 0
+    if _STAMP.get() == keys.writer:
+        _STAMP.set("")
+        stamp = WRITER_INTENT_MS
+    return [keys.lock, keys.fence, keys.writer], [stamp]
+
+
 def acquire_args(
     holder: str, ttl: float, offered: str, secret: str, source: str, extra: list[object]
 ) -> list[object]:
@@ -193,8 +232,9 @@ class ReadersSeen:
 
     An exclusive waiter's stop sign for new readers (:data:`STOP_READERS_LUA`) is a round trip
     worth paying only while readers hold the name: while an exclusive grant does, no reader can
-    join, and the name becomes a group only after a release the next try observes. Any
-    thread's try of the name informs it; unknown (never tried, forgotten) counts as readers.
+    join, and the waiter's next try carries the sign instead (:func:`acquire_call`), so readers
+    cannot start a group ahead of it once that grant is released. Any thread's try of the name
+    informs it; unknown (never tried, forgotten) counts as readers.
     """
 
     LIMIT = 4096

@@ -11,6 +11,9 @@ token is above every reader's before it.
 
 A waiting writer stops new readers with ``:writer``, a key set for a moment on each of its
 retries (:data:`STOP_READERS_LUA`); readers may not join, nor start a group, while it exists.
+Behind an exclusive holder the writer's refused tries set it themselves, in the acquire script
+they run anyway (no round trip of their own: ``acquire_call`` in the protocol module), on the
+names readers use: the first reader to start a group marks ``:fence`` (field ``shared``).
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ end
     + """
 if not group then
   redis.call('DEL', KEYS[3])
+  redis.call('HSET', KEYS[2], 'shared', '1')
 end
 local key = epoch .. ':' .. counter
 local ttl = tonumber(ARGV[2])

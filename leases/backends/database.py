@@ -329,6 +329,12 @@ DEPLOY_CHECK_SQL = "SELECT current_setting('synchronous_commit'), to_regclass('l
 _room_of = functools.lru_cache(maxsize=4096)(room_key)
 
 
+def _reading(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
+    """What :data:`~._pg_shared.SHARED_ACQUIRE_SQL` takes: a reader starting a group defers
+    to the name's waiting room as an exclusive caller outside it does (:func:`_asking`)."""
+    return shared_acquire_params(name, holder, ttl, secret, _room_of(name), ROOM_GRACE)
+
+
 def _asking(name: str, holder: str, ttl: float, secret: str) -> dict[str, Any]:
     """What :data:`ACQUIRE_SQL` takes, for a caller outside the name's waiting room."""
     return {
@@ -682,7 +688,7 @@ class Backend(LeaseBackend):
     def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         """Join or start the readers' group of ``name`` (see :mod:`._pg_shared`)."""
         sent_at, secret = time.monotonic(), new_secret()
-        rows = self._run(SHARED_ACQUIRE_SQL, shared_acquire_params(name, holder, ttl, secret))
+        rows = self._run(SHARED_ACQUIRE_SQL, _reading(name, holder, ttl, secret))
         if not rows:
             self._failed.note(name, sent_at)
             return None
@@ -760,8 +766,7 @@ class Backend(LeaseBackend):
 
     async def atry_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         sent_at, secret = time.monotonic(), new_secret()
-        params = shared_acquire_params(name, holder, ttl, secret)
-        rows = await self._arun(SHARED_ACQUIRE_SQL, params)
+        rows = await self._arun(SHARED_ACQUIRE_SQL, _reading(name, holder, ttl, secret))
         if not rows:
             self._async.get().failed(name, sent_at)
             return None

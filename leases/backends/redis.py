@@ -88,6 +88,7 @@ from ._redis_protocol import (
     ReadersSeen,
     Reservation,
     acquire_args,
+    acquire_call,
     acquired,
     epoch_source,
     offer,
@@ -100,6 +101,7 @@ from ._redis_protocol import (
     shared_acquire_keys,
     shared_release_call,
     shared_renew_call,
+    stamp_next_try,
     stop_readers_call,
     token_of,
 )
@@ -284,8 +286,7 @@ class Backend(LeaseBackend):
                 connections.give(connection)
 
     def try_acquire(self, name: str, holder: str, ttl: float) -> Grant | None:
-        keys = LeaseKeys.of(self.prefix, name)
-        return self._acquire("acquire", name, holder, ttl, [keys.lock, keys.fence], [])
+        return self._acquire("acquire", name, holder, ttl, *acquire_call(self.prefix, name))
 
     def try_acquire_shared(self, name: str, holder: str, ttl: float) -> Grant | None:
         """Join or start the readers' group of ``name`` (see :mod:`._redis_shared`)."""
@@ -317,12 +318,13 @@ class Backend(LeaseBackend):
         raise FencingUnavailable(self.alias, f"no stable epoch for {name!r} after 3 tries")
 
     def stop_new_readers(self, name: str) -> bool:
-        """Stop new readers, unless the latest exclusive try found ``name`` held by an
-        exclusive grant: readers cannot join that, and only start a group once it is released,
-        which the waiter's next try sees (and the call after it then stops them). So waiting
-        for a name never shared costs no round trip beyond the tries and waits."""
+        """Stop new readers. If the latest exclusive try found ``name`` held by an exclusive
+        grant, readers cannot join that, but would start a group the moment it is released:
+        the waiter's next try carries the stop sign (:func:`acquire_call`), so waiting for a
+        name costs no round trip beyond the tries and waits while no reader holds it."""
         if self.readers_seen.none(name):
-            return False
+            stamp_next_try(self.prefix, name)
+            return True
         self._run("stop_readers", *stop_readers_call(self.prefix, name))
         return True
 
@@ -398,7 +400,8 @@ class Backend(LeaseBackend):
 
     async def astop_new_readers(self, name: str) -> bool:
         if self.readers_seen.none(name):
-            return False
+            stamp_next_try(self.prefix, name)  # in this task's context, as its try reads it
+            return True
         await self._async.run("stop_readers", *stop_readers_call(self.prefix, name))
         return True
 
