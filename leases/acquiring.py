@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 from . import conf, signals, tracing
 from ._arguments import valid_flag, valid_on_lost, valid_timeout, valid_ttl, warn_if_too_short
 from ._event_loop import refuse_blocking
+from ._finishing import finish
 from .backends import Capability, Grant, LeaseBackend, first_try_until, get_backend, tries_until
 from .errors import (
     BackendNotSupported,
@@ -39,9 +40,13 @@ __all__ = [
     "Request",
     "Timing",
     "acquire",
+    "agive_back",
     "announce_failure",
+    "arelease_quietly",
     "astart",
     "attempt",
+    "drop_handle",
+    "give_back",
     "prepare",
     "retry_failed_try",
     "start",
@@ -103,6 +108,7 @@ def _grant(
     room = contextlib.nullcontext() if shared else store.waiting_room(name, timeout)
     writer = not shared and Capability.SHARED_LEASES in store.capabilities
     stop_readers_at = waiting_since
+    won: Grant | None = None
     try:
         with tracing.span("leases.wait", attributes), room, tries_until(deadline):
             while True:
@@ -112,13 +118,19 @@ def _grant(
                     and _stop_new_readers(store, name)
                 ):
                     stop_readers_at = SYSTEM_CLOCK.monotonic() + STOP_READERS_EVERY
-                grant = attempt(store, name, holder, ttl, deadline, shared)
-                if grant is not None:
-                    return grant
+                won = attempt(store, name, holder, ttl, deadline, shared)
+                if won is not None:
+                    return won
                 delay = backoff.next_delay()
                 if delay is None:
                     raise LeaseUnavailable(name, timeout)
                 _wait(store, name, delay)
+    except BaseException:
+        if won is not None:
+            # Won, then interrupted (or failed) while leaving the room, a round trip of its
+            # own: nobody would get the grant, and the name would stay held for its TTL.
+            _release_quietly(store, won)
+        raise
     finally:
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
 
@@ -156,6 +168,57 @@ def retry_failed_try(name: str, deadline: float | None, exc: BackendUnavailable)
         return False
     logger.debug("leases: a try for %r failed, trying once more: %s", name, exc)
     return True
+
+
+def give_back(ask: Request, won: Grant | None) -> None:
+    """Undo an acquisition of ``ask`` that won ``won`` (``None``: nothing won) and ends in an
+    exception all the same: one that is no ``Exception`` (a ``KeyboardInterrupt``, a task
+    runner's time limit, whatever a signal handler raises) can arrive between the grant and
+    the return of its handle, and ``lease_acquired`` receivers let it through. Its handle, if
+    registered by then, is dropped (no longer "already held", watched or renewed), and the
+    grant is released at once rather than left to keep the name from everyone until its TTL.
+    Best effort: one release, bounded as every round trip is; its failure is logged, and the
+    exception the acquisition ends in is the one raised. (Async: ``aio``'s twin.)"""
+    if won is None:
+        return
+    drop_handle(ask, won)
+    _release_quietly(ask.store, won)
+
+
+def drop_handle(ask: Request, won: Grant) -> None:
+    """Drop the handle of ``won`` registered for ``ask``, if any (:func:`give_back`)."""
+    held = held_by(ask.key)
+    if held is not None and held.token == won.token and held.name == won.name:
+        held._abandon()
+
+
+async def agive_back(ask: Request, won: Grant | None) -> None:
+    """:func:`give_back`, awaited (the release runs to its end whatever cancels the caller)."""
+    if won is None:
+        return
+    drop_handle(ask, won)
+    await arelease_quietly(ask.store, won)
+
+
+def _release_quietly(store: LeaseBackend, grant: Grant) -> None:
+    try:
+        store.release(grant)
+    except Exception as exc:  # any: the exception the acquire ends in goes on
+        _not_released(grant, exc)
+
+
+async def arelease_quietly(store: LeaseBackend, grant: Grant) -> None:
+    """Release a grant won by an acquire that is ending in an exception, to its end whatever
+    cancels the caller meanwhile; a failure to release is logged (the exception the acquire
+    ends in is the one to report, and the grant then expires by its TTL)."""
+    try:
+        await finish(store.arelease(grant))
+    except Exception as exc:  # any: the exception the acquire ends in goes on
+        _not_released(grant, exc)
+
+
+def _not_released(grant: Grant, exc: Exception) -> None:
+    logger.warning("leases: %r, won as its acquire ended, not released: %s", grant.name, exc)
 
 
 def _stop_new_readers(store: LeaseBackend, name: str) -> bool:
@@ -291,9 +354,14 @@ def acquire(
         valid_on_lost(on_lost)
     refuse_blocking("acquire()", "aacquire() or alease()")
     # What start() does, without a closure for the grant: this is every acquire's path.
-    with Acquisition(ask) as doing:
-        won = _grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing, shared)
-        return doing.hold(won, Lease, on_lost)
+    won: Grant | None = None
+    try:
+        with Acquisition(ask) as doing:
+            won = _grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing, shared)
+            return doing.hold(won, Lease, on_lost)
+    except BaseException:
+        give_back(ask, won)
+        raise
 
 
 class Acquisition(Timing):
@@ -374,8 +442,14 @@ def start(
     (:func:`announce_failure`; ``lease_acquired`` announces success, from
     :meth:`Lease.start`)."""
     valid_on_lost(on_lost)
-    with Acquisition(ask, attributes) as doing:
-        return doing.hold(grant(doing), handle, on_lost)
+    won: Grant | None = None
+    try:
+        with Acquisition(ask, attributes) as doing:
+            won = grant(doing)
+            return doing.hold(won, handle, on_lost)
+    except BaseException:
+        give_back(ask, won)
+        raise
 
 
 async def astart(
@@ -385,10 +459,17 @@ async def astart(
     on_lost: OnLost | None,
     attributes: tracing.Attributes | None = None,
 ) -> HandleT:
-    """:func:`start` for an awaited ``grant``: ``aacquire`` and ``aacquire_slot``."""
+    """:func:`start` for an awaited ``grant``: ``aacquire`` and ``aacquire_slot`` (an
+    interrupted one gives its grant back as :func:`start` does, awaited: ``give_back``)."""
     valid_on_lost(on_lost)
-    with Acquisition(ask, attributes) as doing:
-        return doing.hold(await grant(doing), handle, on_lost)
+    won: Grant | None = None
+    try:
+        with Acquisition(ask, attributes) as doing:
+            won = await grant(doing)
+            return doing.hold(won, handle, on_lost)
+    except BaseException:
+        await agive_back(ask, won)
+        raise
 
 
 def announce_failure(ask: Request, error: Exception, timing: Timing) -> None:

@@ -43,6 +43,8 @@ from .acquiring import (
     STOP_READERS_EVERY,
     Acquisition,
     Timing,
+    agive_back,
+    arelease_quietly,
     prepare,
     retry_failed_try,
 )
@@ -173,20 +175,10 @@ async def _await_grant(
         if won is not None:
             # Won, then cancelled (or failed) while leaving the room, a round trip of its
             # own: nobody would get the grant, and the name would stay held for its TTL.
-            await _give_back(store, won)
+            await arelease_quietly(store, won)
         raise
     finally:
         timing.waited = SYSTEM_CLOCK.monotonic() - waiting_since
-
-
-async def _give_back(store: LeaseBackend, grant: Grant) -> None:
-    """Release a grant won by an acquire that is ending in an exception, to its end whatever
-    cancels the caller meanwhile; a failure to release is logged (the exception the acquire
-    ends in is the one to report, and the grant then expires by its TTL)."""
-    try:
-        await finish(store.arelease(grant))
-    except Exception as exc:  # any: the exception the acquire ends in goes on
-        logger.warning("leases: %r, won as its acquire ended, not released: %s", grant.name, exc)
 
 
 async def _stop_new_readers(store: LeaseBackend, name: str) -> bool:
@@ -223,15 +215,20 @@ async def aacquire(
         valid_on_lost(on_lost)
     # What astart() does, without a closure for the grant, and the first try made here
     # rather than in a coroutine of its own: this is every acquire's path, and most win it.
-    with Acquisition(ask) as doing:
-        deadline = None if ask.timeout is None else doing.started + ask.timeout
-        with first_try_until(deadline):
-            won = await _try(ask.store, ask.name, ask.holder, ask.ttl, deadline, shared)
-        if won is None:
-            won = await _await_grant(
-                ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, deadline, doing, shared
-            )
-        return doing.hold(won, Lease, on_lost)
+    won: Grant | None = None
+    try:
+        with Acquisition(ask) as doing:
+            deadline = None if ask.timeout is None else doing.started + ask.timeout
+            with first_try_until(deadline):
+                won = await _try(ask.store, ask.name, ask.holder, ask.ttl, deadline, shared)
+            if won is None:
+                won = await _await_grant(
+                    ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, deadline, doing, shared
+                )
+            return doing.hold(won, Lease, on_lost)
+    except BaseException:  # between the grant and its handle: see acquiring.give_back
+        await agive_back(ask, won)
+        raise
 
 
 #: The leases entered by ``async with alease(...)`` blocks in this context, innermost last.

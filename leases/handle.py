@@ -120,17 +120,31 @@ class Lease:
         its validity runs out, and, with ``renew_fraction``, renewed in the background.
         ``elapsed`` and ``waited`` are what the acquisition cost, for the signal (``None``
         for an adopted grant, which this process did not wait for).
+
+        Interrupted before it returns (anything that is no ``Exception``, which the signal's
+        ``send_robust`` lets through: a ``KeyboardInterrupt``, a task runner's time limit), it
+        drops the handle again, registration and watch, so the name is not "already held" by
+        a handle nobody has; the grant is then the caller's to give back
+        (:func:`~leases.acquiring.give_back`).
         """
         held = cls(store, grant, on_lost=on_lost)
         held._key = key = key or (store.alias, grant.name, grant.holder)
         with _held_lock:  # registered against reentry (see held_by)
             _held[key] = held
-        if signals.lease_acquired.receivers:  # read per call: receivers connect at any time
-            signals.send(
-                signals.lease_acquired, held.backend, lease=held, elapsed=elapsed, waited=waited
-            )
-        held._fraction = renew_fraction
-        keepalive.watch(held, renew_fraction)  # and, with a fraction, renewed when due
+        try:
+            if signals.lease_acquired.receivers:  # read per call: receivers connect any time
+                signals.send(
+                    signals.lease_acquired,
+                    held.backend,
+                    lease=held,
+                    elapsed=elapsed,
+                    waited=waited,
+                )
+            held._fraction = renew_fraction
+            keepalive.watch(held, renew_fraction)  # and, with a fraction, renewed when due
+        except BaseException:
+            held._abandon()
+            raise
         return held
 
     def __repr__(self) -> str:
@@ -412,7 +426,8 @@ class Lease:
         """Give up a lease whose release got no answer after the block it protected ended in
         time (``lease()``, ``alease()``): nobody holds the handle any more, and the grant is
         left to run out by its TTL, as the block's warning says. Done, unwatched: its expiry
-        is no loss to report, the work it protected having finished while it was held."""
+        is no loss to report, the work it protected having finished while it was held. Also
+        how a handle interrupted before it reached its caller is dropped (:meth:`start`)."""
         with self._state:
             if self._released or self._lost:
                 return

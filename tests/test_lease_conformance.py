@@ -626,6 +626,74 @@ def test_signals_report_the_lifecycle(lease_backend: str, lease_name: str) -> No
     assert seen == ["acquired", "renewed", "released"]
 
 
+class Interrupted(BaseException):
+    """What a signal handler or a task runner raises (KeyboardInterrupt's kind): no
+    ``Exception``, so ``send_robust`` lets it through a ``lease_acquired`` receiver."""
+
+
+@contextlib.contextmanager
+def interrupting_the_first_grant(error: BaseException) -> Any:
+    """A ``lease_acquired`` receiver that raises ``error`` once: after the store granted the
+    lease, before ``acquire()`` handed it over."""
+    raised: list[BaseException] = []
+
+    def receiver(sender: str, lease: Any, **kwargs: Any) -> None:
+        if not raised:
+            raised.append(error)
+            raise error
+
+    lease_acquired.connect(receiver)
+    try:
+        yield
+    finally:
+        lease_acquired.disconnect(receiver)
+    assert raised, "the receiver never ran"
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), Interrupted()], ids=type)
+def test_an_interrupt_between_the_grant_and_its_handle_leaves_nothing_held(
+    lease_backend: str, lease_name: str, error: BaseException
+) -> None:
+    """Neither the grant (another holder gets the name at once, not after the TTL) nor the
+    registration (this thread acquires it again, no ``LeaseAlreadyHeld``) is left behind."""
+    with interrupting_the_first_grant(error), pytest.raises(type(error)):
+        acquire(lease_name, ttl=30, backend=lease_backend)
+    other = acquire(lease_name, ttl=30, backend=lease_backend, timeout=0, holder="other")
+    other.release()
+    with (
+        interrupting_the_first_grant(error),
+        pytest.raises(type(error)),
+        lease(lease_name, ttl=30, backend=lease_backend),
+    ):
+        pytest.fail("the block ran")
+    again = acquire(lease_name, ttl=30, backend=lease_backend, timeout=0)
+    assert again.token > other.token
+    again.release()
+
+
+def test_an_interrupt_between_an_async_grant_and_its_handle_leaves_nothing_held(
+    lease_backend: str, lease_name: str
+) -> None:
+    """:func:`test_an_interrupt_between_the_grant_and_its_handle_leaves_nothing_held`, for
+    ``aacquire()`` and ``alease()``."""
+
+    async def main() -> None:
+        with interrupting_the_first_grant(Interrupted()), pytest.raises(Interrupted):
+            await leases.aacquire(lease_name, ttl=30, backend=lease_backend)
+        other = await leases.aacquire(
+            lease_name, ttl=30, backend=lease_backend, timeout=0, holder="other"
+        )
+        await other.arelease()
+        with interrupting_the_first_grant(Interrupted()), pytest.raises(Interrupted):
+            async with alease(lease_name, ttl=30, backend=lease_backend):
+                pytest.fail("the block ran")
+        again = await leases.aacquire(lease_name, ttl=30, backend=lease_backend, timeout=0)
+        assert again.token > other.token
+        await again.arelease()
+
+    asyncio.run(main())
+
+
 def test_holder_identity_names_host_process_thread_and_label(
     lease_backend: str, lease_name: str
 ) -> None:
