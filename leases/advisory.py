@@ -325,11 +325,13 @@ def _settle_interrupted(
     held until the session ended, for the next request or task on the connection and against
     every other process. So the statement is cancelled, the caller's transaction made usable
     as after a failed call (:func:`_recover`), and a session lock this session holds
-    unlocked. If the session's state cannot be known (the cancellation got no answer, the
-    savepoint is gone, or the lock was already held by an outer block, so ``pg_locks``
-    cannot tell whether this call added a hold), the session is ended: the release that
-    cannot fail. An xact lock needs no more: it ends with the transaction the exception is
-    unwinding (with the savepoint, for a timed call).
+    unlocked. If the session's state cannot be known, the session is ended: the release
+    that cannot fail. So when the cancellation got no answer; when the statement failed
+    inside the caller's transaction (which cannot be asked until it ends, though the lock may
+    have been granted before the cancellation reached the statement); and when the lock was
+    already held by an outer block (``pg_locks`` cannot tell whether this call added a hold).
+    An xact lock needs no more: it ends with the transaction the exception is unwinding (with
+    the savepoint, for a timed call).
     """
     raw = connection.connection
     if raw is None or raw.closed:
@@ -338,8 +340,13 @@ def _settle_interrupted(
         cancel_running(raw, CHECK_TIMEOUT)
         if raw.info.transaction_status == TransactionStatus.INERROR:
             if not savepoint:
-                _recover(connection, savepoint=False)  # the one statement failed: nothing held
-                return
+                _recover(connection, savepoint=False)
+                if session:
+                    # The cancellation may have reached the statement after its lock was
+                    # granted (it failed while finishing): a session lock outlives the failed
+                    # statement, and the aborted transaction cannot be asked.
+                    raise LeaseNotHeld(lock.label, "failed inside an aborted transaction")
+                return  # an xact lock went with the failed statement's transaction
             _execute(connection, UNDO_TIMED_CALL_SQL)
         unlock = _session_unlock_sql(lock)
         if not session:
