@@ -49,6 +49,7 @@ __all__ = [
     "PROBE",
     "RECORD_STEP",
     "RELEASE",
+    "ROW_WAIT_SQL",
     "STORE",
     "UNLOCK_SQL",
     "OwnedWrite",
@@ -129,6 +130,17 @@ class Statement:
 # (:mod:`idempotency._direct`).
 ASYNC_CLAIM_SQL = "set_config('synchronous_commit', 'off', true)"
 
+# Evaluated by BEGIN when its ``row_wait`` parameter is not NULL (a claim in autocommit), before
+# the insert: its wait on a row another transaction holds lasts at most that long (a
+# ``lock_timeout``, local to the claim's own implicit transaction). That row may be a started
+# row a claim inside an open transaction inserted and will not commit before its request ends;
+# a duplicate queued on it for as long, instead of being told 409 or 422 within its own wait.
+# Part of the statement, as above, so the uncontended claim stays one round trip; when the
+# timeout fires, the caller reads the holder's locks (see ``idempotency.store``). A claim inside
+# an open transaction passes NULL: it bounds the wait itself, and a ``SET LOCAL`` there would
+# outlast the claim.
+ROW_WAIT_SQL = "set_config('lock_timeout', %(row_wait)s::text, true)"
+
 
 # The claim. A read-only probe first: a key that is there and may not be taken (completed and
 # unexpired, or started and locked) is only read, so a replay or a duplicate writes nothing,
@@ -144,7 +156,7 @@ ASYNC_CLAIM_SQL = "set_config('synchronous_commit', 'off', true)"
 # is none). A take-over that keeps a crashed attempt's steps keeps its fingerprint too, which
 # the steps' derived keys were made from, and returns it as the claim's.
 BEGIN = Statement(
-    "idempotency_begin_v4",
+    "idempotency_begin_v5",
     (
         ("scope", "text"),
         ("key", "text"),
@@ -153,6 +165,7 @@ BEGIN = Statement(
         ("owner", "uuid"),
         ("lock", "float8"),
         ("ttl", "float8"),
+        ("row_wait", "text"),
         ("async", "boolean"),
     ),
     """
@@ -173,7 +186,7 @@ WITH found AS (
             OR (f.state = 'started' AND f.locked_until < clock_timestamp()
                 AND (f.fingerprint IN (%(fingerprint)s, %(legacy)s)
                      OR f.expires_at < clock_timestamp())))
-    )
+    ) AND (%(row_wait)s::text IS NULL OR {ROW_WAIT_SQL} IS NOT NULL)
     ON CONFLICT (scope, key) DO UPDATE SET
         fingerprint = CASE WHEN k.state = 'started' AND k.expires_at >= clock_timestamp()
                                 AND k.fingerprint IN (EXCLUDED.fingerprint, %(legacy)s::text)
@@ -199,7 +212,7 @@ UNION ALL
 SELECT id, 'existing', state, fingerprint, response_status, response_headers, response_body,
        extract(epoch FROM locked_until - clock_timestamp())::float8, NULL, NULL
 FROM found WHERE NOT EXISTS (SELECT 1 FROM claimed)
-""".replace("{ASYNC_CLAIM_SQL}", ASYNC_CLAIM_SQL),
+""".replace("{ASYNC_CLAIM_SQL}", ASYNC_CLAIM_SQL).replace("{ROW_WAIT_SQL}", ROW_WAIT_SQL),
 )
 
 

@@ -83,6 +83,10 @@ BOUND_LOCK_WAIT_SQL = (
 RESTORE_LOCK_TIMEOUT_SQL = "SELECT set_config('lock_timeout', %(previous)s, true)"
 LOCK_NOT_AVAILABLE = "55P03"
 _MAX_LOCK_TIMEOUT_MS = 2**31 - 1
+# An autocommit claim waits on another transaction's row at most this long a time (the time it
+# may wait, if less), then reads who holds it: another request's key is told apart at once, not
+# when the whole wait is over, and ``begin`` polls an in-progress one as it polls any.
+_ROW_WAIT_SLICE = 0.25
 
 # A key committed between the statement's snapshot and its conflict check shows up in neither
 # half of the claim; running it again sees it.
@@ -183,11 +187,7 @@ def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> Be
     once). The locks are kept with a claim, until the transaction ends; otherwise they are
     given back with the savepoint, so a replay or a refusal holds nothing.
     """
-    params.setdefault("gate", gate_key(params["scope"], params["key"]))
-    params.setdefault(
-        "request_gate", gate_key(params["scope"], params["key"], params["fingerprint"])
-    )
-    params["session"] = False
+    _with_transaction_gates(params)
     try:
         with transaction.atomic(using=using):
             probed = _claim_gated(params, using)
@@ -195,7 +195,7 @@ def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> Be
             if begun is None or begun.claim is None:
                 transaction.set_rollback(True, using=using)
     except OperationalError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+        if not _lock_wait_ended(exc):
             raise
         return Begun(Status.IN_PROGRESS, retry_after=1.0)
     if probed[0] == "claimed":
@@ -203,14 +203,32 @@ def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> Be
     return _probed(params, probed)
 
 
+def _with_transaction_gates(params: dict[str, Any]) -> None:
+    """The gated claim's lock keys in ``params``, as transaction locks (GATE_XACT_SQL)."""
+    params.setdefault("gate", gate_key(params["scope"], params["key"]))
+    params.setdefault(
+        "request_gate", gate_key(params["scope"], params["key"], params["fingerprint"])
+    )
+    params["session"] = False
+
+
+def _lock_wait_ended(exc: OperationalError) -> bool:
+    """Whether ``exc`` is a bounded wait on a locked row running out (``lock_timeout``)."""
+    return getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE
+
+
+def _lock_timeout(wait: float) -> str:
+    """A ``lock_timeout`` of ``wait`` seconds, at least a millisecond (0 would wait forever)."""
+    return f"{min(max(math.ceil(wait * 1000), 1), _MAX_LOCK_TIMEOUT_MS)}ms"
+
+
 def _claim_row(params: dict[str, Any], using: str, wait: float) -> Begun | None:
     """BEGIN's answer inside an open transaction, waiting at most ``wait`` seconds on a locked
     row (a ``lock_timeout``, which rolls back the caller's savepoint when it fires)."""
-    timeout_ms = min(max(math.ceil(wait * 1000), 1), _MAX_LOCK_TIMEOUT_MS)
     with connections[using].cursor() as cursor:
-        cursor.execute(BOUND_LOCK_WAIT_SQL, {"timeout": f"{timeout_ms}ms"})
+        cursor.execute(BOUND_LOCK_WAIT_SQL, {"timeout": _lock_timeout(wait)})
         previous = cursor.fetchone()[0]
-        statements.execute(cursor, BEGIN, {**params, "async": False})
+        statements.execute(cursor, BEGIN, {**params, "async": False, "row_wait": None})
         row = cursor.fetchone()
         cursor.execute(RESTORE_LOCK_TIMEOUT_SQL, {"previous": previous})
     return _begun_from_row(params, using, row)
@@ -319,9 +337,28 @@ def _begin_once(
         return _begin_in_transaction_once(params, using)
     if connections[using].in_atomic_block:
         return _claim_in_transaction(params, using, wait)
-    # The started row's commit need not wait for the disk (ASYNC_CLAIM_SQL says why).
-    row = statements.fetch_one(using, BEGIN, {**params, "async": True})
+    # The started row's commit need not wait for the disk (ASYNC_CLAIM_SQL says why), and its
+    # insert waits on another transaction's row for a slice of the wait at most (ROW_WAIT_SQL).
+    row_wait = _lock_timeout(min(wait, _ROW_WAIT_SLICE))
+    try:
+        row = statements.fetch_one(using, BEGIN, {**params, "async": True, "row_wait": row_wait})
+    except OperationalError as exc:
+        if not _lock_wait_ended(exc):
+            raise
+        return _held_elsewhere(params, using)
     return _begun_from_row(params, using, row)
+
+
+def _held_elsewhere(params: dict[str, Any], using: str) -> Begun | None:
+    """Who holds the row an autocommit claim's insert timed out on, read from the locks a claim
+    inside an open transaction holds with its uncommitted row (the gated claim's transaction
+    locks, tried and given back at the end of the look's own implicit transaction): this
+    request's attempt (in progress, 409) or another request's (a mismatch, 422), as the other
+    claims answer. A key free of both locks was held by a claim without them, committing at
+    once, or is free again: None, the claim runs again."""
+    _with_transaction_gates(params)
+    probed = _claim_gated(params, using)
+    return None if probed[0] == "claimed" else _probed(params, probed)
 
 
 def _begun_from_row(params: dict[str, Any], using: str, row: Any) -> Begun | None:

@@ -372,6 +372,45 @@ def test_a_key_in_flight_reused_for_another_request_is_a_mismatch_in_either_clai
     assert duplicate(OTHER_FP).status is Status.NEW  # the key was never stored
 
 
+@pytest.mark.parametrize(
+    ("fingerprint", "answer", "wait"),
+    [
+        pytest.param(FP, Status.IN_PROGRESS, 0.0, id="same_request"),
+        pytest.param(OTHER_FP, Status.MISMATCH, 0.0, id="another_request"),
+        pytest.param(FP, Status.IN_PROGRESS, 0.5, id="same_request_waiting"),
+        pytest.param(OTHER_FP, Status.MISMATCH, 0.5, id="another_request_waiting"),
+    ],
+)
+def test_a_row_claim_in_autocommit_meets_a_key_held_in_an_open_transaction_without_queueing(
+    fingerprint: str, answer: Status, wait: float
+) -> None:
+    """A row claim inside an open transaction leaves its started row uncommitted while it
+    runs. A row claim in autocommit took no lock and its insert queued on that row for as long
+    as the other transaction stayed open, whatever the time it was given to wait; it is
+    answered within that time instead, 409 for the same request and 422 for another."""
+    out: list[Any] = []
+
+    def duplicate() -> None:
+        try:
+            out.append(begin("s", "k", fingerprint, ttl=60, lock_timeout=60, wait=wait))
+        except Exception as exc:  # handed to the test, which asserts on it
+            out.append(exc)
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=duplicate)
+    with transaction.atomic():
+        first = begin("s", "k", FP, ttl=60, lock_timeout=60)
+        assert first.claim is not None
+        worker.start()
+        worker.join(wait + 10)  # generous: the claim's own bound is ``wait``
+        answered = not worker.is_alive()
+    worker.join(60)  # the old claim was let go by the commit
+    assert answered, "the autocommit claim queued on the open transaction's row"
+    assert getattr(out[0], "status", out[0]) is answer
+    assert advisory_locks_held() == 0
+
+
 @pytest.mark.parametrize("in_transaction", [False, True], ids=["row_claim", "gated_claim"])
 def test_transactions_claiming_each_others_keys_never_deadlock(in_transaction: bool) -> None:
     """Two open transactions, each holding a key, claim each other's while waiting for it to

@@ -189,6 +189,25 @@ def test_only_the_claims_own_commit_skips_the_wait_for_the_disk() -> None:
     assert in_attempt == "on" and _synchronous_commit() == "on"
 
 
+def test_the_claims_bound_on_its_wait_for_a_row_ends_with_its_own_query() -> None:
+    """An autocommit claim bounds its insert's wait on another transaction's row by a
+    ``lock_timeout`` set in its own query (one implicit transaction): the session's own
+    ``lock_timeout`` is what it was before, for the session's later statements."""
+    from idempotency.statements import BEGIN, ROW_WAIT_SQL
+
+    assert ROW_WAIT_SQL in BEGIN.sql and "'lock_timeout'" in ROW_WAIT_SQL
+    with connection.cursor() as cursor:
+        cursor.execute("SET lock_timeout = '7s'")
+    try:
+        assert begin("s", "k-wait", FP, ttl=60, lock_timeout=60).claim is not None
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW lock_timeout")
+            assert cursor.fetchone()[0] == "7s"
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET lock_timeout")
+
+
 def test_a_claim_inside_an_open_transaction_leaves_its_commit_synchronous() -> None:
     """There the claim's row commits with the caller's effects: nothing may make that commit
     less durable."""
