@@ -21,12 +21,12 @@ from leases.celery import leader_only, locked_task, partitioned, singleton_task
 
 from .models import Invoice
 
-#: Every demo task goes to this queue unless it is partitioned.
+#: Every demo task goes to this queue unless it is partitioned: ``CELERY_TASK_ROUTES`` in
+#: ``demo_project/settings.py`` routes them there (Celery 5.7 deprecates a task's ``queue``).
 QUEUE = "demo-shop"
 
 
-@locked_task(key="invoice:{number}", ttl=10, busy_backoff=0.05, busy_backoff_max=0.5,
-             queue=QUEUE)  # fmt: skip
+@locked_task(key="invoice:{number}", ttl=10, busy_backoff=0.05, busy_backoff_max=0.5)
 def finalise_invoice(number: str, lease: Lease) -> int:
     """Issue an invoice; bodies for one invoice never overlap, and a stale one cannot write."""
     invoice = Invoice.objects.get(number=number)
@@ -37,21 +37,21 @@ def finalise_invoice(number: str, lease: Lease) -> int:
     return lease.token
 
 
-@idempotent_task(key="charge:{number}:{charge_id}", queue=QUEUE)
+@idempotent_task(key="charge:{number}:{charge_id}")
 def charge_invoice(number: str, charge_id: str, cents: int) -> int:
     """Add a charge; recorded with its result in one transaction, so a rerun changes nothing."""
     Invoice.objects.filter(number=number).update(total_cents=F("total_cents") + cents)
     return Invoice.objects.get(number=number).total_cents
 
 
-@singleton_task(key="report:{customer}", ttl=30, queue=QUEUE)
+@singleton_task(key="report:{customer}", ttl=30)
 def rebuild_report(customer: str) -> int:
     """An expensive rebuild that one request triggers as well as a hundred."""
     time.sleep(0.5)
     return Invoice.objects.filter(customer=customer).count()
 
 
-@leader_only(key="demo:nightly-summary", ttl=30, queue=QUEUE)
+@leader_only(key="demo:nightly-summary", ttl=30)
 def nightly_summary() -> dict[str, Any]:
     """Run from several beat processes for availability; only the elected one sends it."""
     return {"invoices": Invoice.objects.count()}
