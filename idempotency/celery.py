@@ -26,19 +26,23 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal, overload
 
-from celery import Task
 from django.core.serializers.json import DjangoJSONEncoder
 
-from leases.celery._base import (
-    backoff,
-    format_key,
-    retries_spent,
-    retry_on_own_budget,
-    task_decorator,
-    task_signature,
-)
-from leases.celery.locked import LockedTask
+from leases._extras import extra_required
 from leases.keys import MAX_NAME_LENGTH, validate_name
+
+with extra_required(__name__, "celery", "celery"):
+    from celery import Task
+
+    from leases.celery._base import (
+        backoff,
+        format_key,
+        retries_spent,
+        retry_on_own_budget,
+        task_decorator,
+        task_signature,
+    )
+    from leases.celery.locked import LockedTask
 
 from . import conf
 from .errors import IdempotencyImproperlyConfigured, IdempotencyKeyInProgress

@@ -279,6 +279,7 @@ def test_a_sample_that_imports_imports_what_it_uses(where: str, code: str) -> No
 OPTIONAL_MODULES = [
     ("leases.celery", "celery", "celery"),
     ("leases.celery.locked", "celery", "celery"),
+    ("idempotency.celery", "celery", "celery"),
     ("leases.metrics", "prometheus_client", "prometheus"),
     ("leases.health", "health_check", "health"),
 ]
