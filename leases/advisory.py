@@ -105,19 +105,17 @@ TIMED_CALL_AUTOCOMMIT_SQL = (
     "SELECT set_config('lock_timeout', '{timeout_ms}', true); SELECT {function}({key})"
 )
 
-HELD_SQL = (
-    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
+# This session holds the lock, as ``pg_locks`` shows it (:meth:`AdvisoryLock.in_pg_locks`).
+_HELD_BY_THIS_SESSION = (
+    "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
     " AND pid = pg_backend_pid() AND classid = {classid} AND objid = {objid}"
     " AND objsubid = {objsubid} AND mode = '{mode}')"
 )
+HELD_SQL = f"SELECT {_HELD_BY_THIS_SESSION}"
 
 # After a lock call was interrupted: unlock once if this session holds the lock, else do
 # nothing (a bare unlock of a lock not held puts a WARNING in the server's log).
-UNLOCK_IF_HELD_SQL = (
-    "SELECT {function}({key}) WHERE EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
-    " AND granted AND pid = pg_backend_pid() AND classid = {classid} AND objid = {objid}"
-    " AND objsubid = {objsubid} AND mode = '{mode}')"
-)
+UNLOCK_IF_HELD_SQL = f"SELECT {{function}}({{key}}) WHERE {_HELD_BY_THIS_SESSION}"
 
 #: Seconds :meth:`AdvisoryLock.ensure_held` and a session lock's unlock wait for the server's
 #: answer before they give the session up (see the module's docstring): the bound the
@@ -348,10 +346,9 @@ def _settle_interrupted(
                     raise LeaseNotHeld(lock.label, "failed inside an aborted transaction")
                 return  # an xact lock went with the failed statement's transaction
             _execute(connection, UNDO_TIMED_CALL_SQL)
-        unlock = _session_unlock_sql(lock)
         if not session:
             return
-        if _session_leaks.holds(connection, unlock):
+        if _session_leaks.holds(connection, _session_unlock_sql(lock)):
             raise LeaseNotHeld(lock.label, "a re-entrant hold cannot be told from the outer one")
         sql = UNLOCK_IF_HELD_SQL.format(
             function=SESSION_UNLOCK[lock.shared], key=_render_key(lock.key), **lock.in_pg_locks()
