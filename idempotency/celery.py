@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from typing import Any, ClassVar, Literal, overload
 
 from django.core.serializers.json import DjangoJSONEncoder
@@ -135,7 +136,7 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.idempotency_key is None and not self.request.id:
             return super().__call__(*args, **kwargs)  # called directly: no delivery to dedupe
-        key = self.idempotency_key_for(args, kwargs)
+        key = self._key_of_run(args, kwargs)
         once = idempotency_key(
             key,
             scope=self.idempotency_scope(),
@@ -161,6 +162,18 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
             return self.in_flight(key, exc)
         return operation.result
 
+    def _key_of_run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """The key this run claims (:meth:`idempotency_key_for`, called once a run)."""
+        return self.idempotency_key_for(args, kwargs)
+
+
+#: The key a run of ``idempotent_task(base=LockedTask)`` named its lease after, kept for the
+#: claim of the same run: the task (a run of another task never takes it) and a box holding
+#: the key until the claim takes it out.
+_run_key: ContextVar[tuple[object, list[str]] | None] = ContextVar(
+    "idempotency_run_key", default=None
+)
+
 
 class _LockedIdempotentTask(LockedTask, IdempotentTask):
     """``idempotent_task(base=LockedTask)``: a lease around each run, one per idempotency key.
@@ -171,12 +184,32 @@ class _LockedIdempotentTask(LockedTask, IdempotentTask):
     named after the task, as a locked task's lease is by default, it put every key of the
     task behind one lease, one run at a time. A ``lease_key`` given, or a subclass's own
     :meth:`lease_name`, names it instead.
+
+    The key is computed once a run, for the lease, and the claim takes the same: computed
+    again, a key callable that reads the database paid twice, and one that is not pure (a
+    clock, a counter) named the lease after one key and claimed another.
     """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        reset = _run_key.set((self, []))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _run_key.reset(reset)
+
+    def _key_of_run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        run = _run_key.get()
+        if run is not None and run[0] is self and run[1]:
+            return run[1].pop()  # the lease's (taken out: a nested call computes its own)
+        return super()._key_of_run(args, kwargs)
 
     def lease_name(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         if self.lease_key is not None or (self.idempotency_key is None and not self.request.id):
             return super().lease_name(args, kwargs)  # a lease_key, or no key (called directly)
         scope, key = self.idempotency_scope(), self.idempotency_key_for(args, kwargs)
+        run = _run_key.get()
+        if run is not None and run[0] is self:
+            run[1][:] = [key]
         name = f"{scope}:{key}"
         if len(name) > MAX_NAME_LENGTH:
             name = f"{scope}:sha256:{hashlib.sha256(key.encode()).hexdigest()}"

@@ -17,6 +17,7 @@ import pytest
 
 from idempotency.celery import IdempotentTask, idempotent_task
 from idempotency.errors import IdempotencyImproperlyConfigured
+from idempotency.models import IdempotencyKey
 from leases import acquire
 from leases.celery import (
     LockedTask,
@@ -280,6 +281,32 @@ def test_an_idempotent_task_with_a_lease_holds_one_lease_per_key_around_its_clai
         by_task_id.pop_request()
 
 
+@pytest.mark.django_db(transaction=True)
+def test_an_idempotent_task_with_a_lease_computes_its_key_once_a_run() -> None:
+    """``idempotent_task(base=LockedTask)`` called the key callable twice a run: once to name
+    the lease, once more to claim the key. A callable that reads the database paid for it
+    twice, and one that is not pure (a clock, a counter) named the lease after one key and
+    claimed another, so the lease did not cover the claim it was there for."""
+    calls: list[int] = []
+
+    def key(order: int) -> str:
+        calls.append(order)
+        return f"once:{order}:{len(calls)}"  # impure on purpose: a second call differs
+
+    @idempotent_task(key=key, base=LockedTask, bind=True, app=app, name="keys.key_once")
+    def charge(self: Any, order: int) -> str:
+        held = self.lease
+        assert held is not None
+        return str(held.name)
+
+    leased = charge.apply((7,), task_id="key-once-1").get()
+    assert calls == [7]
+    claimed = IdempotencyKey.objects.get(scope="celery:keys.key_once")
+    assert leased == f"celery:keys.key_once:{claimed.key}"  # the lease is the claim's key's
+    charge.apply((8,), task_id="key-once-2").get()
+    assert calls == [7, 8]
+
+
 class _RegionLockedTask(LockedTask):
     def lease_name(self, args: tuple[Any, ...], kwargs: Any) -> str:
         return f"region:{args[1]}"
@@ -433,7 +460,6 @@ def test_an_in_flight_retry_leaves_the_tasks_own_retry_budget_alone(
     shared by every later run in the process: Celery's autoretry then used it for the task's
     own failures, and a body with ``max_retries=3`` ran 101 times instead of 4."""
     from idempotency.http import digest
-    from idempotency.models import IdempotencyKey
     from idempotency.store import begin
 
     fingerprint = digest([flaky.fingerprint((), {}).encode()])
