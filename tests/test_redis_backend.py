@@ -423,6 +423,51 @@ def test_one_round_trip_each_for_acquire_renew_release(make_backend: MakeBackend
     assert counts == [1, 1, 1]
 
 
+def _packed(command: object) -> bytes:
+    """The bytes of a command as redis-py sends it (bytes, or a list of chunks)."""
+    if isinstance(command, (bytes, bytearray, memoryview)):
+        return bytes(command)
+    assert isinstance(command, (list, tuple))
+    return b"".join(bytes(chunk) for chunk in command)
+
+
+def test_listing_scans_once_and_inspects_in_batches(make_backend: MakeBackend) -> None:
+    """``inspect_all`` (the admin's page, ``leases list``) scanned the keyspace twice, once
+    for counters and once for grants (the whole database both times: ``SCAN MATCH`` filters
+    after reading), then inspected each name in a round trip of its own: 300 names cost 302
+    round trips, which on a Redis shared with a cache of millions of keys is a page that
+    takes seconds. One scan, and the names inspected in pipelined batches."""
+    backend = make_backend(PREFIX=f"{unique('p')}:")
+    names = [f"listed:{i:03d}" for i in range(300)]
+    grants = {name: backend.try_acquire(name, "a", 30) for name in names}
+    for name in names[::2]:  # half free again: listed by their counters alone
+        grant = grants[name]
+        assert grant is not None
+        backend.release(grant)
+    backend.client.delete(LeaseKeys.of(backend.prefix, names[1]).fence)  # a lock alone
+    lister = make_backend(PREFIX=backend.prefix)  # no connection made yet: all are counted
+    sent: list[object] = []
+    pool = lister.client.connection_pool
+
+    class Counting(pool.connection_class):  # type: ignore[name-defined,misc]
+        def send_packed_command(self, command: object, *args: object, **kwargs: object) -> None:
+            sent.append(command)
+            super().send_packed_command(command, *args, **kwargs)
+
+    pool.disconnect()
+    pool.connection_class = Counting
+    lister.client.ping()  # the connection's handshake, not the listing's
+    sent.clear()
+    listed = lister.inspect_all()
+    assert [info.name for info in listed] == names
+    assert [info.held for info in listed] == [i % 2 == 1 for i in range(300)]
+    assert all(info.token == grants[info.name].token for info in listed)  # type: ignore[union-attr]
+    scans = [_packed(c) for c in sent if b"SCAN" in _packed(c)[:40]]
+    passes = [c for c in scans if b"SCAN\r\n$1\r\n0\r\n" in c]  # from cursor 0: a new pass
+    assert len(passes) == 1, f"{len(passes)} passes over the keyspace"
+    assert len(sent) - len(scans) <= 1, f"{len(sent) - len(scans)} round trips for 300 names"
+
+
 def test_a_forked_child_never_ends_the_parents_database_session(make_backend: MakeBackend) -> None:
     backend = make_backend()
     assert backend.try_acquire(unique(), "parent", 5) is not None  # the epoch counter connected

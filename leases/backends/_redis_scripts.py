@@ -152,6 +152,21 @@ class LeaseKeys:
         escaped = key[len(prefix) + 1 : -len(f"}}:{kind}")]
         return escaped.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
 
+    @staticmethod
+    def any_pattern(prefix: str) -> str:
+        """A ``SCAN MATCH`` pattern for every key of every name under ``prefix``: one pass
+        over the keyspace finds the keys of several kinds (see :meth:`name_if`)."""
+        return f"{prefix}{{*}}:*"
+
+    @staticmethod
+    def name_if(prefix: str, key: str, kinds: tuple[KeyKind, ...]) -> str | None:
+        """The lease name whose key ``key`` is, if it is a key of one of ``kinds`` (a name's
+        braces are escaped, so ``}:<kind>`` can only end the key); else ``None``."""
+        for kind in kinds:
+            if key.endswith(f"}}:{kind}"):
+                return LeaseKeys.name_of(prefix, key, kind)
+        return None
+
 
 @functools.lru_cache(maxsize=1024)
 def _lease_keys(prefix: str, name: str) -> LeaseKeys:
