@@ -79,6 +79,8 @@ PING_SQL = "SELECT 1"
 CURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %s"
 #: :data:`CURRENT_LEASE_SQL` with a named parameter, as the async connection takes them.
 ACURRENT_LEASE_SQL = "SELECT token FROM leases_lease WHERE name = %(name)s"
+#: :data:`CURRENT_LEASE_SQL` of many names in one statement (operators' listings).
+CURRENT_LEASES_SQL = "SELECT name, token FROM leases_lease WHERE name = ANY(%s::text[])"
 
 #: Compare-and-bump for a revocation: the token moves on only if it is still the one the
 #: operator saw. Returns the new token, or NULL and the current one (NULL if never granted).
@@ -202,6 +204,15 @@ class DurableCounter:
     def current_lease(self, name: str) -> int | None:
         """The last token handed out for ``name``, or ``None`` if none ever was."""
         return self._execute(CURRENT_LEASE_SQL, (name,))
+
+    def current_leases(self, names: list[str]) -> dict[str, int]:
+        """:meth:`current_lease` of each of ``names`` in one round trip (a name never granted
+        is left out)."""
+        try:
+            rows = self._connection.run(CURRENT_LEASES_SQL, (names,))
+        except (psycopg.Error, BackendUnavailable) as exc:
+            raise self._unavailable(exc) from exc
+        return {str(name): int(token) for name, token in rows}
 
     async def acurrent_lease(self, name: str) -> int | None:
         """:meth:`current_lease`, awaited."""
