@@ -7,6 +7,7 @@ What the shared suites cannot see: that a release wakes the next contender and n
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
@@ -224,3 +225,49 @@ def test_with_auth_an_anonymous_client_can_neither_release_nor_keep_a_lease(
         admin.close()
         outsider.stop()
         outsider.close()
+
+
+def test_listing_reads_the_names_in_two_round_trips_a_batch(
+    zookeeper: str, lease_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``inspect_all`` read each name's line and then its head, waiting for each reply
+    before the next request: two round trips a name, so a listing of a few thousand names
+    took seconds. A batch's requests now go out together (kazoo pipelines them on its one
+    connection): the client waits twice a batch. Counted as the client schedules them: a
+    request sent after a wait starts a new round trip."""
+    store = cast("ZooKeeperBackend", get_backend(zookeeper))
+    names = [f"{lease_name}:{i:03d}" for i in range(60)]
+    grants = {name: store.try_acquire(name, f"h{i}", 30) for i, name in enumerate(names)}
+    for name in names[::3]:
+        grant = grants.pop(name)
+        assert grant is not None
+        store.release(grant)
+    events: list[str] = []
+    for method in ("get_children_async", "get_async"):
+        real = getattr(store.client, method)
+
+        def sent(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            events.append("send")
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(store.client, method, sent)
+    real_get = store.zk.get
+
+    def waited(result: Any) -> Any:
+        events.append("wait")
+        return real_get(result)
+
+    monkeypatch.setattr(store.zk, "get", waited)
+    listed = {info.name: info for info in store.inspect_all() if info.name in names}
+    monkeypatch.undo()
+    trips = 1 + sum(1 for a, b in itertools.pairwise(events) if (a, b) == ("wait", "send"))
+    assert trips <= 3, f"{trips} round trips for {len(names)} names"
+    assert set(listed) == set(names)
+    for name in names:
+        grant = grants.get(name)
+        info = listed[name]
+        if grant is None:
+            assert not info.held
+        else:
+            assert info.held and (info.holder, info.token) == (grant.holder, grant.token)
+            store.release(grant)
