@@ -266,7 +266,7 @@ def idempotent_task(
     """
     conf.check_seconds("ttl", ttl, positive=True)
     conf.check_seconds("lock", lock, positive=True)
-    conf.check_seconds("wait", wait, positive=False)
+    conf.check_seconds("wait", wait, positive=False, optional=False)
     if on_in_flight not in ("retry", "raise"):
         raise IdempotencyImproperlyConfigured(
             f"on_in_flight must be 'retry' or 'raise', not {on_in_flight!r}"

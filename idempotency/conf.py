@@ -169,9 +169,11 @@ def seconds_problem(value: object, *, positive: bool) -> str | None:
     return None
 
 
-def check_seconds(name: str, value: object, *, positive: bool) -> None:
-    """Raise for an option of seconds that :func:`seconds_problem` refuses (``None``: unset)."""
-    problem = None if value is None else seconds_problem(value, positive=positive)
+def check_seconds(name: str, value: object, *, positive: bool, optional: bool = True) -> None:
+    """Raise for an option of seconds that :func:`seconds_problem` refuses (``None``: unset,
+    when ``optional``: the options a setting stands behind; one with no setting, such as an
+    operation's ``wait``, has no meaning for ``None``)."""
+    problem = None if value is None and optional else seconds_problem(value, positive=positive)
     if problem is not None:
         raise IdempotencyImproperlyConfigured(f"{name} {problem}")
 

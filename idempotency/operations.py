@@ -121,7 +121,7 @@ class idempotency_key:
             )
         conf.check_seconds("ttl", ttl, positive=True)
         conf.check_seconds("lock_timeout", lock_timeout, positive=True)
-        conf.check_seconds("wait", wait, positive=False)
+        conf.check_seconds("wait", wait, positive=False, optional=False)
         conf.check_flag("atomic", atomic, optional=True)
         conf.check_flag("claim_in_transaction", claim_in_transaction, optional=True)
         self.key = key

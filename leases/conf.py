@@ -89,7 +89,7 @@ class LeasesSettings:
     def backend(self, alias: str) -> BackendConfig:
         try:
             return self.backends[alias]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: not hashable, so not an alias either
             known = ", ".join(sorted(self.backends)) or "none"
             raise LeasesImproperlyConfigured(
                 f'LEASES["BACKENDS"] has no backend {alias!r} (configured: {known})'

@@ -509,6 +509,20 @@ def test_seconds_options_are_checked_when_decorating(option: dict[str, Any]) -> 
     assert not IdempotencyKey.objects.exists()
 
 
+@pytest.mark.parametrize("wait", [None, "1", float("nan"), -1])
+def test_an_operations_wait_is_checked_when_defined(wait: Any) -> None:
+    """``wait=None`` passed the check (``None`` reads "unset" for the options that have a
+    setting behind them, and ``wait`` has none), then failed with a bare ``TypeError`` inside
+    the claim, at the first operation run; a Celery task's ``wait=None`` failed in the worker."""
+    from idempotency.celery import idempotent_task
+
+    with pytest.raises(IdempotencyImproperlyConfigured, match="wait"):
+        idempotency_key("a-key", wait=wait)
+    with pytest.raises(IdempotencyImproperlyConfigured, match="wait"):
+        idempotent_task(wait=wait)
+    assert not IdempotencyKey.objects.exists()
+
+
 def test_a_guard_without_the_app_installed_says_so(client: Client) -> None:
     """Forgetting "idempotency" in INSTALLED_APPS: no check runs and migrate makes no key table,
     so the first keyed request died of the database's ProgrammingError inside the view."""

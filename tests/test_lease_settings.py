@@ -86,3 +86,11 @@ def test_a_too_short_ttl_warns_on_every_acquire() -> None:
             pytest.raises(InvalidLeaseOption, match="on_lost"),
         ):
             acquire("ttl-memo", ttl=0.12, on_lost="not callable")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("alias", [["default"], {"default": 1}, {"default"}])
+def test_an_unhashable_backend_alias_is_refused_as_unknown(alias: Any) -> None:
+    """``backend=`` must be an alias: a list or dict reached the lookup of the process's
+    backends and failed with a bare ``TypeError: unhashable type``, not the package's error."""
+    with pytest.raises(LeasesImproperlyConfigured, match="no backend"):
+        acquire("settings:alias", ttl=5, backend=alias, keepalive=False)

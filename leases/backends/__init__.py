@@ -56,6 +56,16 @@ def capabilities(alias: str) -> frozenset[Capability]:
     return backend_class(alias).capabilities_of(conf.get().backend(alias).options)
 
 
+def _instance(alias: str) -> LeaseBackend | None:
+    """This process's backend ``alias``, if made; an unhashable ``alias`` (a list) is refused
+    as an unknown one is, not with a bare ``TypeError``."""
+    try:
+        return _instances.get(alias)
+    except TypeError:
+        conf.get().backend(alias)  # raises LeasesImproperlyConfigured
+        raise
+
+
 def get_backend(alias: str = "default") -> LeaseBackend:
     """The backend configured as ``LEASES["BACKENDS"][alias]``.
 
@@ -66,14 +76,14 @@ def get_backend(alias: str = "default") -> LeaseBackend:
     """
     global _pid
     if _pid == _process.pid:  # every acquire asks: the common case takes no lock
-        backend = _instances.get(alias)
+        backend = _instance(alias)
         if backend is not None:
             return backend
     with _lock:
         if _process.pid != _pid:
             _instances.clear()
             _pid = _process.pid
-        backend = _instances.get(alias)
+        backend = _instance(alias)
         if backend is None:
             cls = backend_class(alias)
             backend = _instances[alias] = cls(alias, conf.get().backend(alias).options)
