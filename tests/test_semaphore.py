@@ -27,12 +27,14 @@ from leases import (
     acquire,
     lease,
 )
+from leases.aio_semaphore import aacquire_slot
 from leases.backends import get_backend
 from leases.keys import SEPARATOR
 from leases.semaphore import MAX_LIMIT, Slot, acquire_slot, semaphore, slot_name
 from tests.checker import STALE, Attempt, check_history, history, new_register, record_write
 from tests.extra_backends import closed_port_backend
 from tests.lease_backends import lease_backend, lease_name
+from tests.test_lease_conformance import Interrupted, interrupting_the_first_grant
 from tests.test_lease_faults import Workers, workers
 
 __all__ = ["closed_port_backend", "lease_backend", "lease_name", "workers"]
@@ -277,6 +279,28 @@ def test_block_decorator_and_no_reentry(lease_backend: str, lease_name: str) -> 
 
     qualname = "test_block_decorator_and_no_reentry.<locals>.export"
     assert export() == "done"
+
+
+def test_an_interrupt_between_a_slots_grant_and_its_handle_leaves_nothing_held(
+    lease_backend: str, lease_name: str
+) -> None:
+    """The semaphore's twin of the lease conformance test: ``acquire_slot()`` and
+    ``aacquire_slot()`` interrupted by a ``lease_acquired`` receiver leave neither the slot's
+    grant (another holder takes the only slot at once) nor its registration (no
+    ``LeaseAlreadyHeld`` for this thread or task) behind."""
+    with interrupting_the_first_grant(Interrupted()), pytest.raises(Interrupted):
+        acquire_slot(lease_name, limit=1, ttl=30, backend=lease_backend)
+    other = acquire_slot(lease_name, limit=1, ttl=30, backend=lease_backend, timeout=0, holder="o")
+    other.release()
+
+    async def main() -> None:
+        with interrupting_the_first_grant(Interrupted()), pytest.raises(Interrupted):
+            await aacquire_slot(lease_name, limit=1, ttl=30, backend=lease_backend)
+        again = await aacquire_slot(lease_name, limit=1, ttl=30, backend=lease_backend, timeout=0)
+        assert again.token > other.token
+        await again.arelease()
+
+    asyncio.run(main())
 
 
 def test_lowering_the_limit_never_admits_more_than_the_highest_in_use(
