@@ -56,6 +56,9 @@ __all__ = [
 #: of its own): well within the second the backends keep the sign, and not on every retry.
 STOP_READERS_EVERY = 0.4
 
+#: What ``with`` passes to ``__exit__``: the block's exception, if any, as ``sys.exc_info()``.
+ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
+
 #: What :func:`start` starts: a :class:`Lease`, or a subclass (a semaphore's ``Slot``).
 HandleT = TypeVar("HandleT", bound=Lease)
 
@@ -354,31 +357,34 @@ def acquire(
         valid_on_lost(on_lost)
     refuse_blocking("acquire()", "aacquire() or alease()")
     # What start() does, without a closure for the grant: this is every acquire's path.
-    won: Grant | None = None
-    try:
-        with Acquisition(ask) as doing:
-            won = _grant(ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing, shared)
-            return doing.hold(won, Lease, on_lost)
-    except BaseException:
-        give_back(ask, won)
-        raise
+    with Acquisition(ask) as doing:
+        won = doing.won = _grant(
+            ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, doing, shared
+        )
+        return doing.hold(won, Lease, on_lost)
 
 
 class Acquisition(Timing):
     """One acquisition of ``ask``: the ``leases.acquire`` span, its :class:`Timing` (itself,
-    from when it is entered), and :func:`announce_failure` when it gives up, entered as
-    ``with Acquisition(ask) as doing:``.
+    from when it is entered), :func:`announce_failure` when it gives up, and :func:`give_back`
+    of the grant it won (:attr:`won`) when it ends in an exception all the same; entered as
+    ``with Acquisition(ask) as doing:`` (``async with`` where the grant is awaited, so the
+    give-back is awaited too).
 
-    The one block through which ``acquire``, ``acquire_slot`` and their async twins trace, time
-    and announce: the grant is won inside it (awaited or not) and :meth:`hold` turns it into a
-    held handle. A plain class rather than a generator context manager, and its own timing
-    rather than holding one: it is on every acquire's path.
+    The one block through which ``acquire``, ``acquire_slot`` and their async twins trace, time,
+    announce and undo: the grant is won inside it (awaited or not), recorded in :attr:`won` as
+    soon as it is, and :meth:`hold` turns it into a held handle. Undoing here rather than in
+    each caller's ``try`` keeps the four paths from ever undoing differently. A plain class
+    rather than a generator context manager, and its own timing rather than holding one: it is
+    on every acquire's path.
     """
 
-    __slots__ = ("_attributes", "_span", "_spanning", "ask")
+    __slots__ = ("_attributes", "_span", "_spanning", "ask", "won")
 
     _spanning: contextlib.AbstractContextManager[Span | None]
     _span: Span | None
+    #: The grant won so far (``None``: none yet), given back if the block ends in an exception.
+    won: Grant | None
 
     def __init__(self, ask: Request, attributes: tracing.Attributes | None = None) -> None:
         # Timing.__init__ is not called: the clock starts when the block is entered.
@@ -390,7 +396,11 @@ class Acquisition(Timing):
         self._span = None if spanning is tracing.NO_SPAN else spanning.__enter__()
         self.started = SYSTEM_CLOCK.monotonic()
         self.waited = 0.0
+        self.won = None
         return self
+
+    async def __aenter__(self) -> Acquisition:
+        return self.__enter__()
 
     def _spanned(self) -> tracing.Attributes:
         ask = self.ask
@@ -401,17 +411,36 @@ class Acquisition(Timing):
             **(self._attributes or {}),
         }
 
-    def __exit__(
+    def __exit__(self, *exc_info: *ExcInfo) -> None:
+        try:
+            self._end(*exc_info)
+        finally:
+            if self.won is not None:
+                give_back(self.ask, self.won)
+
+    async def __aexit__(self, *exc_info: *ExcInfo) -> None:
+        try:
+            self._end(*exc_info)
+        finally:
+            if self.won is not None:
+                await agive_back(self.ask, self.won)
+
+    def _end(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
+    ) -> None:
+        """Announce a failure and end the span; only once both are done does a block that
+        ended well let :attr:`won` go (its handle has it), so an interrupt arriving until then
+        still gives the grant back. The span never swallows an exception
+        (:func:`tracing.span` re-raises), so neither does the block."""
         if isinstance(exc, Exception):
             announce_failure(self.ask, exc, self)
-        if self._spanning is tracing.NO_SPAN:
-            return None
-        return self._spanning.__exit__(exc_type, exc, tb)
+        if self._spanning is not tracing.NO_SPAN:
+            self._spanning.__exit__(exc_type, exc, tb)
+        if exc is None:
+            self.won = None  # handed over with its handle: nothing to give back
 
     def hold(self, won: Grant, handle: type[HandleT], on_lost: OnLost | None) -> HandleT:
         """Start ``handle`` on the grant ``won`` (``lease_acquired``, keepalive, watchdog)."""
@@ -442,14 +471,9 @@ def start(
     (:func:`announce_failure`; ``lease_acquired`` announces success, from
     :meth:`Lease.start`)."""
     valid_on_lost(on_lost)
-    won: Grant | None = None
-    try:
-        with Acquisition(ask, attributes) as doing:
-            won = grant(doing)
-            return doing.hold(won, handle, on_lost)
-    except BaseException:
-        give_back(ask, won)
-        raise
+    with Acquisition(ask, attributes) as doing:
+        won = doing.won = grant(doing)
+        return doing.hold(won, handle, on_lost)
 
 
 async def astart(
@@ -462,14 +486,9 @@ async def astart(
     """:func:`start` for an awaited ``grant``: ``aacquire`` and ``aacquire_slot`` (an
     interrupted one gives its grant back as :func:`start` does, awaited: ``give_back``)."""
     valid_on_lost(on_lost)
-    won: Grant | None = None
-    try:
-        with Acquisition(ask, attributes) as doing:
-            won = await grant(doing)
-            return doing.hold(won, handle, on_lost)
-    except BaseException:
-        await agive_back(ask, won)
-        raise
+    async with Acquisition(ask, attributes) as doing:
+        won = doing.won = await grant(doing)
+        return doing.hold(won, handle, on_lost)
 
 
 def announce_failure(ask: Request, error: Exception, timing: Timing) -> None:

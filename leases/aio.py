@@ -43,7 +43,6 @@ from .acquiring import (
     STOP_READERS_EVERY,
     Acquisition,
     Timing,
-    agive_back,
     arelease_quietly,
     prepare,
     retry_failed_try,
@@ -215,20 +214,15 @@ async def aacquire(
         valid_on_lost(on_lost)
     # What astart() does, without a closure for the grant, and the first try made here
     # rather than in a coroutine of its own: this is every acquire's path, and most win it.
-    won: Grant | None = None
-    try:
-        with Acquisition(ask) as doing:
-            deadline = None if ask.timeout is None else doing.started + ask.timeout
-            with first_try_until(deadline):
-                won = await _try(ask.store, ask.name, ask.holder, ask.ttl, deadline, shared)
-            if won is None:
-                won = await _await_grant(
-                    ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, deadline, doing, shared
-                )
-            return doing.hold(won, Lease, on_lost)
-    except BaseException:  # between the grant and its handle: see acquiring.give_back
-        await agive_back(ask, won)
-        raise
+    async with Acquisition(ask) as doing:
+        deadline = None if ask.timeout is None else doing.started + ask.timeout
+        with first_try_until(deadline):
+            won = doing.won = await _try(ask.store, ask.name, ask.holder, ask.ttl, deadline, shared)
+        if won is None:
+            won = doing.won = await _await_grant(
+                ask.store, ask.name, ask.holder, ask.ttl, ask.timeout, deadline, doing, shared
+            )
+        return doing.hold(won, Lease, on_lost)
 
 
 #: The leases entered by ``async with alease(...)`` blocks in this context, innermost last.
