@@ -969,6 +969,26 @@ def test_a_left_room_whose_unlock_found_no_lock_disables_the_room(lease_name: st
         room.close()
 
 
+def test_settling_a_left_room_waits_for_no_reply_past_its_bound() -> None:
+    """The replies to what was sent without waiting are read within ``_SETTLE_TIMEOUT``: a
+    statement still running then leaves the connection unfit (``None``: dropped), rather
+    than holding the thread that took the connection until it ends."""
+    room = _waiting_room.WaitingRoom("default", "default")
+    try:
+        conn = room._connection()
+        # The server sends the replies when the last statement ends: after the bound.
+        late = _waiting_room._SETTLE_TIMEOUT + 2
+        assert _waiting_room._send(conn, f"SELECT true; SELECT pg_sleep({late})")
+        started = time.monotonic()
+        settled = _waiting_room._settle(conn)
+        took = time.monotonic() - started
+        conn.close()
+        assert settled is None  # not fit for use: its statement still runs
+        assert took < _waiting_room._SETTLE_TIMEOUT + 1, took
+    finally:
+        room.close()
+
+
 def test_a_database_that_cannot_be_reached_is_reported_for_the_lease_backend_asked(
     fault_database: tuple[str, Any],
 ) -> None:
