@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from ._fdwait import readable
+from ._pgreplies import read_replies
 
 __all__ = ["cancel_running"]
 
@@ -34,12 +34,5 @@ def cancel_running(raw: psycopg.Connection[Any], bound: float) -> None:
         return
     deadline = time.monotonic() + bound
     raw.cancel_safe(timeout=bound)
-    while True:
-        pgconn.consume_input()
-        if pgconn.is_busy():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not readable(pgconn.socket, remaining):
-                raise TimeoutError(f"the cancelled statement did not end within {bound:g}s")
-            continue
-        if pgconn.get_result() is None:
-            return
+    if read_replies(pgconn, deadline) is None:
+        raise TimeoutError(f"the cancelled statement did not end within {bound:g}s")

@@ -62,13 +62,14 @@ from psycopg import pq, sql
 
 from ..errors import BackendUnavailable
 from ..keys import hashed_key
-from ._fdwait import readable, writable
+from ._fdwait import writable
 from ._pg_shared import GROUP
 from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
 from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_pooled
 from ._pgprepared import Prepared, arun_prepared, run_prepared
+from ._pgreplies import read_replies
 from ._room_slots import RoomSlots, Ticket
 from ._tenure import (
     PINS,
@@ -838,17 +839,12 @@ def _settle(conn: psycopg.Connection[Any]) -> bool | None:
     ``notifies()``, where a stale one costs at most one try.
     """
     pgconn = conn.pgconn
-    deadline = time.monotonic() + _SETTLE_TIMEOUT
     try:
-        while True:
-            pgconn.consume_input()
-            if not pgconn.is_busy():
-                break
-            left = deadline - time.monotonic()
-            if left <= 0 or not readable(pgconn.socket, left):
-                return None
+        results = read_replies(pgconn, time.monotonic() + _SETTLE_TIMEOUT)
+        if results is None:
+            return None
         ok, unlocked = True, True
-        while (result := pgconn.get_result()) is not None:
+        for result in results:
             if result.status == pq.ExecStatus.TUPLES_OK and result.ntuples == 1:
                 unlocked = unlocked and result.get_value(0, 0) == b"t"
             else:
