@@ -135,18 +135,45 @@ _UNRECORDED = ""
 _UNRECORDABLE = "its result was not JSON"
 
 
-def _refuse_if_unrecorded(attempt: store.Attempt, name: str) -> None:
-    """Refuse to run again a step an earlier attempt ran without recording its result."""
-    why = attempt.recorded.get(_UNRECORDED, {}).get(name)
-    if why is not None:
-        claim = attempt.claim
-        raise IdempotencyResultNotRecorded(
-            claim.scope,
-            claim.key,
-            name,
-            f"ran once, in an earlier attempt, but {why}, so it could not be recorded: it is "
-            "not run again under this key",
-        )
+#: What :func:`_recorded_result` returns for a step that is to run (a recorded result may be
+#: ``None``, so ``None`` cannot say it).
+_TO_RUN: Any = object()
+
+
+def _recorded_result(attempt: store.Attempt, name: str) -> Any:
+    """Check ``name``, then return the result recorded for it (the step is skipped), or
+    :data:`_TO_RUN`, refusing to run again a step an earlier attempt ran without recording
+    its result. How ``step_in`` and ``astep_in`` both begin, so the sync and the async step
+    can never skip or refuse differently; pure Python, no round trip (nothing for
+    ``astep_in`` to hand to a thread)."""
+    _check_name(name)
+    recorded = attempt.recorded.get(name, _TO_RUN)
+    if recorded is _TO_RUN:
+        why = attempt.recorded.get(_UNRECORDED, {}).get(name)
+        if why is not None:
+            claim = attempt.claim
+            raise IdempotencyResultNotRecorded(
+                claim.scope,
+                claim.key,
+                name,
+                f"ran once, in an earlier attempt, but {why}, so it could not be recorded: it "
+                "is not run again under this key",
+            )
+    return recorded
+
+
+def _kept(
+    attempt: store.Attempt, name: str, recorded: Any, error: IdempotencyResultNotRecorded | None
+) -> Any:
+    """Once the step's transaction has committed (never before: a record that did not commit
+    must not be kept), raise the error of a result that could not be recorded
+    (:func:`_settle`), or keep the recorded result for a second step of the name, and return
+    it. How ``step_in`` and ``astep_in`` both end, for the same reason as
+    :func:`_recorded_result`."""
+    if error is not None:
+        raise error
+    attempt.recorded[name] = recorded
+    return recorded
 
 
 def _settle(
@@ -213,10 +240,9 @@ def step(name: str, fn: Callable[[str], T]) -> Any:
 def step_in(attempt: store.Attempt, name: str, fn: Callable[[str], T]) -> Any:
     """:func:`step` under a given attempt (an :class:`~idempotency.operations.Operation`'s own,
     whatever attempt is innermost)."""
-    _check_name(name)
-    if name in attempt.recorded:
-        return attempt.recorded[name]
-    _refuse_if_unrecorded(attempt, name)
+    recorded = _recorded_result(attempt, name)
+    if recorded is not _TO_RUN:
+        return recorded
     using = attempt.claim.using
     outermost = not connections[using].in_atomic_block
     with transaction.atomic(using=using):
@@ -224,10 +250,7 @@ def step_in(attempt: store.Attempt, name: str, fn: Callable[[str], T]) -> Any:
         if inspect.isawaitable(result):
             _refuse_awaitable(name, result)
         recorded, error = _settle(attempt, name, result, outermost)
-    if error is not None:
-        raise error
-    attempt.recorded[name] = recorded
-    return recorded
+    return _kept(attempt, name, recorded, error)
 
 
 async def astep(name: str, fn: Callable[[str], Any]) -> Any:
@@ -240,10 +263,9 @@ async def astep(name: str, fn: Callable[[str], Any]) -> Any:
 
 async def astep_in(attempt: store.Attempt, name: str, fn: Callable[[str], Any]) -> Any:
     """:func:`astep` under a given attempt."""
-    _check_name(name)
-    if name in attempt.recorded:
-        return attempt.recorded[name]
-    _refuse_if_unrecorded(attempt, name)
+    recorded = _recorded_result(attempt, name)
+    if recorded is not _TO_RUN:
+        return recorded
     using = attempt.claim.using
     block = transaction.atomic(using=using)
 
@@ -266,7 +288,4 @@ async def astep_in(attempt: store.Attempt, name: str, fn: Callable[[str], Any]) 
         await sync_to_async(block.__exit__)(type(exc), exc, exc.__traceback__)
         raise
     await sync_to_async(block.__exit__)(None, None, None)
-    if error is not None:
-        raise error
-    attempt.recorded[name] = recorded
-    return recorded
+    return _kept(attempt, name, recorded, error)
