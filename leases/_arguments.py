@@ -41,20 +41,21 @@ def valid_ttl(ttl: object, settings: conf.LeasesSettings | None = None) -> float
     return seconds
 
 
-def valid_ttl_shape(ttl: object) -> float:
+def valid_ttl_shape(ttl: object, option: str = "ttl") -> float:
     """The part of :func:`valid_ttl` that reads no setting: what a decorator can check when it
-    is applied (often at import, before a test's ``override_settings``)."""
+    is applied (often at import, before a test's ``override_settings``). ``option``: the name
+    the caller gave it (a task class's ``lease_ttl``)."""
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
-        raise InvalidLeaseOption("ttl", ttl, "must be a finite number of seconds greater than 0")
+        raise InvalidLeaseOption(option, ttl, "must be a finite number of seconds greater than 0")
     return float(ttl)
 
 
-def valid_timeout(timeout: object) -> float | None:
+def valid_timeout(timeout: object, option: str = "timeout") -> float | None:
     """``None`` (wait forever) or seconds; NaN would silently mean "do not wait"."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
-        raise InvalidLeaseOption("timeout", timeout, "must be None (wait forever) or >= 0")
+        raise InvalidLeaseOption(option, timeout, "must be None (wait forever) or >= 0")
     return float(timeout)
 
 
@@ -65,11 +66,11 @@ def valid_flag(option: str, value: object) -> bool:
     return value
 
 
-def valid_on_lost(on_lost: object) -> None:
+def valid_on_lost(on_lost: object, option: str = "on_lost") -> None:
     """``None`` or a callable: anything else would only fail in the keepalive thread, when the
     lease is lost and the caller most needs to hear of it."""
     if on_lost is not None and not callable(on_lost):
-        raise InvalidLeaseOption("on_lost", on_lost, "must be None or a callable (lease) -> None")
+        raise InvalidLeaseOption(option, on_lost, "must be None or a callable (lease) -> None")
 
 
 def warn_if_too_short(ttl: float, settings: conf.LeasesSettings) -> None:

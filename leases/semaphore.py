@@ -86,12 +86,12 @@ def slot_name(name: str, slot: int) -> str:
     return derived_name(name, str(slot))
 
 
-def valid_limit(limit: object) -> int:
+def valid_limit(limit: object, option: str = "limit") -> int:
     """A positive int no greater than :data:`MAX_LIMIT`, checked before any round trip."""
     if isinstance(limit, bool) or not isinstance(limit, int):
-        raise InvalidLeaseOption("limit", limit, "must be an int (how many may hold at once)")
+        raise InvalidLeaseOption(option, limit, "must be an int (how many may hold at once)")
     if not 1 <= limit <= MAX_LIMIT:
-        raise InvalidLeaseOption("limit", limit, f"must be between 1 and {MAX_LIMIT}")
+        raise InvalidLeaseOption(option, limit, f"must be between 1 and {MAX_LIMIT}")
     return limit
 
 
