@@ -25,6 +25,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
+from functools import partial
 from typing import Any, ClassVar, Literal, overload
 
 from django.core.serializers.json import DjangoJSONEncoder
@@ -33,8 +34,6 @@ from leases._extras import extra_required
 from leases.keys import MAX_NAME_LENGTH, validate_name
 
 with extra_required(__name__, "celery", "celery"):
-    from celery import Task
-
     from leases.celery._base import (
         backoff,
         format_key,
@@ -43,6 +42,7 @@ with extra_required(__name__, "celery", "celery"):
         task_decorator,
         task_signature,
     )
+    from leases.celery._checks import Check, CheckedTask, valid_key
     from leases.celery.locked import LockedTask
 
 from . import conf
@@ -57,7 +57,13 @@ logger = logging.getLogger(__name__)
 IN_FLIGHT_RETRIES_HEADER = "idempotency_in_flight_retries"
 
 
-class IdempotentTask(Task):  # type: ignore[type-arg]
+def _on_in_flight(option: str, value: object) -> None:
+    """``"retry"`` or ``"raise"``: anything else behaved as ``"retry"``."""
+    if value not in ("retry", "raise"):
+        raise IdempotencyImproperlyConfigured(f"{option} must be 'retry' or 'raise', not {value!r}")
+
+
+class IdempotentTask(CheckedTask):
     """A task whose database effects and result are recorded once per key; see the module doc.
 
     Class attributes (set by :func:`idempotent_task`): ``idempotency_key`` (template or
@@ -68,6 +74,12 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
     ``on_in_flight``), ``on_in_flight`` (``"retry"`` or ``"raise"``) and
     ``in_flight_backoff`` / ``in_flight_max_retries`` (counted in the header
     :data:`IN_FLIGHT_RETRIES_HEADER`, never in the body's ``request.retries``).
+
+    Each attribute is checked when a class is made from this one (a subclass, ``app.task(
+    base=...)``, :func:`idempotent_task`), raising
+    :class:`~idempotency.errors.IdempotencyImproperlyConfigured` (a key that is neither a
+    template nor a callable: :class:`~leases.errors.InvalidLeaseOption`, as the other tasks'
+    keys); see :class:`~leases.celery._checks.CheckedTask`.
     """
 
     idempotency_key: ClassVar[str | Callable[..., str] | None] = None
@@ -82,6 +94,18 @@ class IdempotentTask(Task):  # type: ignore[type-arg]
     #: Claim the key in the body's transaction (``IDEMPOTENCY["CLAIM_IN_TRANSACTION"]`` when
     #: None): a worker killed mid-run leaves nothing, and its redelivery runs at once.
     idempotency_claim_in_transaction: ClassVar[bool | None] = None
+
+    _option_checks: ClassVar[Mapping[str, Check]] = {
+        "idempotency_key": valid_key,
+        "idempotency_ttl": partial(conf.check_seconds, positive=True),
+        "idempotency_lock": partial(conf.check_seconds, positive=True),
+        "idempotency_wait": partial(conf.check_seconds, positive=False, optional=False),
+        "on_in_flight": _on_in_flight,
+        "in_flight_backoff": partial(conf.check_seconds, positive=False, optional=False),
+        "in_flight_max_retries": conf.check_count,
+        "idempotency_atomic": conf.check_flag,
+        "idempotency_claim_in_transaction": partial(conf.check_flag, optional=True),
+    }
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -264,23 +288,14 @@ def idempotent_task(
     ``claim_in_transaction=True`` claims the key in the body's transaction (see the guide's
     "Claiming the key in the view's transaction").
     """
-    conf.check_seconds("ttl", ttl, positive=True)
-    conf.check_seconds("lock", lock, positive=True)
-    conf.check_seconds("wait", wait, positive=False, optional=False)
-    if on_in_flight not in ("retry", "raise"):
-        raise IdempotencyImproperlyConfigured(
-            f"on_in_flight must be 'retry' or 'raise', not {on_in_flight!r}"
-        )
-    conf.check_flag("atomic", atomic)
-    conf.check_flag("claim_in_transaction", claim_in_transaction, optional=True)
     attrs = {
-        "idempotency_key": key,
-        "idempotency_ttl": ttl,
-        "idempotency_lock": lock,
-        "idempotency_wait": wait,
-        "on_in_flight": on_in_flight,
-        "idempotency_atomic": atomic,
-        "idempotency_claim_in_transaction": claim_in_transaction,
+        "idempotency_key": ("key", key),
+        "idempotency_ttl": ("ttl", ttl),
+        "idempotency_lock": ("lock", lock),
+        "idempotency_wait": ("wait", wait),
+        "on_in_flight": ("on_in_flight", on_in_flight),
+        "idempotency_atomic": ("atomic", atomic),
+        "idempotency_claim_in_transaction": ("claim_in_transaction", claim_in_transaction),
     }
     extra = options.get("base")
     if isinstance(extra, type) and issubclass(extra, LockedTask):

@@ -187,6 +187,13 @@ def check_flag(name: str, value: object, *, optional: bool = False) -> None:
     raise IdempotencyImproperlyConfigured(f"{name} must be {allowed}, not {value!r}")
 
 
+def check_count(name: str, value: object) -> None:
+    """Raise for a count (of retries) that is not an int >= 0: ``"3"`` fails the first
+    comparison with it, in a worker, after the first retry was already decided."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise IdempotencyImproperlyConfigured(f"{name} must be an int >= 0, not {value!r}")
+
+
 def _number_problems(raw: dict[str, Any]) -> list[str]:
     found = []
     for key in _POSITIVE + _NON_NEGATIVE:

@@ -20,8 +20,10 @@ from idempotency.errors import IdempotencyImproperlyConfigured
 from idempotency.models import IdempotencyKey
 from leases import acquire
 from leases.celery import (
+    LeaderOnlyTask,
     LockedTask,
     PartitionedTask,
+    SingletonTask,
     format_key,
     leader_only,
     locked_task,
@@ -511,3 +513,180 @@ def test_a_busy_retry_leaves_a_locked_tasks_own_retry_budget_alone() -> None:
     assert "override_max_retries" not in vars(locked_flaky)
     locked_flaky.apply((1,), task_id="a-later-call")
     assert LOCKED_FLAKY_RUNS["a-later-call"] == 4  # max_retries=3: the first run and three retries
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("base", "attribute", "value", "error"),
+    [
+        (LockedTask, "lease_key", 123, InvalidLeaseOption),
+        (LockedTask, "lease_ttl", -5, InvalidLeaseOption),
+        (LockedTask, "lease_ttl", "60", InvalidLeaseOption),
+        (LockedTask, "lease_backend", None, InvalidLeaseOption),
+        (LockedTask, "lease_timeout", -1, InvalidLeaseOption),
+        (LockedTask, "lease_timeout", NAN, InvalidLeaseOption),
+        (LockedTask, "lease_limit", 0, InvalidLeaseOption),
+        (LockedTask, "lease_limit", True, InvalidLeaseOption),
+        (LockedTask, "on_busy", "retyr", InvalidLeaseOption),
+        (LockedTask, "busy_backoff", -0.5, InvalidLeaseOption),
+        (LockedTask, "busy_backoff", NAN, InvalidLeaseOption),
+        (LockedTask, "busy_backoff_max", float("inf"), InvalidLeaseOption),
+        (LockedTask, "busy_max_retries", "3", InvalidLeaseOption),
+        (LockedTask, "busy_max_retries", -1, InvalidLeaseOption),
+        (LockedTask, "on_lease_lost", "log", InvalidLeaseOption),
+        (LockedTask, "inject_lease", "no", InvalidLeaseOption),
+        (SingletonTask, "singleton_key", 1, InvalidLeaseOption),
+        (SingletonTask, "singleton_ttl", 0, InvalidLeaseOption),
+        (SingletonTask, "singleton_backend", 1, InvalidLeaseOption),
+        (SingletonTask, "on_duplicate", "ignore", InvalidLeaseOption),
+        (LeaderOnlyTask, "leader_name", "x" * 300, InvalidLeaseName),
+        (LeaderOnlyTask, "leader_name", "nightly:{region}", InvalidLeaseOption),
+        (LeaderOnlyTask, "leader_ttl", NAN, InvalidLeaseOption),
+        (LeaderOnlyTask, "leader_backend", b"default", InvalidLeaseOption),
+        (PartitionedTask, "partition_key", 5, InvalidLeaseOption),
+        (PartitionedTask, "partitions", 0, InvalidLeaseOption),
+        (PartitionedTask, "partitions", "4", InvalidLeaseOption),
+        (PartitionedTask, "partition_queue_prefix", 5, InvalidLeaseOption),
+        (IdempotentTask, "idempotency_key", 123, InvalidLeaseOption),
+        (IdempotentTask, "idempotency_ttl", -5, IdempotencyImproperlyConfigured),
+        (IdempotentTask, "idempotency_lock", "30", IdempotencyImproperlyConfigured),
+        (IdempotentTask, "idempotency_wait", -1, IdempotencyImproperlyConfigured),
+        (IdempotentTask, "idempotency_wait", None, IdempotencyImproperlyConfigured),
+        (IdempotentTask, "on_in_flight", "later", IdempotencyImproperlyConfigured),
+        (IdempotentTask, "in_flight_backoff", NAN, IdempotencyImproperlyConfigured),
+        (IdempotentTask, "in_flight_max_retries", 2.5, IdempotencyImproperlyConfigured),
+        (IdempotentTask, "idempotency_atomic", "no", IdempotencyImproperlyConfigured),
+        (IdempotentTask, "idempotency_claim_in_transaction", 1, IdempotencyImproperlyConfigured),
+    ],
+)
+def test_a_subclass_setting_an_option_that_cannot_work_is_refused_when_defined(
+    base: type[Any], attribute: str, value: object, error: type[Exception]
+) -> None:
+    """The base classes are the documented API, but only the decorators checked their options:
+    ``class Sync(LockedTask): lease_ttl = -5`` was accepted, and every run failed (or ran on a
+    retry budget of ``"3"``) in the worker, long after the deploy."""
+    with pytest.raises(error, match=rf"BadTask\.{attribute}\b"):
+        type("BadTask", (base,), {attribute: value})
+
+
+@pytest.mark.parametrize(
+    ("bases", "attribute", "value", "error"),
+    [
+        ((LockedTask, IdempotentTask), "on_in_flight", "later", IdempotencyImproperlyConfigured),
+        ((LockedTask, IdempotentTask), "on_busy", "wait", InvalidLeaseOption),
+        ((IdempotentTask, LockedTask), "busy_max_retries", "3", InvalidLeaseOption),
+        ((SingletonTask, LockedTask), "lease_limit", 0, InvalidLeaseOption),
+        (
+            (_RegionLockedTask, IdempotentTask),
+            "idempotency_wait",
+            -1,
+            IdempotencyImproperlyConfigured,
+        ),
+    ],
+)
+def test_a_class_mixing_bases_is_checked_against_each(
+    bases: tuple[type[Any], ...], attribute: str, value: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match=rf"BadTask\.{attribute}\b"):
+        type("BadTask", bases, {attribute: value})
+
+
+def test_subclasses_setting_options_that_work_are_accepted() -> None:
+    class Locked(LockedTask):
+        lease_key = "sync:{account}"
+        lease_ttl = 60
+        lease_backend = "default"
+        lease_timeout = 2.5
+        lease_limit = 3
+        on_busy = "skip"
+        busy_backoff = 0
+        busy_backoff_max = 2.5
+        busy_max_retries = 0
+        on_lease_lost = print
+        inject_lease = False
+
+    class Idempotent(IdempotentTask):
+        idempotency_key = staticmethod(lambda order: f"order:{order}")
+        idempotency_ttl = 3600
+        idempotency_lock = 30.5
+        idempotency_wait = 0
+        on_in_flight = "raise"
+        in_flight_backoff = 0.0
+        in_flight_max_retries = 3
+        idempotency_atomic = False
+        idempotency_claim_in_transaction = True
+
+    class Singleton(SingletonTask):
+        singleton_key = "{n}"
+        singleton_ttl = 600
+        on_duplicate = "raise"
+
+    class Leader(LeaderOnlyTask):
+        leader_name = "nightly"
+        leader_ttl = 30
+
+    class Partitioned(PartitionedTask):
+        partition_key = "{customer}"
+        partitions = 8
+        partition_queue_prefix = "orders"
+
+    class Mixed(Locked, Idempotent): ...
+
+    assert Mixed.lease_limit == 3 and Mixed.in_flight_max_retries == 3
+    for base in (LockedTask, IdempotentTask, SingletonTask, LeaderOnlyTask, PartitionedTask):
+        type("Defaults", (base,), {})  # None means "the setting", read only when a task runs
+    # A value computed when the task runs has none to check when the class is made.
+    type("Computed", (LockedTask,), {"lease_ttl": property(lambda task: 60)})
+
+
+def test_a_task_made_with_app_task_is_checked_with_its_options() -> None:
+    class Busy(LockedTask):
+        on_busy = "skip"
+
+    def body(n: int) -> None: ...
+
+    made = app.task(base=Busy, lease_ttl=30, name="keys.attrs.ok", shared=False, lazy=False)(body)
+    assert isinstance(made, Busy) and made.lease_ttl == 30 and made.on_busy == "skip"
+    with pytest.raises(InvalidLeaseOption, match=r"body\.lease_ttl\b"):
+        app.task(base=Busy, lease_ttl=-5, name="keys.attrs.bad", shared=False, lazy=False)(body)
+    with pytest.raises(IdempotencyImproperlyConfigured, match=r"body\.on_in_flight\b"):
+        app.task(base=IdempotentTask, on_in_flight="later", name="keys.attrs.bad_idem",
+                 shared=False, lazy=False)(body)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("decorator", "options", "error", "says"),
+    [
+        # Celery options that set a base's attribute, passed on unchecked to the worker.
+        (locked_task, {"busy_max_retries": "3"}, InvalidLeaseOption, "busy_max_retries"),
+        (locked_task, {"busy_backoff": NAN}, InvalidLeaseOption, "busy_backoff"),
+        (
+            idempotent_task,
+            {"in_flight_backoff": -1},
+            IdempotencyImproperlyConfigured,
+            "in_flight_backoff",
+        ),
+        # ... or an attribute of a base mixed in.
+        (idempotent_task, {"base": LockedTask, "lease_ttl": -5}, InvalidLeaseOption, "lease_ttl"),
+        (idempotent_task, {"base": LockedTask, "on_busy": "wait"}, InvalidLeaseOption, "on_busy"),
+        (
+            locked_task,
+            {"base": IdempotentTask, "idempotency_lock": 0},
+            IdempotencyImproperlyConfigured,
+            "idempotency_lock",
+        ),
+        # The decorator's own parameters, named as the caller wrote them.
+        (leader_only, {"key": "x:{y}"}, InvalidLeaseOption, r"invalid key="),
+        (locked_task, {"limit": 0}, InvalidLeaseOption, r"invalid limit="),
+        (locked_task, {"on_lost": "log"}, InvalidLeaseOption, r"invalid on_lost="),
+    ],
+)
+def test_a_decorator_checks_the_attributes_it_sets_before_any_app_makes_the_task(
+    decorator: Any, options: dict[str, Any], error: type[Exception], says: str
+) -> None:
+    """Without ``app=``, the task class is made when an app is finalized (a worker's start):
+    the decorator checks what it passes on when it is applied, with the classes' own checks."""
+    with pytest.raises(error, match=says):
+        decorator(**options)

@@ -25,8 +25,11 @@ decorator                base class                          what it guarantees
 Every decorator takes Celery's ``task()`` options too (``bind``, ``acks_late``, ``app``,
 ``name``, and ``base`` to mix in another base such as
 :class:`idempotency.celery.IdempotentTask`); one that neither Celery nor the task class
-knows (a typo) is refused with :class:`TypeError` when the task is defined. This package is
-the only part of ``leases`` that imports Celery.
+knows (a typo) is refused with :class:`TypeError` when the task is defined. So is an option
+value that cannot work (``lease_ttl = -5``, ``on_busy = "retyr"``), in a decorator or in the
+body of a subclass: :class:`~leases.errors.InvalidLeaseOption` is raised when the class is
+made (for an ``idempotency`` option, ``IdempotencyImproperlyConfigured``), naming the
+attribute and the class. This package is the only part of ``leases`` that imports Celery.
 """
 
 from __future__ import annotations
@@ -34,12 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from .._arguments import valid_timeout, valid_ttl_shape
 from .._extras import extra_required
-from ..errors import InvalidLeaseOption
 from ..handle import Lease
-from ..keys import validate_name
-from ..semaphore import valid_limit
 
 with extra_required(__name__, "celery", "celery"):
     from ._base import SKIPPED, Key, format_key, task_decorator
@@ -63,14 +62,6 @@ __all__ = [
     "resign_leaderships",
     "singleton_task",
 ]
-
-
-def _check_times(ttl: float | None, timeout: float | None = None) -> None:
-    """What can be checked when decorating (no setting is read: a task module may be imported
-    before a test overrides them); left unchecked, every run would fail in the worker."""
-    if ttl is not None:
-        valid_ttl_shape(ttl)
-    valid_timeout(timeout)
 
 
 @overload
@@ -107,23 +98,14 @@ def locked_task(
     With ``limit=N``, up to N bodies of one key run at once, each under a slot of the semaphore
     ``key`` (checked here: a positive int up to :data:`~leases.semaphore.MAX_LIMIT`).
     """
-    if on_busy not in ("retry", "skip", "raise"):
-        raise InvalidLeaseOption("on_busy", on_busy, 'must be "retry", "skip" or "raise"')
-    _check_times(ttl, timeout)
-    if limit is not None:
-        valid_limit(limit)
-    if on_lost is not None and not callable(on_lost):
-        # Called only when a lease is lost, on the keepalive thread: found there, the loss
-        # report itself would fail, at the worst moment and long after the deploy.
-        raise InvalidLeaseOption("on_lost", on_lost, "must be None or a callable taking the lease")
     attrs = {
-        "lease_key": key,
-        "lease_ttl": ttl,
-        "on_busy": on_busy,
-        "lease_backend": backend,
-        "lease_timeout": timeout,
-        "on_lease_lost": on_lost,
-        "lease_limit": limit,
+        "lease_key": ("key", key),
+        "lease_ttl": ("ttl", ttl),
+        "on_busy": ("on_busy", on_busy),
+        "lease_backend": ("backend", backend),
+        "lease_timeout": ("timeout", timeout),
+        "on_lease_lost": ("on_lost", on_lost),
+        "lease_limit": ("limit", limit),
     }
     return task_decorator(locked_task, LockedTask, fun, attrs, options, key="lease_key")
 
@@ -152,14 +134,11 @@ def singleton_task(
     **options: Any,
 ) -> Any:
     """A task deduplicated on enqueue by ``key``; see :class:`SingletonTask`."""
-    if on_duplicate not in ("return", "raise"):
-        raise InvalidLeaseOption("on_duplicate", on_duplicate, 'must be "return" or "raise"')
-    _check_times(ttl)
     attrs = {
-        "singleton_key": key,
-        "singleton_ttl": ttl,
-        "on_duplicate": on_duplicate,
-        "singleton_backend": backend,
+        "singleton_key": ("key", key),
+        "singleton_ttl": ("ttl", ttl),
+        "on_duplicate": ("on_duplicate", on_duplicate),
+        "singleton_backend": ("backend", backend),
     }
     return task_decorator(singleton_task, SingletonTask, fun, attrs, options, key="singleton_key")
 
@@ -203,13 +182,11 @@ def leader_only(
             "decorator. Write key=<election> (the name you passed), and add name= only to "
             "register the task under a name of its own"
         )
-    _check_times(ttl)
-    if key is not None:
-        validate_name(key)
-        if "{" in key or "}" in key:
-            reason = "names one election for the task, not a template of its arguments"
-            raise InvalidLeaseOption("key", key, reason)
-    attrs = {"leader_name": key, "leader_ttl": ttl, "leader_backend": backend}
+    attrs = {
+        "leader_name": ("key", key),
+        "leader_ttl": ("ttl", ttl),
+        "leader_backend": ("backend", backend),
+    }
     return task_decorator(leader_only, LeaderOnlyTask, fun, attrs, options)
 
 
@@ -221,8 +198,11 @@ def partitioned(
     **options: Any,
 ) -> Callable[[Callable[..., Any]], PartitionedTask]:
     """A task routed by a stable hash of ``key`` to one of ``partitions`` queues."""
-    partition_for("x", partitions)  # validates partitions now, not at the first delay()
-    attrs = {"partition_key": key, "partitions": partitions, "partition_queue_prefix": queue_prefix}
+    attrs = {
+        "partition_key": ("key", key),
+        "partitions": ("partitions", partitions),
+        "partition_queue_prefix": ("queue_prefix", queue_prefix),
+    }
     decorate: Callable[[Callable[..., Any]], PartitionedTask]
     decorate = task_decorator(
         partitioned, PartitionedTask, None, attrs, options, key="partition_key"

@@ -24,11 +24,13 @@ from ..errors import InvalidLeaseOption
 from ..handle import Lease
 from ..keys import validate_name
 from ..retry import Backoff
+from ._checks import check_attributes, valid_key
 
 __all__ = [
     "CELERY_TASK_OPTIONS",
     "SKIPPED",
     "Key",
+    "Parameters",
     "backoff",
     "check_key",
     "check_options",
@@ -101,11 +103,9 @@ def check_key(template: Key | None, run: Callable[..., Any], *, bind: bool = Fal
     read, not the task: a ``shared_task`` is a proxy that would bind to an app if touched now.
     Anything else (``key=123``) is refused too: every call would fail formatting it.
     """
+    valid_key("key", template)
     if template is None or callable(template):
         return
-    if not isinstance(template, str):
-        reason = f"must be a str.format template or a callable, not {type(template).__name__}"
-        raise InvalidLeaseOption("key", template, reason)
     parameters = list(inspect.signature(run).parameters)[1 if bind else 0 :]
     name = getattr(run, "__qualname__", repr(run))
     try:
@@ -236,10 +236,15 @@ CELERY_TASK_OPTIONS = frozenset(
 )
 
 
+#: What a decorator sets on its task class: each attribute, with the decorator's parameter
+#: that sets it and the value given (``{"lease_ttl": ("ttl", 60)}``).
+Parameters = Mapping[str, tuple[str, Any]]
+
+
 def check_options(
     decorator: Callable[..., Any],
     base: type[Task],  # type: ignore[type-arg]
-    attrs: Mapping[str, Any],
+    attrs: Parameters,
     options: Mapping[str, Any],
 ) -> None:
     """Refuse, when the task is defined, a ``task()`` option that nothing reads.
@@ -261,7 +266,7 @@ def check_options(
         if option in attrs:
             raise TypeError(
                 f"{decorator.__name__}() sets the task attribute {option!r} from its own "
-                f"parameters ({', '.join(sorted(own))}): pass the parameter instead"
+                f"parameter {attrs[option][0]}=: pass that instead"
             )
         if option in CELERY_TASK_OPTIONS or hasattr(base, option):
             continue
@@ -278,7 +283,7 @@ def task_decorator(
     decorator: Callable[..., Any],
     base: type[Task],  # type: ignore[type-arg]
     fun: Callable[..., Any] | None,
-    attrs: dict[str, Any],
+    attrs: Parameters,
     options: dict[str, Any],
     key: str | None = None,
 ) -> Any:
@@ -286,7 +291,9 @@ def task_decorator(
 
     Celery copies extra ``task()`` options onto the generated class, which is how ``attrs``
     configure the base's hooks; the rest of ``options`` are checked (:func:`check_options`,
-    ``decorator`` being the public decorator, for its name and parameters) and passed on. A
+    ``decorator`` being the public decorator, for its name and parameters) and passed on.
+    Both are checked now by the task class's own checks (:func:`check_attributes`), which
+    Celery's making of the class runs again: without ``app=`` that waits for a worker. A
     ``base=`` in ``options`` is mixed in after ``base`` (``locked_task(base=IdempotentTask)``
     holds the lease around the idempotent run), and ``app=`` picks the app (default:
     ``shared_task``). Bare (``@deco``) and called forms work, on a function: a task already
@@ -305,9 +312,13 @@ def task_decorator(
     elif extra is not None:
         base = type(f"{base.__name__}{extra.__name__}", (base, extra), {})
     check_options(decorator, base, attrs, options)
+    given = {**options, **{attribute: value for attribute, (_, value) in attrs.items()}}
+    check_attributes(base, given, lambda attribute: attrs.get(attribute, (attribute,))[0])
 
     # A function stored on a class would bind as a method: keep callables (keys, on_lost) plain.
-    attrs = {k: staticmethod(v) if inspect.isfunction(v) else v for k, v in attrs.items()}
+    values: dict[str, Any] = {
+        a: staticmethod(v) if inspect.isfunction(v) else v for a, (_, v) in attrs.items()
+    }
 
     def decorate(f: Callable[..., Any]) -> Any:
         if issubclass(type(f), Task | Proxy):  # type(): a proxy's __class__ would evaluate it
@@ -319,7 +330,7 @@ def task_decorator(
         make = app.task if app is not None else shared_task
         run = _inject_lease(f) if getattr(base, "inject_lease", False) else f
         if key is not None:
-            check_key(attrs[key], run, bind=bool(options.get("bind")))
-        return make(base=base, **attrs, **options)(run)
+            check_key(attrs[key][1], run, bind=bool(options.get("bind")))
+        return make(base=base, **values, **options)(run)
 
     return decorate(fun) if fun is not None else decorate

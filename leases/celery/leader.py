@@ -6,16 +6,17 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from celery import Task
 from celery.result import EagerResult
 
 from .. import conf
 from ..election import Leadership, elect, leader_of
-from ..errors import LeaseUnavailable
+from ..errors import InvalidLeaseName, InvalidLeaseOption, LeaseUnavailable
 from ..keys import validate_name
 from ._base import SKIPPED, skip
+from ._checks import Check, CheckedTask, valid_alias, valid_ttl_or_default
 
 __all__ = ["LEADER_HEADER", "LeaderOnlyTask", "resign_leaderships"]
 
@@ -25,7 +26,22 @@ logger = logging.getLogger(__name__)
 LEADER_HEADER = "leases_leader_token"
 
 
-class LeaderOnlyTask(Task):  # type: ignore[type-arg]
+def _valid_election(option: str, name: object) -> None:
+    """``None`` (the task's name) or a lease name; a bad one would make every send fail in
+    beat and every run fail in the worker. One name, not a template: the election is the
+    task's, whatever its arguments."""
+    if name is None:
+        return
+    try:
+        election = validate_name(name)
+    except InvalidLeaseName as exc:
+        raise InvalidLeaseName(exc.name, f"{exc.reason} (given as {option})") from None
+    if "{" in election or "}" in election:
+        reason = "names one election for the task, not a template of its arguments"
+        raise InvalidLeaseOption(option, name, reason)
+
+
+class LeaderOnlyTask(CheckedTask):
     """A periodic task sent only by the leader of ``leader_name``, and run only if it still leads.
 
     Run several ``celery beat`` processes for availability: each one's :meth:`apply_async`
@@ -42,6 +58,12 @@ class LeaderOnlyTask(Task):  # type: ignore[type-arg]
     leader_name: ClassVar[str | None] = None
     leader_ttl: ClassVar[float | None] = None
     leader_backend: ClassVar[str] = "default"
+
+    _option_checks: ClassVar[Mapping[str, Check]] = {
+        "leader_name": _valid_election,
+        "leader_ttl": valid_ttl_or_default,
+        "leader_backend": valid_alias,
+    }
 
     def election(self) -> str:
         """Hook: the election's name (default: the task name)."""

@@ -7,14 +7,13 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
-from celery import Task
-
 from .. import conf
+from .._arguments import valid_flag, valid_on_lost, valid_timeout
 from ..acquiring import acquire
 from ..errors import BackendUnavailable, LeaseLost, LeaseUnavailable
 from ..handle import Lease
 from ..keys import validate_name
-from ..semaphore import acquire_slot
+from ..semaphore import acquire_slot, valid_limit
 from ._base import (
     Call,
     Key,
@@ -24,6 +23,16 @@ from ._base import (
     retries_spent,
     retry_on_own_budget,
     skip,
+)
+from ._checks import (
+    Check,
+    CheckedTask,
+    one_of,
+    valid_alias,
+    valid_count,
+    valid_delay,
+    valid_key,
+    valid_ttl_or_default,
 )
 
 __all__ = ["BUSY_RETRIES_HEADER", "LockedTask", "OnBusy"]
@@ -36,7 +45,7 @@ OnBusy = Literal["retry", "skip", "raise"]
 BUSY_RETRIES_HEADER = "leases_busy_retries"
 
 
-class LockedTask(Task):  # type: ignore[type-arg]
+class LockedTask(CheckedTask):
     """A task whose body runs while holding a lease named from its arguments.
 
     The lease is acquired before the body, kept alive while it runs and released after, also
@@ -62,6 +71,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
     (:func:`~leases.semaphore.semaphore`): up to N bodies of one key run at once, each holding
     a slot (a :class:`~leases.semaphore.Slot`, whose token fences writes per slot);
     ``on_busy`` applies when all N are taken.
+
+    Each attribute is checked when a class is made from this one (a subclass, ``app.task(
+    base=...)``, :func:`~leases.celery.locked_task`), raising
+    :class:`~leases.errors.InvalidLeaseOption`; see :class:`~leases.celery._checks.CheckedTask`.
     """
 
     lease_key: ClassVar[Key | None] = None
@@ -76,6 +89,22 @@ class LockedTask(Task):  # type: ignore[type-arg]
     on_lease_lost: ClassVar[Callable[[Lease], object] | None] = None
     #: The decorators fill a ``lease`` parameter of the task function with the run's lease.
     inject_lease: ClassVar[bool] = True
+
+    _option_checks: ClassVar[Mapping[str, Check]] = {
+        "lease_key": valid_key,
+        "lease_ttl": valid_ttl_or_default,
+        "lease_backend": valid_alias,
+        "lease_timeout": lambda option, timeout: valid_timeout(timeout, option),
+        "lease_limit": lambda option, limit: limit is None or valid_limit(limit, option),
+        "on_busy": one_of("retry", "skip", "raise"),
+        "busy_backoff": valid_delay,
+        "busy_backoff_max": valid_delay,
+        "busy_max_retries": valid_count,
+        # Called only when a lease is lost, on the keepalive thread: found there, the loss
+        # report itself would fail, at the worst moment and long after the deploy.
+        "on_lease_lost": lambda option, on_lost: valid_on_lost(on_lost, option),
+        "inject_lease": valid_flag,
+    }
 
     # -- hooks -------------------------------------------------------------------------------
 

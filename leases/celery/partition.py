@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from celery import Task
-
 from ..errors import InvalidLeaseOption
 from ..keys import advisory_key, validate_name
 from ._base import Key, format_key
+from ._checks import Check, CheckedTask, valid_key
 
 __all__ = ["PartitionedTask", "partition_for", "partition_queues"]
 
@@ -23,14 +22,23 @@ def partition_for(key: str, partitions: int) -> int:
     :mod:`leases.keys`) read as an unsigned 64-bit number, modulo ``partitions``. Python's
     ``hash()`` would not do: it is salted per process, so two producers would disagree.
     """
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-        raise InvalidLeaseOption("partitions", partitions, "must be a positive int")
+    _valid_partitions("partitions", partitions)
     digest = advisory_key(validate_name(key))
     assert isinstance(digest, int)
     return (digest & _UINT64) % partitions
 
 
-class PartitionedTask(Task):  # type: ignore[type-arg]
+def _valid_partitions(option: str, partitions: object) -> None:
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+        raise InvalidLeaseOption(option, partitions, "must be a positive int")
+
+
+def _valid_prefix(option: str, prefix: object) -> None:
+    if prefix is not None and not isinstance(prefix, str):
+        raise InvalidLeaseOption(option, prefix, "must be None (the task's name) or a str")
+
+
+class PartitionedTask(CheckedTask):
     """A task routed to one of ``partitions`` queues by a stable hash of its key.
 
     Tasks of one key always land on the same queue, so a single consumer per queue
@@ -43,6 +51,12 @@ class PartitionedTask(Task):  # type: ignore[type-arg]
     partition_key: ClassVar[Key | None] = None
     partitions: ClassVar[int] = 1
     partition_queue_prefix: ClassVar[str | None] = None
+
+    _option_checks: ClassVar[Mapping[str, Check]] = {
+        "partition_key": valid_key,
+        "partitions": _valid_partitions,
+        "partition_queue_prefix": _valid_prefix,
+    }
 
     def partition_queue(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """Hook: the queue of one call."""

@@ -8,7 +8,6 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from celery import Task
 from celery.exceptions import Ignore
 from celery.result import AsyncResult
 
@@ -19,6 +18,7 @@ from ..errors import BackendUnavailable, LeaseError, LeaseUnavailable
 from ..handle import Lease
 from ..keys import validate_name
 from ._base import Key, format_key, skip
+from ._checks import Check, CheckedTask, one_of, valid_alias, valid_key, valid_ttl_or_default
 
 __all__ = ["GUARD_HEADER", "SingletonTask"]
 
@@ -37,7 +37,7 @@ _RUN_PREFIX = "singleton-run:"
 _CANVAS_OPTIONS = ("group_id", "chord", "chain", "link", "link_error")
 
 
-class SingletonTask(Task):  # type: ignore[type-arg]
+class SingletonTask(CheckedTask):
     """A task of which at most one copy per key is queued or running: dedupe on enqueue.
 
     :meth:`apply_async` takes a guard lease ``singleton:<key>`` (one try, held in the name of
@@ -60,6 +60,13 @@ class SingletonTask(Task):  # type: ignore[type-arg]
     singleton_ttl: ClassVar[float | None] = None
     singleton_backend: ClassVar[str] = "default"
     on_duplicate: ClassVar[Literal["return", "raise"]] = "return"
+
+    _option_checks: ClassVar[Mapping[str, Check]] = {
+        "singleton_key": valid_key,
+        "singleton_ttl": valid_ttl_or_default,
+        "singleton_backend": valid_alias,
+        "on_duplicate": one_of("return", "raise"),
+    }
 
     def singleton_name(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """Hook: the guard's lease name for a call: ``singleton:<task name>[:<key>]``.
