@@ -233,7 +233,7 @@ def test_bases_combine_lease_outside_idempotency() -> None:
         return n
 
     assert isinstance(both, LockedTask) and isinstance(both, IdempotentTask)
-    order = type(both).__mro__
+    order = both.__class__.__mro__  # the task, not the proxy of an app not yet finalized
     assert order.index(LockedTask) < order.index(IdempotentTask)
 
     @idempotent_task(app=app, name="keys.plain_idem")
@@ -251,7 +251,7 @@ def test_an_idempotent_task_with_a_lease_holds_one_lease_per_key_around_its_clai
     def charge(order: int, lease: Any) -> None: ...
 
     assert isinstance(charge, LockedTask) and isinstance(charge, IdempotentTask)
-    order = type(charge).__mro__
+    order = charge.__class__.__mro__  # the task, not the proxy of an app not yet finalized
     assert order.index(LockedTask) < order.index(IdempotentTask)  # the lease around the claim
     assert charge.lease_name((7,), {}) == "celery:keys.charge:charge:7"
     assert charge.lease_name((8,), {}) == "celery:keys.charge:charge:8"
