@@ -690,3 +690,42 @@ def test_a_decorator_checks_the_attributes_it_sets_before_any_app_makes_the_task
     the decorator checks what it passes on when it is applied, with the classes' own checks."""
     with pytest.raises(error, match=says):
         decorator(**options)
+
+
+def test_a_key_template_set_on_a_task_class_is_checked_against_its_run() -> None:
+    """The decorators check a key template's fields against the task's parameters when the
+    task is defined; a template set on a class (``app.task(base=LockedTask, lease_key=...)``,
+    or a class body with its own ``run``) was checked for its type only, and a misspelt field
+    failed every run in the worker."""
+
+    def sync(account: int) -> None: ...
+
+    def bound_sync(self: Any, account: int) -> None: ...
+
+    with pytest.raises(InvalidLeaseOption, match="acount"):
+        typo = app.task(base=LockedTask, lease_key="sync:{acount}", name="keys.class_typo")(sync)
+        assert typo.name  # made on first use: the app may not be finalized yet
+
+    with pytest.raises(InvalidLeaseOption, match="acount"):
+
+        class Sync(LockedTask):
+            lease_key = "sync:{acount}"
+
+            def run(self, account: int) -> None: ...
+
+    with pytest.raises(InvalidLeaseOption, match="ordr"):
+
+        class Charge(IdempotentTask):
+            idempotency_key = "charge:{ordr}"
+
+            def run(self, order: int) -> None: ...
+
+    class Fine(LockedTask):
+        lease_key = "sync:{account}"
+
+        def run(self, account: int) -> None: ...
+
+    bound = app.task(base=LockedTask, lease_key="sync:{account}", bind=True, name="keys.fine")(
+        bound_sync
+    )
+    assert bound.lease_name((7,), {}) == "sync:7"

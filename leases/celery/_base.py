@@ -11,7 +11,6 @@ import difflib
 import functools
 import inspect
 import logging
-import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -20,11 +19,10 @@ from celery import Task, shared_task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.local import Proxy
 
-from ..errors import InvalidLeaseOption
 from ..handle import Lease
 from ..keys import validate_name
 from ..retry import Backoff
-from ._checks import check_attributes, valid_key
+from ._checks import check_attributes, check_key
 
 __all__ = [
     "CELERY_TASK_OPTIONS",
@@ -91,38 +89,6 @@ def format_key(template: Key, task: Task[..., Any], *args: Any, **kwargs: Any) -
         raise TypeError(
             f"key template {template!r} of {task.name} names {exc}, which is not a parameter"
         ) from None
-
-
-def check_key(template: Key | None, run: Callable[..., Any], *, bind: bool = False) -> None:
-    """Refuse a key template that names no parameter of the task's function ``run`` (its first,
-    ``self``, left out when ``bind``) when the task is defined.
-
-    Found at run time instead, a misspelt field (``"sync:{acount_id}"``) would fail every call
-    of the task, in a worker, long after the deploy; a positional field (``"{0}"``) or broken
-    braces would too. A callable key is the caller's code and is left to run. The function is
-    read, not the task: a ``shared_task`` is a proxy that would bind to an app if touched now.
-    Anything else (``key=123``) is refused too: every call would fail formatting it.
-    """
-    valid_key("key", template)
-    if template is None or callable(template):
-        return
-    parameters = list(inspect.signature(run).parameters)[1 if bind else 0 :]
-    name = getattr(run, "__qualname__", repr(run))
-    try:
-        fields = [
-            field for _, field, _, _ in string.Formatter().parse(template) if field is not None
-        ]
-    except ValueError as exc:
-        raise InvalidLeaseOption("key", template, f"not a str.format template: {exc}") from None
-    for field in fields:
-        root = field.replace("[", ".").partition(".")[0]
-        if not root or root.isdigit():
-            reason = f"{{{field}}} is positional: name one of {name}'s parameters"
-            raise InvalidLeaseOption("key", template, reason)
-        if root not in parameters:
-            known = ", ".join(parameters) or "none"
-            reason = f"{{{root}}} is not a parameter of {name} (its parameters: {known})"
-            raise InvalidLeaseOption("key", template, reason)
 
 
 def backoff(retries: int, base: float, cap: float) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import string
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -24,6 +25,7 @@ __all__ = [
     "Check",
     "CheckedTask",
     "check_attributes",
+    "check_key",
     "one_of",
     "valid_alias",
     "valid_count",
@@ -61,6 +63,7 @@ class CheckedTask(Task):  # type: ignore[type-arg]
             )
         }
         check_attributes(cls, values, lambda attribute: f"{cls.__qualname__}.{attribute}")
+        _check_keys_against_run(cls, values)
 
 
 def option_checks(task: type[Task]) -> dict[str, Check]:  # type: ignore[type-arg]
@@ -107,6 +110,58 @@ def valid_key(option: str, template: object) -> None:
         return
     reason = f"must be a str.format template or a callable, not {type(template).__name__}"
     raise InvalidLeaseOption(option, template, reason)
+
+
+def check_key(
+    template: object, run: Callable[..., Any], *, bind: bool = False, option: str = "key"
+) -> None:
+    """Refuse a key template that names no parameter of the task's function ``run`` (its first,
+    ``self``, left out when ``bind``) when the task is defined.
+
+    Found at run time instead, a misspelt field (``"sync:{acount_id}"``) would fail every call
+    of the task, in a worker, long after the deploy; a positional field (``"{0}"``) or broken
+    braces would too. A callable key is the caller's code and is left to run. The function is
+    read, not the task: a ``shared_task`` is a proxy that would bind to an app if touched now.
+    Anything else (``key=123``) is refused too: every call would fail formatting it.
+    """
+    valid_key(option, template)
+    if not isinstance(template, str):
+        return
+    parameters = list(inspect.signature(run).parameters)[1 if bind else 0 :]
+    name = getattr(run, "__qualname__", repr(run))
+    try:
+        fields = [
+            field for _, field, _, _ in string.Formatter().parse(template) if field is not None
+        ]
+    except ValueError as exc:
+        raise InvalidLeaseOption(option, template, f"not a str.format template: {exc}") from None
+    for field in fields:
+        root = field.replace("[", ".").partition(".")[0]
+        if not root or root.isdigit():
+            reason = f"{{{field}}} is positional: name one of {name}'s parameters"
+            raise InvalidLeaseOption(option, template, reason)
+        if root not in parameters:
+            known = ", ".join(parameters) or "none"
+            reason = f"{{{root}}} is not a parameter of {name} (its parameters: {known})"
+            raise InvalidLeaseOption(option, template, reason)
+
+
+def _check_keys_against_run(cls: type[Task], values: Mapping[str, Any]) -> None:  # type: ignore[type-arg]
+    """The key templates of a class that has its own ``run`` (``app.task(base=...)`` makes
+    one; a class body may define it), checked against its parameters as the decorators check
+    theirs (:func:`check_key`). Celery stores an unbound task's function as a
+    ``staticmethod``; a plain function in the class binds, its first parameter the task."""
+    run = vars(cls).get("run")
+    if run is None:
+        return
+    bind = not isinstance(run, staticmethod)
+    function = run.__func__ if isinstance(run, staticmethod) else run
+    if not callable(function):
+        return
+    checks = option_checks(cls)
+    for attribute, template in values.items():
+        if checks.get(attribute) is valid_key and isinstance(template, str):
+            check_key(template, function, bind=bind, option=f"{cls.__qualname__}.{attribute}")
 
 
 def valid_ttl_or_default(option: str, ttl: object) -> None:
