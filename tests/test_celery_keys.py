@@ -729,3 +729,35 @@ def test_a_key_template_set_on_a_task_class_is_checked_against_its_run() -> None
         bound_sync
     )
     assert bound.lease_name((7,), {}) == "sync:7"
+
+
+def _account_key(account: int) -> str:
+    return f"acct:{account}"
+
+
+def test_a_key_function_set_on_a_task_class_gets_the_tasks_arguments() -> None:
+    """A key function stored on a class binds as a method: set through ``app.task(base=
+    LockedTask, lease_key=fn)`` (Celery puts the options in the class it makes) or in a class
+    body, it was called with the task as its first argument, and every run failed or was
+    locked under the wrong name. The decorators wrapped theirs; a class keeps it plain now."""
+
+    def sync(account: int) -> None: ...
+
+    made = app.task(base=LockedTask, lease_key=_account_key, name="keys.fn_key")(sync)
+    assert made.lease_name((7,), {}) == "acct:7"
+
+    class Sync(LockedTask):
+        lease_key = _account_key
+
+        def run(self, account: int) -> None: ...
+
+    assert Sync().lease_name((8,), {}) == "acct:8"
+
+    class Charge(IdempotentTask):
+        idempotency_key = _account_key
+
+        def run(self, account: int) -> None: ...
+
+    charge: Any = Charge()
+    key = charge.idempotency_key  # as idempotency_key_for reads it, from the task
+    assert callable(key) and key(9) == "acct:9"

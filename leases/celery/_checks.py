@@ -55,6 +55,7 @@ class CheckedTask(Task):  # type: ignore[type-arg]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _keep_key_functions_plain(cls)
         values = {
             attribute: getattr(cls, attribute)
             for attribute in option_checks(cls)
@@ -64,6 +65,18 @@ class CheckedTask(Task):  # type: ignore[type-arg]
         }
         check_attributes(cls, values, lambda attribute: f"{cls.__qualname__}.{attribute}")
         _check_keys_against_run(cls, values)
+
+
+def _keep_key_functions_plain(cls: type[Task]) -> None:  # type: ignore[type-arg]
+    """Store a key function set on ``cls`` itself as a ``staticmethod``: a plain function on a
+    class binds as a method, so it would get the task as its first argument instead of the
+    task's arguments alone (``app.task(base=LockedTask, lease_key=fn)`` sets it so, as a class
+    body would). A key is a value, never a method: :meth:`lease_name` and its like are the
+    hooks that get the task."""
+    checks = option_checks(cls)
+    for attribute, value in list(vars(cls).items()):
+        if checks.get(attribute) is valid_key and inspect.isfunction(value):
+            setattr(cls, attribute, staticmethod(value))
 
 
 def option_checks(task: type[Task]) -> dict[str, Check]:  # type: ignore[type-arg]
