@@ -395,8 +395,10 @@ def test_names_granted_and_released_leave_no_key_that_never_expires(
     assert 86_400_000 - 60_000 < client.pttl(fence) <= 86_400_000
 
 
-def test_one_round_trip_each_for_acquire_renew_release(make_backend: MakeBackend) -> None:
-    backend, name = make_backend(), unique()
+def _count_sends(backend: Any) -> list[object]:
+    """What ``backend``'s client sends from now on, one entry per round trip (a command or a
+    pipeline), on connections it makes from now on (make none before: a connection already
+    made keeps its class)."""
     sent: list[object] = []
     pool = backend.client.connection_pool
 
@@ -407,6 +409,12 @@ def test_one_round_trip_each_for_acquire_renew_release(make_backend: MakeBackend
 
     pool.disconnect()
     pool.connection_class = Counting
+    return sent
+
+
+def test_one_round_trip_each_for_acquire_renew_release(make_backend: MakeBackend) -> None:
+    backend, name = make_backend(), unique()
+    sent = _count_sends(backend)
     first = backend.try_acquire(name, "warm-up", 5)  # a new name: + epoch, + script loads
     assert first is not None
     backend.release(backend.renew(first, 5))
@@ -446,16 +454,7 @@ def test_listing_scans_once_and_inspects_in_batches(make_backend: MakeBackend) -
         backend.release(grant)
     backend.client.delete(LeaseKeys.of(backend.prefix, names[1]).fence)  # a lock alone
     lister = make_backend(PREFIX=backend.prefix)  # no connection made yet: all are counted
-    sent: list[object] = []
-    pool = lister.client.connection_pool
-
-    class Counting(pool.connection_class):  # type: ignore[name-defined,misc]
-        def send_packed_command(self, command: object, *args: object, **kwargs: object) -> None:
-            sent.append(command)
-            super().send_packed_command(command, *args, **kwargs)
-
-    pool.disconnect()
-    pool.connection_class = Counting
+    sent = _count_sends(lister)
     lister.client.ping()  # the connection's handshake, not the listing's
     sent.clear()
     listed = lister.inspect_all()
