@@ -9,18 +9,19 @@ that backend's ``atry_acquire``, ``arenew``, ``arelease`` and ``await_for_releas
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 
 from ..errors import FencingUnavailable
 from ._aio import PerLoop
 from ._pgdeadline import Deadline, aarmed
-from ._redis_conn import arun_on_cluster, arun_script, server_run
+from ._redis_conn import Script, arun_on_cluster, arun_script, server_run
 from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
 from ._redis_kept import Kept, bounded, fileno
 from ._redis_protocol import (
     TOKEN_SCRIPTS,
+    ReadersSeen,
     Reservation,
     acquire_args,
     acquire_call,
@@ -34,13 +35,31 @@ from ._redis_protocol import (
     shared_renew_call,
 )
 from ._redis_scripts import LeaseKeys
-from ._redis_waiters import label
+from ._redis_waiters import WaitClock, label
 from .base import Grant, new_secret
 
-if TYPE_CHECKING:
-    from .redis import Backend
+__all__ = ["AsyncRedis", "Owner"]
 
-__all__ = ["AsyncRedis"]
+
+class Owner(Protocol):
+    """What :class:`AsyncRedis` reads and calls on the backend it serves
+    (:class:`leases.backends.redis.Backend`).
+
+    Named by what is used rather than by the backend's class: the backend module imports this
+    one to make its async half, so naming its class here would tie the two modules in a loop.
+    """
+
+    alias: str
+    prefix: str
+    scripts: dict[str, Script]
+    trust_server_id: float
+    readers_seen: ReadersSeen
+    waits: WaitClock
+
+    def connect_options(self) -> dict[str, Any]: ...
+    async def asource(self) -> str: ...
+    async def anext_epoch(self, stored: int) -> int: ...
+
 
 #: Per event loop: the client and (not on a Redis Cluster) the connections kept between round
 #: trips.
@@ -56,7 +75,7 @@ async def _aclose(made: _Client) -> None:
 class AsyncRedis:
     """``backend``'s round trips on the running event loop."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Owner) -> None:
         self.backend = backend
         self._clients: PerLoop[_Client] = PerLoop(self._make, _aclose)
         options = backend.connect_options()
@@ -159,7 +178,7 @@ class AsyncRedis:
             return False
         client = self._clients.get()[0]
         wake = LeaseKeys.of(self.backend.prefix, name).wake
-        named = label(wake, self.backend._waits.since(name, timeout))
+        named = label(wake, self.backend.waits.since(name, timeout))
         with Edge(self.backend.alias, "wait"):
             return await ablpop(client, wake, timeout, named) is not None
 

@@ -227,7 +227,7 @@ class Backend(LeaseBackend):
         self._client: Any = None
         #: The connections scripts run on, kept between round trips (not on a cluster).
         self._connections: Connections | None = None
-        self._waits = WaitClock()
+        self.waits = WaitClock()
         #: Per name, whether the latest exclusive try that found it held found readers there
         #: (see :meth:`stop_new_readers`).
         self.readers_seen = ReadersSeen()
@@ -386,7 +386,7 @@ class Backend(LeaseBackend):
         if timeout < 0.001:  # nothing to wait for
             return False
         wake = LeaseKeys.of(self.prefix, name).wake
-        named = label(wake, self._waits.since(name, timeout))
+        named = label(wake, self.waits.since(name, timeout))
         with Edge(self.alias, "wait"):
             return blpop(self.client, wake, timeout, named) is not None
 
