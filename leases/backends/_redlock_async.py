@@ -20,24 +20,50 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 
-from ..errors import LeaseLost
+from ..errors import LeaseLost, LeaseNotHeld
 from ._aio import PerLoop
 from ._redis_conn import Script, pack
 from ._redis_io import ablpop, aconnect, expires, ms
 from ._redis_kept import Kept
 from ._redis_nodes import FAILED, node_value
 from ._redis_scripts import LeaseKeys, Reply
-from ._redis_waiters import label
+from ._redis_waiters import WaitClock, label
 from .base import Grant, new_secret
 
-if TYPE_CHECKING:
-    from .redlock import Backend
+__all__ = ["AsyncRedlock", "Owner"]
 
-__all__ = ["AsyncRedlock"]
+
+class Owner(Protocol):
+    """What :class:`AsyncRedlock` takes from the backend it serves
+    (:class:`leases.backends.redlock.Backend`): the nodes and their timeout, the quorum, the
+    scripts, and the backend's rules for a try, a renewal and a refusal, so both halves decide
+    alike. A protocol, for the reason :class:`~._redis_async.Owner` is one."""
+
+    alias: str
+    prefix: str
+    locations: list[str]
+    node_timeout: float
+    quorum: int
+    release_script: Script
+    renew_script: Script
+    waits: WaitClock
+
+    def unlock_call(self, grant: Grant) -> tuple[list[str], list[object]]: ...
+    def renew_call(self, grant: Grant, ttl: float) -> tuple[list[str], list[object]]: ...
+    def give_back(self, grant: Grant) -> tuple[object, ...]: ...
+    def valid(self, grant: Grant) -> bool: ...
+    def lost_try(
+        self, attempt: Grant, answers: list[Any], unlock: Callable[..., object]
+    ) -> None: ...
+    def unless_refused(self, answers: list[Any], what: str) -> None: ...
+    async def anext_token(self, name: str) -> int: ...
+    async def arefusal(
+        self, grant: Grant, answers: list[Any], what: str
+    ) -> LeaseLost | LeaseNotHeld: ...
 
 
 #: One node's ``redis.asyncio`` client and the connections kept out of its pool.
@@ -53,7 +79,7 @@ async def _aclose_all(nodes: list[_Node]) -> None:
 class AsyncRedlock:
     """``backend``'s round trips on the running event loop."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Owner) -> None:
         self.backend = backend
         self._clients: PerLoop[list[_Node]] = PerLoop(self._make, _aclose_all)
         #: Unlocks nobody awaits (a failed try's), referenced until they end.
@@ -146,7 +172,7 @@ class AsyncRedlock:
             renewed
         ):
             return renewed
-        backend._unless_refused(answers, "renewal")  # unanswered is not refused: not a loss
+        backend.unless_refused(answers, "renewal")  # unanswered is not refused: not a loss
         refusal = await backend.arefusal(grant, answers, "renewal")
         if isinstance(refusal, LeaseLost):
             self._unlock_everywhere(grant, confirm=False)
@@ -155,7 +181,7 @@ class AsyncRedlock:
     async def release(self, grant: Grant) -> None:
         answers = await self._unlock_everywhere(grant)
         if sum(answer == Reply.OK for answer in answers) < self.backend.quorum:
-            self.backend._unless_refused(answers, "release")
+            self.backend.unless_refused(answers, "release")
             raise await self.backend.arefusal(grant, answers, "release")
 
     async def wait_for_release(self, name: str, timeout: float) -> bool:
@@ -166,7 +192,7 @@ class AsyncRedlock:
         started = time.monotonic()
         client = random.choice(self._clients.get())[0]
         wake = LeaseKeys.of(self.backend.prefix, name).wake
-        named = label(wake, self.backend._waits.since(name, timeout))
+        named = label(wake, self.backend.waits.since(name, timeout))
         try:
             reply = await ablpop(client, wake, timeout, named)
         except (redis.RedisError, OSError):

@@ -255,7 +255,7 @@ class Backend(LeaseBackend):
         self._revoke_script = Script(REVOKE_LUA)
         self._drain = ReplyDrain(alias)
         self._async = AsyncRedlock(self)
-        self._waits = WaitClock()
+        self.waits = WaitClock()
         #: Tries whose ``SET`` replies the drain has yet to read, by secret (see
         #: :class:`_LateSets`).
         self._late: dict[str, _LateSets] = {}
@@ -509,7 +509,7 @@ class Backend(LeaseBackend):
         renewed = replace(grant, ttl=ttl, sent_at=sent_at, expires_at=expires(ttl))
         if self._done(answers) and self.valid(renewed):
             return renewed
-        self._unless_refused(answers, "renewal")
+        self.unless_refused(answers, "renewal")
         refusal = self.refusal(grant, answers, "renewal")
         if isinstance(refusal, LeaseLost):
             self._unlock_everywhere(grant, confirm=False)
@@ -518,10 +518,10 @@ class Backend(LeaseBackend):
     def release(self, grant: Grant) -> None:
         answers = self._unlock_everywhere(grant)
         if not self._done(answers):
-            self._unless_refused(answers, "release")
+            self.unless_refused(answers, "release")
             raise self.refusal(grant, answers, "release")
 
-    def _unless_refused(self, answers: list[Any], what: str) -> None:
+    def unless_refused(self, answers: list[Any], what: str) -> None:
         """``BackendUnavailable`` unless a quorum of nodes answered and refused.
 
         Nodes that did not answer in time (a reset, a lost reply) said nothing about the
@@ -550,7 +550,7 @@ class Backend(LeaseBackend):
         node = random.choice(self.nodes)
         wake = LeaseKeys.of(self.prefix, name).wake
         command = blpop_command(wake, timeout)
-        named = label(wake, self._waits.since(name, timeout))
+        named = label(wake, self.waits.since(name, timeout))
         deadline = started + blpop_timing(timeout)[1]
         reply = node.answer(node.send(command, named), command, deadline)
         if reply is FAILED:  # the deadline, or a dead node: never a busy retry
