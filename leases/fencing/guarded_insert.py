@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from django.db import connections
+from django.db import connections, models
 
 from .. import revocation
 from ..revocation import NOT_REVOKED_SQL, Offer
 from .checked import LEASE_HELD_SQL, LeaseCheck
-from .tokens import revoked
-
-if TYPE_CHECKING:
-    from .model import FencedModel
+from .tokens import revoked, row_resource
 
 __all__ = ["InsertUnless", "insert_select"]
 
@@ -45,10 +42,14 @@ class InsertUnless:
     the very statement that writes. A refused insert writes nothing; the wrapper then raises
     :class:`~leases.errors.LeaseCheckFailed` or :class:`~leases.errors.FencingTokenRevoked`
     (an empty upsert for neither reason is a stale token, which the upsert itself reports).
+
+    ``instance`` is the row being saved, any model's: it is read for its tables and for the
+    name a refusal gives it (:func:`~.tokens.row_resource`), nothing of
+    :class:`~.model.FencedModel`, whose ``save()`` makes this wrapper.
     """
 
     def __init__(
-        self, instance: FencedModel, using: str, offer: Offer | None, check: LeaseCheck | None
+        self, instance: models.Model, using: str, offer: Offer | None, check: LeaseCheck | None
     ) -> None:
         self.instance = instance
         self.using = using
@@ -83,7 +84,7 @@ class InsertUnless:
         return result
 
     def _refused(self) -> None:
-        resource = self.instance._resource()
+        resource = row_resource(self.instance)
         if self.check is not None and not self.check.holds(self.using):
             raise self.check.refused(resource)
         if self.offer is not None:

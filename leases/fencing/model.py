@@ -29,6 +29,7 @@ from .tokens import (
     has_fence_column,
     reject,
     revoked,
+    row_resource,
 )
 
 if TYPE_CHECKING:
@@ -209,9 +210,6 @@ class FencedModel(models.Model):
         if not self._meta.parents and connection.in_atomic_block and not needed_rollback:
             connection.needs_rollback = False
 
-    def _resource(self) -> str:
-        return f"{self._meta.label}(pk={self.pk!r})"
-
     def _do_update(
         self,
         base_qs: models.QuerySet[Any],
@@ -235,7 +233,7 @@ class FencedModel(models.Model):
             return self._fenced_update(base_qs, *rest, **kwargs)
         updated = self._fenced_update(base_qs.filter(check.condition()), *rest, **kwargs)
         if not updated and not check.holds(using or DEFAULT_DB_ALIAS):
-            raise check.refused(self._resource())
+            raise check.refused(row_resource(self))
         return updated
 
     def _fenced_update(
@@ -281,10 +279,10 @@ class FencedModel(models.Model):
                 break
             through = revocation.revoked_through(offer, using or DEFAULT_DB_ALIAS)
             if through is not None:
-                raise revoked(type(self), self._resource(), offer, through)
+                raise revoked(type(self), row_resource(self), offer, through)
             # The row was created (committed) after the UPDATE took its snapshot and before
             # the read took its own: the UPDATE never saw it. Try again; the row is visible now.
-        raise reject(type(self), self._resource(), token, stored)
+        raise reject(type(self), row_resource(self), token, stored)
 
     def _do_insert(
         self,
@@ -377,7 +375,7 @@ class FencedModel(models.Model):
                 .values_list(FENCE_TOKEN_FIELD, flat=True)
                 .first()
             )
-            raise reject(type(self), self._resource(), token, stored)
+            raise reject(type(self), row_resource(self), token, stored)
         if not returning_fields:
             return []
         cols = [f.get_col(meta.db_table) for f in returning_fields]

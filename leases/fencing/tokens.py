@@ -24,6 +24,7 @@ __all__ = [
     "has_fence_column",
     "reject",
     "revoked",
+    "row_resource",
     "valid_fence",
     "valid_token",
 ]
@@ -90,6 +91,11 @@ def fence_offer(fence: FenceLike) -> Offer:
 def fence_token(fence: FenceLike) -> int:
     """The token to write with (see :func:`fence_offer`)."""
     return fence_offer(fence).token
+
+
+def row_resource(row: models.Model) -> str:
+    """How a refusal names one row: its model's label and primary key."""
+    return f"{row._meta.label}(pk={row.pk!r})"
 
 
 def revoked(sender: Any, resource: str, offer: Offer, through: int) -> FencingTokenRevoked:
