@@ -58,7 +58,7 @@ from psycopg.pq import TransactionStatus
 
 from . import _advisory_names, _session_leaks, conf
 from ._arguments import valid_flag, valid_timeout
-from .backends._pgcancel import cancel_running
+from ._pgcancel import cancel_running
 from .backends._pgdeadline import Deadline, armed
 from .backends._pgpooler import BACKEND_PID_SQL, behind_pooler
 from .errors import (
@@ -319,7 +319,7 @@ def _settle_interrupted(
 
     The block never runs, so nobody will unlock what the call may have taken: a session lock
     granted just before the interruption (its reply dropped), or after it (the driver cancels
-    the statement on ``KeyboardInterrupt`` only; see :mod:`leases.backends._pgcancel`) stayed
+    the statement on ``KeyboardInterrupt`` only; see :mod:`leases._pgcancel`) stayed
     held until the session ended, for the next request or task on the connection and against
     every other process. So the statement is cancelled, the caller's transaction made usable
     as after a failed call (:func:`_recover`), and a session lock this session holds

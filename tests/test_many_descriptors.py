@@ -1,6 +1,6 @@
 """A process with more than ``FD_SETSIZE`` (1024) files open: its new connections' sockets get
 numbers ``select()`` refuses, and every backend must still grant, hand off and release (the
-package waits on sockets with ``poll``: ``leases.backends._fdwait``)."""
+package waits on sockets with ``poll``: ``leases._fdwait``)."""
 
 from __future__ import annotations
 

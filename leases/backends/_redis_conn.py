@@ -39,7 +39,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
-from ._fdwait import readable
+from .._fdwait import readable
 from ._redis_io import CLOSED_UNDER, closed_under
 
 __all__ = [

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from ._fdwait import readable
+from .._fdwait import readable
 from ._redis_conn import Script, arun_script, pack
 from ._redis_io import name_back_due, parsed
 

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from ._fdwait import readable_among
+from .._fdwait import readable_among
 from ._redis_conn import Connections, Script, load_and_rerun, pack
 from ._redis_io import (
     CLOSED_UNDER,

@@ -52,8 +52,8 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
+from .._fdwait import readable, writable
 from ._counter import TIMELINE_FLOOR_SQL
-from ._fdwait import readable, writable
 from ._pgconn import close_quietly
 from ._pgloading import transformer as loading_transformer
 from ._pgprepared import Prepared, keep_notifies, read_result

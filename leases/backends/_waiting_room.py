@@ -60,16 +60,16 @@ from typing import Any, Generic, TypeVar
 import psycopg
 from psycopg import pq, sql
 
+from .._fdwait import writable
+from .._pgreplies import read_replies
 from ..errors import BackendUnavailable
 from ..keys import hashed_key
-from ._fdwait import writable
 from ._pg_shared import GROUP
 from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
 from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
 from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_pooled
 from ._pgprepared import Prepared, arun_prepared, run_prepared
-from ._pgreplies import read_replies
 from ._room_slots import RoomSlots, Ticket
 from ._tenure import (
     PINS,
