@@ -718,3 +718,23 @@ def test_more_waiters_than_redis_py_pools_allow_leave_room_for_the_release(
             thread.join(10)
     assert len(woken) == waits and all(type(outcome) is bool for outcome in woken), woken
     assert any(woken)
+
+
+def test_the_deploy_advice_reads_its_sample_in_one_round_trip(make_backend: MakeBackend) -> None:
+    """``check --deploy``'s look for another project's counters under ``PREFIX`` read its
+    sample of up to 100 counters with one ``HGET`` round trip each (and scanned ten keys a
+    call, Redis's default, through a database shared with a cache). One pipelined round trip
+    for the sample now, and a thousand keys a scan."""
+    backend = make_backend(PREFIX=f"{unique('p')}:")
+    for i in range(120):
+        grant = backend.try_acquire(f"advice:{i:03d}", "a", 30)
+        assert grant is not None
+        backend.release(grant)
+    adviser = make_backend(PREFIX=backend.prefix)  # no connection made yet: all are counted
+    sent = _count_sends(adviser)
+    adviser.client.ping()  # the connection's handshake, not the look's
+    sent.clear()
+    assert adviser.deploy_advice() == []
+    scans = [_packed(c) for c in sent if b"SCAN" in _packed(c)[:40]]
+    assert all(b"COUNT\r\n$4\r\n1000" in scan for scan in scans), scans[:1]
+    assert len(sent) - len(scans) <= 1, f"{len(sent) - len(scans)} round trips for the sample"

@@ -526,8 +526,12 @@ class Backend(LeaseBackend):
         names are granted again (their counters take the new source)."""
         pattern = LeaseKeys.pattern(self.prefix, "fence")
         with Edge(self.alias, "deploy check"):
-            keys = list(itertools.islice(self.client.scan_iter(match=pattern), SOURCE_SAMPLE))
-            stamps = [text(stamp) for key in keys if (stamp := self.client.hget(key, "source"))]
+            found = self.client.scan_iter(match=pattern, count=1000)  # (Redis's default: 10)
+            keys = list(itertools.islice(found, SOURCE_SAMPLE))
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hget(key, "source")
+            stamps = [text(stamp) for stamp in pipe.execute() if stamp]
         if not stamps:  # nothing to compare: the epoch database need not be asked
             return []
         ours = self.source()
