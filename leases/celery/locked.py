@@ -61,8 +61,9 @@ class LockedTask(CheckedTask):
     Class attributes (set by :func:`~leases.celery.locked_task`): ``lease_key`` (default: the
     task name), ``lease_ttl`` (default ``LEASES["DEFAULT_TTL"]``), ``lease_backend``,
     ``lease_timeout`` (seconds to wait for the lease in the worker before ``on_busy``; 0 tries
-    once), ``on_busy`` (``"retry"`` with backoff, ``"skip"`` to end in state ``SKIPPED``,
-    ``"raise"`` to fail with :class:`~leases.errors.LeaseUnavailable`), ``busy_backoff`` /
+    once, ``None`` waits as long as it takes, holding the worker's slot), ``on_busy``
+    (``"retry"`` with backoff, ``"skip"`` to end in state ``SKIPPED``, ``"raise"`` to fail
+    with :class:`~leases.errors.LeaseUnavailable`), ``busy_backoff`` /
     ``busy_backoff_max`` / ``busy_max_retries`` (for ``"retry"``; default 0.5 s doubling up to 30 s,
     100 times, then :class:`~leases.errors.LeaseUnavailable`; counted in the header
     :data:`BUSY_RETRIES_HEADER`, never in the body's ``request.retries``) and ``on_lease_lost``.
@@ -80,7 +81,7 @@ class LockedTask(CheckedTask):
     lease_key: ClassVar[Key | None] = None
     lease_ttl: ClassVar[float | None] = None
     lease_backend: ClassVar[str] = "default"
-    lease_timeout: ClassVar[float] = 0
+    lease_timeout: ClassVar[float | None] = 0
     lease_limit: ClassVar[int | None] = None
     on_busy: ClassVar[OnBusy] = "retry"
     busy_backoff: ClassVar[float] = 0.5
