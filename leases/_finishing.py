@@ -22,7 +22,7 @@ keeps per task, such as when a try failed for the wait that follows, is kept for
 What a step must not do: bound itself by cancelling the current task (``asyncio.timeout``
 around its own I/O). That cancellation is the caller's too, and is held back like any other
 until the step ends. A step's deadline cuts its connection instead (as
-:mod:`~leases.backends._pgdeadline` does), or runs in a task of its own (``asyncio.gather``
+:mod:`~leases._pgdeadline` does), or runs in a task of its own (``asyncio.gather``
 of per-node calls, ``asyncio.wait_for``), whose cancellation is that task's.
 """
 

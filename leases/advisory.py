@@ -59,8 +59,8 @@ from psycopg.pq import TransactionStatus
 from . import _advisory_names, _session_leaks, conf
 from ._arguments import valid_flag, valid_timeout
 from ._pgcancel import cancel_running
-from .backends._pgdeadline import Deadline, armed
-from .backends._pgpooler import BACKEND_PID_SQL, behind_pooler
+from ._pgdeadline import Deadline, armed
+from ._pgpooler import BACKEND_PID_SQL, behind_pooler
 from .errors import (
     BackendNotSupported,
     BackendUnavailable,
@@ -508,10 +508,10 @@ def _keeps_sessions(lock: AdvisoryLock) -> bool:
     Behind a transaction pooler (PgBouncer's default mode) it does not: the lock is taken on
     one server session, the pooler lends that session to another client, whose
     ``session_lock`` of the same name is let straight in (advisory locks are re-entrant per
-    session), and both unlocks succeed, so neither exit notices the two holders. The lease
-    backend's probe tells (:mod:`leases.backends._pgpooler`: a pooler answers the startup
-    with a process id of its own), once per connection; the alias may be declared a session
-    pooler in ``LEASES["SESSION_POOLING"]`` (the client cannot read the pooler's mode).
+    session), and both unlocks succeed, so neither exit notices the two holders. The pooler
+    probe tells (:mod:`leases._pgpooler`: a pooler answers the startup with a process id of
+    its own), once per connection; the alias may be declared a session pooler in
+    ``LEASES["SESSION_POOLING"]`` (the client cannot read the pooler's mode).
     """
     connection = _database(lock.using)
     if lock.using in conf.get().session_pooling:

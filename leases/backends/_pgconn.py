@@ -34,9 +34,9 @@ from psycopg import sql
 
 from .. import _process
 from .._fdwait import readable
+from .._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
+from .._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_unheard
 from ..errors import BackendUnavailable, LeasesImproperlyConfigured
-from ._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
-from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_unheard
 from ._pgprepared import Prepared, run_prepared
 
 __all__ = [
@@ -317,7 +317,7 @@ class PrivateConnection:
         self.db_alias = db_alias
         #: The lease backend errors are raised for (default: the database alias).
         self.alias = alias or db_alias
-        #: Seconds a statement waits for its reply (see :mod:`._pgdeadline`).
+        #: Seconds a statement waits for its reply (see :mod:`~leases._pgdeadline`).
         self.timeout = timeout
         self.prepared = prepared
         self._lock = threading.Lock()
@@ -421,7 +421,7 @@ class Listener:
     """One ``LISTEN`` connection and thread; remembers when each name was last released.
 
     Behind a pooler not declared a session pooler (``session_pooling``) it does not listen
-    (see :mod:`~._pgpooler`): it becomes :attr:`deaf`, its thread ends, and :meth:`wait`
+    (see :mod:`~leases._pgpooler`): it becomes :attr:`deaf`, its thread ends, and :meth:`wait`
     waits out its timeout (the waiter's backoff delay)."""
 
     def __init__(self, db_alias: str, alias: str, *, session_pooling: bool = False) -> None:

@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import redis
 
+from .._pgdeadline import Deadline, aarmed
 from ..errors import FencingUnavailable
 from ._aio import PerLoop
-from ._pgdeadline import Deadline, aarmed
 from ._redis_conn import Script, arun_on_cluster, arun_script, server_run
 from ._redis_io import Edge, ablpop, aconnect, read_timeout, text
 from ._redis_kept import Kept, bounded, fileno
@@ -104,7 +104,7 @@ class AsyncRedis:
         """One script round trip on a kept connection (see ``_redis_conn`` and ``_redis_kept``).
 
         Bounded by cutting the connection's socket when no reply came in time (a
-        :class:`~._pgdeadline.Deadline` on a timer of the loop), not by ``asyncio.timeout``:
+        :class:`~leases._pgdeadline.Deadline` on a timer of the loop), not by ``asyncio.timeout``:
         the round trip may run inside :func:`~leases._finishing.finish`, in the caller's
         task, whose cancellation is held back until the round trip ends. A new connection is
         bounded on its own (:meth:`Kept.take <._redis_kept.Kept.take>`, which a stalled loop

@@ -29,7 +29,7 @@ process that has just released cannot take the name straight back while others w
 to the back of the queue), and a waiter is served after those that queued before it.
 
 Every statement on a room connection waits at most ``REQUEST_TIMEOUT`` for its reply (queueing:
-its ``lock_timeout`` more), as on the backend's own connection (:mod:`._pgdeadline`): a room
+its ``lock_timeout`` more), as on the backend's own connection (:mod:`~leases._pgdeadline`): a room
 connection gone silent (a NAT, a proxy, a paused server) is dropped, and its waiter carries on
 without a room, so it still gives up by its deadline.
 
@@ -61,14 +61,14 @@ import psycopg
 from psycopg import pq, sql
 
 from .._fdwait import writable
+from .._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
+from .._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_pooled
 from .._pgreplies import read_replies
 from ..errors import BackendUnavailable
 from ..keys import hashed_key
 from ._pg_shared import GROUP
 from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
-from ._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
-from ._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_pooled
 from ._pgprepared import Prepared, arun_prepared, run_prepared
 from ._room_slots import RoomSlots, Ticket
 from ._tenure import (
@@ -418,7 +418,7 @@ class WaitingRoom:
 
     def probed_on(self, conn: psycopg.Connection[Any], pid: int) -> bool:
         """Record what a statement on ``conn`` that ran on server process ``pid`` says: behind
-        a pooler (see :mod:`~._pgpooler`) the rooms are turned off for good. Whether they
+        a pooler (see :mod:`~leases._pgpooler`) the rooms are turned off for good. Whether they
         are still on."""
         return _probed_on(self, conn, pid)
 
@@ -883,7 +883,8 @@ class AsyncWaitingRoom:
         self.enabled = enabled
         self.connections = connections
         self.session_pooling = session_pooling
-        #: Whether a room connection was asked if a pooler is in the way (see :mod:`._pgpooler`).
+        #: Whether a room connection was asked if a pooler is in the way
+        #: (see :mod:`~leases._pgpooler`).
         self.probed = False
         self.timeout = timeout
         self.prepared = prepared

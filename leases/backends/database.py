@@ -27,7 +27,7 @@ waiter's server session and the grant's commit.
 
 A reply lost on a connection that stays open (a NAT, a proxy, a paused server) would hang a
 statement for ever, so each waits at most ``REQUEST_TIMEOUT`` seconds (default 5), a renewal at
-most half of what is left of its grant (see :mod:`~leases.backends._pgdeadline`); then the
+most half of what is left of its grant (see :mod:`~leases._pgdeadline`); then the
 connection is dropped and the call raises :class:`~leases.errors.BackendUnavailable`.
 """
 
@@ -48,6 +48,8 @@ from typing import Any
 import psycopg
 from django.db import connections
 
+from .._pgdeadline import REQUEST_TIMEOUT
+from .._pgpooler import BACKEND_PID_SQL
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
 from ._aio import PerLoop
 from ._counter import TIMELINE_FLOOR_SQL
@@ -74,8 +76,6 @@ from ._pgconn import (
     inherit,
     track,
 )
-from ._pgdeadline import REQUEST_TIMEOUT
-from ._pgpooler import BACKEND_PID_SQL
 from ._pgprepared import Prepared
 from ._pruning import FLOOR_SQL, Progress, prune_rows
 from ._tenure import UNLOCK_TENURES_SQL, Tenures, tenure_key_sql
@@ -478,7 +478,7 @@ class Backend(LeaseBackend):
         #: Seconds a statement waits for its reply before its connection is dropped.
         self.request_timeout = float(self.options.get("REQUEST_TIMEOUT", REQUEST_TIMEOUT))
         prepared = bool(self.options.get("PREPARED_STATEMENTS", True))
-        #: A pooler in the way keeps each client's server session (see :mod:`~._pgpooler`).
+        #: A pooler in the way keeps each client's server session (see :mod:`~leases._pgpooler`).
         self.session_pooling = bool(self.options.get("SESSION_POOLING", False))
         self._conn = PrivateConnection(
             self.db_alias, self.request_timeout, prepared=prepared, alias=self.alias
@@ -805,7 +805,7 @@ class Backend(LeaseBackend):
 
     def _probe_pooler(self) -> None:
         """Once per process, before the own connection's first tenure lock: turn the rooms
-        and tenure locks off behind a pooler (see :mod:`~._pgpooler`); asked again later if
+        and tenure locks off behind a pooler (see :mod:`~leases._pgpooler`); asked again later if
         the database does not answer now."""
         if self._room.probed or not self._room.enabled:
             return
