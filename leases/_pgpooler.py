@@ -1,28 +1,33 @@
-"""Whether a connection reaches PostgreSQL through a pooler, asked before the first session
-lock is taken on it.
+"""Whether a connection reaches PostgreSQL through a pooler, asked once per connection.
 
-Waiting rooms and tenure locks are *session* advisory locks: taken in one statement, unlocked
-in a later one, on the same server session. Behind a transaction pooler (PgBouncer's
-``transaction`` or ``statement`` mode) each transaction may run on another server session, so
-a lock can be taken on one and its unlock sent to another: the unlock finds nothing, and the
-lock stays on a server session the pooler keeps open, and hands to other clients, for as long
-as that lives. Finding that out by the first failed unlock (as the rooms also do) comes one
-lock too late, and a busy pooler often hands a lock's unlock back to the very session that
-took it, so the failure may come late or not at all while locks pile up.
+A pooler (PgBouncer or another) answers a client's startup itself, with a cancel key of its
+own: the process id in it (``conn.info.backend_pid``) is not that of the server session a
+statement then runs on (:data:`BACKEND_PID_SQL`). Directly connected, the two are the same. So
+one round trip tells (:func:`behind_pooler`), whatever the pooler's mode and however busy it
+is. Asking, rather than finding out by the first failed unlock, matters: that comes one lock
+too late, and a busy pooler often hands an unlock back to the very session that took the
+lock, so the failure may come late or not at all while locks pile up.
 
-A pooler answers a client's startup itself, with a cancel key of its own: the process id in
-it (``conn.info.backend_pid``) is not that of the server session a statement then runs on
-(``pg_backend_pid()``). Directly connected, the two are the same. So one round trip per
-backend and process tells, whatever the pooler's mode and however busy it is; the rooms and
-tenure locks are turned off behind any pooler: a session pooler would keep them working, but
-its mode cannot be read from the client, so the backend's ``SESSION_POOLING`` option says so
-(the operator's word: declared in front of a transaction pooler, session locks would leak).
+What the answer means is for the caller: only *session* state (a lock taken in one statement
+and unlocked in a later one, a ``LISTEN``) is at stake, because behind a transaction pooler
+(PgBouncer's ``transaction`` or ``statement`` mode) each transaction may run on another server
+session. A session pooler would keep it working, but its mode cannot be read from the client,
+so the operator's word, the ``SESSION_POOLING`` option, declares one (:func:`keeps_sessions`;
+declared in front of a transaction pooler, session state would leak).
 
-``LISTEN`` is session state too. Sent through a transaction pooler it lands on a server session
-the pooler then hands to other clients: the listener never hears a release, and the pooler's
-other clients receive the ``leases_released`` notifications (lease names) they never asked
-for. So a listening connection asks the same question before its ``LISTEN`` and, behind a
-pooler not declared a session pooler, does not listen: its waiters retry after their backoff.
+Where it is asked, before any session state is set on the connection:
+
+- the database backend's waiting rooms and tenure locks (session advisory locks:
+  :mod:`~leases.backends._waiting_room`, and the backend's own connection in
+  :mod:`~leases.backends.database`) are turned off for good behind a pooler not declared a
+  session pooler (:func:`warn_pooled`), since a lock could stay on a server session the
+  pooler keeps open and hands to other clients;
+- its listening connections (:mod:`~leases.backends._pgconn`,
+  :mod:`~leases.backends._pgaio`) do not ``LISTEN`` behind one (:func:`warn_unheard`): the
+  listener would never hear a release, and the pooler's other clients would receive the
+  ``leases_released`` notifications (lease names); its waiters retry after their backoff;
+- :mod:`leases.advisory` refuses ``session_lock`` behind one not declared a session pooler
+  (``LEASES["SESSION_POOLING"]``), since two clients could then hold the same lock.
 """
 
 from __future__ import annotations
