@@ -34,7 +34,7 @@ from django.db.backends.utils import CursorWrapper
 from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
-from leases.backends._pgprepared import keep_notifies
+from leases._pgnotifies import keep_notifies
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper

@@ -55,13 +55,13 @@ from psycopg.adapt import PyFormat
 from psycopg.generators import execute
 from psycopg.waiting import Wait, wait, wait_async
 
+from .._pgnotifies import keep_notifies
 from ._pgloading import transformer as loading_transformer
 
 __all__ = [
     "ATTEMPTS",
     "Prepared",
     "arun_prepared",
-    "keep_notifies",
     "read_result",
     "run_prepared",
 ]
@@ -194,16 +194,6 @@ def read_result(
     if sqlstate == _STALE_PLAN:
         return False
     raise psycopg.errors.error_from_result(result, encoding=encoding)
-
-
-def keep_notifies(pgconn: pq.abc.PGconn) -> None:
-    """Hand the notifications libpq read with the reply to psycopg, as its own ``execute``
-    does: left in libpq's queue, a listening connection's ``notifies()`` would not see them
-    (it waits for the socket, which has nothing more to read), and the waiter in a waiting
-    room, whose try runs here, would sleep through the release that it was woken for."""
-    while (note := pgconn.notifies()) is not None:
-        if pgconn.notify_handler:
-            pgconn.notify_handler(note)
 
 
 async def arun_prepared(

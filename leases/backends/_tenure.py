@@ -53,10 +53,11 @@ import psycopg
 from psycopg import pq
 
 from .._fdwait import readable, writable
+from .._pgnotifies import keep_notifies
 from ._counter import TIMELINE_FLOOR_SQL
 from ._pgconn import close_quietly
 from ._pgloading import transformer as loading_transformer
-from ._pgprepared import Prepared, keep_notifies, read_result
+from ._pgprepared import Prepared, read_result
 from ._pruning import FLOOR_SQL
 
 __all__ = [
