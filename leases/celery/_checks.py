@@ -55,25 +55,25 @@ class CheckedTask(Task):  # type: ignore[type-arg]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _keep_key_functions_plain(cls)
+        checks = option_checks(cls)
+        _keep_key_functions_plain(cls, checks)
         values = {
             attribute: getattr(cls, attribute)
-            for attribute in option_checks(cls)
+            for attribute in checks
             if not isinstance(
                 inspect.getattr_static(cls, attribute), property | functools.cached_property
             )
         }
-        check_attributes(cls, values, lambda attribute: f"{cls.__qualname__}.{attribute}")
-        _check_keys_against_run(cls, values)
+        _check_values(checks, values, lambda attribute: f"{cls.__qualname__}.{attribute}")
+        _check_keys_against_run(cls, checks, values)
 
 
-def _keep_key_functions_plain(cls: type[Task]) -> None:  # type: ignore[type-arg]
+def _keep_key_functions_plain(cls: type[Task], checks: Mapping[str, Check]) -> None:  # type: ignore[type-arg]
     """Store a key function set on ``cls`` itself as a ``staticmethod``: a plain function on a
     class binds as a method, so it would get the task as its first argument instead of the
     task's arguments alone (``app.task(base=LockedTask, lease_key=fn)`` sets it so, as a class
     body would). A key is a value, never a method: :meth:`lease_name` and its like are the
     hooks that get the task."""
-    checks = option_checks(cls)
     for attribute, value in list(vars(cls).items()):
         if checks.get(attribute) is valid_key and inspect.isfunction(value):
             setattr(cls, attribute, staticmethod(value))
@@ -98,7 +98,13 @@ def check_attributes(
     Celery makes the class: without ``app=`` that waits for an app to be finalized (a
     worker's start), and the decorator's own parameters are named as the caller wrote them.
     """
-    checks = option_checks(task)
+    _check_values(option_checks(task), values, name)
+
+
+def _check_values(
+    checks: Mapping[str, Check], values: Mapping[str, Any], name: Callable[[str], str]
+) -> None:
+    """:func:`check_attributes` with the checks already gathered."""
     for attribute, value in values.items():
         check = checks.get(attribute)
         if check is not None:
@@ -159,7 +165,11 @@ def check_key(
             raise InvalidLeaseOption(option, template, reason)
 
 
-def _check_keys_against_run(cls: type[Task], values: Mapping[str, Any]) -> None:  # type: ignore[type-arg]
+def _check_keys_against_run(
+    cls: type[Task],  # type: ignore[type-arg]
+    checks: Mapping[str, Check],
+    values: Mapping[str, Any],
+) -> None:
     """The key templates of a class that has its own ``run`` (``app.task(base=...)`` makes
     one; a class body may define it), checked against its parameters as the decorators check
     theirs (:func:`check_key`). Celery stores an unbound task's function as a
@@ -171,7 +181,6 @@ def _check_keys_against_run(cls: type[Task], values: Mapping[str, Any]) -> None:
     function = run.__func__ if isinstance(run, staticmethod) else run
     if not callable(function):
         return
-    checks = option_checks(cls)
     for attribute, template in values.items():
         if checks.get(attribute) is valid_key and isinstance(template, str):
             check_key(template, function, bind=bind, option=f"{cls.__qualname__}.{attribute}")
