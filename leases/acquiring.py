@@ -40,13 +40,10 @@ __all__ = [
     "Request",
     "Timing",
     "acquire",
-    "agive_back",
     "announce_failure",
     "arelease_quietly",
     "astart",
     "attempt",
-    "drop_handle",
-    "give_back",
     "prepare",
     "retry_failed_try",
     "start",
@@ -173,7 +170,7 @@ def retry_failed_try(name: str, deadline: float | None, exc: BackendUnavailable)
     return True
 
 
-def give_back(ask: Request, won: Grant | None) -> None:
+def _give_back(ask: Request, won: Grant | None) -> None:
     """Undo an acquisition of ``ask`` that won ``won`` (``None``: nothing won) and ends in an
     exception all the same: one that is no ``Exception`` (a ``KeyboardInterrupt``, a task
     runner's time limit, whatever a signal handler raises) can arrive between the grant and
@@ -181,25 +178,25 @@ def give_back(ask: Request, won: Grant | None) -> None:
     registered by then, is dropped (no longer "already held", watched or renewed), and the
     grant is released at once rather than left to keep the name from everyone until its TTL.
     Best effort: one release, bounded as every round trip is; its failure is logged, and the
-    exception the acquisition ends in is the one raised. (Async: ``aio``'s twin.)"""
+    exception the acquisition ends in is the one raised. (Async: :func:`_agive_back`.)"""
     if won is None:
         return
-    drop_handle(ask, won)
+    _drop_handle(ask, won)
     _release_quietly(ask.store, won)
 
 
-def drop_handle(ask: Request, won: Grant) -> None:
-    """Drop the handle of ``won`` registered for ``ask``, if any (:func:`give_back`)."""
+def _drop_handle(ask: Request, won: Grant) -> None:
+    """Drop the handle of ``won`` registered for ``ask``, if any (:func:`_give_back`)."""
     held = held_by(ask.key)
     if held is not None and held.token == won.token and held.name == won.name:
         held._abandon()
 
 
-async def agive_back(ask: Request, won: Grant | None) -> None:
-    """:func:`give_back`, awaited (the release runs to its end whatever cancels the caller)."""
+async def _agive_back(ask: Request, won: Grant | None) -> None:
+    """:func:`_give_back`, awaited (the release runs to its end whatever cancels the caller)."""
     if won is None:
         return
-    drop_handle(ask, won)
+    _drop_handle(ask, won)
     await arelease_quietly(ask.store, won)
 
 
@@ -366,7 +363,7 @@ def acquire(
 
 class Acquisition(Timing):
     """One acquisition of ``ask``: the ``leases.acquire`` span, its :class:`Timing` (itself,
-    from when it is entered), :func:`announce_failure` when it gives up, and :func:`give_back`
+    from when it is entered), :func:`announce_failure` when it gives up, and :func:`_give_back`
     of the grant it won (:attr:`won`) when it ends in an exception all the same; entered as
     ``with Acquisition(ask) as doing:`` (``async with`` where the grant is awaited, so the
     give-back is awaited too).
@@ -416,14 +413,14 @@ class Acquisition(Timing):
             self._end(*exc_info)
         finally:
             if self.won is not None:
-                give_back(self.ask, self.won)
+                _give_back(self.ask, self.won)
 
     async def __aexit__(self, *exc_info: *ExcInfo) -> None:
         try:
             self._end(*exc_info)
         finally:
             if self.won is not None:
-                await agive_back(self.ask, self.won)
+                await _agive_back(self.ask, self.won)
 
     def _end(
         self,
@@ -484,7 +481,7 @@ async def astart(
     attributes: tracing.Attributes | None = None,
 ) -> HandleT:
     """:func:`start` for an awaited ``grant``: ``aacquire`` and ``aacquire_slot`` (an
-    interrupted one gives its grant back as :func:`start` does, awaited: ``give_back``)."""
+    interrupted one gives its grant back as :func:`start` does, awaited: ``_give_back``)."""
     valid_on_lost(on_lost)
     async with Acquisition(ask, attributes) as doing:
         won = doing.won = await grant(doing)

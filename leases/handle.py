@@ -125,7 +125,7 @@ class Lease:
         ``send_robust`` lets through: a ``KeyboardInterrupt``, a task runner's time limit), it
         drops the handle again, registration and watch, so the name is not "already held" by
         a handle nobody has; the grant is then the caller's to give back
-        (:func:`~leases.acquiring.give_back`).
+        (``leases.acquiring._give_back``).
         """
         held = cls(store, grant, on_lost=on_lost)
         held._key = key = key or (store.alias, grant.name, grant.holder)
