@@ -27,6 +27,7 @@ __all__ = [
     "holder_identity",
     "live_readers",
     "parse_holder",
+    "public_meta",
     "shown_holder",
 ]
 
@@ -168,3 +169,18 @@ def live_readers(holder: str, meta: Mapping[str, Any] | None) -> dict[int, str]:
         if isinstance(expiry, int | float) and expiry > now:
             live[int(token)] = str(entry.get("h", ""))
     return dict(sorted(live.items()))
+
+
+def public_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """``meta`` without the readers' secret hashes (never shown, like ``secret_hash``): every
+    listing and the admin's change page show it so. Beside :func:`live_readers`, so the
+    readers' entries (``{"h": holder, "e": expiry, "s": secret hash}``) are read in one
+    place."""
+    readers = meta.get("readers")
+    if not isinstance(readers, Mapping):
+        return dict(meta)
+    shown = {
+        token: {k: v for k, v in entry.items() if k != "s"} if isinstance(entry, Mapping) else {}
+        for token, entry in readers.items()
+    }
+    return {**meta, "readers": shown}

@@ -28,7 +28,6 @@ from . import conf, revocation
 from ._asking import ANSWER_BOUND, ask_every_backend
 from ._paging import Pages
 from .backends import Capability, LeaseBackend, get_backend
-from .backends._pg_shared import public_meta
 from .backends.base import LIST_BATCH, InternalLock, LeaseInfo, LeaseWaiter
 from .databases import migrated_databases
 from .errors import (
@@ -39,7 +38,7 @@ from .errors import (
     LeaseNotHeld,
     RevocationIncomplete,
 )
-from .holders import Holder, parse_holder, shown_holder
+from .holders import Holder, parse_holder, public_meta, shown_holder
 from .keys import split_key
 
 __all__ = [

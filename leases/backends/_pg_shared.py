@@ -24,7 +24,6 @@ the group when its own expiry passes, even while others keep the row alive.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +39,6 @@ __all__ = [
     "SHARED_RENEW_SQL",
     "STOP_READERS_SQL",
     "WRITER_INTENT_SECONDS",
-    "public_meta",
     "shared_acquire_params",
     "shared_params",
     "stop_readers_params",
@@ -197,15 +195,3 @@ def shared_acquire_params(
 def stop_readers_params(name: str) -> dict[str, Any]:
     """What :data:`STOP_READERS_SQL` is given: a waiting writer's stamp, a moment ahead."""
     return {"name": name, "group": GROUP, "seconds": WRITER_INTENT_SECONDS}
-
-
-def public_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """``meta`` without the readers' secret hashes (never shown, like ``secret_hash``)."""
-    readers = meta.get("readers")
-    if not isinstance(readers, Mapping):
-        return dict(meta)
-    shown = {
-        token: {k: v for k, v in entry.items() if k != "s"} if isinstance(entry, Mapping) else {}
-        for token, entry in readers.items()
-    }
-    return {**meta, "readers": shown}

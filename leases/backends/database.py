@@ -51,6 +51,7 @@ from django.db import connections
 from .._pgdeadline import REQUEST_TIMEOUT
 from .._pgpooler import BACKEND_PID_SQL
 from ..errors import BackendUnavailable, LeaseLost, LeaseNotHeld, LeasesImproperlyConfigured
+from ..holders import public_meta
 from ._aio import PerLoop
 from ._counter import TIMELINE_FLOOR_SQL
 from ._options import seconds_problems
@@ -60,7 +61,6 @@ from ._pg_shared import (
     SHARED_RELEASE_SQL,
     SHARED_RENEW_SQL,
     STOP_READERS_SQL,
-    public_meta,
     shared_acquire_params,
     shared_params,
     stop_readers_params,
