@@ -12,18 +12,19 @@ What the answer means is for the caller: only *session* state (a lock taken in o
 and unlocked in a later one, a ``LISTEN``) is at stake, because behind a transaction pooler
 (PgBouncer's ``transaction`` or ``statement`` mode) each transaction may run on another server
 session. A session pooler would keep it working, but its mode cannot be read from the client,
-so the operator's word, the ``SESSION_POOLING`` option, declares one (:func:`keeps_sessions`;
-declared in front of a transaction pooler, session state would leak).
+so the operator's word, the ``SESSION_POOLING`` option, declares one
+(:func:`leases.backends._pgpooled.keeps_sessions`; declared in front of a transaction pooler,
+session state would leak).
 
 Where it is asked, before any session state is set on the connection:
 
 - the database backend's waiting rooms and tenure locks (session advisory locks:
   :mod:`~leases.backends._waiting_room`, and the backend's own connection in
   :mod:`~leases.backends.database`) are turned off for good behind a pooler not declared a
-  session pooler (:func:`warn_pooled`), since a lock could stay on a server session the
-  pooler keeps open and hands to other clients;
+  session pooler (:mod:`~leases.backends._pgpooled`), since a lock could stay on a server
+  session the pooler keeps open and hands to other clients;
 - its listening connections (:mod:`~leases.backends._pgconn`,
-  :mod:`~leases.backends._pgaio`) do not ``LISTEN`` behind one (:func:`warn_unheard`): the
+  :mod:`~leases.backends._pgaio`) do not ``LISTEN`` behind one: the
   listener would never hear a release, and the pooler's other clients would receive the
   ``leases_released`` notifications (lease names); its waiters retry after their backoff;
 - :mod:`leases.advisory` refuses ``session_lock`` behind one not declared a session pooler
@@ -32,14 +33,11 @@ Where it is asked, before any session state is set on the connection:
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import psycopg
 
-__all__ = ["BACKEND_PID_SQL", "behind_pooler", "keeps_sessions", "warn_pooled", "warn_unheard"]
-
-logger = logging.getLogger("leases")
+__all__ = ["BACKEND_PID_SQL", "behind_pooler"]
 
 #: The process id of the server session this statement runs on.
 BACKEND_PID_SQL = "SELECT pg_backend_pid()"
@@ -49,33 +47,3 @@ def behind_pooler(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], 
     """Whether ``conn``, whose statement ran on server process ``pid``, was answered at its
     startup by something else than that server session (a pooler)."""
     return conn.info.backend_pid != pid
-
-
-def keeps_sessions(
-    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], pid: int, session_pooling: bool
-) -> bool:
-    """Whether session state set on ``conn`` (whose statement ran on server process ``pid``)
-    stays with it: connected directly, or through a pooler the backend's ``SESSION_POOLING``
-    option declares a session pooler."""
-    return session_pooling or not behind_pooler(conn, pid)
-
-
-def warn_pooled(alias: str) -> None:
-    logger.warning(
-        "leases: backend %r reaches PostgreSQL through a pooler (its connection's process id "
-        "is not its server session's): waiting rooms and tenure locks are off, since a session "
-        "lock taken through a transaction pooler can outlive its unlock; give the backend a "
-        "DATABASE alias that connects directly for first-come-first-served hand-offs, or set "
-        "its SESSION_POOLING option if the pooler keeps each client's server session",
-        alias,
-    )
-
-
-def warn_unheard(alias: str) -> None:
-    logger.warning(
-        "leases: backend %r reaches PostgreSQL through a pooler: its waiters do not LISTEN for "
-        "releases (a LISTEN through a transaction pooler is heard by the pooler's other "
-        "clients, not by the listener) and retry after their backoff instead; set the "
-        "backend's SESSION_POOLING option if the pooler keeps each client's server session",
-        alias,
-    )

@@ -24,9 +24,10 @@ from typing import Any
 import psycopg
 
 from .._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed
-from .._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_unheard
+from .._pgpooler import BACKEND_PID_SQL
 from ..errors import BackendUnavailable
 from ._pgconn import LISTEN_SQL, cannot_connect, connect_params, remember, stale
+from ._pgpooled import keeps_sessions, warn_unheard
 from ._pgprepared import Prepared, arun_prepared
 
 __all__ = ["AsyncListener", "AsyncPrivateConnection", "AsyncState", "aconnect"]

@@ -35,8 +35,9 @@ from psycopg import sql
 from .. import _process
 from .._fdwait import readable
 from .._pgdeadline import REQUEST_TIMEOUT, Deadline, armed
-from .._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_unheard
+from .._pgpooler import BACKEND_PID_SQL
 from ..errors import BackendUnavailable, LeasesImproperlyConfigured
+from ._pgpooled import keeps_sessions, warn_unheard
 from ._pgprepared import Prepared, run_prepared
 
 __all__ = [

@@ -62,13 +62,14 @@ from psycopg import pq, sql
 
 from .._fdwait import writable
 from .._pgdeadline import REQUEST_TIMEOUT, Deadline, aarmed, armed
-from .._pgpooler import BACKEND_PID_SQL, keeps_sessions, warn_pooled
+from .._pgpooler import BACKEND_PID_SQL
 from .._pgreplies import read_replies
 from ..errors import BackendUnavailable
 from ..keys import hashed_key
 from ._pg_shared import GROUP
 from ._pgaio import _aclose_quietly, aconnect
 from ._pgconn import close_quietly, connect, inherit, stale, track
+from ._pgpooled import keeps_sessions, warn_pooled
 from ._pgprepared import Prepared, arun_prepared, run_prepared
 from ._room_slots import RoomSlots, Ticket
 from ._tenure import (
