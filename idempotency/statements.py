@@ -483,11 +483,13 @@ def _run(
                 driver.nextset()
 
 
-def _composed(cursor: CursorWrapper, statement: Statement, before: str) -> tuple[str, int]:
-    """The query that sends ``statement`` after ``before``, and the number of the statement
-    whose rows count."""
+def _composed(
+    cursor: CursorWrapper, statement: Statement, before: str, after: str = ""
+) -> tuple[str, int]:
+    """The query that sends ``statement`` between ``before`` and ``after``, and the number of
+    the statement whose rows count."""
     text = _text(cursor, statement)
-    parts = [part for part in (before, text) if part]
+    parts = [part for part in (before, text, after) if part]
     rows_at = (1 if before else 0) + (1 if text.startswith("PREPARE ") else 0)
     return "; ".join(parts), rows_at
 
@@ -503,19 +505,23 @@ def execute(
     *,
     before: str = "",
     undo_before: str = "",
+    after: str = "",
 ) -> None:
     """Run ``statement``; a session that lost its prepared statements (or has one of ours
     we did not know of) prepares them again, outside a transaction only: inside one the error
     has aborted it, so it propagates. ``before`` (SQL) runs first in the same query when the
-    cursor sends one query (else as a query of its own). The cursor is left on the statement's
-    rows. When the statement has to be sent again, ``undo_before`` runs first
-    (``before`` already ran: a session lock it took would otherwise be taken twice)."""
+    cursor sends one query (else as a query of its own), ``after`` last (else as a query of its
+    own on another cursor, so this one keeps the statement's rows); ``after`` does not run when
+    the statement fails. The cursor is left on the statement's rows. When the statement has to
+    be sent again, ``undo_before`` runs first (``before`` already ran: a session lock it took
+    would otherwise be taken twice)."""
+    alone = ""
     if not one_query(cursor):
         if before:
             cursor.execute(before, params)
-        before = ""
+        before, alone, after = "", after, ""
     try:
-        text, rows_at = _composed(cursor, statement, before)
+        text, rows_at = _composed(cursor, statement, before, after)
         _run(cursor, text, params, rows_at)
     except DatabaseError as exc:
         if _sqlstate(exc) not in (_NOT_PREPARED, _ALREADY_PREPARED):
@@ -527,8 +533,11 @@ def execute(
             cursor.execute(f"DEALLOCATE {statement.name}")
         if before and undo_before:
             cursor.execute(undo_before, params)
-        text, rows_at = _composed(cursor, statement, before)
+        text, rows_at = _composed(cursor, statement, before, after)
         _run(cursor, text, params, rows_at)
+    if alone:
+        with cursor.db.cursor() as other:
+            other.execute(alone, params)
 
 
 def fetch_one(using: str, statement: Statement, params: dict[str, Any]) -> tuple[Any, ...] | None:

@@ -74,13 +74,17 @@ __all__ = [
     "release",
 ]
 
-# Around the claim inside an open transaction: bound the wait on an uncommitted key row, and put
-# the caller's own lock_timeout back (SET LOCAL in a released savepoint lasts until the end of
-# the transaction). A timeout rolls the savepoint back, which undoes the setting by itself.
+# Around the claim inside an open transaction, in the claim's query: bound the wait on an
+# uncommitted key row, and put the caller's own lock_timeout back (SET LOCAL in a released
+# savepoint lasts until the end of the transaction), kept meanwhile on the server so that the
+# three go in one round trip. A timeout rolls the savepoint back, which undoes both settings.
 BOUND_LOCK_WAIT_SQL = (
-    "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %(timeout)s, true)"
+    "SELECT set_config('idempotency.lock_timeout', current_setting('lock_timeout'), true), "
+    "set_config('lock_timeout', %(row_timeout)s, true)"
 )
-RESTORE_LOCK_TIMEOUT_SQL = "SELECT set_config('lock_timeout', %(previous)s, true)"
+RESTORE_LOCK_TIMEOUT_SQL = (
+    "SELECT set_config('lock_timeout', current_setting('idempotency.lock_timeout'), true)"
+)
 LOCK_NOT_AVAILABLE = "55P03"
 _MAX_LOCK_TIMEOUT_MS = 2**31 - 1
 # An autocommit claim waits on another transaction's row at most this long a time (the time it
@@ -225,12 +229,12 @@ def _lock_timeout(wait: float) -> str:
 def _claim_row(params: dict[str, Any], using: str, wait: float) -> Begun | None:
     """BEGIN's answer inside an open transaction, waiting at most ``wait`` seconds on a locked
     row (a ``lock_timeout``, which rolls back the caller's savepoint when it fires)."""
+    bounded = {**params, "async": False, "row_wait": None, "row_timeout": _lock_timeout(wait)}
     with connections[using].cursor() as cursor:
-        cursor.execute(BOUND_LOCK_WAIT_SQL, {"timeout": _lock_timeout(wait)})
-        previous = cursor.fetchone()[0]
-        statements.execute(cursor, BEGIN, {**params, "async": False, "row_wait": None})
+        statements.execute(
+            cursor, BEGIN, bounded, before=BOUND_LOCK_WAIT_SQL, after=RESTORE_LOCK_TIMEOUT_SQL
+        )
         row = cursor.fetchone()
-        cursor.execute(RESTORE_LOCK_TIMEOUT_SQL, {"previous": previous})
     return _begun_from_row(params, using, row)
 
 

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection, transaction
 from django.test import Client, override_settings
@@ -140,6 +142,44 @@ def test_a_bounded_claim_leaves_the_transaction_usable_and_its_lock_timeout_as_i
         assert IdempotencyKey.objects.count() == 0  # the transaction still answers
     holder.release()
     assert IdempotencyKey.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [({}, 4), ({"server_side_binding": True}, 7)],
+    ids=["plain_sql", "server_side_binding"],
+)
+def test_a_row_claim_in_an_open_transaction_takes_four_round_trips_and_keeps_its_lock_timeout(
+    options: dict[str, Any], expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The savepoint, the gated look, the claim with its bounded lock wait and the caller's
+    ``lock_timeout`` put back (one query), the savepoint's release: it was six round trips, the
+    bound and the restore each a query of its own. A connection binding on the server sends
+    one statement a query (seven), the restore on a cursor of its own."""
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    connection.close()
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL lock_timeout = '7s'")
+            with tempfile.TemporaryFile("w+") as trace:
+                pgconn = connection.connection.pgconn
+                pgconn.trace(trace.fileno())
+                pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+                try:
+                    claimed = begin("s", "k-trips", "f", ttl=60, lock_timeout=60)
+                finally:
+                    pgconn.untrace()
+                trace.seek(0)
+                sent = [line.split("\t") for line in trace.read().splitlines()]
+            assert claimed.status is Status.NEW
+            trips = sum(1 for parts in sent if parts[0] == "F" and parts[2] in ("Sync", "Query"))
+            assert trips == expected, [parts[3][:60] for parts in sent if parts[0] == "F"]
+            cursor.execute("SHOW lock_timeout")
+            assert cursor.fetchone() == ("7s",)
+        assert IdempotencyKey.objects.filter(key="k-trips", state="started").count() == 1
+    finally:
+        connection.close()
 
 
 FAILURES = views_idempotency.FAILURES
