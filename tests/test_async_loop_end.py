@@ -6,17 +6,20 @@ psycopg's ``ResourceWarning: AsyncConnection deleted while still open``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
+import time
 import uuid
 import warnings
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+import psycopg
 import pytest
 import redis
 
-from leases import aacquire
+from leases import LeaseUnavailable, aacquire, aacquire_slot
 from leases.backends import get_backend
 from leases.backends._pgconn import LISTEN_SQL, connect
 from tests.test_redlock_token import until
@@ -192,3 +195,53 @@ def test_a_forked_child_ending_the_parents_loop_leaves_its_sessions_open() -> No
         assert os.waitstatus_to_exitcode(status) == 0
         assert before in pg_sessions()
         assert runner.run(session()) == before
+
+
+def test_closing_ends_a_listener_whose_wait_ignores_its_cancellation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``aclose()`` cancels the listener's task and waited for it with no bound: psycopg 3.3.0
+    waits for a cancelled wait's query to end without one (its issue #1371), and an async
+    acquire's ``aclose()`` hung until the test's timeout (one run in four on that release).
+    Here the wait ignores cancellation as that release's did, until its connection is closed
+    under it."""
+    ignoring: list[psycopg.AsyncConnection[Any]] = []
+    gives_up = time.monotonic() + 40  # never forever, or the loop's own end would hang too
+
+    real = psycopg.AsyncConnection.notifies
+
+    async def deaf_to_cancellation(
+        self: psycopg.AsyncConnection[Any], **options: Any
+    ) -> AsyncIterator[psycopg.Notify]:
+        task = asyncio.current_task()
+        if task is None or not task.get_name().startswith("leases-alisten"):
+            async for note in real(self, **options):  # a waiting room's: left alone
+                yield note
+            return
+        ignoring.append(self)
+        while time.monotonic() < gives_up:
+            # What a driver's wait that outlives its cancellation does:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.05)
+            if self.closed:
+                raise psycopg.OperationalError("the connection is closed")
+        yield psycopg.Notify("", "", 0)  # an async generator, as notifies() is; never reached
+
+    monkeypatch.setattr(psycopg.AsyncConnection, "notifies", deaf_to_cancellation)
+    backend = get_backend("default")
+    took: list[float] = []
+
+    async def main() -> None:
+        name = f"listener-{uuid.uuid4().hex[:8]}"
+        held = await aacquire_slot(name, limit=1, ttl=10)
+        with pytest.raises(LeaseUnavailable):  # a slot's wait starts the listener
+            await aacquire_slot(name, limit=1, ttl=10, timeout=0.3, holder="other")
+        await held.arelease()
+        assert ignoring, "the listener never waited"
+        started = time.monotonic()
+        await backend.aclose()
+        took.append(time.monotonic() - started)
+
+    asyncio.run(main())
+    assert ignoring[0].closed
+    assert took[0] < 15, f"aclose() took {took[0]:.1f} s: it waited on the listener unbounded"

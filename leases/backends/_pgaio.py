@@ -34,6 +34,9 @@ __all__ = ["AsyncListener", "AsyncPrivateConnection", "AsyncState", "aconnect"]
 
 logger = logging.getLogger("leases")
 
+#: How long :meth:`AsyncListener.close` waits for its cancelled task to end, twice at most.
+_CLOSE_WAIT = 1.0
+
 
 async def aconnect(db_alias: str, alias: str | None = None) -> psycopg.AsyncConnection[Any]:
     """:func:`~leases.backends._pgconn.connect`, async."""
@@ -135,14 +138,18 @@ class AsyncListener:
         self._released: OrderedDict[str, float] = OrderedDict()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        #: The task's connection, for :meth:`close` to close under a wait that outlives its
+        #: cancellation.
+        self._conn: psycopg.AsyncConnection[Any] | None = None
         #: Whether it found a pooler in the way and will never listen.
         self.deaf = False
 
     async def _run(self) -> None:
-        while True:
+        me = asyncio.current_task()
+        while self._task is me:  # closed: no longer (a cancellation the driver swallowed)
             conn = None
             try:
-                conn = await aconnect(self._db_alias)
+                conn = self._conn = await aconnect(self._db_alias)
                 row = await (await conn.execute(BACKEND_PID_SQL)).fetchone()
                 if row is None or not keeps_sessions(conn, row[0], self._session_pooling):
                     self.deaf = True
@@ -152,6 +159,8 @@ class AsyncListener:
                 async for note in conn.notifies():
                     await self._record(note.payload)
             except (psycopg.Error, BackendUnavailable, OSError) as exc:
+                if self._task is not me:
+                    return  # closed under its wait by close()
                 logger.debug("leases: async LISTEN connection failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
             finally:
@@ -176,11 +185,27 @@ class AsyncListener:
             return False
 
     async def close(self) -> None:
+        """Cancel the task and wait for it to end, a bounded time.
+
+        A driver's wait may outlive its cancellation: psycopg up to 3.3.0 waits for a
+        cancelled wait's query to end with no bound (its issue 1371), and ``aclose()``, which
+        awaited the task, hung with it (and ``asyncio.run`` too, which awaits every task left
+        as the loop ends). So after :data:`_CLOSE_WAIT` its connection is closed under it,
+        which ends any wait on it; a task still running after that is left, logged.
+        """
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is None:
+            return
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=_CLOSE_WAIT)
+        if not done:
+            await _aclose_quietly(self._conn)
+            done, _ = await asyncio.wait({task}, timeout=_CLOSE_WAIT)
+        if not done:
+            logger.warning("leases: the LISTEN task of %r did not end when closed", self._alias)
+            return
+        if not task.cancelled():
+            task.result()  # its own failure, as awaiting it raised it
 
 
 class AsyncState:
