@@ -5,7 +5,8 @@ A floor is the ``>=`` bound of a requirement of the package (its dependencies an
 and of the ``observability`` group, which holds the extras' libraries for the tests (and the
 OpenTelemetry SDK, pinned to the API's floor: the SDK of a release needs that very API). A
 requirement without a ``>=`` bound gets no pin. Nothing but the standard library and
-``packaging`` (which pip carries), so it runs before any virtualenv has the project.
+``packaging`` (in the project's ``.venv``, which pytest needs), so it runs before the floors'
+virtualenv exists.
 """
 
 from __future__ import annotations
