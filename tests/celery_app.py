@@ -14,7 +14,9 @@ can check the history after the workers are gone.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,12 @@ from leases.lease import Lease  # noqa: E402
 
 app = Celery("tests")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.conf.update(broker_url=os.environ.get("LEASES_TEST_BROKER_URL") or settings.CELERY_BROKER_URL)
+# The prefixed name: Celery up to 5.6 reads a namespaced setting before a plain one, so a plain
+# ``broker_url`` set here lost to the Django setting and every worker of a test with a broker of
+# its own (RabbitMQ, a Redis it restarts) consumed the session Redis instead.
+app.conf.update(
+    CELERY_BROKER_URL=os.environ.get("LEASES_TEST_BROKER_URL") or settings.CELERY_BROKER_URL
+)
 if os.environ.get("LEASES_TEST_VISIBILITY_TIMEOUT"):
     app.conf.broker_transport_options = {
         "visibility_timeout": float(os.environ["LEASES_TEST_VISIBILITY_TIMEOUT"]),
@@ -59,7 +66,16 @@ _HOLDER = f"{socket.gethostname()}:{os.getpid()}"
 @signals.worker_ready.connect
 @signals.beat_init.connect
 def _announce_ready(**_: Any) -> None:
-    """Tell the test this worker consumes, or this beat schedules (``LEASES_TEST_READY_FILE``)."""
+    """Tell the test this worker consumes, or this beat schedules (``LEASES_TEST_READY_FILE``).
+
+    A process on another broker than its test's stops instead: it would wait for messages that
+    never reach it, and the test would time out on results far from the cause."""
+    wanted = os.environ.get("LEASES_TEST_BROKER_URL")
+    if wanted and app.conf.broker_url != wanted:
+        print(f"on broker {app.conf.broker_url}, not the test's {wanted}: stopping",
+              file=sys.stderr, flush=True)  # fmt: skip
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     path = os.environ.get("LEASES_TEST_READY_FILE")
     if path:
         Path(path).write_text(str(os.getpid()))
