@@ -72,6 +72,8 @@ def test_past_a_cache_pools_limit_acquires_and_releases_fail_as_the_check_warns(
     the release that would have woken them, get no connection, and the name stays held. (The
     backend first gives back the connections it keeps between round trips, as if they were
     busy with round trips of other threads.)"""
+    if redis.ConnectionPool().max_connections > 10_000:
+        pytest.skip("before redis-py 8 a pool told no limit has none: nothing to run past")
     caches = {
         **settings.CACHES,
         "small": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_server.url},

@@ -40,7 +40,7 @@ from typing import Any
 from redis.exceptions import NoScriptError, RedisError
 
 from .._fdwait import readable
-from ._redis_io import CLOSED_UNDER, closed_under
+from ._redis_io import CLOSED_UNDER, closed_under, read_within
 
 __all__ = [
     "Connections",
@@ -231,7 +231,7 @@ def load_and_rerun(
     def read() -> Any:
         if deadline is None:
             return connection.read_response()
-        return connection.read_response(timeout=max(0.001, deadline - time.monotonic()))
+        return read_within(connection, max(0.001, deadline - time.monotonic()))
 
     connection.send_command("SCRIPT", "LOAD", script.text, check_health=False)
     read()

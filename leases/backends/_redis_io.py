@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "prefix_problems",
     "read_name_back",
     "read_timeout",
+    "read_within",
     "receive",
     "send",
     "send_labelled",
@@ -72,12 +74,23 @@ def text(value: bytes | str) -> str:
 
 
 #: The most connections a client of ours opens to one server (a Redlock URL node's, and the
-#: async clients): redis-py's pools refuse more than 100 by default since 6.0 (redis.asyncio's
+#: async clients): redis-py's pools refuse more than 100 by default since 8.0 (redis.asyncio's
 #: too), and a contended process needs more (each contender's try and wait, and the replies a
 #: drain has yet to read). A refused connection costs a try its node's vote, and a release or
 #: give-back never sent holds the name for a whole TTL. (A django-redis cache alias's sync
 #: client keeps its own pool and limit.)
 POOL = 10_000
+
+#: What tells a new connection to send no ``CLIENT SETINFO``: redis-py 7.2 names it
+#: ``driver_info``, the releases before it ``lib_name`` and ``lib_version``.
+_NO_SETINFO: dict[str, None] = (
+    {"driver_info": None}
+    if "driver_info" in inspect.signature(redis.connection.AbstractConnection.__init__).parameters
+    else {"lib_name": None, "lib_version": None}
+)
+#: Whether redis-py bounds one read by a deadline of its own (``read_response(timeout=...)``,
+#: redis-py 8): before it, only the socket's timeout bounds a read.
+_READ_TAKES_TIMEOUT = "timeout" in inspect.signature(redis.Connection.read_response).parameters
 
 #: The latest expiry shown: any key can exist (``PX`` of 1e15 ms is year 33715), and reading it
 #: must not raise ``OverflowError`` where ``datetime`` ends.
@@ -122,7 +135,8 @@ def pool_problems(alias: str, option: str, cache: str) -> list[str]:
     """Why the pool of django-redis alias ``cache`` is too small for lease traffic, if it is.
 
     Every sync try, renewal and release takes a connection from that pool, and every waiting
-    acquire keeps one for its ``BLPOP``. Past its limit (redis-py's default is 100) redis-py
+    acquire keeps one for its ``BLPOP``. Past its limit (redis-py's default is 100 since 8.0,
+    none before) redis-py
     refuses a connection (``MaxConnectionsError``): a wait sleeps instead of being woken,
     and a try or release fails with :class:`~leases.errors.BackendUnavailable` (a name whose
     release failed stays held until its TTL ends). The clients made from a URL have room for
@@ -213,7 +227,7 @@ def connect(
     ``handshake`` a new connection sends nothing before its first command (no ``CLIENT
     SETINFO``), so connecting to a hung server cannot block: the first read is bounded by the
     caller's deadline instead (Redlock talks to all its nodes at once). ``max_connections``
-    replaces the URL client's pool limit (redis-py's default is 100 since 6.0).
+    replaces the URL client's pool limit (redis-py's default is 100 since 8.0).
     """
     if (cache is None) == (url is None):
         raise LeasesImproperlyConfigured(
@@ -232,7 +246,7 @@ def connect(
         # No retries: its command path would resend a script whose reply was lost.
         with Edge(alias, "connect"):
             return RedisCluster.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts)
-    quiet: dict[str, Any] = {} if handshake else {"driver_info": None, "protocol": 2}
+    quiet: dict[str, Any] = {} if handshake else {**_NO_SETINFO, "protocol": 2}
     if max_connections is not None:
         quiet["max_connections"] = max_connections
     return redis.Redis.from_url(str(url), retry=Retry(NoBackoff(), 0), **timeouts, **quiet)
@@ -281,6 +295,28 @@ def aconnect(
     return redis.asyncio.Redis.from_url(
         str(url), retry=AsyncRetry(NoBackoff(), 0), max_connections=POOL, **timeouts
     )
+
+
+def read_within(connection: Any, timeout: float) -> Any:
+    """The reply to what was sent on ``connection``, each wait for its bytes bounded by
+    ``timeout`` seconds instead of the connection's socket timeout: a Redlock node's round trip
+    by the node timeout, a ``BLPOP`` by the caller's deadline.
+
+    redis-py 8 takes the bound as an argument. Before it, the socket's own timeout is set for the
+    read and put back after, which bounds the same waits: redis-py's readers wait on the socket
+    with whatever timeout it has. A read that runs out raises ``redis.TimeoutError`` and drops
+    the connection either way, so no late reply is left for its next user."""
+    if _READ_TAKES_TIMEOUT:
+        return connection.read_response(timeout=timeout)
+    sock = connection._sock
+    if sock is None:  # not connected: redis-py's own error
+        return connection.read_response()
+    sock.settimeout(timeout)
+    try:
+        return connection.read_response()
+    finally:
+        if connection._sock is sock:  # still connected: its own timeout again
+            sock.settimeout(connection.socket_timeout)
 
 
 def read_timeout(cache: object, socket_timeout: float) -> float:
@@ -393,7 +429,7 @@ def name_back_due(connection: Any) -> bool:
 def read_name_back(connection: Any, timeout: float | None) -> None:
     """Read the reply of the name given back (sent right behind the command: due at once)."""
     with contextlib.suppress(redis.ResponseError):  # an ACL refused both names
-        connection.read_response(timeout=timeout or connection.socket_timeout)
+        read_within(connection, timeout or connection.socket_timeout)
 
 
 def receive(
@@ -411,7 +447,7 @@ def receive(
         if timeout is None:
             response = connection.read_response()
         else:
-            response = connection.read_response(timeout=timeout)
+            response = read_within(connection, timeout)
         if name_back:
             read_name_back(connection, timeout)
     except BaseException as exc:

@@ -32,6 +32,7 @@ from ._redis_io import (
     name_back_due,
     parsed,
     read_name_back,
+    read_within,
     send_labelled,
 )
 
@@ -121,7 +122,7 @@ class Node:
     def _reply(self, connection: Any, command: tuple[object, ...], deadline: float) -> Any:
         """The raw reply, its script loaded and run again where the server lacked it."""
         try:
-            return connection.read_response(timeout=max(0.001, deadline - time.monotonic()))
+            return read_within(connection, max(0.001, deadline - time.monotonic()))
         except NoScriptError:
             script = self.scripts.get(str(command[1])) if command[0] == "EVALSHA" else None
             if script is None:
