@@ -150,7 +150,7 @@ def test_a_bounded_claim_leaves_the_transaction_usable_and_its_lock_timeout_as_i
     [({}, 4), ({"server_side_binding": True}, 7)],
     ids=["plain_sql", "server_side_binding"],
 )
-def test_a_row_claim_in_an_open_transaction_takes_four_round_trips_and_keeps_its_lock_timeout(
+def test_a_row_claim_in_an_open_transaction_counts_its_round_trips_and_keeps_its_lock_timeout(
     options: dict[str, Any], expected: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The savepoint, the gated look, the claim with its bounded lock wait and the caller's

@@ -165,6 +165,8 @@ class AsyncListener:
                 await asyncio.sleep(0.5)
             finally:
                 await _aclose_quietly(conn)
+                if self._conn is conn:  # no closed connection kept for close() to close again
+                    self._conn = None
 
     async def _record(self, name: str) -> None:
         async with self._changed:
