@@ -176,7 +176,7 @@ def test_the_grant_secret_never_shows(
     try:
         with (
             caplog.at_level("DEBUG"),
-            lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as held,
+            lease(lease_name, ttl=30, backend=lease_backend, keepalive=False) as held,
         ):
             secret = held.grant.secret
             held.renew()
@@ -189,7 +189,7 @@ def test_the_grant_secret_never_shows(
     assert len(secret) == 32 and int(secret, 16) >= 0
     assert len(shown) == 7 and caplog.text is not None
     assert not [text for text in [*shown, caplog.text] if secret in text]
-    with lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as again:
+    with lease(lease_name, ttl=30, backend=lease_backend, keepalive=False) as again:
         assert again.grant.secret != secret
 
 
@@ -532,7 +532,7 @@ def test_a_name_of_the_longest_length_is_held_waited_for_and_handed_on(
 def test_renewal_beyond_the_max_ttl_is_refused_before_any_round_trip(
     lease_backend: str, lease_name: str
 ) -> None:
-    with lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as held:
+    with lease(lease_name, ttl=30, backend=lease_backend, keepalive=False) as held:
         before = held.grant
         with pytest.raises(InvalidLeaseOption, match="MAX_TTL"):
             held.renew(ttl=1e12)
@@ -618,7 +618,7 @@ def test_signals_report_the_lifecycle(lease_backend: str, lease_name: str) -> No
         handlers[label] = handler
         signal.connect(handler)
     try:
-        with lease(lease_name, ttl=1, backend=lease_backend, keepalive=False) as held:
+        with lease(lease_name, ttl=30, backend=lease_backend, keepalive=False) as held:
             held.renew()
     finally:
         for label, signal in receivers.items():
