@@ -136,13 +136,13 @@ def pool_problems(alias: str, option: str, cache: str) -> list[str]:
 
     Every sync try, renewal and release takes a connection from that pool, and every waiting
     acquire keeps one for its ``BLPOP``. Past its limit (redis-py's default is 100 since 8.0,
-    none before) redis-py
-    refuses a connection (``MaxConnectionsError``): a wait sleeps instead of being woken,
-    and a try or release fails with :class:`~leases.errors.BackendUnavailable` (a name whose
-    release failed stays held until its TTL ends). The clients made from a URL have room for
-    :data:`POOL`, so a smaller cache pool is reported. The limit is read from the pool
-    django-redis makes for the alias (also what later lease traffic uses), which connects to
-    nothing; a cache whose client cannot be made is left to its first use to report.
+    none before) redis-py refuses a connection (``MaxConnectionsError``): a wait sleeps
+    instead of being woken, and a try or release fails with
+    :class:`~leases.errors.BackendUnavailable` (a name whose release failed stays held until
+    its TTL ends). The clients made from a URL have room for :data:`POOL`, so a smaller cache
+    pool is reported. The limit is read from the pool django-redis makes for the alias (also
+    what later lease traffic uses), which connects to nothing; a cache whose client cannot be
+    made is left to its first use to report.
     """
     try:
         pool = connect(alias, cache, None, 1.0).connection_pool  # the timeout is the cache's
@@ -297,10 +297,11 @@ def aconnect(
     )
 
 
-def read_within(connection: Any, timeout: float) -> Any:
+def read_within(connection: Any, timeout: float | None) -> Any:
     """The reply to what was sent on ``connection``, each wait for its bytes bounded by
     ``timeout`` seconds instead of the connection's socket timeout: a Redlock node's round trip
-    by the node timeout, a ``BLPOP`` by the caller's deadline.
+    by the node timeout, a ``BLPOP`` by the caller's deadline (``None``: no bound, as a socket
+    timeout of ``None``).
 
     redis-py 8 takes the bound as an argument. Before it, the socket's own timeout is set for the
     read and put back after, which bounds the same waits: redis-py's readers wait on the socket
