@@ -229,9 +229,8 @@ def load_and_rerun(
     the socket's timeout."""
 
     def read() -> Any:
-        if deadline is None:
-            return connection.read_response()
-        return read_within(connection, max(0.001, deadline - time.monotonic()))
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        return read_within(connection, left)
 
     connection.send_command("SCRIPT", "LOAD", script.text, check_health=False)
     read()

@@ -300,13 +300,15 @@ def aconnect(
 def read_within(connection: Any, timeout: float | None) -> Any:
     """The reply to what was sent on ``connection``, each wait for its bytes bounded by
     ``timeout`` seconds instead of the connection's socket timeout: a Redlock node's round trip
-    by the node timeout, a ``BLPOP`` by the caller's deadline (``None``: no bound, as a socket
-    timeout of ``None``).
+    by the node timeout, a ``BLPOP`` by the caller's deadline (``None``: the socket timeout
+    bounds it, as any read of redis-py's).
 
     redis-py 8 takes the bound as an argument. Before it, the socket's own timeout is set for the
     read and put back after, which bounds the same waits: redis-py's readers wait on the socket
     with whatever timeout it has. A read that runs out raises ``redis.TimeoutError`` and drops
     the connection either way, so no late reply is left for its next user."""
+    if timeout is None:
+        return connection.read_response()
     if _READ_TAKES_TIMEOUT:
         return connection.read_response(timeout=timeout)
     sock = connection._sock
@@ -445,10 +447,7 @@ def receive(
     """
     name_back = name_back_due(connection)
     try:
-        if timeout is None:
-            response = connection.read_response()
-        else:
-            response = read_within(connection, timeout)
+        response = read_within(connection, timeout)
         if name_back:
             read_name_back(connection, timeout)
     except BaseException as exc:
