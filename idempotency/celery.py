@@ -152,7 +152,12 @@ class IdempotentTask(CheckedTask):
             countdown,
         )
         retry_on_own_budget(
-            self, IN_FLIGHT_RETRIES_HEADER, self.in_flight_max_retries, countdown=countdown, exc=exc
+            self,
+            IN_FLIGHT_RETRIES_HEADER,
+            spent,
+            self.in_flight_max_retries,
+            countdown=countdown,
+            exc=exc,
         )
 
     # -- machinery ---------------------------------------------------------------------------

@@ -119,7 +119,13 @@ def retries_spent(task: Task[..., Any], counter: str) -> int:
 
 
 def retry_on_own_budget(
-    task: Task[..., Any], counter: str, max_retries: int, *, countdown: float, exc: Exception
+    task: Task[..., Any],
+    counter: str,
+    spent: int,
+    max_retries: int,
+    *,
+    countdown: float,
+    exc: Exception,
 ) -> NoReturn:
     """Retry the run in ``countdown`` seconds for a busy lease or key, on a budget of its own.
 
@@ -129,13 +135,14 @@ def retry_on_own_budget(
     seeing ``retries == 2`` and got one retry of its own instead of three. These retries are
     counted in the message header ``counter`` instead, and the new message keeps
     ``request.retries`` as it was; after ``max_retries`` of them ``exc`` is raised, as Celery
-    raises it past its budget. Otherwise this is Celery's ``retry()``: the same message again
-    (same task id, arguments and options), :class:`~celery.exceptions.Retry` raised for the
-    worker, a message that cannot be sent rejected. Under ``apply()`` (eager), Celery itself
+    raises it past its budget. ``spent`` is the count the run has behind it
+    (:func:`retries_spent`, which the caller has read for its backoff). Otherwise this is
+    Celery's ``retry()``: the same message again (same task id, arguments and options),
+    :class:`~celery.exceptions.Retry` raised for the worker, a message that cannot be sent
+    rejected. Under ``apply()`` (eager), Celery itself
     counts the retry in ``request.retries`` of the next run, as it does every eager retry.
     """
     request = task.request
-    spent = retries_spent(task, counter)
     if request.called_directly or spent >= max_retries:
         raise exc
     again = task.signature_from_request(request, countdown=countdown)

@@ -134,7 +134,7 @@ class LockedTask(CheckedTask):
         countdown = backoff(spent, self.busy_backoff, self.busy_backoff_max)
         logger.debug("task %s[%s]: %s; retry in %.2fs", self.name, self.request.id, exc, countdown)
         retry_on_own_budget(
-            self, BUSY_RETRIES_HEADER, self.busy_max_retries, countdown=countdown, exc=exc
+            self, BUSY_RETRIES_HEADER, spent, self.busy_max_retries, countdown=countdown, exc=exc
         )
 
     def lease_lost(self, lease: Lease) -> None:
