@@ -191,7 +191,7 @@ def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> Be
     once). The locks are kept with a claim, until the transaction ends; otherwise they are
     given back with the savepoint, so a replay or a refusal holds nothing.
     """
-    _with_transaction_gates(params)
+    params = _with_transaction_gates(params)
     try:
         with transaction.atomic(using=using):
             probed = _claim_gated(params, using)
@@ -207,13 +207,16 @@ def _claim_in_transaction(params: dict[str, Any], using: str, wait: float) -> Be
     return _probed(params, probed)
 
 
-def _with_transaction_gates(params: dict[str, Any]) -> None:
-    """The gated claim's lock keys in ``params``, as transaction locks (GATE_XACT_SQL)."""
-    params.setdefault("gate", gate_key(params["scope"], params["key"]))
-    params.setdefault(
-        "request_gate", gate_key(params["scope"], params["key"], params["fingerprint"])
-    )
-    params["session"] = False
+def _with_transaction_gates(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with the gated claim's lock keys, as transaction locks (GATE_XACT_SQL): a
+    copy, so the caller's next try of the claim starts from its own params again."""
+    scope, key = params["scope"], params["key"]
+    return {
+        **params,
+        "gate": params.get("gate") or gate_key(scope, key),
+        "request_gate": params.get("request_gate") or gate_key(scope, key, params["fingerprint"]),
+        "session": False,
+    }
 
 
 def _lock_wait_ended(exc: OperationalError) -> bool:
@@ -360,7 +363,7 @@ def _held_elsewhere(params: dict[str, Any], using: str) -> Begun | None:
     request's attempt (in progress, 409) or another request's (a mismatch, 422), as the other
     claims answer. A key free of both locks was held by a claim without them, committing at
     once, or is free again: None, the claim runs again."""
-    _with_transaction_gates(params)
+    params = _with_transaction_gates(params)
     probed = _claim_gated(params, using)
     return None if probed[0] == "claimed" else _probed(params, probed)
 
