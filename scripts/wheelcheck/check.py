@@ -200,7 +200,18 @@ def load_admin_pages(python: Path, database_url: str, workdir: Path) -> None:
     run([str(python), str(HERE / "admin_pages.py")], quiet=False, cwd=workdir, env=env)
 
 
+def list_more_djangos() -> int:
+    """``--more-djangos``: each further claimed series and the Python to run it with, one
+    ``series python`` line each (``-`` for none on this machine), for ``scripts/check-django``
+    (so that the series, and how a Python is found for one, are written here only)."""
+    for series, version in MORE_DJANGOS:
+        print(series, python_at_least(version) or "-")
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--more-djangos"]:
+        return list_more_djangos()
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="leases-wheelcheck-"))
     try:
