@@ -68,21 +68,38 @@ def url_with_database(url: str, name: str) -> str:
     return urlunsplit(parts._replace(path=f"/{name}"))
 
 
+def close_connections_of_the_async_orm_thread() -> None:
+    """Close the Django connections of asgiref's shared executor thread.
+
+    ``sync_to_async`` called outside any ``async_to_sync`` (``asyncio.run(doc.adelete())`` in
+    a sync test) runs the ORM on one thread for the whole process, whose connections nothing
+    else closes: left open, one kept the test database from being dropped at the end."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    asyncio.run(sync_to_async(connections.close_all)())
+
+
 @pytest.fixture(scope="session")
 def _lease_backends_closed(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
-    """Close every lease backend (their private connections) before the test databases go."""
+    """Close every lease backend (their private connections), and the async ORM's thread's
+    connection, before the test databases go."""
     yield
     from leases.backends import reset
 
     with django_db_blocker.unblock():
         reset()
+        close_connections_of_the_async_orm_thread()
 
 
 @pytest.fixture(autouse=True)
 def _close_lease_backends_at_the_end(request: pytest.FixtureRequest) -> None:
     """Backends keep database connections of their own (counters, LISTEN); dropping the test
     database fails while they are open, so tests that use the database schedule the close."""
-    if "django_db_setup" in request.fixturenames:
+    uses_db = "django_db_setup" in request.fixturenames
+    if uses_db or request.node.get_closest_marker("django_db") is not None:
         request.getfixturevalue("_lease_backends_closed")
 
 

@@ -183,3 +183,35 @@ def test_an_etcd_member_that_cannot_bind_gets_the_cluster_started_again(
         finally:
             cluster.destroy()
     assert "address already in use" in capfd.readouterr().err
+
+
+def _other_sessions() -> list[int]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        )
+        return [pid for (pid,) in cursor.fetchall()]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_connection_an_async_orm_call_left_open_is_closed_before_the_test_database_goes() -> (
+    None
+):
+    """``asyncio.run(instance.adelete())`` from a sync test runs the ORM on asgiref's one
+    shared executor thread, whose connection nothing closed: dropping the test database at the
+    end then failed ("being accessed by other users") and left it on the server."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+    from django.contrib.auth.models import Permission
+
+    from tests.harness import close_connections_of_the_async_orm_thread
+
+    before = set(_other_sessions())
+    asyncio.run(sync_to_async(Permission.objects.exists)())
+    assert set(_other_sessions()) - before  # that thread's connection is open
+    close_connections_of_the_async_orm_thread()
+    wait_until(lambda: not set(_other_sessions()) - before, 10, "its session to end")
