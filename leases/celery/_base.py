@@ -139,8 +139,8 @@ def retry_on_own_budget(
     (:func:`retries_spent`, which the caller has read for its backoff). Otherwise this is
     Celery's ``retry()``: the same message again (same task id, arguments and options),
     :class:`~celery.exceptions.Retry` raised for the worker, a message that cannot be sent
-    rejected. Under ``apply()`` (eager), Celery itself
-    counts the retry in ``request.retries`` of the next run, as it does every eager retry.
+    rejected. Under ``apply()`` (eager), Celery itself counts the retry in
+    ``request.retries`` of the next run, as it does every eager retry.
     """
     request = task.request
     if request.called_directly or spent >= max_retries:
