@@ -185,17 +185,6 @@ def test_an_etcd_member_that_cannot_bind_gets_the_cluster_started_again(
     assert "address already in use" in capfd.readouterr().err
 
 
-def _other_sessions() -> list[int]:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-            "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
-        )
-        return [pid for (pid,) in cursor.fetchall()]
-
-
 @pytest.mark.django_db(transaction=True)
 def test_the_connection_an_async_orm_call_left_open_is_closed_before_the_test_database_goes() -> (
     None
@@ -209,9 +198,10 @@ def test_the_connection_an_async_orm_call_left_open_is_closed_before_the_test_da
     from django.contrib.auth.models import Permission
 
     from tests.harness import close_connections_of_the_async_orm_thread
+    from tests.test_async_loop_end import pg_sessions
 
-    before = set(_other_sessions())
+    before = pg_sessions()
     asyncio.run(sync_to_async(Permission.objects.exists)())
-    assert set(_other_sessions()) - before  # that thread's connection is open
+    assert pg_sessions() - before  # that thread's connection is open
     close_connections_of_the_async_orm_thread()
-    wait_until(lambda: not set(_other_sessions()) - before, 10, "its session to end")
+    wait_until(lambda: not pg_sessions() - before, 10, "its session to end")
