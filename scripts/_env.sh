@@ -27,3 +27,23 @@ if [ ! -f "$stamp" ]; then
 fi
 ) || return 1
 export PATH="$PWD/.venv/bin:$PATH"
+
+# side_venv VENV PYTHON PIP_ARGS...: a virtualenv beside .venv for the checks on other versions
+# (scripts/check-floors, scripts/check-django), made with PYTHON and holding the package
+# (editable) with every extra, the test group and PIP_ARGS (the pins); made again only when
+# PYTHON, the pins or pyproject.toml changed.
+side_venv() {
+  local venv="$1" base="$2"
+  shift 2
+  local stamp
+  stamp="$venv/.installed-$(printf '%s\n' "$base" "$@" "$(sha1sum pyproject.toml)" | sha1sum | cut -c1-12)"
+  [ -f "$stamp" ] && return 0
+  echo "installing the package with $* into $venv ($base)"
+  rm -rf "$venv"
+  "$base" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --upgrade "pip>=25.1" >/dev/null
+  "$venv/bin/python" -m pip install --quiet \
+    -e ".[binary,redis,celery,drf,prometheus,opentelemetry,health,zookeeper,etcd]" \
+    --group test "$@"
+  touch "$stamp"
+}
